@@ -1,0 +1,60 @@
+// rondo: the command line. Subcommands over the engine; errors print as one readable message
+// and a non-zero exit code, never a stack trace.
+#include <CLI/CLI.hpp>
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+
+#include <cstdio>
+#include <exception>
+#include <string>
+
+#include "cli/devices_command.h"
+#include "kernels/error.h"
+#include "models/tensor_view.h"
+
+#ifndef RONDO_VERSION
+#define RONDO_VERSION "0.0.0"
+#endif
+
+int main(int argc, char** argv) {
+  CLI::App app{
+      "Rondo fine-tunes large language models on the GPUs you own, keeping training state in "
+      "host memory and streaming it through the GPUs.",
+      "rondo"};
+  app.require_subcommand(0, 1);
+  bool version = false;
+  app.add_flag("--version", version, "Print the version and what this build supports");
+
+  rondo::cli::DevicesOptions devices;
+  CLI::App* devices_cmd = app.add_subcommand(
+      "devices", "List the devices a run would use (CUDA GPUs, or what is used instead)");
+  rondo::cli::add_devices_options(*devices_cmd, devices);
+
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e);
+  }
+
+  try {
+    if (version) {
+#ifdef RONDO_WITH_CUDA
+      const char* cuda = "CUDA support compiled in";
+#else
+      const char* cuda = "no CUDA support";
+#endif
+      fmt::print("rondo {} (libtorch {}, {})\n", RONDO_VERSION, rondo::models::torch_version(),
+                 cuda);
+      return 0;
+    }
+    if (devices_cmd->parsed()) return rondo::cli::run_devices(devices);
+    std::fputs(app.help().c_str(), stdout);
+    return 0;
+  } catch (const rondo::Error& e) {
+    std::fprintf(stderr, "rondo: error: %s\n", e.what());
+    return 1;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "rondo: internal error: %s\n", e.what());
+    return 2;
+  }
+}

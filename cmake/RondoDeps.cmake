@@ -1,0 +1,13 @@
+# Libraries from Debian's packages (scripts/setup.sh installs them).
+find_package(Threads REQUIRED)
+find_package(PkgConfig REQUIRED)
+pkg_check_modules(HWLOC REQUIRED IMPORTED_TARGET hwloc)
+pkg_check_modules(URING REQUIRED IMPORTED_TARGET liburing)
+find_package(TBB REQUIRED)
+find_package(nlohmann_json REQUIRED)
+if(RONDO_WITH_TORCH)
+  find_package(CLI11 REQUIRED)
+endif()
+if(RONDO_BUILD_TESTS)
+  find_package(GTest REQUIRED)
+endif()

@@ -1,0 +1,101 @@
+#include "engine/devices.h"
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <thread>
+
+#include "kernels/cpu/sim_device.h"
+#include "kernels/cuda/cuda_device.h"
+
+namespace rondo::engine {
+
+const char* to_string(DeviceMode mode) {
+  switch (mode) {
+    case DeviceMode::kCuda:
+      return "cuda";
+    case DeviceMode::kSim:
+      return "sim";
+    case DeviceMode::kCpu:
+      return "cpu";
+  }
+  return "?";
+}
+
+std::vector<std::string> DeviceSelection::validate() const {
+  std::vector<std::string> problems;
+  if (sim_devices < 0 || sim_devices > 64)
+    problems.push_back("sim_devices must be between 0 and 64 (got " +
+                       std::to_string(sim_devices) + ")");
+  if (sim_devices > 0 && sim_bytes == 0) problems.push_back("sim_bytes must be above 0");
+  if (sim_link.bytes_per_s < 0) problems.push_back("sim link bandwidth must not be negative");
+  if (sim_link.latency_s < 0) problems.push_back("sim link latency must not be negative");
+  if (memory_cap != 0 && memory_cap < (256ull << 20))
+    problems.push_back("memory_cap of " + format_bytes(memory_cap) +
+                       " is too small to hold a stage; use at least 256MiB, or 0 for the whole "
+                       "device");
+  return problems;
+}
+
+DevicePlan plan_devices(const DeviceSelection& selection) {
+  auto problems = selection.validate();
+  if (!problems.empty()) {
+    std::string text = "invalid device selection:";
+    for (auto& p : problems) text += "\n  - " + p;
+    throw Error(text);
+  }
+  DevicePlan plan;
+  plan.cpu_cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  plan.host_bytes = static_cast<std::uint64_t>(sysconf(_SC_PHYS_PAGES)) *
+                    static_cast<std::uint64_t>(sysconf(_SC_PAGESIZE));
+  kernels::CudaProbe probe = kernels::probe_cuda();
+  plan.cuda_compiled = probe.compiled;
+  plan.cuda_driver_version = probe.driver_version;
+  plan.cuda_runtime_version = probe.runtime_version;
+  if (!probe.error.empty() || probe.devices.empty()) plan.why_no_gpu = probe.error;
+
+  if (selection.sim_devices > 0) {
+    plan.mode = DeviceMode::kSim;
+    for (int i = 0; i < selection.sim_devices; ++i) {
+      kernels::DeviceInfo d;
+      d.kind = kernels::DeviceKind::kSim;
+      d.index = i;
+      d.name = "sim" + std::to_string(i);
+      d.bytes_total = selection.sim_bytes;
+      d.bytes_cap = selection.memory_cap ? std::min(selection.memory_cap, selection.sim_bytes)
+                                         : selection.sim_bytes;
+      d.link = selection.sim_link;
+      plan.devices.push_back(d);
+    }
+    if (plan.why_no_gpu.empty()) plan.why_no_gpu = "simulated devices were requested";
+  } else if (!probe.devices.empty()) {
+    plan.mode = DeviceMode::kCuda;
+    for (kernels::DeviceInfo d : probe.devices) {
+      if (selection.memory_cap) d.bytes_cap = std::min(selection.memory_cap, d.bytes_total);
+      plan.devices.push_back(d);
+    }
+  } else {
+    plan.mode = DeviceMode::kCpu;
+    kernels::DeviceInfo d;
+    d.kind = kernels::DeviceKind::kSim;
+    d.name = "cpu";
+    d.bytes_total = plan.host_bytes;
+    d.bytes_cap = plan.host_bytes;
+    plan.devices.push_back(d);  // no link: "device" memory is host memory
+  }
+  return plan;
+}
+
+std::vector<std::unique_ptr<kernels::Device>> open_devices(const DevicePlan& plan) {
+  std::vector<std::unique_ptr<kernels::Device>> devices;
+  for (const kernels::DeviceInfo& d : plan.devices) {
+    if (plan.mode == DeviceMode::kCuda)
+      devices.push_back(kernels::open_cuda_device({.index = d.index, .bytes_cap = d.bytes_cap}));
+    else
+      devices.push_back(kernels::make_sim_device(
+          {.name = d.name, .index = d.index, .bytes_cap = d.bytes_cap, .link = d.link}));
+  }
+  return devices;
+}
+
+}  // namespace rondo::engine

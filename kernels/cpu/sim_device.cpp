@@ -1,0 +1,387 @@
+#include "kernels/cpu/sim_device.h"
+
+#include <algorithm>
+#include <chrono>
+#include <condition_variable>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <deque>
+#include <exception>
+#include <mutex>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "kernels/memory_ledger.h"
+
+namespace rondo::kernels {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+constexpr std::size_t kAlignment = 256;  // like cudaMalloc, so SIMD and casts see aligned rows
+
+// One completion point. An Event points at the marker of its latest record(); waits capture the
+// marker current when they are issued, so a later re-record does not change what they wait for.
+struct Marker {
+  std::mutex mutex;
+  std::condition_variable cv;
+  bool done = false;
+
+  void complete() {
+    {
+      std::lock_guard lock(mutex);
+      done = true;
+    }
+    cv.notify_all();
+  }
+  void wait() {
+    std::unique_lock lock(mutex);
+    cv.wait(lock, [&] { return done; });
+  }
+  bool query() {
+    std::lock_guard lock(mutex);
+    return done;
+  }
+};
+
+class SimEvent final : public Event {
+ public:
+  bool query() override {
+    auto marker = latest();
+    return !marker || marker->query();
+  }
+  void synchronize() override {
+    if (auto marker = latest()) marker->wait();
+  }
+  std::shared_ptr<Marker> latest() {
+    std::lock_guard lock(mutex_);
+    return latest_;
+  }
+  void set_latest(std::shared_ptr<Marker> marker) {
+    std::lock_guard lock(mutex_);
+    latest_ = std::move(marker);
+  }
+
+ private:
+  std::mutex mutex_;
+  std::shared_ptr<Marker> latest_;
+};
+
+// One direction of a link. Copies in the same direction share its bandwidth: each reserves the
+// next free interval of bytes / bandwidth.
+struct Channel {
+  std::mutex mutex;
+  Clock::time_point busy_until{};
+};
+
+class SimDevice;
+
+class SimStream final : public Stream {
+ public:
+  SimStream(SimDevice& device, std::string name);
+  ~SimStream() override;
+
+  Device& device() override;
+  const std::string& name() const override { return name_; }
+  void upload(void* dst, const void* src, std::size_t bytes) override;
+  void download(void* dst, const void* src, std::size_t bytes) override;
+  void copy_to_peer(void* dst, Device& dst_device, const void* src, std::size_t bytes) override;
+  void fill(void* dst, std::uint8_t value, std::size_t bytes) override;
+  void enqueue(std::function<void()> work) override { push(std::move(work), false); }
+  void record(Event& event) override;
+  void wait(Event& event) override;
+  void synchronize() override;
+  bool query() override;
+  void* native_handle() override { return nullptr; }
+
+  // Control tasks (event records and waits, frees) run even after a task failed, so that other
+  // streams waiting on this one are not left hanging; work tasks are skipped then, like CUDA's
+  // sticky errors.
+  void push(std::function<void()> task, bool control);
+
+ private:
+  struct Task {
+    std::function<void()> fn;
+    bool control;
+  };
+  void serve();
+
+  SimDevice& device_;
+  std::string name_;
+  std::mutex mutex_;
+  std::condition_variable cv_;
+  std::deque<Task> queue_;
+  std::size_t pending_ = 0;  // queued or running
+  bool stopping_ = false;
+  std::exception_ptr error_;  // first failure, rethrown by synchronize()
+  std::thread thread_;
+};
+
+class SimDevice final : public Device {
+ public:
+  explicit SimDevice(const SimDeviceOptions& options) : ledger_(options.bytes_cap) {
+    if (options.link.bytes_per_s < 0 || options.link.latency_s < 0)
+      throw Error("simulated device " + options.name +
+                  ": link bandwidth and latency must not be negative");
+    info_.kind = DeviceKind::kSim;
+    info_.index = options.index;
+    info_.name = options.name;
+    info_.bytes_total = options.bytes_cap;
+    info_.bytes_cap = options.bytes_cap;
+    info_.link = options.link;
+  }
+
+  ~SimDevice() override {
+    {
+      std::lock_guard lock(streams_mutex_);
+      streams_.clear();  // each stream drains its queue (stream-ordered frees included) and joins
+    }
+    MemoryStats left = ledger_.stats();
+    if (left.allocations != 0)
+      std::fprintf(stderr, "rondo: warning: %s destroyed with %llu buffers (%s) still allocated\n",
+                   info_.name.c_str(), static_cast<unsigned long long>(left.allocations),
+                   format_bytes(left.bytes_in_use).c_str());
+  }
+
+  const DeviceInfo& info() const override { return info_; }
+
+  Stream& create_stream(const std::string& name, StreamPriority) override {
+    std::lock_guard lock(streams_mutex_);
+    streams_.push_back(std::make_unique<SimStream>(*this, info_.name + "/" + name));
+    return *streams_.back();
+  }
+
+  std::unique_ptr<Event> create_event() override { return std::make_unique<SimEvent>(); }
+
+  DeviceBuffer allocate(std::size_t bytes, Stream* stream) override {
+    if (bytes == 0) return {};
+    check_own(stream);
+    ledger_.reserve(bytes, info_.name);
+    std::size_t rounded = (bytes + kAlignment - 1) / kAlignment * kAlignment;
+    void* data = std::aligned_alloc(kAlignment, rounded);
+    if (data == nullptr) {
+      ledger_.unreserve(bytes);
+      throw OutOfMemory(info_.name + " (host memory exhausted)", bytes, ledger_.stats().bytes_in_use,
+                        info_.bytes_cap);
+    }
+    return DeviceBuffer(this, data, bytes, stream);
+  }
+
+  MemoryStats memory() const override { return ledger_.stats(); }
+  TrafficStats traffic() const override { return traffic_.stats(); }
+
+  void set_memory_cap(std::uint64_t bytes) override {
+    info_.bytes_cap = bytes;
+    info_.bytes_total = std::max(info_.bytes_total, bytes);
+    ledger_.set_cap(bytes);
+  }
+
+  void synchronize() override {
+    std::vector<SimStream*> streams;
+    {
+      std::lock_guard lock(streams_mutex_);
+      for (auto& s : streams_) streams.push_back(s.get());
+    }
+    for (auto* s : streams) s->synchronize();
+  }
+
+  // Runs a copy that crosses the link: at least bytes / bandwidth after the channel frees up, plus
+  // the latency. `channels` are the link directions the bytes cross (two for a peer copy).
+  static void transfer(std::initializer_list<Channel*> channels, double bytes_per_s,
+                       double latency_s, std::size_t bytes, const std::function<void()>& copy) {
+    if (bytes_per_s <= 0 && latency_s <= 0) {
+      copy();
+      return;
+    }
+    auto duration = [](double seconds) {
+      return std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(seconds));
+    };
+    Clock::duration wire = bytes_per_s > 0 ? duration(static_cast<double>(bytes) / bytes_per_s)
+                                           : Clock::duration::zero();
+    Clock::time_point begin = Clock::now();
+    // Reserve the same interval on every channel crossed; lock them in address order.
+    std::vector<Channel*> sorted(channels);
+    std::sort(sorted.begin(), sorted.end());
+    for (Channel* c : sorted) c->mutex.lock();
+    for (Channel* c : sorted) begin = std::max(begin, c->busy_until);
+    Clock::time_point end = begin + wire;
+    for (Channel* c : sorted) c->busy_until = end;
+    for (auto it = sorted.rbegin(); it != sorted.rend(); ++it) (*it)->mutex.unlock();
+    copy();
+    // Emulated time, not synchronisation: the copy may not complete before the wire allows.
+    std::this_thread::sleep_until(end + duration(latency_s));
+  }
+
+  void check_own(Stream* stream) const {
+    if (stream != nullptr && &stream->device() != this)
+      throw InternalError("stream " + stream->name() + " used with device " + info_.name);
+  }
+
+  Channel h2d_, d2h_;
+  TrafficCounters traffic_;
+
+ protected:
+  void release(void* data, std::size_t bytes, Stream* stream) noexcept override {
+    auto free_now = [this, data, bytes] {
+      std::free(data);
+      ledger_.unreserve(bytes);
+    };
+    if (stream != nullptr) {
+      static_cast<SimStream*>(stream)->push(free_now, true);
+      return;
+    }
+    // Not stream-ordered: like cudaFree, wait for all work that may still use it. Must not be
+    // called from a task of this device's streams.
+    try {
+      synchronize();
+    } catch (const std::exception&) {
+      // A failed task is reported by the stream's own synchronize(); the memory is freed anyway.
+    }
+    free_now();
+  }
+
+ private:
+  DeviceInfo info_;
+  MemoryLedger ledger_;
+  std::mutex streams_mutex_;
+  std::vector<std::unique_ptr<SimStream>> streams_;
+};
+
+SimStream::SimStream(SimDevice& device, std::string name)
+    : device_(device), name_(std::move(name)), thread_([this] { serve(); }) {}
+
+SimStream::~SimStream() {
+  {
+    std::lock_guard lock(mutex_);
+    stopping_ = true;
+  }
+  cv_.notify_all();
+  thread_.join();
+}
+
+Device& SimStream::device() { return device_; }
+
+void SimStream::push(std::function<void()> task, bool control) {
+  {
+    std::lock_guard lock(mutex_);
+    RONDO_ASSERT_MSG(!stopping_, "work enqueued on " + name_ + " while it is being destroyed");
+    queue_.push_back({std::move(task), control});
+    ++pending_;
+  }
+  cv_.notify_all();
+}
+
+void SimStream::serve() {
+  std::unique_lock lock(mutex_);
+  for (;;) {
+    cv_.wait(lock, [&] { return stopping_ || !queue_.empty(); });
+    if (queue_.empty()) return;  // stopping, and everything enqueued has run
+    Task task = std::move(queue_.front());
+    queue_.pop_front();
+    bool skip = error_ && !task.control;
+    lock.unlock();
+    std::exception_ptr failure;
+    if (!skip) {
+      try {
+        task.fn();
+      } catch (...) {
+        failure = std::current_exception();
+      }
+    }
+    task.fn = nullptr;  // destroy captures outside the lock
+    lock.lock();
+    if (failure && !error_) error_ = failure;
+    --pending_;
+    cv_.notify_all();
+  }
+}
+
+void SimStream::upload(void* dst, const void* src, std::size_t bytes) {
+  if (bytes == 0) return;
+  device_.traffic_.h2d += bytes;
+  LinkSpec link = device_.info().link;
+  push(
+      [this, dst, src, bytes, link] {
+        SimDevice::transfer({&device_.h2d_}, link.bytes_per_s, link.latency_s, bytes,
+                            [=] { std::memcpy(dst, src, bytes); });
+      },
+      false);
+}
+
+void SimStream::download(void* dst, const void* src, std::size_t bytes) {
+  if (bytes == 0) return;
+  device_.traffic_.d2h += bytes;
+  LinkSpec link = device_.info().link;
+  push(
+      [this, dst, src, bytes, link] {
+        SimDevice::transfer({&device_.d2h_}, link.bytes_per_s, link.latency_s, bytes,
+                            [=] { std::memcpy(dst, src, bytes); });
+      },
+      false);
+}
+
+void SimStream::copy_to_peer(void* dst, Device& dst_device, const void* src, std::size_t bytes) {
+  auto* peer = dynamic_cast<SimDevice*>(&dst_device);
+  if (peer == nullptr)
+    throw Error("cannot copy from simulated device " + device_.info().name + " to " +
+                dst_device.info().name + ": devices of different kinds");
+  if (bytes == 0) return;
+  device_.traffic_.d2d_out += bytes;
+  peer->traffic_.d2d_in += bytes;
+  // No NVLink: a peer copy crosses this device's download link and the peer's upload link.
+  LinkSpec a = device_.info().link, b = peer->info().link;
+  double bw = a.bytes_per_s <= 0   ? b.bytes_per_s
+              : b.bytes_per_s <= 0 ? a.bytes_per_s
+                                   : std::min(a.bytes_per_s, b.bytes_per_s);
+  double latency = a.latency_s + b.latency_s;
+  Channel* out = &device_.d2h_;
+  Channel* in = &peer->h2d_;
+  push(
+      [=] {
+        SimDevice::transfer({out, in}, bw, latency, bytes, [=] { std::memcpy(dst, src, bytes); });
+      },
+      false);
+}
+
+void SimStream::fill(void* dst, std::uint8_t value, std::size_t bytes) {
+  if (bytes == 0) return;
+  push([=] { std::memset(dst, value, bytes); }, false);
+}
+
+void SimStream::record(Event& event) {
+  auto* sim = dynamic_cast<SimEvent*>(&event);
+  if (sim == nullptr)
+    throw Error("stream " + name_ + " can only record events of simulated devices");
+  auto marker = std::make_shared<Marker>();
+  sim->set_latest(marker);
+  push([marker] { marker->complete(); }, true);
+}
+
+void SimStream::wait(Event& event) {
+  auto* sim = dynamic_cast<SimEvent*>(&event);
+  if (sim == nullptr)
+    throw Error("stream " + name_ + " can only wait on events of simulated devices");
+  auto marker = sim->latest();
+  if (!marker) return;  // never recorded: nothing to wait for
+  push([marker] { marker->wait(); }, true);
+}
+
+void SimStream::synchronize() {
+  std::unique_lock lock(mutex_);
+  cv_.wait(lock, [&] { return pending_ == 0; });
+  if (error_) std::rethrow_exception(error_);
+}
+
+bool SimStream::query() {
+  std::lock_guard lock(mutex_);
+  return pending_ == 0;
+}
+
+}  // namespace
+
+std::unique_ptr<Device> make_sim_device(const SimDeviceOptions& options) {
+  return std::make_unique<SimDevice>(options);
+}
+
+}  // namespace rondo::kernels

@@ -1,0 +1,319 @@
+// SimDevice: stream order, events across streams and devices, copies of odd and large sizes, the
+// emulated link's lower bound, capacity errors, failures inside tasks. Also run under TSan.
+#include "kernels/cpu/sim_device.h"
+
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <cstring>
+#include <future>
+#include <mutex>
+#include <random>
+#include <vector>
+
+namespace rondo::kernels {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+std::vector<std::uint8_t> random_bytes(std::size_t n, std::mt19937& rng) {
+  std::vector<std::uint8_t> v(n);
+  std::uniform_int_distribution<int> dist(0, 255);
+  for (auto& b : v) b = static_cast<std::uint8_t>(dist(rng));
+  return v;
+}
+
+std::mt19937 fresh_rng() {
+  std::random_device rd;
+  auto seed = rd();
+  std::printf("seed %u\n", seed);
+  return std::mt19937(seed);
+}
+
+// A log that tasks on several threads append to.
+struct Log {
+  std::mutex mutex;
+  std::vector<int> order;
+  void add(int x) {
+    std::lock_guard lock(mutex);
+    order.push_back(x);
+  }
+};
+
+TEST(SimDevice, WorkOnOneStreamRunsInEnqueueOrder) {
+  auto dev = make_sim_device({});
+  Stream& s = dev->create_stream("compute");
+  Log log;
+  for (int i = 0; i < 200; ++i) s.enqueue([&log, i] { log.add(i); });
+  s.synchronize();
+  ASSERT_EQ(log.order.size(), 200u);
+  for (int i = 0; i < 200; ++i) EXPECT_EQ(log.order[i], i);
+}
+
+TEST(SimDevice, ComputeSeesAnUploadEnqueuedBeforeIt) {
+  auto rng = fresh_rng();
+  auto dev = make_sim_device({.link = {.bytes_per_s = 5e9, .latency_s = 1e-4}});
+  Stream& s = dev->create_stream("compute");
+  auto host = random_bytes(4097, rng);
+  DeviceBuffer buf = dev->allocate(host.size(), &s);
+  s.upload(buf.data(), host.data(), host.size());
+  std::vector<std::uint8_t> seen(host.size());
+  s.enqueue([&] { std::memcpy(seen.data(), buf.data(), seen.size()); });
+  s.synchronize();
+  EXPECT_EQ(seen, host);
+}
+
+// Stream A is held by a gate the test controls; B waits on an event recorded on A after the gate.
+// Until the gate opens, B must not run its work; afterwards it runs after A's.
+void check_cross_stream_wait(Stream& a, Stream& b, Event& event) {
+  Log log;
+  std::promise<void> gate;
+  std::shared_future<void> opened = gate.get_future().share();
+  a.enqueue([opened, &log] {
+    opened.wait();
+    log.add(1);
+  });
+  a.record(event);
+  b.wait(event);
+  b.enqueue([&log] { log.add(2); });
+
+  EXPECT_FALSE(event.query());
+  EXPECT_FALSE(b.query());
+  gate.set_value();
+  b.synchronize();
+  EXPECT_TRUE(event.query());
+  ASSERT_EQ(log.order.size(), 2u);
+  EXPECT_EQ(log.order[0], 1);
+  EXPECT_EQ(log.order[1], 2);
+}
+
+TEST(SimDevice, WaitOrdersWorkAcrossStreams) {
+  auto dev = make_sim_device({});
+  auto event = dev->create_event();
+  check_cross_stream_wait(dev->create_stream("a"), dev->create_stream("b"), *event);
+}
+
+TEST(SimDevice, WaitOrdersWorkAcrossDevices) {
+  auto d0 = make_sim_device({.name = "sim0", .index = 0});
+  auto d1 = make_sim_device({.name = "sim1", .index = 1});
+  auto event = d0->create_event();
+  check_cross_stream_wait(d0->create_stream("a"), d1->create_stream("b"), *event);
+}
+
+TEST(SimDevice, EventSynchronizeBlocksUntilRecordedWorkIsDone) {
+  auto dev = make_sim_device({});
+  Stream& s = dev->create_stream("s");
+  auto event = dev->create_event();
+  std::atomic<bool> ran{false};
+  std::promise<void> gate;
+  std::shared_future<void> opened = gate.get_future().share();
+  s.enqueue([opened, &ran] {
+    opened.wait();
+    ran = true;
+  });
+  s.record(*event);
+  EXPECT_FALSE(event->query());
+  std::thread opener([&] { gate.set_value(); });
+  event->synchronize();
+  EXPECT_TRUE(ran.load());
+  EXPECT_TRUE(event->query());
+  opener.join();
+}
+
+TEST(SimDevice, EventNeverRecordedIsComplete) {
+  auto dev = make_sim_device({});
+  auto event = dev->create_event();
+  EXPECT_TRUE(event->query());
+  event->synchronize();
+  Stream& s = dev->create_stream("s");
+  s.wait(*event);  // nothing to wait for
+  s.synchronize();
+}
+
+TEST(SimDevice, AWaitKeepsTheRecordItWasIssuedAgainst) {
+  // Like CUDA: re-recording an event does not change what an earlier wait waits for.
+  auto dev = make_sim_device({});
+  Stream& a = dev->create_stream("a");
+  Stream& b = dev->create_stream("b");
+  Stream& c = dev->create_stream("c");
+  auto event = dev->create_event();
+  a.record(*event);
+  a.synchronize();
+  c.wait(*event);  // the first record: already complete
+  std::promise<void> gate;
+  std::shared_future<void> opened = gate.get_future().share();
+  b.enqueue([opened] { opened.wait(); });
+  b.record(*event);  // the event now points at blocked work
+  EXPECT_FALSE(event->query());
+  c.synchronize();  // would hang if c's wait followed the new record
+  gate.set_value();
+  event->synchronize();
+}
+
+TEST(SimDevice, CopiesOfOddAndLargeSizesAreExact) {
+  auto rng = fresh_rng();
+  auto d0 = make_sim_device({.name = "sim0", .bytes_cap = 256ull << 20});
+  auto d1 = make_sim_device({.name = "sim1", .index = 1, .bytes_cap = 256ull << 20});
+  Stream& s0 = d0->create_stream("copy");
+  for (std::size_t n : {std::size_t{1}, std::size_t{22}, std::size_t{4097}, std::size_t{64} << 20,
+                        (std::size_t{64} << 20) + 3}) {
+    SCOPED_TRACE("bytes " + std::to_string(n));
+    auto host = random_bytes(n, rng);
+    std::vector<std::uint8_t> back(n + 2, 0xAB), peer_back(n + 2, 0xAB);
+    DeviceBuffer a = d0->allocate(n, &s0);
+    DeviceBuffer b = d1->allocate(n);
+    s0.upload(a.data(), host.data(), n);
+    s0.download(back.data() + 1, a.data(), n);
+    s0.copy_to_peer(b.data(), *d1, a.data(), n);
+    s0.synchronize();
+    Stream& s1 = d1->create_stream("back" + std::to_string(n));
+    s1.download(peer_back.data() + 1, b.data(), n);
+    s1.synchronize();
+    EXPECT_EQ(0, std::memcmp(back.data() + 1, host.data(), n));
+    EXPECT_EQ(0, std::memcmp(peer_back.data() + 1, host.data(), n));
+    // Nothing written outside the destination.
+    EXPECT_EQ(back.front(), 0xAB);
+    EXPECT_EQ(back.back(), 0xAB);
+    EXPECT_EQ(peer_back.back(), 0xAB);
+  }
+}
+
+TEST(SimDevice, FillSetsEveryByte) {
+  auto dev = make_sim_device({});
+  Stream& s = dev->create_stream("s");
+  DeviceBuffer buf = dev->allocate(22, &s);
+  s.fill(buf.data(), 0x5A, 22);
+  std::vector<std::uint8_t> back(22);
+  s.download(back.data(), buf.data(), 22);
+  s.synchronize();
+  for (auto b : back) EXPECT_EQ(b, 0x5A);
+}
+
+double seconds_since(Clock::time_point start) {
+  return std::chrono::duration<double>(Clock::now() - start).count();
+}
+
+TEST(SimDevice, ACopyNeverFinishesBeforeBandwidthAndLatencyAllow) {
+  const double bw = 200e6, latency = 2e-3;
+  const std::size_t n = 1 << 20;
+  auto dev = make_sim_device({.bytes_cap = 8 << 20, .link = {.bytes_per_s = bw, .latency_s = latency}});
+  Stream& s = dev->create_stream("up");
+  std::vector<std::uint8_t> host(n, 7), back(n);
+  DeviceBuffer buf = dev->allocate(n, &s);
+
+  auto start = Clock::now();
+  s.upload(buf.data(), host.data(), n);
+  s.synchronize();
+  EXPECT_GE(seconds_since(start), n / bw + latency);
+
+  start = Clock::now();
+  s.download(back.data(), buf.data(), n);
+  s.synchronize();
+  EXPECT_GE(seconds_since(start), n / bw + latency);
+  EXPECT_EQ(back, host);
+}
+
+TEST(SimDevice, CopiesInOneDirectionShareTheLink) {
+  const double bw = 200e6, latency = 1e-3;
+  const std::size_t n = 1 << 20;
+  auto dev = make_sim_device({.bytes_cap = 8 << 20, .link = {.bytes_per_s = bw, .latency_s = latency}});
+  Stream& s1 = dev->create_stream("up1");
+  Stream& s2 = dev->create_stream("up2");
+  std::vector<std::uint8_t> host(n, 3);
+  DeviceBuffer a = dev->allocate(n), b = dev->allocate(n);
+  auto start = Clock::now();
+  s1.upload(a.data(), host.data(), n);
+  s2.upload(b.data(), host.data(), n);
+  s1.synchronize();
+  s2.synchronize();
+  EXPECT_GE(seconds_since(start), 2 * n / bw + latency);
+}
+
+TEST(SimDevice, PeerCopyPaysBothLinks) {
+  const std::size_t n = 1 << 20;
+  auto d0 = make_sim_device({.name = "sim0", .bytes_cap = 4 << 20,
+                             .link = {.bytes_per_s = 400e6, .latency_s = 1e-3}});
+  auto d1 = make_sim_device({.name = "sim1", .index = 1, .bytes_cap = 4 << 20,
+                             .link = {.bytes_per_s = 200e6, .latency_s = 2e-3}});
+  Stream& s = d0->create_stream("peer");
+  DeviceBuffer a = d0->allocate(n), b = d1->allocate(n);
+  auto start = Clock::now();
+  s.copy_to_peer(b.data(), *d1, a.data(), n);
+  s.synchronize();
+  EXPECT_GE(seconds_since(start), n / 200e6 + 3e-3);
+  EXPECT_EQ(d0->traffic().bytes_d2d_out, n);
+  EXPECT_EQ(d1->traffic().bytes_d2d_in, n);
+}
+
+TEST(SimDevice, TrafficIsCountedPerDirection) {
+  auto dev = make_sim_device({});
+  Stream& s = dev->create_stream("s");
+  std::vector<std::uint8_t> host(4097);
+  DeviceBuffer buf = dev->allocate(4097);
+  s.upload(buf.data(), host.data(), 4097);
+  s.upload(buf.data(), host.data(), 22);
+  s.download(host.data(), buf.data(), 1);
+  s.synchronize();
+  TrafficStats t = dev->traffic();
+  EXPECT_EQ(t.bytes_h2d, 4097u + 22u);
+  EXPECT_EQ(t.bytes_d2h, 1u);
+}
+
+TEST(SimDevice, AllocationBeyondCapacityNamesRequestedUsedAndCapacity) {
+  auto dev = make_sim_device({.name = "sim3", .bytes_cap = 1000});
+  DeviceBuffer a = dev->allocate(600);
+  try {
+    dev->allocate(500);
+    FAIL() << "allocation past the capacity succeeded";
+  } catch (const OutOfMemory& e) {
+    EXPECT_EQ(e.requested, 500u);
+    EXPECT_EQ(e.used, 600u);
+    EXPECT_EQ(e.capacity, 1000u);
+    std::string msg = e.what();
+    EXPECT_NE(msg.find("sim3"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("500 bytes"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("600 bytes"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("1000 bytes"), std::string::npos) << msg;
+  }
+  EXPECT_EQ(dev->memory().bytes_in_use, 600u);
+  a.reset();
+  DeviceBuffer c = dev->allocate(1000);  // fits once the first is gone
+  EXPECT_EQ(dev->memory().bytes_peak, 1000u);
+  EXPECT_EQ(dev->memory().allocations, 1u);
+}
+
+TEST(SimDevice, StreamOrderedReleaseWaitsForTheStream) {
+  auto dev = make_sim_device({.bytes_cap = 100});
+  Stream& s = dev->create_stream("s");
+  std::promise<void> gate;
+  std::shared_future<void> opened = gate.get_future().share();
+  DeviceBuffer buf = dev->allocate(100, &s);
+  s.enqueue([opened] { opened.wait(); });
+  buf.reset();  // freed only when the stream reaches this point
+  EXPECT_EQ(dev->memory().bytes_in_use, 100u);
+  gate.set_value();
+  s.synchronize();
+  EXPECT_EQ(dev->memory().bytes_in_use, 0u);
+}
+
+TEST(SimDevice, AFailedTaskSkipsLaterWorkButStillCompletesEvents) {
+  auto dev = make_sim_device({});
+  Stream& a = dev->create_stream("a");
+  Stream& b = dev->create_stream("b");
+  auto event = dev->create_event();
+  bool later_ran = false;
+  a.enqueue([] { throw Error("boom"); });
+  a.enqueue([&] { later_ran = true; });
+  a.record(*event);
+  b.wait(*event);
+  b.synchronize();  // does not hang: the record still completes
+  EXPECT_THROW(a.synchronize(), Error);
+  EXPECT_FALSE(later_ran);
+}
+
+TEST(SimDevice, NegativeLinkFiguresAreRejected) {
+  EXPECT_THROW(make_sim_device({.link = {.bytes_per_s = -1}}), Error);
+}
+
+}  // namespace
+}  // namespace rondo::kernels
