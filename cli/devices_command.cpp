@@ -1,7 +1,7 @@
 #include "cli/devices_command.h"
 
-#include <CLI/CLI.hpp>
 #include <fmt/format.h>
+#include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
 
 #include "engine/devices.h"
@@ -14,8 +14,9 @@ void add_devices_options(CLI::App& command, DevicesOptions& options) {
                      "Simulate N GPUs behind an emulated PCIe link instead of using CUDA ones");
   command.add_option("--sim-memory", options.sim_memory, "Memory of each simulated GPU")
       ->capture_default_str();
-  command.add_option("--sim-link", options.sim_link_gbps,
-                     "Bandwidth of each simulated GPU's link, GB/s per direction")
+  command
+      .add_option("--sim-link", options.sim_link_gbps,
+                  "Bandwidth of each simulated GPU's link, GB/s per direction")
       ->capture_default_str();
   command.add_option("--memory-cap", options.memory_cap,
                      "Use at most this much of each GPU's memory, e.g. 24GB");
@@ -73,18 +74,18 @@ void print_text(const engine::DevicePlan& plan) {
                  version_text(plan.cuda_driver_version), version_text(plan.cuda_runtime_version));
       for (const kernels::DeviceInfo& d : plan.devices)
         fmt::print("  cuda:{}  {}  {} (using up to {})  sm_{}{}  {} SMs  {}  bus {}\n", d.index,
-                   d.name, format_bytes(d.bytes_total), format_bytes(d.bytes_cap),
-                   d.compute_major, d.compute_minor, d.multiprocessors, pcie_text(d),
-                   d.pci_bus_id);
+                   d.name, format_bytes(d.bytes_total), format_bytes(d.bytes_cap), d.compute_major,
+                   d.compute_minor, d.multiprocessors, pcie_text(d), d.pci_bus_id);
       break;
     case engine::DeviceMode::kSim:
-      fmt::print("{} simulated GPU(s), as requested with --sim (CPU-backed, for testing the "
-                 "multi-GPU schedule):\n",
-                 plan.devices.size());
+      fmt::print(
+          "{} simulated GPU(s), as requested with --sim (CPU-backed, for testing the "
+          "multi-GPU schedule):\n",
+          plan.devices.size());
       for (const kernels::DeviceInfo& d : plan.devices)
-        fmt::print("  {}  {} (using up to {})  link {:.1f} GB/s per direction, {:.0f} us\n",
-                   d.name, format_bytes(d.bytes_total), format_bytes(d.bytes_cap),
-                   d.link.bytes_per_s / 1e9, d.link.latency_s * 1e6);
+        fmt::print("  {}  {} (using up to {})  link {:.1f} GB/s per direction, {:.0f} us\n", d.name,
+                   format_bytes(d.bytes_total), format_bytes(d.bytes_cap), d.link.bytes_per_s / 1e9,
+                   d.link.latency_s * 1e6);
       break;
     case engine::DeviceMode::kCpu:
       fmt::print("No CUDA GPU is present ({}).\n", plan.why_no_gpu);

@@ -1,7 +1,7 @@
 // rondo: the command line. Subcommands over the engine; errors print as one readable message
 // and a non-zero exit code, never a stack trace.
-#include <CLI/CLI.hpp>
 #include <fmt/format.h>
+#include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
 
 #include <cstdio>

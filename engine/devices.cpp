@@ -25,8 +25,8 @@ const char* to_string(DeviceMode mode) {
 std::vector<std::string> DeviceSelection::validate() const {
   std::vector<std::string> problems;
   if (sim_devices < 0 || sim_devices > 64)
-    problems.push_back("sim_devices must be between 0 and 64 (got " +
-                       std::to_string(sim_devices) + ")");
+    problems.push_back("sim_devices must be between 0 and 64 (got " + std::to_string(sim_devices) +
+                       ")");
   if (sim_devices > 0 && sim_bytes == 0) problems.push_back("sim_bytes must be above 0");
   if (sim_link.bytes_per_s < 0) problems.push_back("sim link bandwidth must not be negative");
   if (sim_link.latency_s < 0) problems.push_back("sim link latency must not be negative");
@@ -41,7 +41,8 @@ DevicePlan plan_devices(const DeviceSelection& selection) {
   auto problems = selection.validate();
   if (!problems.empty()) {
     std::string text = "invalid device selection:";
-    for (auto& p : problems) text += "\n  - " + p;
+    for (auto& p : problems)
+      text += "\n  - " + p;
     throw Error(text);
   }
   DevicePlan plan;

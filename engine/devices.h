@@ -13,11 +13,11 @@
 namespace rondo::engine {
 
 struct DeviceSelection {
-  int sim_devices = 0;                 // > 0: use this many simulated GPUs instead of CUDA ones
+  int sim_devices = 0;                    // > 0: use this many simulated GPUs instead of CUDA ones
   std::uint64_t sim_bytes = 24ull << 30;  // memory of each simulated GPU (an RTX 4090's)
   kernels::LinkSpec sim_link{.bytes_per_s = 25e9, .latency_s = 10e-6};  // PCIe 4.0 x16, measured
-  std::uint64_t memory_cap = 0;        // per-GPU cap in bytes (24GB makes an H100 act like a 4090);
-                                       // 0 = whole device
+  std::uint64_t memory_cap = 0;  // per-GPU cap in bytes (24GB makes an H100 act like a 4090);
+                                 // 0 = whole device
   std::vector<std::string> validate() const;  // every problem, for the CLI to print at once
 };
 
@@ -31,7 +31,7 @@ const char* to_string(DeviceMode mode);
 struct DevicePlan {
   DeviceMode mode = DeviceMode::kCpu;
   std::vector<kernels::DeviceInfo> devices;  // bytes_cap already lowered to the memory cap
-  std::string why_no_gpu;  // set when mode != kCuda: what CUDA said
+  std::string why_no_gpu;                    // set when mode != kCuda: what CUDA said
   int cuda_driver_version = 0, cuda_runtime_version = 0;
   bool cuda_compiled = false;
   int cpu_cores = 0;

@@ -42,15 +42,15 @@ struct LinkSpec {
 
 struct DeviceInfo {
   DeviceKind kind = DeviceKind::kSim;
-  int index = 0;                // ordinal among devices of its kind
-  std::string name;             // "NVIDIA GeForce RTX 4090", "sim0"
+  int index = 0;                  // ordinal among devices of its kind
+  std::string name;               // "NVIDIA GeForce RTX 4090", "sim0"
   std::uint64_t bytes_total = 0;  // physical device memory (SimDevice: its capacity)
   std::uint64_t bytes_cap = 0;    // the most Rondo will allocate: min(cap setting, total)
-  LinkSpec link;                // SimDevice: the emulated link; CUDA: 0 (measured, not declared)
+  LinkSpec link;                  // SimDevice: the emulated link; CUDA: 0 (measured, not declared)
   // CUDA only (0 / empty when unknown):
   int compute_major = 0, compute_minor = 0;
   int multiprocessors = 0;
-  std::string pci_bus_id;       // "0000:01:00.0"
+  std::string pci_bus_id;                    // "0000:01:00.0"
   int pcie_gen = 0, pcie_width = 0;          // current link (it drops when idle)
   int pcie_gen_max = 0, pcie_width_max = 0;  // what the link can do
 };

@@ -7,8 +7,8 @@
 namespace rondo {
 
 void assert_fail(const char* expr, const char* file, int line, const std::string& msg) {
-  std::string text = std::string("internal error: ") + expr + " failed at " + file + ":" +
-                     std::to_string(line);
+  std::string text =
+      std::string("internal error: ") + expr + " failed at " + file + ":" + std::to_string(line);
   if (!msg.empty()) text += ": " + msg;
   text += " (this is a bug in Rondo; please report it)";
   throw InternalError(text);
@@ -34,7 +34,8 @@ std::uint64_t parse_bytes(const std::string& text, const std::string& what) {
                 "': expected a number with an optional unit, e.g. 24GB, 512MiB, 4096");
   };
   std::size_t i = 0;
-  while (i < text.size() && std::isspace(static_cast<unsigned char>(text[i]))) ++i;
+  while (i < text.size() && std::isspace(static_cast<unsigned char>(text[i])))
+    ++i;
   std::size_t start = i;
   while (i < text.size() && (std::isdigit(static_cast<unsigned char>(text[i])) || text[i] == '.'))
     ++i;
@@ -45,13 +46,15 @@ std::uint64_t parse_bytes(const std::string& text, const std::string& what) {
   } catch (const std::exception&) {
     return fail();
   }
-  while (i < text.size() && std::isspace(static_cast<unsigned char>(text[i]))) ++i;
+  while (i < text.size() && std::isspace(static_cast<unsigned char>(text[i])))
+    ++i;
   std::string unit;
   for (; i < text.size(); ++i) {
     if (std::isspace(static_cast<unsigned char>(text[i]))) break;
     unit += static_cast<char>(std::toupper(static_cast<unsigned char>(text[i])));
   }
-  while (i < text.size() && std::isspace(static_cast<unsigned char>(text[i]))) ++i;
+  while (i < text.size() && std::isspace(static_cast<unsigned char>(text[i])))
+    ++i;
   if (i != text.size()) return fail();
   double scale = 1;
   if (unit.empty() || unit == "B") {

@@ -34,11 +34,11 @@ std::uint64_t parse_bytes(const std::string& text, const std::string& what = "si
 }  // namespace rondo
 
 // On in release builds too: a failed invariant must never turn into silent wrong numbers.
-#define RONDO_ASSERT(cond)                                                  \
-  do {                                                                      \
+#define RONDO_ASSERT(cond)                                                       \
+  do {                                                                           \
     if (!(cond)) ::rondo::assert_fail(#cond, __FILE__, __LINE__, std::string()); \
   } while (0)
-#define RONDO_ASSERT_MSG(cond, msg)                                        \
-  do {                                                                     \
-    if (!(cond)) ::rondo::assert_fail(#cond, __FILE__, __LINE__, (msg));   \
+#define RONDO_ASSERT_MSG(cond, msg)                                      \
+  do {                                                                   \
+    if (!(cond)) ::rondo::assert_fail(#cond, __FILE__, __LINE__, (msg)); \
   } while (0)

@@ -47,9 +47,7 @@ class MemoryLedger {
 
 struct TrafficCounters {
   std::atomic<std::uint64_t> h2d{0}, d2h{0}, d2d_out{0}, d2d_in{0};
-  TrafficStats stats() const {
-    return {h2d.load(), d2h.load(), d2d_out.load(), d2d_in.load()};
-  }
+  TrafficStats stats() const { return {h2d.load(), d2h.load(), d2d_out.load(), d2d_in.load()}; }
 };
 
 }  // namespace rondo::kernels

@@ -22,11 +22,17 @@ constexpr std::array<Entry, 10> kTable{{
     {DType::kU8, "U8", 1},
     {DType::kBool, "BOOL", 1},
 }};
-const Entry& entry(DType dtype) { return kTable[static_cast<std::size_t>(dtype)]; }
+const Entry& entry(DType dtype) {
+  return kTable[static_cast<std::size_t>(dtype)];
+}
 }  // namespace
 
-std::size_t dtype_size(DType dtype) { return entry(dtype).size; }
-const char* to_string(DType dtype) { return entry(dtype).name; }
+std::size_t dtype_size(DType dtype) {
+  return entry(dtype).size;
+}
+const char* to_string(DType dtype) {
+  return entry(dtype).name;
+}
 
 std::optional<DType> dtype_from_string(std::string_view name) {
   for (const Entry& e : kTable)

@@ -38,6 +38,8 @@ at::Tensor tensor_view(void* data, DType dtype, const std::vector<std::int64_t>&
   return at::from_blob(data, shape, at::TensorOptions().dtype(to_scalar_type(dtype)));
 }
 
-const char* torch_version() { return RONDO_TORCH_VERSION; }
+const char* torch_version() {
+  return RONDO_TORCH_VERSION;
+}
 
 }  // namespace rondo::models

@@ -61,7 +61,9 @@ struct HostBuffer::State {
   }
 };
 
-HostBuffer::HostBuffer(HostBuffer&& other) noexcept { *this = std::move(other); }
+HostBuffer::HostBuffer(HostBuffer&& other) noexcept {
+  *this = std::move(other);
+}
 
 HostBuffer& HostBuffer::operator=(HostBuffer&& other) noexcept {
   if (this != &other) {
@@ -86,14 +88,16 @@ void HostBuffer::reset() noexcept {
   numa_node_ = -1;
 }
 
-HostArena::HostArena(const HostArenaOptions& options) : state_(std::make_shared<HostBuffer::State>()) {
+HostArena::HostArena(const HostArenaOptions& options)
+    : state_(std::make_shared<HostBuffer::State>()) {
   auto& s = *state_;
   s.options = options;
   s.page = static_cast<std::size_t>(sysconf(_SC_PAGESIZE));
   bool can_pin = kernels::host_pinning_available();
   if (options.pinning == Pinning::kOn && !can_pin)
-    throw Error("host memory pinning was requested (pinning = on) but no CUDA device is present; "
-                "use pinning = auto or off");
+    throw Error(
+        "host memory pinning was requested (pinning = on) but no CUDA device is present; "
+        "use pinning = auto or off");
   s.pin = options.pinning == Pinning::kOn || (options.pinning == Pinning::kAuto && can_pin);
 
   if (hwloc_topology_init(&s.topology) != 0) throw Error("hwloc: cannot initialise the topology");
@@ -101,8 +105,8 @@ HostArena::HostArena(const HostArenaOptions& options) : state_(std::make_shared<
   hwloc_topology_set_io_types_filter(s.topology, HWLOC_TYPE_FILTER_KEEP_IMPORTANT);
   if (hwloc_topology_load(s.topology) != 0) throw Error("hwloc: cannot load the machine topology");
   s.nodes = std::max(1, hwloc_get_nbobjs_by_type(s.topology, HWLOC_OBJ_NUMANODE));
-  if (options.numa_node >= 0 && hwloc_get_numanode_obj_by_os_index(s.topology,
-                                                                   options.numa_node) == nullptr)
+  if (options.numa_node >= 0 &&
+      hwloc_get_numanode_obj_by_os_index(s.topology, options.numa_node) == nullptr)
     throw Error("host arena: NUMA node " + std::to_string(options.numa_node) +
                 " does not exist (this machine has " + std::to_string(s.nodes) +
                 " node(s)); use -1 to let the OS place memory");
@@ -110,8 +114,12 @@ HostArena::HostArena(const HostArenaOptions& options) : state_(std::make_shared<
 
 HostArena::~HostArena() = default;
 
-bool HostArena::pins() const { return state_->pin; }
-int HostArena::numa_nodes() const { return state_->nodes; }
+bool HostArena::pins() const {
+  return state_->pin;
+}
+int HostArena::numa_nodes() const {
+  return state_->nodes;
+}
 
 HostBuffer HostArena::allocate(std::uint64_t bytes, Purpose purpose, int numa_node) {
   auto& s = *state_;

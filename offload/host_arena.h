@@ -32,7 +32,7 @@ enum class Pinning {
 
 struct HostArenaOptions {
   Pinning pinning = Pinning::kAuto;
-  int numa_node = -1;           // node for allocate() without a node; -1 = the OS's first touch
+  int numa_node = -1;             // node for allocate() without a node; -1 = the OS's first touch
   std::uint64_t bytes_limit = 0;  // host memory budget in bytes; 0 = no limit
 };
 
@@ -44,7 +44,7 @@ struct PurposeUsage {
 
 struct HostUsage {
   std::array<PurposeUsage, kPurposeCount> by_purpose{};  // indexed by Purpose
-  std::uint64_t bytes = 0;         // all purposes
+  std::uint64_t bytes = 0;                               // all purposes
   std::uint64_t peak = 0;
   std::uint64_t bytes_pinned = 0;  // of `bytes`, page-locked
   std::uint64_t bytes_mapped = 0;  // what the OS was asked for (page-rounded)
@@ -110,7 +110,7 @@ class HostArena {
   HostBuffer allocate(std::uint64_t bytes, Purpose purpose, int numa_node = kDefaultNode);
 
   HostUsage usage() const;
-  bool pins() const;      // are new buffers page-locked?
+  bool pins() const;       // are new buffers page-locked?
   int numa_nodes() const;  // NUMA nodes hwloc sees (1 on most desktops)
   // The NUMA node closest to a PCI device ("0000:01:00.0"), for placing a GPU's staging buffers;
   // -1 when unknown.

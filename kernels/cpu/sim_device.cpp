@@ -162,8 +162,8 @@ class SimDevice final : public Device {
     void* data = std::aligned_alloc(kAlignment, rounded);
     if (data == nullptr) {
       ledger_.unreserve(bytes);
-      throw OutOfMemory(info_.name + " (host memory exhausted)", bytes, ledger_.stats().bytes_in_use,
-                        info_.bytes_cap);
+      throw OutOfMemory(info_.name + " (host memory exhausted)", bytes,
+                        ledger_.stats().bytes_in_use, info_.bytes_cap);
     }
     return DeviceBuffer(this, data, bytes, stream);
   }
@@ -181,9 +181,11 @@ class SimDevice final : public Device {
     std::vector<SimStream*> streams;
     {
       std::lock_guard lock(streams_mutex_);
-      for (auto& s : streams_) streams.push_back(s.get());
+      for (auto& s : streams_)
+        streams.push_back(s.get());
     }
-    for (auto* s : streams) s->synchronize();
+    for (auto* s : streams)
+      s->synchronize();
   }
 
   // Runs a copy that crosses the link: at least bytes / bandwidth after the channel frees up, plus
@@ -203,11 +205,15 @@ class SimDevice final : public Device {
     // Reserve the same interval on every channel crossed; lock them in address order.
     std::vector<Channel*> sorted(channels);
     std::sort(sorted.begin(), sorted.end());
-    for (Channel* c : sorted) c->mutex.lock();
-    for (Channel* c : sorted) begin = std::max(begin, c->busy_until);
+    for (Channel* c : sorted)
+      c->mutex.lock();
+    for (Channel* c : sorted)
+      begin = std::max(begin, c->busy_until);
     Clock::time_point end = begin + wire;
-    for (Channel* c : sorted) c->busy_until = end;
-    for (auto it = sorted.rbegin(); it != sorted.rend(); ++it) (*it)->mutex.unlock();
+    for (Channel* c : sorted)
+      c->busy_until = end;
+    for (auto it = sorted.rbegin(); it != sorted.rend(); ++it)
+      (*it)->mutex.unlock();
     copy();
     // Emulated time, not synchronisation: the copy may not complete before the wire allows.
     std::this_thread::sleep_until(end + duration(latency_s));
@@ -260,7 +266,9 @@ SimStream::~SimStream() {
   thread_.join();
 }
 
-Device& SimStream::device() { return device_; }
+Device& SimStream::device() {
+  return device_;
+}
 
 void SimStream::push(std::function<void()> task, bool control) {
   {

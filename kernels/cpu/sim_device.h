@@ -16,10 +16,10 @@
 namespace rondo::kernels {
 
 struct SimDeviceOptions {
-  std::string name = "sim0";            // shown in errors and by `rondo devices`
-  int index = 0;                        // ordinal among simulated devices
+  std::string name = "sim0";             // shown in errors and by `rondo devices`
+  int index = 0;                         // ordinal among simulated devices
   std::uint64_t bytes_cap = 1ull << 30;  // bytes the device may hand out
-  LinkSpec link;                        // emulated host link; {0, 0} = free, instant copies
+  LinkSpec link;                         // emulated host link; {0, 0} = free, instant copies
 };
 
 std::unique_ptr<Device> make_sim_device(const SimDeviceOptions& options);

@@ -7,8 +7,9 @@ namespace rondo::kernels {
 CudaProbe probe_cuda() {
   CudaProbe probe;
   probe.compiled = false;
-  probe.error = "this build of Rondo has no CUDA support (configured with RONDO_CUDA=OFF or "
-                "without nvcc)";
+  probe.error =
+      "this build of Rondo has no CUDA support (configured with RONDO_CUDA=OFF or "
+      "without nvcc)";
   return probe;
 }
 
@@ -17,8 +18,12 @@ std::unique_ptr<Device> open_cuda_device(const CudaDeviceOptions& options) {
               ": this build of Rondo has no CUDA support; rebuild with the CUDA toolkit installed");
 }
 
-bool host_pinning_available() { return false; }
-bool pin_host_range(void*, std::size_t) noexcept { return false; }
+bool host_pinning_available() {
+  return false;
+}
+bool pin_host_range(void*, std::size_t) noexcept {
+  return false;
+}
 void unpin_host_range(void*) noexcept {}
 
 }  // namespace rondo::kernels

@@ -178,8 +178,8 @@ class CudaDevice final : public Device {
  public:
   explicit CudaDevice(const CudaDeviceOptions& options)
       : index_(options.index), info_(describe(options.index)), ledger_(0) {
-    info_.bytes_cap = options.bytes_cap == 0 ? info_.bytes_total
-                                             : std::min(options.bytes_cap, info_.bytes_total);
+    info_.bytes_cap =
+        options.bytes_cap == 0 ? info_.bytes_total : std::min(options.bytes_cap, info_.bytes_total);
     ledger_.set_cap(info_.bytes_cap);
     DeviceGuard guard(index_);
     // A pool of our own, so that its release threshold (keep up to the cap cached between stage
@@ -217,9 +217,8 @@ class CudaDevice final : public Device {
 
   Stream& create_stream(const std::string& name, StreamPriority priority) override {
     std::lock_guard lock(mutex_);
-    streams_.push_back(std::make_unique<CudaStream>(*this, index_,
-                                                    "cuda:" + std::to_string(index_) + "/" + name,
-                                                    priority));
+    streams_.push_back(std::make_unique<CudaStream>(
+        *this, index_, "cuda:" + std::to_string(index_) + "/" + name, priority));
     return *streams_.back();
   }
 
@@ -294,7 +293,9 @@ class CudaDevice final : public Device {
   std::vector<std::unique_ptr<CudaStream>> streams_;
 };
 
-Device& CudaStream::device() { return device_; }
+Device& CudaStream::device() {
+  return device_;
+}
 
 void CudaStream::upload(void* dst, const void* src, std::size_t bytes) {
   if (bytes == 0) return;
@@ -356,7 +357,9 @@ std::unique_ptr<Device> open_cuda_device(const CudaDeviceOptions& options) {
   return std::make_unique<CudaDevice>(options);
 }
 
-bool host_pinning_available() { return has_device(); }
+bool host_pinning_available() {
+  return has_device();
+}
 
 bool pin_host_range(void* data, std::size_t bytes) noexcept {
   if (!has_device() || bytes == 0) return false;
@@ -368,6 +371,8 @@ bool pin_host_range(void* data, std::size_t bytes) noexcept {
   return true;
 }
 
-void unpin_host_range(void* data) noexcept { warn_cuda(cudaHostUnregister(data), "cudaHostUnregister"); }
+void unpin_host_range(void* data) noexcept {
+  warn_cuda(cudaHostUnregister(data), "cudaHostUnregister");
+}
 
 }  // namespace rondo::kernels

@@ -18,10 +18,10 @@
 namespace rondo::kernels {
 
 struct CudaProbe {
-  bool compiled = false;             // was Rondo built with CUDA support?
-  std::vector<DeviceInfo> devices;   // bytes_cap = bytes_total here
-  std::string error;                 // why `devices` is empty, or ""
-  int driver_version = 0;            // 13020 = 13.2; 0 = no driver
+  bool compiled = false;            // was Rondo built with CUDA support?
+  std::vector<DeviceInfo> devices;  // bytes_cap = bytes_total here
+  std::string error;                // why `devices` is empty, or ""
+  int driver_version = 0;           // 13020 = 13.2; 0 = no driver
   int runtime_version = 0;
 };
 
@@ -29,7 +29,7 @@ struct CudaProbe {
 CudaProbe probe_cuda();
 
 struct CudaDeviceOptions {
-  int index = 0;               // CUDA ordinal
+  int index = 0;                // CUDA ordinal
   std::uint64_t bytes_cap = 0;  // 0 = the whole device
 };
 

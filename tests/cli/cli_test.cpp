@@ -1,7 +1,7 @@
 // Runs the real `rondo` binary and checks what a user would read.
 #include <gtest/gtest.h>
-#include <nlohmann/json.hpp>
 #include <sys/wait.h>
+#include <nlohmann/json.hpp>
 
 #include <array>
 #include <cstdio>
@@ -23,7 +23,8 @@ Result run(const std::string& args) {
   Result r{-1, {}};
   std::array<char, 4096> buf;
   std::size_t n;
-  while ((n = std::fread(buf.data(), 1, buf.size(), pipe)) > 0) r.out.append(buf.data(), n);
+  while ((n = std::fread(buf.data(), 1, buf.size(), pipe)) > 0)
+    r.out.append(buf.data(), n);
   int status = pclose(pipe);
   r.code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
   return r;
@@ -55,7 +56,8 @@ TEST(Cli, DevicesSaysWhatItWillUse) {
     EXPECT_TRUE(contains(r.out, probe.error)) << r.out;  // the reason, as CUDA gave it
     EXPECT_TRUE(contains(r.out, "use the CPU instead")) << r.out;
   } else {
-    for (const auto& d : probe.devices) EXPECT_TRUE(contains(r.out, d.name)) << r.out;
+    for (const auto& d : probe.devices)
+      EXPECT_TRUE(contains(r.out, d.name)) << r.out;
   }
 }
 
@@ -71,7 +73,8 @@ TEST(Cli, DevicesJsonMatchesTheProbe) {
   } else {
     EXPECT_EQ(j["mode"], "cuda");
     ASSERT_EQ(j["devices"].size(), probe.devices.size());
-    for (const auto& d : j["devices"]) EXPECT_LE(d["bytes_cap"].get<std::uint64_t>(), 1ull << 30);
+    for (const auto& d : j["devices"])
+      EXPECT_LE(d["bytes_cap"].get<std::uint64_t>(), 1ull << 30);
   }
 }
 

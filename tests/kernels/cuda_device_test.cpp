@@ -28,10 +28,11 @@ TEST_F(CudaDeviceTest, CopiesOfOddAndLargeSizesAreExact) {
   auto dev = open_cuda_device({.index = 0});
   Stream& s = dev->create_stream("copy");
   std::mt19937 rng(std::random_device{}());
-  for (std::size_t n : {std::size_t{1}, std::size_t{22}, std::size_t{4097},
-                        (std::size_t{256} << 20) + 5}) {
+  for (std::size_t n :
+       {std::size_t{1}, std::size_t{22}, std::size_t{4097}, (std::size_t{256} << 20) + 5}) {
     std::vector<std::uint8_t> host(n), back(n);
-    for (auto& b : host) b = static_cast<std::uint8_t>(rng());
+    for (auto& b : host)
+      b = static_cast<std::uint8_t>(rng());
     DeviceBuffer buf = dev->allocate(n, &s);
     s.upload(buf.data(), host.data(), n);
     s.download(back.data(), buf.data(), n);

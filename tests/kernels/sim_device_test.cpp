@@ -19,7 +19,8 @@ using Clock = std::chrono::steady_clock;
 std::vector<std::uint8_t> random_bytes(std::size_t n, std::mt19937& rng) {
   std::vector<std::uint8_t> v(n);
   std::uniform_int_distribution<int> dist(0, 255);
-  for (auto& b : v) b = static_cast<std::uint8_t>(dist(rng));
+  for (auto& b : v)
+    b = static_cast<std::uint8_t>(dist(rng));
   return v;
 }
 
@@ -44,10 +45,12 @@ TEST(SimDevice, WorkOnOneStreamRunsInEnqueueOrder) {
   auto dev = make_sim_device({});
   Stream& s = dev->create_stream("compute");
   Log log;
-  for (int i = 0; i < 200; ++i) s.enqueue([&log, i] { log.add(i); });
+  for (int i = 0; i < 200; ++i)
+    s.enqueue([&log, i] { log.add(i); });
   s.synchronize();
   ASSERT_EQ(log.order.size(), 200u);
-  for (int i = 0; i < 200; ++i) EXPECT_EQ(log.order[i], i);
+  for (int i = 0; i < 200; ++i)
+    EXPECT_EQ(log.order[i], i);
 }
 
 TEST(SimDevice, ComputeSeesAnUploadEnqueuedBeforeIt) {
@@ -186,7 +189,8 @@ TEST(SimDevice, FillSetsEveryByte) {
   std::vector<std::uint8_t> back(22);
   s.download(back.data(), buf.data(), 22);
   s.synchronize();
-  for (auto b : back) EXPECT_EQ(b, 0x5A);
+  for (auto b : back)
+    EXPECT_EQ(b, 0x5A);
 }
 
 double seconds_since(Clock::time_point start) {
@@ -196,7 +200,8 @@ double seconds_since(Clock::time_point start) {
 TEST(SimDevice, ACopyNeverFinishesBeforeBandwidthAndLatencyAllow) {
   const double bw = 200e6, latency = 2e-3;
   const std::size_t n = 1 << 20;
-  auto dev = make_sim_device({.bytes_cap = 8 << 20, .link = {.bytes_per_s = bw, .latency_s = latency}});
+  auto dev =
+      make_sim_device({.bytes_cap = 8 << 20, .link = {.bytes_per_s = bw, .latency_s = latency}});
   Stream& s = dev->create_stream("up");
   std::vector<std::uint8_t> host(n, 7), back(n);
   DeviceBuffer buf = dev->allocate(n, &s);
@@ -216,7 +221,8 @@ TEST(SimDevice, ACopyNeverFinishesBeforeBandwidthAndLatencyAllow) {
 TEST(SimDevice, CopiesInOneDirectionShareTheLink) {
   const double bw = 200e6, latency = 1e-3;
   const std::size_t n = 1 << 20;
-  auto dev = make_sim_device({.bytes_cap = 8 << 20, .link = {.bytes_per_s = bw, .latency_s = latency}});
+  auto dev =
+      make_sim_device({.bytes_cap = 8 << 20, .link = {.bytes_per_s = bw, .latency_s = latency}});
   Stream& s1 = dev->create_stream("up1");
   Stream& s2 = dev->create_stream("up2");
   std::vector<std::uint8_t> host(n, 3);
@@ -231,9 +237,11 @@ TEST(SimDevice, CopiesInOneDirectionShareTheLink) {
 
 TEST(SimDevice, PeerCopyPaysBothLinks) {
   const std::size_t n = 1 << 20;
-  auto d0 = make_sim_device({.name = "sim0", .bytes_cap = 4 << 20,
-                             .link = {.bytes_per_s = 400e6, .latency_s = 1e-3}});
-  auto d1 = make_sim_device({.name = "sim1", .index = 1, .bytes_cap = 4 << 20,
+  auto d0 = make_sim_device(
+      {.name = "sim0", .bytes_cap = 4 << 20, .link = {.bytes_per_s = 400e6, .latency_s = 1e-3}});
+  auto d1 = make_sim_device({.name = "sim1",
+                             .index = 1,
+                             .bytes_cap = 4 << 20,
                              .link = {.bytes_per_s = 200e6, .latency_s = 2e-3}});
   Stream& s = d0->create_stream("peer");
   DeviceBuffer a = d0->allocate(n), b = d1->allocate(n);

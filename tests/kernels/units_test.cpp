@@ -1,9 +1,9 @@
 // Byte sizes as users write them ("24GB"), and PCIe link figures read from sysfs.
 #include <gtest/gtest.h>
 
+#include <unistd.h>
 #include <filesystem>
 #include <fstream>
-#include <unistd.h>
 
 #include "kernels/error.h"
 #include "kernels/pci.h"

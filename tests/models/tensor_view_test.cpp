@@ -32,7 +32,8 @@ TEST(TensorView, SharesMemoryWithTheBuffer) {
   std::normal_distribution<float> dist;
   const std::int64_t rows = 22, cols = 7;
   std::vector<float> buf(rows * cols);
-  for (float& x : buf) x = dist(rng);
+  for (float& x : buf)
+    x = dist(rng);
   at::Tensor t = tensor_view(buf.data(), DType::kF32, {rows, cols});
   EXPECT_EQ(t.data_ptr(), buf.data());
   EXPECT_EQ(t.size(0), rows);
@@ -41,7 +42,8 @@ TEST(TensorView, SharesMemoryWithTheBuffer) {
   at::Tensor sums = t.to(at::kDouble).sum(1);
   for (std::int64_t r = 0; r < rows; ++r) {
     double expect = 0;
-    for (std::int64_t c = 0; c < cols; ++c) expect += buf[r * cols + c];
+    for (std::int64_t c = 0; c < cols; ++c)
+      expect += buf[r * cols + c];
     EXPECT_NEAR(sums[r].item<double>(), expect, 1e-12) << "row " << r;
   }
   t.mul_(2.0f);

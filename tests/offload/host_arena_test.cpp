@@ -18,8 +18,8 @@ const std::uint64_t kPage = static_cast<std::uint64_t>(sysconf(_SC_PAGESIZE));
 
 TEST(HostArena, BuffersArePageAlignedWritableAndNotRoundedToPowersOfTwo) {
   HostArena arena({.pinning = Pinning::kOff});
-  for (std::uint64_t n : {std::uint64_t{1}, std::uint64_t{22}, std::uint64_t{4097},
-                          (std::uint64_t{5} << 20) + 3}) {
+  for (std::uint64_t n :
+       {std::uint64_t{1}, std::uint64_t{22}, std::uint64_t{4097}, (std::uint64_t{5} << 20) + 3}) {
     HostBuffer b = arena.allocate(n, Purpose::kWeights);
     ASSERT_TRUE(b);
     EXPECT_EQ(reinterpret_cast<std::uintptr_t>(b.data()) % kPage, 0u);
@@ -158,11 +158,13 @@ TEST(HostArena, ConcurrentAllocationsKeepTheBooksStraight) {
       }
     });
   }
-  for (auto& th : threads) th.join();
+  for (auto& th : threads)
+    th.join();
   HostUsage u = arena.usage();
   EXPECT_EQ(u.bytes, 0u);
   EXPECT_EQ(u.bytes_mapped, 0u);
-  for (int p = 0; p < kPurposeCount; ++p) EXPECT_EQ(u.by_purpose[p].buffers, 0u);
+  for (int p = 0; p < kPurposeCount; ++p)
+    EXPECT_EQ(u.by_purpose[p].buffers, 0u);
   EXPECT_GT(u.peak, 0u);
   EXPECT_LE(u.peak, std::uint64_t{64} << 20);
 }

@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# The test command (README, .ci/run): every test that runs without a GPU — labels cpu, oracle and
+# gui — in the main build, then the device-layer and host-arena tests again in a small
+# ThreadSanitizer build (torch-free: the torch wheel is not instrumented). Needs scripts/setup.sh
+# first. Extra arguments go to both ctest runs (e.g. -R SimDevice).
+set -uo pipefail
+
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+RONDO_CACHE=${RONDO_CACHE:-$HOME/.cache/rondo}
+BUILD=${RONDO_BUILD_DIR:-$ROOT/build}
+TSAN_BUILD=${RONDO_TSAN_BUILD_DIR:-$ROOT/build-tsan}
+export CCACHE_DIR=${CCACHE_DIR:-$RONDO_CACHE/ccache}
+
+if [[ ! -f "$BUILD/build.ninja" ]]; then
+  echo "scripts/test.sh: no build in $BUILD; run scripts/setup.sh first" >&2
+  exit 1
+fi
+
+failed=()
+echo "==> building $BUILD"
+ninja -C "$BUILD" || failed+=("build")
+echo "==> tests: labels cpu, oracle, gui"
+ctest --test-dir "$BUILD" -L 'cpu|oracle|gui' -LE slow --output-on-failure -j2 "$@" ||
+  failed+=("tests")
+
+echo "==> ThreadSanitizer build of the device layer and host arena ($TSAN_BUILD)"
+if [[ ! -f "$TSAN_BUILD/build.ninja" ]]; then
+  cmake -S "$ROOT" -B "$TSAN_BUILD" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+    -DRONDO_WITH_TORCH=OFF -DRONDO_TSAN=ON >/dev/null || failed+=("tsan-configure")
+fi
+if ninja -C "$TSAN_BUILD"; then
+  # halt_on_error: a data race fails the test instead of scrolling past.
+  TSAN_OPTIONS="halt_on_error=1 second_deadlock_stack=1" \
+    ctest --test-dir "$TSAN_BUILD" -L cpu --output-on-failure -j2 "$@" || failed+=("tsan-tests")
+else
+  failed+=("tsan-build")
+fi
+
+if ((${#failed[@]})); then
+  echo "scripts/test.sh: FAILED: ${failed[*]}" >&2
+  exit 1
+fi
+echo "scripts/test.sh: all passed"
