@@ -10,7 +10,7 @@ PACKAGES=(
   libhwloc-dev libhwloc15 libudev1 libnuma-dev libnuma1 libltdl-dev libltdl7
   liburing-dev liburing2
   libgtest-dev libgmock-dev googletest
-  nlohmann-json3-dev libcli11-dev
+  nlohmann-json3-dev libcli11-dev libpcre2-dev libpcre2-8-0
 )
 mkdir -p "$DEST"
 cd "$DEST"

@@ -1,0 +1,239 @@
+#include "models/config.h"
+
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <sstream>
+
+#include "kernels/error.h"
+
+namespace rondo::models {
+
+const char* to_string(Family family) {
+  switch (family) {
+    case Family::kLlama:
+      return "llama";
+    case Family::kMistral:
+      return "mistral";
+    case Family::kQwen2:
+      return "qwen2";
+    case Family::kQwen3:
+      return "qwen3";
+  }
+  return "?";
+}
+
+std::vector<std::string> ModelConfig::problems() const {
+  std::vector<std::string> out;
+  auto positive = [&](std::int64_t v, const char* field) {
+    if (v <= 0)
+      out.push_back(std::string(field) + " must be positive (got " + std::to_string(v) + ")");
+  };
+  positive(vocab_size, "vocab_size");
+  positive(hidden_size, "hidden_size");
+  positive(intermediate_size, "intermediate_size");
+  positive(num_layers, "num_hidden_layers");
+  positive(num_heads, "num_attention_heads");
+  positive(num_kv_heads, "num_key_value_heads");
+  positive(head_dim, "head_dim");
+  if (num_heads > 0 && num_kv_heads > 0 && num_heads % num_kv_heads != 0)
+    out.push_back("num_attention_heads (" + std::to_string(num_heads) +
+                  ") must be a multiple of num_key_value_heads (" + std::to_string(num_kv_heads) +
+                  ")");
+  if (head_dim > 0 && head_dim % 2 != 0)
+    out.push_back("head_dim must be even for rotary embeddings (got " + std::to_string(head_dim) +
+                  ")");
+  if (!(rms_norm_eps > 0)) out.push_back("rms_norm_eps must be positive");
+  if (!(rope.theta > 0)) out.push_back("rope_theta must be positive");
+  if (rope.type != "default" && rope.type != "llama3")
+    out.push_back("rope type '" + rope.type + "' is not supported (supported: default, llama3)");
+  if (rope.type == "llama3" && (!(rope.factor > 0) || !(rope.low_freq_factor > 0) ||
+                                !(rope.high_freq_factor > rope.low_freq_factor) ||
+                                rope.original_max_position_embeddings <= 0))
+    out.push_back(
+        "llama3 rope scaling needs factor > 0, 0 < low_freq_factor < high_freq_factor "
+        "and original_max_position_embeddings > 0");
+  if (sliding_window < 0) out.push_back("sliding_window must not be negative");
+  return out;
+}
+
+namespace {
+
+using nlohmann::json;
+
+struct Reader {
+  const json& j;
+  const std::string& source;
+  std::vector<std::string>& problems;
+
+  bool has(const char* key) const { return j.contains(key) && !j.at(key).is_null(); }
+
+  std::int64_t integer(const char* key, std::int64_t fallback, bool required) {
+    if (!has(key)) {
+      if (required) problems.push_back("missing field '" + std::string(key) + "'");
+      return fallback;
+    }
+    const json& v = j.at(key);
+    if (!v.is_number_integer()) {
+      problems.push_back("field '" + std::string(key) + "' must be an integer (got " + v.dump() +
+                         ")");
+      return fallback;
+    }
+    return v.get<std::int64_t>();
+  }
+  double number(const json& obj, const char* key, double fallback) {
+    if (!obj.contains(key) || obj.at(key).is_null()) return fallback;
+    if (!obj.at(key).is_number()) {
+      problems.push_back("field '" + std::string(key) + "' must be a number (got " +
+                         obj.at(key).dump() + ")");
+      return fallback;
+    }
+    return obj.at(key).get<double>();
+  }
+  bool boolean(const char* key, bool fallback) {
+    if (!has(key)) return fallback;
+    if (!j.at(key).is_boolean()) {
+      problems.push_back("field '" + std::string(key) + "' must be true or false");
+      return fallback;
+    }
+    return j.at(key).get<bool>();
+  }
+};
+
+}  // namespace
+
+ModelConfig parse_hf_config(const std::string& json_text, const std::string& source) {
+  json j;
+  try {
+    j = json::parse(json_text);
+  } catch (const json::parse_error& e) {
+    throw Error(source + ": not valid JSON: " + e.what());
+  }
+  if (!j.is_object()) throw Error(source + ": expected a JSON object");
+  std::vector<std::string> problems;
+  Reader r{j, source, problems};
+  ModelConfig c;
+
+  std::string arch;
+  if (j.contains("architectures") && j["architectures"].is_array() && !j["architectures"].empty() &&
+      j["architectures"][0].is_string())
+    arch = j["architectures"][0].get<std::string>();
+  std::string model_type = j.value("model_type", std::string());
+  c.architecture = arch;
+  if (arch == "LlamaForCausalLM" || (arch.empty() && model_type == "llama")) {
+    c.family = Family::kLlama;
+  } else if (arch == "MistralForCausalLM" || (arch.empty() && model_type == "mistral")) {
+    c.family = Family::kMistral;
+  } else if (arch == "Qwen2ForCausalLM" || (arch.empty() && model_type == "qwen2")) {
+    c.family = Family::kQwen2;
+  } else if (arch == "Qwen3ForCausalLM" || (arch.empty() && model_type == "qwen3")) {
+    c.family = Family::kQwen3;
+  } else {
+    throw Error(source + ": architecture '" + (arch.empty() ? model_type : arch) +
+                "' is not supported (supported: LlamaForCausalLM, MistralForCausalLM, "
+                "Qwen2ForCausalLM, Qwen3ForCausalLM)");
+  }
+  if (c.architecture.empty()) {
+    static const char* kArch[] = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
+                                  "Qwen3ForCausalLM"};
+    c.architecture = kArch[static_cast<int>(c.family)];
+  }
+
+  c.vocab_size = r.integer("vocab_size", 0, true);
+  c.hidden_size = r.integer("hidden_size", 0, true);
+  c.intermediate_size = r.integer("intermediate_size", 0, true);
+  c.num_layers = r.integer("num_hidden_layers", 0, true);
+  c.num_heads = r.integer("num_attention_heads", 0, true);
+  c.num_kv_heads = r.integer("num_key_value_heads", c.num_heads, false);
+  c.head_dim = r.has("head_dim") ? r.integer("head_dim", 0, false)
+                                 : (c.num_heads > 0 ? c.hidden_size / c.num_heads : 0);
+  c.max_position_embeddings = r.integer("max_position_embeddings", 4096, false);
+  c.rms_norm_eps = r.number(j, "rms_norm_eps", 1e-6);
+  c.tie_word_embeddings = r.boolean("tie_word_embeddings", false);
+  std::string act = j.value("hidden_act", std::string("silu"));
+  if (act != "silu") problems.push_back("hidden_act '" + act + "' is not supported (only silu)");
+
+  switch (c.family) {
+    case Family::kLlama:
+      c.attention_bias = c.attention_out_bias = r.boolean("attention_bias", false);
+      c.mlp_bias = r.boolean("mlp_bias", false);
+      break;
+    case Family::kMistral:
+      break;
+    case Family::kQwen2:
+      c.attention_bias = true;  // Qwen2 always has q/k/v biases
+      break;
+    case Family::kQwen3:
+      c.attention_bias = c.attention_out_bias = r.boolean("attention_bias", false);
+      c.qk_norm = true;
+      break;
+  }
+  // Sliding windows: Mistral applies one whenever set; Qwen only with use_sliding_window.
+  if (r.has("sliding_window")) {
+    bool use = c.family == Family::kMistral ||
+               ((c.family == Family::kQwen2 || c.family == Family::kQwen3) &&
+                r.boolean("use_sliding_window", false));
+    if (use) c.sliding_window = r.integer("sliding_window", 0, false);
+  }
+
+  // Rotary: transformers 5 writes rope_parameters (with rope_theta inside); older files have
+  // rope_theta and rope_scaling at the top level.
+  const json* scaling = nullptr;
+  if (j.contains("rope_parameters") && j["rope_parameters"].is_object()) {
+    scaling = &j["rope_parameters"];
+    c.rope.theta = r.number(*scaling, "rope_theta", r.number(j, "rope_theta", 10000.0));
+  } else {
+    c.rope.theta = r.number(j, "rope_theta", 10000.0);
+    if (j.contains("rope_scaling") && j["rope_scaling"].is_object()) scaling = &j["rope_scaling"];
+  }
+  if (scaling != nullptr) {
+    std::string type = scaling->value("rope_type", scaling->value("type", std::string("default")));
+    c.rope.type = type;
+    if (type == "llama3") {
+      c.rope.factor = r.number(*scaling, "factor", 1.0);
+      c.rope.low_freq_factor = r.number(*scaling, "low_freq_factor", 1.0);
+      c.rope.high_freq_factor = r.number(*scaling, "high_freq_factor", 4.0);
+      c.rope.original_max_position_embeddings =
+          static_cast<std::int64_t>(r.number(*scaling, "original_max_position_embeddings", 8192));
+    }
+  }
+
+  std::string dtype = j.value("torch_dtype", j.value("dtype", std::string("float32")));
+  if (dtype == "bfloat16")
+    c.dtype = DType::kBF16;
+  else if (dtype == "float16")
+    c.dtype = DType::kF16;
+  else
+    c.dtype = DType::kF32;
+
+  if (r.has("bos_token_id") && j["bos_token_id"].is_number_integer())
+    c.bos_token_id = j["bos_token_id"].get<std::int64_t>();
+  if (r.has("eos_token_id")) {
+    const json& e = j["eos_token_id"];
+    if (e.is_number_integer())
+      c.eos_token_ids.push_back(e.get<std::int64_t>());
+    else if (e.is_array())
+      for (const json& x : e)
+        if (x.is_number_integer()) c.eos_token_ids.push_back(x.get<std::int64_t>());
+  }
+
+  if (problems.empty())  // missing fields already said; the checks below would repeat them
+    for (auto& p : c.problems())
+      problems.push_back(p);
+  if (!problems.empty()) {
+    std::string text = source + ": invalid model config:";
+    for (auto& p : problems)
+      text += "\n  - " + p;
+    throw Error(text);
+  }
+  return c;
+}
+
+ModelConfig load_hf_config(const std::string& path) {
+  std::ifstream in(path);
+  if (!in) throw Error("cannot read " + path + " (a Hugging Face model folder needs config.json)");
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return parse_hf_config(ss.str(), path);
+}
+
+}  // namespace rondo::models

@@ -1,0 +1,60 @@
+// What a model is: the family and its dimensions, from a Hugging Face config.json (old style with
+// `rope_theta`/`rope_scaling`, or transformers 5's `rope_parameters`) or from GGUF metadata.
+// Everything downstream (layers, planner, export) reads this struct; validate() has checked it.
+//
+// Names: B, T, C, H, KV, D, V, L = batch, tokens, hidden, heads, kv-heads, head dim, vocab, layers.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "models/dtype.h"
+
+namespace rondo::models {
+
+enum class Family { kLlama, kMistral, kQwen2, kQwen3 };
+const char* to_string(Family family);  // "llama", "mistral", "qwen2", "qwen3"
+
+struct RopeConfig {
+  std::string type = "default";  // "default" or "llama3"
+  double theta = 10000.0;        // base
+  // llama3 only:
+  double factor = 1.0;
+  double low_freq_factor = 1.0;
+  double high_freq_factor = 4.0;
+  std::int64_t original_max_position_embeddings = 8192;
+};
+
+struct ModelConfig {
+  std::string architecture;  // "LlamaForCausalLM", ...
+  Family family = Family::kLlama;
+  std::int64_t vocab_size = 0;         // V
+  std::int64_t hidden_size = 0;        // C
+  std::int64_t intermediate_size = 0;  // MLP width
+  std::int64_t num_layers = 0;         // L
+  std::int64_t num_heads = 0;          // H
+  std::int64_t num_kv_heads = 0;       // KV (GQA when < H)
+  std::int64_t head_dim = 0;           // D (need not be C / H)
+  std::int64_t max_position_embeddings = 0;
+  double rms_norm_eps = 1e-6;
+  RopeConfig rope;
+  bool tie_word_embeddings = false;  // LM head = embedding matrix
+  bool attention_bias = false;       // bias on q, k, v (Qwen2 always; Llama when set)
+  bool attention_out_bias = false;   // bias on o_proj (Llama attention_bias)
+  bool mlp_bias = false;             // bias on gate/up/down (Llama mlp_bias)
+  bool qk_norm = false;              // RMSNorm on q and k per head (Qwen3)
+  std::int64_t sliding_window = 0;   // 0 = full attention
+  DType dtype = DType::kF32;         // dtype the checkpoint declares
+  std::vector<std::int64_t> eos_token_ids;
+  std::int64_t bos_token_id = -1;  // -1 = none
+
+  // Every inconsistency at once (e.g. heads not a multiple of kv-heads), each naming the field.
+  std::vector<std::string> problems() const;
+};
+
+// Parses config.json text; `source` names the file in errors. Throws Error listing every problem.
+ModelConfig parse_hf_config(const std::string& json_text, const std::string& source);
+ModelConfig load_hf_config(const std::string& path);
+
+}  // namespace rondo::models

@@ -1,0 +1,42 @@
+// A read-only memory-mapped file with bounds-checked access, for checkpoint readers that must
+// never read past the end of untrusted input (safetensors, GGUF). Errors name the file.
+//
+//   models::MappedFile f("model.safetensors");
+//   const std::uint8_t* p = f.bytes(offset, length, "tensor model.norm.weight");  // or throws
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+namespace rondo::models {
+
+class MappedFile {
+ public:
+  // Throws Error naming the path if it cannot be opened or mapped. An empty file maps to size 0.
+  explicit MappedFile(const std::string& path);
+  ~MappedFile();
+  MappedFile(MappedFile&& other) noexcept;
+  MappedFile& operator=(MappedFile&&) = delete;
+  MappedFile(const MappedFile&) = delete;
+  MappedFile& operator=(const MappedFile&) = delete;
+
+  const std::string& path() const { return path_; }
+  std::uint64_t size() const { return size_; }
+  const std::uint8_t* data() const { return data_; }
+
+  // [offset, offset + length) if it lies inside the file, else throws Error naming the file,
+  // `what` and the range. Overflow-safe.
+  const std::uint8_t* bytes(std::uint64_t offset, std::uint64_t length,
+                            const std::string& what) const;
+  bool contains(std::uint64_t offset, std::uint64_t length) const {
+    return offset <= size_ && length <= size_ - offset;
+  }
+
+ private:
+  std::string path_;
+  const std::uint8_t* data_ = nullptr;
+  std::uint64_t size_ = 0;
+};
+
+}  // namespace rondo::models
