@@ -15,7 +15,8 @@ endif()
 
 # rondo_target_flags(<target> [NUMERIC])
 #   Warnings, the x86-64-v3 baseline (AVX-512 paths are chosen at run time), and for NUMERIC code
-#   -fno-math-errno (without it GCC does not vectorise sqrt). Applies ThreadSanitizer when on.
+#   -fno-math-errno (without it GCC does not vectorise sqrt). Applies ThreadSanitizer or
+#   AddressSanitizer (+ UBSan) when on.
 function(rondo_target_flags target)
   cmake_parse_arguments(ARG "NUMERIC" "" "" ${ARGN})
   target_compile_options(${target} PRIVATE
@@ -26,5 +27,10 @@ function(rondo_target_flags target)
   if(RONDO_TSAN)
     target_compile_options(${target} PRIVATE $<$<COMPILE_LANGUAGE:CXX>:-fsanitize=thread -g>)
     target_link_options(${target} PRIVATE -fsanitize=thread)
+  endif()
+  if(RONDO_ASAN)
+    target_compile_options(${target} PRIVATE
+      $<$<COMPILE_LANGUAGE:CXX>:-fsanitize=address,undefined -fno-omit-frame-pointer -g>)
+    target_link_options(${target} PRIVATE -fsanitize=address,undefined)
   endif()
 endfunction()

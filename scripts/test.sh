@@ -1,14 +1,17 @@
 #!/usr/bin/env bash
 # The test command (README, .ci/run): every test that runs without a GPU — labels cpu, oracle and
-# gui — in the main build, then the device-layer and host-arena tests again in a small
-# ThreadSanitizer build (torch-free: the torch wheel is not instrumented). Needs scripts/setup.sh
-# first. Extra arguments go to both ctest runs (e.g. -R SimDevice).
+# gui — in the main build; then the device-layer and host-arena tests again in a small
+# ThreadSanitizer build (torch-free: the torch wheel is not instrumented); then the models tests
+# (the checkpoint readers' malformed-input tests among them) under AddressSanitizer + UBSan.
+# Needs scripts/setup.sh first. Extra arguments go to the ctest runs (e.g. -R SimDevice).
 set -uo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 RONDO_CACHE=${RONDO_CACHE:-$HOME/.cache/rondo}
 BUILD=${RONDO_BUILD_DIR:-$ROOT/build}
 TSAN_BUILD=${RONDO_TSAN_BUILD_DIR:-$ROOT/build-tsan}
+ASAN_BUILD=${RONDO_ASAN_BUILD_DIR:-$ROOT/build-asan}
+RONDO_VENV=${RONDO_VENV:-$RONDO_CACHE/venv}
 export CCACHE_DIR=${CCACHE_DIR:-$RONDO_CACHE/ccache}
 
 if [[ ! -f "$BUILD/build.ninja" ]]; then
@@ -34,6 +37,19 @@ if ninja -C "$TSAN_BUILD"; then
     ctest --test-dir "$TSAN_BUILD" -L cpu --output-on-failure -j2 "$@" || failed+=("tsan-tests")
 else
   failed+=("tsan-build")
+fi
+
+echo "==> AddressSanitizer build of the models tests ($ASAN_BUILD)"
+if [[ ! -f "$ASAN_BUILD/build.ninja" ]]; then
+  cmake -S "$ROOT" -B "$ASAN_BUILD" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DRONDO_CUDA=OFF \
+    -DRONDO_ASAN=ON -DRONDO_PYTHON="$RONDO_VENV/bin/python" >/dev/null || failed+=("asan-configure")
+fi
+if ninja -C "$ASAN_BUILD" models_test; then
+  # Leaks inside the uninstrumented torch wheel are not ours to report.
+  ASAN_OPTIONS="detect_leaks=0" UBSAN_OPTIONS="halt_on_error=1 print_stacktrace=1" \
+    "$ASAN_BUILD/tests/models_test" --gtest_brief=1 || failed+=("asan-tests")
+else
+  failed+=("asan-build")
 fi
 
 if ((${#failed[@]})); then

@@ -1,0 +1,348 @@
+#include "models/layers.h"
+
+#include <ATen/ATen.h>
+
+#include <cmath>
+#include <map>
+
+#include "kernels/error.h"
+
+namespace rondo::models {
+
+const char* to_string(LayerKind kind) {
+  switch (kind) {
+    case LayerKind::kPrefix:
+      return "prefix";
+    case LayerKind::kBlock:
+      return "block";
+    case LayerKind::kHead:
+      return "head";
+  }
+  return "?";
+}
+
+std::int64_t ParamSpec::numel() const {
+  std::int64_t n = 1;
+  for (std::int64_t d : shape)
+    n *= d;
+  return n;
+}
+
+std::int64_t LayerSpec::param_count() const {
+  std::int64_t n = 0;
+  for (const ParamSpec& p : params)
+    if (!p.tied) n += p.numel();
+  return n;
+}
+
+double LayerSpec::flops_forward_per_token(std::int64_t seq_len) const {
+  const ModelConfig& c = config;
+  switch (kind) {
+    case LayerKind::kPrefix:
+      return 0;  // a gather
+    case LayerKind::kHead:
+      return 2.0 * static_cast<double>(c.vocab_size) * c.hidden_size;
+    case LayerKind::kBlock: {
+      double matmul = 0;
+      for (const ParamSpec& p : params)
+        if (p.shape.size() == 2) matmul += 2.0 * p.numel();
+      // Scores and the weighted sum: 2 * 2 * H * D multiply-adds per key, seq_len / 2 keys.
+      double attention = 4.0 * c.num_heads * c.head_dim * (static_cast<double>(seq_len) / 2.0);
+      return matmul + attention;
+    }
+  }
+  return 0;
+}
+
+double LayerSpec::flops_backward_per_token(std::int64_t seq_len) const {
+  return 2.0 * flops_forward_per_token(seq_len);
+}
+
+std::uint64_t LayerSpec::activation_bytes_per_token(std::size_t act_bytes) const {
+  const ModelConfig& c = config;
+  std::uint64_t values = 0;
+  switch (kind) {
+    case LayerKind::kPrefix:
+      values = c.hidden_size;
+      break;
+    case LayerKind::kHead:
+      // Normed input, plus one chunk of fp32 logits is transient, not per token.
+      values = 2 * c.hidden_size;
+      break;
+    case LayerKind::kBlock:
+      // x, normed x (twice), q k v (rotated copies too), attention output, o output, gate, up,
+      // silu(gate), their product.
+      values = 4 * c.hidden_size + 2 * (c.num_heads + 2 * c.num_kv_heads) * c.head_dim +
+               c.num_heads * c.head_dim + 4 * c.intermediate_size;
+      break;
+  }
+  return values * act_bytes;
+}
+
+std::vector<LayerSpec> layer_specs(const ModelConfig& c) {
+  const std::int64_t C = c.hidden_size, H = c.num_heads, KV = c.num_kv_heads, D = c.head_dim,
+                     I = c.intermediate_size, V = c.vocab_size;
+  std::vector<LayerSpec> specs;
+  LayerSpec prefix;
+  prefix.kind = LayerKind::kPrefix;
+  prefix.config = c;
+  prefix.params.push_back({"model.embed_tokens.weight", {V, C}});
+  specs.push_back(prefix);
+  for (int b = 0; b < c.num_layers; ++b) {
+    LayerSpec s;
+    s.kind = LayerKind::kBlock;
+    s.block = b;
+    s.config = c;
+    std::string p = "model.layers." + std::to_string(b) + ".";
+    auto add = [&](const std::string& name, std::vector<std::int64_t> shape) {
+      s.params.push_back({p + name, std::move(shape)});
+    };
+    add("input_layernorm.weight", {C});
+    add("self_attn.q_proj.weight", {H * D, C});
+    if (c.attention_bias) add("self_attn.q_proj.bias", {H * D});
+    add("self_attn.k_proj.weight", {KV * D, C});
+    if (c.attention_bias) add("self_attn.k_proj.bias", {KV * D});
+    add("self_attn.v_proj.weight", {KV * D, C});
+    if (c.attention_bias) add("self_attn.v_proj.bias", {KV * D});
+    add("self_attn.o_proj.weight", {C, H * D});
+    if (c.attention_out_bias) add("self_attn.o_proj.bias", {C});
+    if (c.qk_norm) {
+      add("self_attn.q_norm.weight", {D});
+      add("self_attn.k_norm.weight", {D});
+    }
+    add("post_attention_layernorm.weight", {C});
+    add("mlp.gate_proj.weight", {I, C});
+    if (c.mlp_bias) add("mlp.gate_proj.bias", {I});
+    add("mlp.up_proj.weight", {I, C});
+    if (c.mlp_bias) add("mlp.up_proj.bias", {I});
+    add("mlp.down_proj.weight", {C, I});
+    if (c.mlp_bias) add("mlp.down_proj.bias", {C});
+    specs.push_back(std::move(s));
+  }
+  LayerSpec head;
+  head.kind = LayerKind::kHead;
+  head.config = c;
+  head.params.push_back({"model.norm.weight", {C}});
+  if (c.tie_word_embeddings)
+    head.params.push_back({"model.embed_tokens.weight", {V, C}, true});
+  else
+    head.params.push_back({"lm_head.weight", {V, C}});
+  specs.push_back(head);
+  return specs;
+}
+
+namespace {
+
+// Rotary inverse frequencies, in fp32 as transformers computes them (so that logits agree to
+// fp32 rounding, not just to the mathematically exact value).
+at::Tensor inverse_frequencies(const ModelConfig& c) {
+  const std::int64_t D = c.head_dim;
+  at::Tensor exponent = at::arange(0, D, 2, at::kLong).to(at::kFloat) / static_cast<double>(D);
+  at::Tensor inv = 1.0 / at::pow(at::scalar_tensor(c.rope.theta, at::kFloat), exponent);
+  if (c.rope.type == "llama3") {
+    const double factor = c.rope.factor, low = c.rope.low_freq_factor,
+                 high = c.rope.high_freq_factor;
+    const double old_len = static_cast<double>(c.rope.original_max_position_embeddings);
+    const double low_wavelen = old_len / low, high_wavelen = old_len / high;
+    at::Tensor wavelen = 2.0 * M_PI / inv;
+    at::Tensor scaled = at::where(wavelen > low_wavelen, inv / factor, inv);
+    at::Tensor smooth = (old_len / wavelen - low) / (high - low);
+    at::Tensor smoothed = (1 - smooth) * scaled / factor + smooth * scaled;
+    at::Tensor medium =
+        at::logical_not(wavelen < high_wavelen) & at::logical_not(wavelen > low_wavelen);
+    inv = at::where(medium, smoothed, scaled);
+  }
+  return inv;
+}
+
+at::Tensor rotate_half(const at::Tensor& x) {
+  const std::int64_t half = x.size(-1) / 2;
+  return at::cat({-x.narrow(-1, half, half), x.narrow(-1, 0, half)}, -1);
+}
+
+at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b) {
+  return b.defined() ? at::linear(x, w, b) : at::linear(x, w);
+}
+
+}  // namespace
+
+AttentionContext make_attention_context(const ModelConfig& c, const TokenBatch& batch,
+                                        at::ScalarType dtype) {
+  const at::Tensor& tokens = batch.tokens;
+  if (tokens.dim() != 2) throw Error("token batch must be (B, T)");
+  const std::int64_t B = tokens.size(0), T = tokens.size(1);
+  AttentionContext ctx;
+  at::TensorOptions longs = at::TensorOptions().dtype(at::kLong).device(tokens.device());
+  if (batch.doc_ids.defined()) {
+    if (batch.doc_ids.sizes() != tokens.sizes()) throw Error("doc_ids must have the tokens' shape");
+    at::Tensor docs = batch.doc_ids.to(at::kCPU, at::kLong).contiguous();
+    at::Tensor pos = at::empty({B, T}, at::kLong);
+    const std::int64_t* d = docs.data_ptr<std::int64_t>();
+    std::int64_t* p = pos.data_ptr<std::int64_t>();
+    for (std::int64_t b = 0; b < B; ++b)
+      for (std::int64_t t = 0; t < T; ++t) {
+        std::int64_t i = b * T + t;
+        p[i] = (t > 0 && d[i] == d[i - 1]) ? p[i - 1] + 1 : 0;
+        if (t > 0 && d[i] != d[i - 1])
+          for (std::int64_t u = 0; u < t; ++u)
+            if (d[b * T + u] == d[i])
+              throw Error("doc_ids: document " + std::to_string(d[i]) + " of row " +
+                          std::to_string(b) + " is not contiguous");
+      }
+    ctx.positions = pos.to(tokens.device());
+    at::Tensor dd = batch.doc_ids.to(longs);
+    at::Tensor same = dd.unsqueeze(2).eq(dd.unsqueeze(1));  // (B, T, T)
+    at::Tensor causal =
+        at::ones({T, T}, at::TensorOptions().dtype(at::kBool).device(tokens.device())).tril();
+    ctx.mask = (same & causal).unsqueeze(1);
+  } else {
+    ctx.positions = at::arange(T, longs).unsqueeze(0).expand({B, T});
+  }
+  if (c.sliding_window > 0 && T > c.sliding_window) {
+    // Keys more than sliding_window - 1 positions back are out of reach.
+    at::Tensor i = at::arange(T, longs).unsqueeze(1), j = at::arange(T, longs).unsqueeze(0);
+    at::Tensor window = ((i - j) < c.sliding_window) & (j <= i);
+    at::Tensor base =
+        ctx.mask.defined() ? ctx.mask : window.unsqueeze(0).unsqueeze(0).expand({B, 1, T, T});
+    ctx.mask = base & window;
+  }
+  at::Tensor inv = inverse_frequencies(c).to(tokens.device());
+  at::Tensor freqs = ctx.positions.to(at::kFloat).unsqueeze(-1) * inv;  // (B, T, D/2)
+  at::Tensor emb = at::cat({freqs, freqs}, -1);
+  ctx.cos = emb.cos().to(dtype).unsqueeze(1);
+  ctx.sin = emb.sin().to(dtype).unsqueeze(1);
+  return ctx;
+}
+
+AttentionContext make_decode_context(const ModelConfig& c, std::int64_t offset, std::int64_t count,
+                                     at::ScalarType dtype, at::Device device) {
+  at::TensorOptions longs = at::TensorOptions().dtype(at::kLong).device(device);
+  AttentionContext ctx;
+  ctx.positions = at::arange(offset, offset + count, longs).unsqueeze(0);
+  at::Tensor i = ctx.positions.squeeze(0).unsqueeze(1);           // query positions
+  at::Tensor j = at::arange(offset + count, longs).unsqueeze(0);  // key positions
+  at::Tensor allowed = j <= i;
+  if (c.sliding_window > 0) allowed = allowed & ((i - j) < c.sliding_window);
+  if (count > 1 || (c.sliding_window > 0 && offset + count > c.sliding_window))
+    ctx.mask = allowed.unsqueeze(0).unsqueeze(0);  // (1, 1, count, offset + count)
+  at::Tensor freqs = ctx.positions.to(at::kFloat).unsqueeze(-1) * inverse_frequencies(c).to(device);
+  at::Tensor emb = at::cat({freqs, freqs}, -1);
+  ctx.cos = emb.cos().to(dtype).unsqueeze(1);
+  ctx.sin = emb.sin().to(dtype).unsqueeze(1);
+  return ctx;
+}
+
+BlockWeights BlockWeights::bind(const LayerSpec& spec, const std::vector<at::Tensor>& tensors) {
+  RONDO_ASSERT(spec.kind == LayerKind::kBlock);
+  if (tensors.size() != spec.params.size())
+    throw InternalError("block " + std::to_string(spec.block) + ": " +
+                        std::to_string(tensors.size()) + " tensors for " +
+                        std::to_string(spec.params.size()) + " parameters");
+  static const std::map<std::string, at::Tensor BlockWeights::*> kFields = {
+      {"input_layernorm.weight", &BlockWeights::input_norm},
+      {"self_attn.q_proj.weight", &BlockWeights::q},
+      {"self_attn.q_proj.bias", &BlockWeights::q_bias},
+      {"self_attn.k_proj.weight", &BlockWeights::k},
+      {"self_attn.k_proj.bias", &BlockWeights::k_bias},
+      {"self_attn.v_proj.weight", &BlockWeights::v},
+      {"self_attn.v_proj.bias", &BlockWeights::v_bias},
+      {"self_attn.o_proj.weight", &BlockWeights::o},
+      {"self_attn.o_proj.bias", &BlockWeights::o_bias},
+      {"self_attn.q_norm.weight", &BlockWeights::q_norm},
+      {"self_attn.k_norm.weight", &BlockWeights::k_norm},
+      {"post_attention_layernorm.weight", &BlockWeights::post_norm},
+      {"mlp.gate_proj.weight", &BlockWeights::gate},
+      {"mlp.gate_proj.bias", &BlockWeights::gate_bias},
+      {"mlp.up_proj.weight", &BlockWeights::up},
+      {"mlp.up_proj.bias", &BlockWeights::up_bias},
+      {"mlp.down_proj.weight", &BlockWeights::down},
+      {"mlp.down_proj.bias", &BlockWeights::down_bias},
+  };
+  const std::string prefix = "model.layers." + std::to_string(spec.block) + ".";
+  BlockWeights w;
+  for (std::size_t i = 0; i < tensors.size(); ++i) {
+    std::string local = spec.params[i].name.substr(prefix.size());
+    auto it = kFields.find(local);
+    RONDO_ASSERT_MSG(it != kFields.end(), "unknown block parameter " + spec.params[i].name);
+    w.*(it->second) = tensors[i];
+  }
+  return w;
+}
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  at::Tensor h = x.to(at::kFloat);
+  at::Tensor variance = h.pow(2).mean(-1, /*keepdim=*/true);
+  h = h * at::rsqrt(variance + eps);
+  return weight * h.to(x.scalar_type());
+}
+
+at::Tensor embed(const at::Tensor& embed_weight, const at::Tensor& tokens) {
+  return at::embedding(embed_weight, tokens);
+}
+
+at::Tensor block_forward(const ModelConfig& c, const BlockWeights& w, const at::Tensor& x,
+                         const AttentionContext& ctx, KvCache* cache) {
+  const std::int64_t B = x.size(0), T = x.size(1), H = c.num_heads, KV = c.num_kv_heads,
+                     D = c.head_dim;
+  at::Tensor h = rms_norm(x, w.input_norm, c.rms_norm_eps);
+  at::Tensor q = linear(h, w.q, w.q_bias).view({B, T, H, D});
+  at::Tensor k = linear(h, w.k, w.k_bias).view({B, T, KV, D});
+  at::Tensor v = linear(h, w.v, w.v_bias).view({B, T, KV, D});
+  if (c.qk_norm) {
+    q = rms_norm(q, w.q_norm, c.rms_norm_eps);
+    k = rms_norm(k, w.k_norm, c.rms_norm_eps);
+  }
+  q = q.transpose(1, 2);  // (B, H, T, D)
+  k = k.transpose(1, 2);
+  v = v.transpose(1, 2);
+  q = q * ctx.cos + rotate_half(q) * ctx.sin;
+  k = k * ctx.cos + rotate_half(k) * ctx.sin;
+  bool causal = !ctx.mask.defined();
+  if (cache != nullptr) {
+    if (cache->k.defined()) {
+      k = at::cat({cache->k, k}, 2);
+      v = at::cat({cache->v, v}, 2);
+    }
+    cache->k = k;
+    cache->v = v;
+    // New tokens see every cached one: the mask (from make_decode_context) says so; one new
+    // token needs none.
+    causal = false;
+  }
+  std::optional<at::Tensor> mask;
+  if (ctx.mask.defined()) mask = ctx.mask;
+  at::Tensor a = at::scaled_dot_product_attention(q, k, v, mask, 0.0, causal,
+                                                  1.0 / std::sqrt(static_cast<double>(D)),
+                                                  /*enable_gqa=*/H != KV);
+  a = a.transpose(1, 2).reshape({B, T, H * D});
+  at::Tensor out = x + linear(a, w.o, w.o_bias);
+  h = rms_norm(out, w.post_norm, c.rms_norm_eps);
+  at::Tensor m = linear(at::silu(linear(h, w.gate, w.gate_bias)) * linear(h, w.up, w.up_bias),
+                        w.down, w.down_bias);
+  return out + m;
+}
+
+at::Tensor head_logits(const ModelConfig& c, const at::Tensor& norm_weight,
+                       const at::Tensor& lm_head_weight, const at::Tensor& x) {
+  at::Tensor h = rms_norm(x, norm_weight, c.rms_norm_eps);
+  return at::linear(h, lm_head_weight).to(at::kFloat);
+}
+
+at::Tensor head_loss_sum(const ModelConfig& c, const at::Tensor& norm_weight,
+                         const at::Tensor& lm_head_weight, const at::Tensor& x,
+                         const at::Tensor& targets, std::int64_t chunk_tokens) {
+  RONDO_ASSERT(chunk_tokens > 0);
+  at::Tensor h = rms_norm(x, norm_weight, c.rms_norm_eps).reshape({-1, x.size(-1)});
+  at::Tensor t = targets.reshape({-1}).to(at::kLong);
+  const std::int64_t N = h.size(0);
+  at::Tensor total = at::zeros({}, h.options().dtype(at::kFloat));
+  for (std::int64_t start = 0; start < N; start += chunk_tokens) {
+    const std::int64_t n = std::min(chunk_tokens, N - start);
+    at::Tensor logits = at::linear(h.narrow(0, start, n), lm_head_weight).to(at::kFloat);
+    total = total + at::cross_entropy_loss(logits, t.narrow(0, start, n), {}, at::Reduction::Sum,
+                                           /*ignore_index=*/-100);
+  }
+  return total;
+}
+
+}  // namespace rondo::models

@@ -1,0 +1,121 @@
+// The model as a list of layers — [prefix, block_0 .. block_{L-1}, head] — and each layer as a
+// pure function of its weights and inputs (ARCHITECTURE.md §4). The engine streams a layer's
+// weights to a device and calls these functions there; nothing here owns memory or knows where it
+// lives. Shared by every family: Llama, Mistral, Qwen2 and Qwen3 differ only in ModelConfig flags.
+//
+//   auto specs = models::layer_specs(cfg);                  // what the planner needs
+//   auto ctx = models::make_attention_context(cfg, batch, at::kFloat, at::kCPU);
+//   at::Tensor x = models::embed(w_embed, batch.tokens);    // prefix
+//   x = models::block_forward(cfg, models::BlockWeights::bind(cfg, specs[1], w1), x, ctx);
+//   at::Tensor loss_sum = models::head_loss_sum(cfg, w_norm, w_lm_head, x, targets);
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "models/config.h"
+
+namespace rondo::models {
+
+enum class LayerKind { kPrefix, kBlock, kHead };
+const char* to_string(LayerKind kind);
+
+struct ParamSpec {
+  std::string name;  // Hugging Face name, e.g. model.layers.3.self_attn.q_proj.weight
+  std::vector<std::int64_t> shape;  // torch order
+  bool tied = false;                // the same tensor as a parameter of another layer (LM head =
+                                    // embedding); its owner is the other layer
+  std::int64_t numel() const;
+};
+
+struct LayerSpec {
+  LayerKind kind = LayerKind::kBlock;
+  int block = -1;  // 0..L-1 for blocks
+  std::vector<ParamSpec> params;
+
+  // Parameters this layer owns (tied ones not counted).
+  std::int64_t param_count() const;
+  // FLOPs per token, forward, for sequences of `seq_len` tokens (attention grows with it;
+  // causal: on average seq_len / 2 keys per query).
+  double flops_forward_per_token(std::int64_t seq_len) const;
+  // Backward without recompute: twice the forward (input and weight gradients).
+  double flops_backward_per_token(std::int64_t seq_len) const;
+  // Bytes autograd keeps per token to run this layer's backward, activations in `act` dtype
+  // (an estimate from the shapes; the planner replaces it with measurements).
+  std::uint64_t activation_bytes_per_token(std::size_t act_bytes) const;
+
+  ModelConfig config;  // the model this layer belongs to (dimensions for the costs)
+};
+
+std::vector<LayerSpec> layer_specs(const ModelConfig& config);
+
+// One batch of token rows. Packed rows hold several documents: doc_ids marks them (equal ids =
+// same document, each document contiguous); attention never crosses documents and positions
+// restart at 0 for each one.
+struct TokenBatch {
+  at::Tensor tokens;   // (B, T) int64
+  at::Tensor doc_ids;  // (B, T) int64, or undefined: one document per row
+};
+
+// What every block of a batch shares: rotary tables and the attention mask. Computed once per
+// batch (by the prefix) and passed to each block.
+struct AttentionContext {
+  at::Tensor positions;  // (B, T) int64
+  at::Tensor cos, sin;   // (B, 1, T, D) in the compute dtype
+  at::Tensor mask;       // (B, 1, T, T) bool, true = may attend; undefined = plain causal
+};
+
+AttentionContext make_attention_context(const ModelConfig& config, const TokenBatch& batch,
+                                        at::ScalarType dtype);
+
+// Generation: keys and values of the tokens seen so far, per block. One sequence (B = 1).
+struct KvCache {
+  at::Tensor k, v;  // (1, KV, T_seen, D)
+  std::int64_t length() const { return k.defined() ? k.size(2) : 0; }
+};
+
+// Context for `count` new tokens after `offset` cached ones (B = 1): positions offset.., causal
+// over cache + new tokens, the sliding window applied.
+AttentionContext make_decode_context(const ModelConfig& config, std::int64_t offset,
+                                     std::int64_t count, at::ScalarType dtype, at::Device device);
+
+// The weights of one block, bound by name from a layer's tensors (in LayerSpec::params order).
+// Optional tensors (biases, q/k norms) are undefined when the family has none.
+struct BlockWeights {
+  at::Tensor input_norm;                      // (C)
+  at::Tensor q, k, v, o;                      // (H*D, C) (KV*D, C) (KV*D, C) (C, H*D)
+  at::Tensor q_bias, k_bias, v_bias, o_bias;  // optional
+  at::Tensor q_norm, k_norm;                  // (D), Qwen3
+  at::Tensor post_norm;                       // (C)
+  at::Tensor gate, up, down;                  // (I, C) (I, C) (C, I)
+  at::Tensor gate_bias, up_bias, down_bias;   // optional (Llama mlp_bias)
+
+  static BlockWeights bind(const LayerSpec& spec, const std::vector<at::Tensor>& tensors);
+};
+
+// Prefix: token embeddings. (B, T) -> (B, T, C) in the embedding's dtype.
+at::Tensor embed(const at::Tensor& embed_weight, const at::Tensor& tokens);
+
+// One decoder block: x + attn(norm(x)), then + mlp(norm(.)). With a cache, x holds only the new
+// tokens; their keys and values are appended to it and attention covers the cache too.
+at::Tensor block_forward(const ModelConfig& config, const BlockWeights& w, const at::Tensor& x,
+                         const AttentionContext& ctx, KvCache* cache = nullptr);
+
+// Head: final norm then LM head, fp32 logits (B, T, V). For inference and tests; training uses
+// head_loss_sum, which never holds more than `chunk_tokens` rows of logits.
+at::Tensor head_logits(const ModelConfig& config, const at::Tensor& norm_weight,
+                       const at::Tensor& lm_head_weight, const at::Tensor& x);
+
+// Sum over target tokens (targets != -100) of the fp32 cross-entropy, computed chunk by chunk.
+at::Tensor head_loss_sum(const ModelConfig& config, const at::Tensor& norm_weight,
+                         const at::Tensor& lm_head_weight, const at::Tensor& x,
+                         const at::Tensor& targets, std::int64_t chunk_tokens = 1024);
+
+// RMSNorm as Hugging Face computes it: in fp32, then back to the input dtype, times the weight.
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
+
+}  // namespace rondo::models

@@ -1,0 +1,160 @@
+#include "models/model.h"
+
+#include <ATen/ATen.h>
+
+#include <filesystem>
+#include <set>
+
+#include "kernels/error.h"
+#include "models/safetensors.h"
+#include "models/tensor_view.h"
+
+namespace rondo::models {
+namespace fs = std::filesystem;
+
+namespace {
+std::string shape_text(at::IntArrayRef shape) {
+  std::string s = "[";
+  for (std::size_t i = 0; i < shape.size(); ++i)
+    s += (i ? ", " : "") + std::to_string(shape[i]);
+  return s + "]";
+}
+
+// Tensors a checkpoint may carry that are not weights.
+bool ignorable(const std::string& name, const ModelConfig& c) {
+  if (name.size() >= 19 && name.compare(name.size() - 19, 19, "rotary_emb.inv_freq") == 0)
+    return true;
+  // Some tied checkpoints also store the LM head (a copy of the embedding).
+  return c.tie_word_embeddings && name == "lm_head.weight";
+}
+}  // namespace
+
+Model Model::load(const std::string& path, const LoadOptions& options) {
+  if (fs::is_directory(path)) return load_hf_folder(path, options);
+  if (fs::path(path).extension() == ".gguf")
+    throw Error(path + ": GGUF files are not supported by this build yet");
+  if (!fs::exists(path)) throw Error("model " + path + " does not exist");
+  throw Error(path + " is neither a Hugging Face model folder nor a .gguf file");
+}
+
+Model Model::load_hf_folder(const std::string& dir, const LoadOptions& options) {
+  ModelConfig config = load_hf_config((fs::path(dir) / "config.json").string());
+  auto ckpt = std::make_shared<Checkpoint>(Checkpoint::open_hf_folder(dir));
+  std::map<std::string, at::Tensor> tensors;
+  for (const std::string& name : ckpt->names()) {
+    const TensorEntry& e = ckpt->get(name);
+    at::Tensor t = e.view();  // zero-copy, read-only
+    if (options.dtype && *options.dtype != e.dtype) t = t.to(to_scalar_type(*options.dtype));
+    tensors.emplace(name, t);
+  }
+  return from_tensors(std::move(config), std::move(tensors), dir, ckpt);
+}
+
+Model Model::from_tensors(ModelConfig config, std::map<std::string, at::Tensor> tensors,
+                          std::string source, std::shared_ptr<void> keepalive) {
+  Model m;
+  m.config_ = std::move(config);
+  m.layers_ = layer_specs(m.config_);
+  m.source_ = std::move(source);
+  m.keepalive_ = std::move(keepalive);
+  std::set<std::string> expected;
+  std::vector<std::string> problems;
+  for (const LayerSpec& layer : m.layers_)
+    for (const ParamSpec& p : layer.params) {
+      if (!expected.insert(p.name).second) continue;  // tied: checked once
+      auto it = tensors.find(p.name);
+      if (it == tensors.end()) {
+        problems.push_back("missing tensor '" + p.name + "' (shape " + shape_text(p.shape) + ")");
+        continue;
+      }
+      if (it->second.sizes() != at::IntArrayRef(p.shape))
+        problems.push_back("tensor '" + p.name + "' has shape " + shape_text(it->second.sizes()) +
+                           " but the config needs " + shape_text(p.shape));
+    }
+  for (auto it = tensors.begin(); it != tensors.end();) {
+    if (expected.count(it->first)) {
+      ++it;
+    } else if (ignorable(it->first, m.config_)) {
+      it = tensors.erase(it);
+    } else {
+      problems.push_back("unexpected tensor '" + it->first + "' (not part of a " +
+                         m.config_.architecture + " with " + std::to_string(m.config_.num_layers) +
+                         " layers)");
+      ++it;
+    }
+  }
+  if (!problems.empty()) {
+    std::string text = m.source_ + ": the weights do not match the config:";
+    const std::size_t shown = std::min<std::size_t>(problems.size(), 12);
+    for (std::size_t i = 0; i < shown; ++i)
+      text += "\n  - " + problems[i];
+    if (problems.size() > shown)
+      text += "\n  - and " + std::to_string(problems.size() - shown) + " more";
+    throw Error(text);
+  }
+  m.tensors_ = std::move(tensors);
+  return m;
+}
+
+DType Model::dtype() const {
+  return dtype_of(tensors_.at("model.embed_tokens.weight"));
+}
+
+const at::Tensor& Model::tensor(const std::string& name) const {
+  auto it = tensors_.find(name);
+  if (it == tensors_.end()) throw Error(source_ + ": no tensor '" + name + "'");
+  return it->second;
+}
+
+std::vector<at::Tensor> Model::layer_tensors(std::size_t layer) const {
+  RONDO_ASSERT(layer < layers_.size());
+  std::vector<at::Tensor> out;
+  for (const ParamSpec& p : layers_[layer].params)
+    out.push_back(tensors_.at(p.name));
+  return out;
+}
+
+std::int64_t Model::param_count() const {
+  std::int64_t n = 0;
+  for (const LayerSpec& l : layers_)
+    n += l.param_count();
+  return n;
+}
+
+at::Tensor Model::hidden(const TokenBatch& batch) const {
+  const at::Tensor& emb = tensor("model.embed_tokens.weight");
+  AttentionContext ctx = make_attention_context(config_, batch, emb.scalar_type());
+  at::Tensor x = embed(emb, batch.tokens);
+  for (std::size_t i = 1; i + 1 < layers_.size(); ++i)
+    x = block_forward(config_, BlockWeights::bind(layers_[i], layer_tensors(i)), x, ctx);
+  return x;
+}
+
+at::Tensor Model::logits(const TokenBatch& batch) const {
+  std::vector<at::Tensor> head = layer_tensors(layers_.size() - 1);
+  return head_logits(config_, head[0], head[1], hidden(batch));
+}
+
+at::Tensor Model::loss_sum(const TokenBatch& batch, const at::Tensor& targets) const {
+  std::vector<at::Tensor> head = layer_tensors(layers_.size() - 1);
+  return head_loss_sum(config_, head[0], head[1], hidden(batch), targets);
+}
+
+at::Tensor next_token_targets(const TokenBatch& batch, const at::Tensor& loss_mask) {
+  at::Tensor tokens = batch.tokens.to(at::kLong);
+  const std::int64_t T = tokens.size(1);
+  at::Tensor targets = at::full_like(tokens, -100);
+  if (T > 1) {
+    at::Tensor next = tokens.narrow(1, 1, T - 1);
+    at::Tensor same = at::ones_like(next, at::kBool);
+    if (batch.doc_ids.defined()) {
+      at::Tensor d = batch.doc_ids.to(at::kLong);
+      same = d.narrow(1, 1, T - 1).eq(d.narrow(1, 0, T - 1));
+    }
+    if (loss_mask.defined()) same = same & loss_mask.narrow(1, 1, T - 1).to(at::kBool);
+    targets.narrow(1, 0, T - 1).copy_(at::where(same, next, at::full_like(next, -100)));
+  }
+  return targets;
+}
+
+}  // namespace rondo::models

@@ -1,0 +1,243 @@
+// safetensors and checkpoint folders: round trip, and one test per malformed-input class, each
+// checking that the error names the file and the tensor. Also run under AddressSanitizer.
+#include "models/safetensors.h"
+
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <filesystem>
+#include <fstream>
+
+#include "kernels/error.h"
+#include "models/model.h"
+
+namespace rondo::models {
+namespace {
+namespace fs = std::filesystem;
+
+class TempDir {
+ public:
+  TempDir() {
+    path_ = fs::temp_directory_path() /
+            ("rondo-st-" + std::to_string(::getpid()) + "-" + std::to_string(counter_++));
+    fs::create_directories(path_);
+  }
+  ~TempDir() { fs::remove_all(path_); }
+  fs::path operator/(const std::string& name) const { return path_ / name; }
+  const fs::path& path() const { return path_; }
+
+ private:
+  fs::path path_;
+  static inline int counter_ = 0;
+};
+
+// A file from a raw JSON header and `data_bytes` bytes of data.
+void write_raw(const fs::path& p, const std::string& header, std::size_t data_bytes) {
+  std::ofstream out(p, std::ios::binary);
+  std::uint64_t n = header.size();
+  out.write(reinterpret_cast<const char*>(&n), 8);
+  out << header;
+  std::string data(data_bytes, '\x01');
+  out << data;
+}
+
+// Expects Error whose message contains every one of `parts`.
+template <typename F>
+void expect_error(F&& f, std::initializer_list<std::string> parts) {
+  try {
+    f();
+    ADD_FAILURE() << "no error thrown";
+  } catch (const Error& e) {
+    std::string msg = e.what();
+    for (const std::string& p : parts)
+      EXPECT_NE(msg.find(p), std::string::npos) << msg << "\n  missing: " << p;
+  }
+}
+
+TEST(Safetensors, RoundTripKeepsValuesDtypesAndShapes) {
+  TempDir dir;
+  at::Tensor a = at::randn({22, 7});
+  at::Tensor b = at::randn({4097}).to(at::kBFloat16);
+  at::Tensor c = at::randint(0, 1000, {3, 1, 5}, at::kLong);
+  at::Tensor d = at::randn({1}).to(at::kHalf);
+  fs::path p = dir / "x.safetensors";
+  write_safetensors(p.string(), {{"a", a}, {"b.weight", b}, {"c", c}, {"d", d}},
+                    {{"format", "pt"}});
+  SafetensorsFile f(p.string());
+  EXPECT_EQ(f.tensors().size(), 4u);
+  EXPECT_EQ(f.metadata().at("format"), "pt");
+  EXPECT_TRUE(at::equal(f.find("a")->view(), a));
+  EXPECT_TRUE(at::equal(f.find("b.weight")->view(), b));
+  EXPECT_TRUE(at::equal(f.find("c")->view(), c));
+  EXPECT_TRUE(at::equal(f.find("d")->view(), d));
+  EXPECT_EQ(f.find("b.weight")->dtype, DType::kBF16);
+  EXPECT_EQ(f.find("missing"), nullptr);
+  EXPECT_FALSE(fs::exists(p.string() + ".tmp." + std::to_string(::getpid())));
+}
+
+TEST(Safetensors, TruncatedFileNamesTheTensor) {
+  TempDir dir;
+  fs::path p = dir / "t.safetensors";
+  write_raw(p, R"({"w":{"dtype":"F32","shape":[4,4],"data_offsets":[0,64]}})", 40);
+  expect_error([&] { SafetensorsFile f(p.string()); }, {p.string(), "'w'", "truncated"});
+}
+
+TEST(Safetensors, HeaderLongerThanTheFile) {
+  TempDir dir;
+  fs::path p = dir / "h.safetensors";
+  {
+    std::ofstream out(p, std::ios::binary);
+    std::uint64_t n = 1000;
+    out.write(reinterpret_cast<const char*>(&n), 8);
+    out << "{}";
+  }
+  expect_error([&] { SafetensorsFile f(p.string()); }, {p.string(), "header"});
+  fs::path tiny = dir / "tiny.safetensors";
+  std::ofstream(tiny, std::ios::binary) << "abc";
+  expect_error([&] { SafetensorsFile f(tiny.string()); }, {tiny.string(), "header length"});
+}
+
+TEST(Safetensors, OverlappingTensorsAreRejected) {
+  TempDir dir;
+  fs::path p = dir / "o.safetensors";
+  write_raw(p,
+            R"({"a":{"dtype":"F32","shape":[4],"data_offsets":[0,16]},)"
+            R"("b":{"dtype":"F32","shape":[4],"data_offsets":[8,24]}})",
+            24);
+  expect_error([&] { SafetensorsFile f(p.string()); }, {p.string(), "'a'", "'b'", "overlap"});
+}
+
+TEST(Safetensors, SizeThatDoesNotMatchTheShape) {
+  TempDir dir;
+  fs::path p = dir / "s.safetensors";
+  write_raw(p, R"({"w":{"dtype":"BF16","shape":[3,3],"data_offsets":[0,16]}})", 16);
+  expect_error([&] { SafetensorsFile f(p.string()); }, {p.string(), "'w'", "18"});
+}
+
+TEST(Safetensors, UnknownDtypeIsNamed) {
+  TempDir dir;
+  fs::path p = dir / "d.safetensors";
+  write_raw(p, R"({"w":{"dtype":"F8_E4M3","shape":[2],"data_offsets":[0,2]}})", 2);
+  expect_error([&] { SafetensorsFile f(p.string()); }, {p.string(), "'w'", "F8_E4M3", "supported"});
+}
+
+TEST(Safetensors, MalformedHeaderFields) {
+  TempDir dir;
+  const char* headers[] = {
+      R"(not json)",
+      R"([1,2])",
+      R"({"w":{"dtype":"F32","shape":[-1],"data_offsets":[0,4]}})",
+      R"({"w":{"dtype":"F32","shape":[1],"data_offsets":[8,4]}})",
+      R"({"w":{"dtype":"F32","shape":[1]}})",
+      R"({"w":{"dtype":"F32","shape":[4294967296,4294967296,4294967296],"data_offsets":[0,4]}})",
+      R"({"__metadata__":{"k":1}})",
+  };
+  int i = 0;
+  for (const char* h : headers) {
+    fs::path p = dir / ("m" + std::to_string(i++) + ".safetensors");
+    write_raw(p, h, 8);
+    expect_error([&] { SafetensorsFile f(p.string()); }, {p.string()});
+  }
+}
+
+TEST(Checkpoint, FolderWithoutWeightsSaysWhatIsMissing) {
+  TempDir dir;
+  expect_error([&] { Checkpoint::open_hf_folder(dir.path().string()); },
+               {dir.path().string(), "model.safetensors"});
+  expect_error([&] { Checkpoint::open_hf_folder((dir / "nope").string()); }, {"not a folder"});
+}
+
+TEST(Checkpoint, ShardedIndexIsChecked) {
+  TempDir dir;
+  write_safetensors((dir / "part-1.safetensors").string(), {{"a", at::randn({3})}});
+  std::ofstream(dir / "model.safetensors.index.json")
+      << R"({"weight_map":{"a":"part-1.safetensors","b":"part-1.safetensors"}})";
+  expect_error([&] { Checkpoint::open_hf_folder(dir.path().string()); },
+               {"'b'", "part-1.safetensors", "no such tensor"});
+  std::ofstream(dir / "model.safetensors.index.json")
+      << R"({"weight_map":{"a":"part-1.safetensors","b":"part-2.safetensors"}})";
+  expect_error([&] { Checkpoint::open_hf_folder(dir.path().string()); },
+               {"part-2.safetensors", "missing"});
+  std::ofstream(dir / "model.safetensors.index.json")
+      << R"({"weight_map":{"a":"part-1.safetensors"}})";
+  Checkpoint c = Checkpoint::open_hf_folder(dir.path().string());
+  EXPECT_EQ(c.names(), std::vector<std::string>{"a"});
+  expect_error([&] { c.get("b"); }, {dir.path().string(), "'b'"});
+}
+
+ModelConfig tiny_config() {
+  return parse_hf_config(R"({"architectures":["LlamaForCausalLM"],"vocab_size":11,
+    "hidden_size":8,"intermediate_size":12,"num_hidden_layers":1,"num_attention_heads":2,
+    "num_key_value_heads":1})",
+                         "config.json");
+}
+
+std::map<std::string, at::Tensor> tiny_weights(const ModelConfig& c) {
+  std::map<std::string, at::Tensor> w;
+  for (const LayerSpec& l : layer_specs(c))
+    for (const ParamSpec& p : l.params)
+      w[p.name] = at::randn(p.shape);
+  return w;
+}
+
+TEST(Model, MissingWrongAndUnexpectedTensorsAreNamed) {
+  ModelConfig c = tiny_config();
+  auto w = tiny_weights(c);
+  EXPECT_NO_THROW(Model::from_tensors(c, w, "ok"));
+  auto missing = w;
+  missing.erase("model.layers.0.mlp.up_proj.weight");
+  expect_error([&] { Model::from_tensors(c, missing, "folderA"); },
+               {"folderA", "missing tensor 'model.layers.0.mlp.up_proj.weight'"});
+  auto wrong = w;
+  wrong["model.layers.0.self_attn.k_proj.weight"] = at::randn({8, 8});
+  expect_error([&] { Model::from_tensors(c, wrong, "folderB"); },
+               {"folderB", "'model.layers.0.self_attn.k_proj.weight'", "[8, 8]", "[4, 8]"});
+  auto extra = w;
+  extra["model.layers.1.input_layernorm.weight"] = at::randn({8});
+  expect_error([&] { Model::from_tensors(c, extra, "folderC"); },
+               {"folderC", "unexpected tensor 'model.layers.1.input_layernorm.weight'"});
+}
+
+TEST(Config, ListsEveryProblemAtOnce) {
+  expect_error(
+      [] {
+        parse_hf_config(R"({"architectures":["LlamaForCausalLM"],"hidden_size":"big",
+          "num_hidden_layers":2,"num_attention_heads":3,"num_key_value_heads":2})",
+                        "cfg.json");
+      },
+      {"cfg.json", "vocab_size", "hidden_size", "intermediate_size"});
+  expect_error(
+      [] {
+        parse_hf_config(R"({"architectures":["LlamaForCausalLM"],"vocab_size":10,"hidden_size":8,
+          "intermediate_size":8,"num_hidden_layers":2,"num_attention_heads":3,"num_key_value_heads":2})",
+                        "cfg.json");
+      },
+      {"num_attention_heads (3) must be a multiple of num_key_value_heads (2)"});
+  expect_error([] { parse_hf_config(R"({"architectures":["GPTNeoXForCausalLM"]})", "c.json"); },
+               {"c.json", "GPTNeoXForCausalLM", "not supported", "Qwen3ForCausalLM"});
+}
+
+TEST(Config, ReadsOldAndNewRopeFields) {
+  ModelConfig old_style = parse_hf_config(R"({"architectures":["LlamaForCausalLM"],
+    "vocab_size":10,"hidden_size":8,"intermediate_size":8,"num_hidden_layers":1,
+    "num_attention_heads":2,"rope_theta":500000.0,"rope_scaling":{"rope_type":"llama3",
+    "factor":32.0,"low_freq_factor":1.0,"high_freq_factor":4.0,
+    "original_max_position_embeddings":8192}})",
+                                          "a");
+  EXPECT_EQ(old_style.rope.theta, 500000.0);
+  EXPECT_EQ(old_style.rope.type, "llama3");
+  EXPECT_EQ(old_style.rope.factor, 32.0);
+  EXPECT_EQ(old_style.head_dim, 4);
+  ModelConfig qwen3 = parse_hf_config(R"({"architectures":["Qwen3ForCausalLM"],
+    "vocab_size":10,"hidden_size":8,"intermediate_size":8,"num_hidden_layers":1,
+    "num_attention_heads":2,"num_key_value_heads":1,"head_dim":16,
+    "rope_parameters":{"rope_type":"default","rope_theta":1000000.0}})",
+                                      "b");
+  EXPECT_EQ(qwen3.rope.theta, 1000000.0);
+  EXPECT_EQ(qwen3.head_dim, 16);
+  EXPECT_TRUE(qwen3.qk_norm);
+}
+
+}  // namespace
+}  // namespace rondo::models
