@@ -9,6 +9,7 @@
 #include <string>
 
 #include "cli/devices_command.h"
+#include "cli/inspect_command.h"
 #include "kernels/error.h"
 #include "models/tensor_view.h"
 
@@ -30,6 +31,11 @@ int main(int argc, char** argv) {
       "devices", "List the devices a run would use (CUDA GPUs, or what is used instead)");
   rondo::cli::add_devices_options(*devices_cmd, devices);
 
+  rondo::cli::InspectOptions inspect;
+  CLI::App* inspect_cmd = app.add_subcommand(
+      "inspect", "Describe a model: family, dimensions, parameters, dtype, bytes per layer");
+  rondo::cli::add_inspect_options(*inspect_cmd, inspect);
+
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -48,6 +54,7 @@ int main(int argc, char** argv) {
       return 0;
     }
     if (devices_cmd->parsed()) return rondo::cli::run_devices(devices);
+    if (inspect_cmd->parsed()) return rondo::cli::run_inspect(inspect);
     std::fputs(app.help().c_str(), stdout);
     return 0;
   } catch (const rondo::Error& e) {
