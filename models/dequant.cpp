@@ -2,9 +2,13 @@
 // reference dequantize_row_* so that float32 results are bit-identical to gguf-py's.
 //
 // Note [No FMA in dequant]
-// Q4_1 and Q4_K compute `d * q + m` / `d * q - m`. ggml's reference and gguf-py round the product
-// before the add; with -march=x86-64-v3 GCC would contract that into one fused multiply-add and
-// differ in the last bit. This file is compiled with -ffp-contract=off (models/CMakeLists.txt).
+// Q4_1 and Q4_K compute `d * q + m` / `d * q - m`; ggml's reference and gguf-py round the product
+// before the add. With the formats here the product is exact in float32 (an f16 scale, times a
+// 6-bit sub-scale, times a 4-bit quant needs at most 21 significant bits), so GCC's contraction
+// into a fused multiply-add (it does contract under -march=x86-64-v3) cannot change a result
+// today. This file is still compiled with -ffp-contract=off (models/CMakeLists.txt) so that a
+// format whose product rounds (wider quants, float grids) keeps ggml's rounding without anyone
+// having to remember this.
 #include "models/dequant.h"
 
 #include <array>

@@ -1,7 +1,7 @@
 // ggml tensor element types (as GGUF files store them) and their dequantisation to float32 and to
 // bf16, Rondo's streaming dtype. Plain scalar loops over blocks: the reference that faster paths
 // are checked against. Results equal gguf-py's `gguf.quants.dequantize` bit for bit in float32
-// (same operations in the same order, no fused multiply-add: see Note [No FMA in dequant]).
+// (same operations in the same order; see Note [No FMA in dequant] in dequant.cpp).
 // Used by gguf.cpp (load_tensor) and by tests.
 //
 //   const GgmlTypeInfo* info = ggml_type_info(GgmlType::kQ4_K);   // 256 elements in 144 bytes
