@@ -181,14 +181,19 @@ ModelConfig config_from_gguf(const GgufFile& file) {
       c.eos_token_ids.push_back(id);
   }
 
-  std::vector<std::string> problems = c.problems();
-  if (!problems.empty()) {
+  auto check = [&] {
+    std::vector<std::string> problems = c.problems();
+    if (problems.empty()) return;
     std::string text = file.path() + ": invalid model metadata:";
     for (auto& p : problems)
       text += "\n  - " + p;
     throw Error(text);
+  };
+  check();  // recover_llama3_rope needs a valid head_dim
+  if (file.find_tensor(kRopeFreqs) != nullptr) {
+    recover_llama3_rope(file, c, arch);
+    check();
   }
-  if (file.find_tensor(kRopeFreqs) != nullptr) recover_llama3_rope(file, c, arch);
   return c;
 }
 

@@ -163,6 +163,16 @@ TEST_F(GgufMalformed, TheValidFileReadsBack) {
     EXPECT_EQ(q.view({-1})[i].item<float>(), 0.5 * v.q_values[i]) << i;
 }
 
+TEST_F(GgufMalformed, Version2HasTheSameLayout) {
+  auto g = v.g;
+  g.set_u32(4, 2);
+  GgufFile f(write(g.b));
+  EXPECT_EQ(f.version(), 2u);
+  EXPECT_EQ(f.tensor("blk.0.q").n_bytes, 68u);
+  g.set_u32(4, 1);  // v1 used 32-bit counts: refused, not misread
+  EXPECT_HAS(open_error(g.b), "version 1");
+}
+
 TEST_F(GgufMalformed, TruncatedHeader) {
   std::vector<std::uint8_t> bytes(v.g.b.begin(), v.g.b.begin() + 10);  // inside the tensor count
   std::string msg = open_error(bytes);
