@@ -50,8 +50,9 @@ fi
 
 # --- Python environment ------------------------------------------------------------------------
 REQ="$ROOT/scripts/requirements.txt"
+REQ_NODEPS="$ROOT/scripts/requirements-nodeps.txt"
 STAMP="$RONDO_VENV/.rondo-requirements.sha256"
-want=$(sha256sum "$REQ" | cut -d' ' -f1)
+want=$(cat "$REQ" "$REQ_NODEPS" | sha256sum | cut -d' ' -f1)
 if [[ ! -x "$RONDO_VENV/bin/python" ]]; then
   step "creating the Python environment in $RONDO_VENV"
   mkdir -p "$(dirname "$RONDO_VENV")"
@@ -61,6 +62,7 @@ if [[ ! -f "$STAMP" || "$(cat "$STAMP")" != "$want" ]]; then
   step "installing Python packages from scripts/requirements.txt (torch is large: minutes)"
   "$RONDO_VENV/bin/python" -m pip install -q --upgrade pip
   "$RONDO_VENV/bin/python" -m pip install -q -r "$REQ"
+  "$RONDO_VENV/bin/python" -m pip install -q --no-deps -r "$REQ_NODEPS"
   step "checking the Python environment"
   "$RONDO_VENV/bin/python" -c "import torch, transformers, peft, safetensors, tokenizers, gguf, numpy, pytest; print('torch', torch.__version__)"
   echo "$want" >"$STAMP"

@@ -1,0 +1,282 @@
+// Note [llama.cpp rotary permutation]
+// Hugging Face's Llama applies rotary embeddings to the two halves of each head (element i pairs
+// with i + D/2); ggml's "normal" rope pairs neighbours (2i with 2i+1). So llama.cpp's converter
+// reorders the rows of q_proj and k_proj (weights and biases) of `llama` models, per head: viewing
+// a head's D rows as (2, D/2), it swaps the axes to (D/2, 2). We undo that on load: view as
+// (heads, D/2, 2, ...), swap back to (heads, 2, D/2, ...). Qwen2 and Qwen3 use ggml's "neox"
+// rope, which pairs halves as HF does, so their rows are stored unchanged.
+#include "models/gguf_model.h"
+
+#include <ATen/ATen.h>
+
+#include <algorithm>
+#include <cmath>
+#include <unordered_set>
+
+#include "kernels/error.h"
+
+namespace rondo::models {
+namespace {
+
+constexpr const char* kRopeFreqs = "rope_freqs.weight";
+
+std::string shape_string(const std::vector<std::int64_t>& shape) {
+  std::string s = "(";
+  for (std::size_t i = 0; i < shape.size(); ++i)
+    s += (i ? ", " : "") + std::to_string(shape[i]);
+  return s + ")";
+}
+
+// llama3 frequency factors for given parameters, as llama.cpp's converter computes them into
+// rope_freqs.weight (one factor per rotary pair; the rotation frequency is divided by it).
+std::vector<double> llama3_factors(const RopeConfig& r, std::int64_t head_dim) {
+  std::vector<double> out;
+  const double low_wavelen = r.original_max_position_embeddings / r.low_freq_factor;
+  const double high_wavelen = r.original_max_position_embeddings / r.high_freq_factor;
+  for (std::int64_t i = 0; i < head_dim; i += 2) {
+    const double freq = 1.0 / std::pow(r.theta, static_cast<double>(i) / head_dim);
+    const double wavelen = 2 * M_PI / freq;
+    if (wavelen < high_wavelen) {
+      out.push_back(1.0);
+    } else if (wavelen > low_wavelen) {
+      out.push_back(r.factor);
+    } else {
+      const double smooth = (r.original_max_position_embeddings / wavelen - r.low_freq_factor) /
+                            (r.high_freq_factor - r.low_freq_factor);
+      out.push_back(1.0 / ((1 - smooth) / r.factor + smooth));
+    }
+  }
+  return out;
+}
+
+// llama.cpp keeps no llama3 rope parameters, only their result: rope_freqs.weight. Recover them:
+// the largest factor is `factor`; between the two plateaus 1/f is linear in position/wavelength,
+// which gives low_freq_factor and high_freq_factor for the original context length (scaling all
+// three together leaves every factor unchanged, so the length from metadata, or Llama 3's 8192,
+// is as good as any). The result is checked by recomputing every factor.
+void recover_llama3_rope(const GgufFile& file, ModelConfig& c, const std::string& arch) {
+  const GgufTensorInfo& t = file.tensor(kRopeFreqs);
+  auto fail = [&](const std::string& why) {
+    throw Error(file.path() + ": tensor '" + kRopeFreqs + "': " + why +
+                "; Rondo supports rope frequency factors only as Llama 3 rope scaling");
+  };
+  if (t.ne.size() != 1 || t.ne[0] != c.head_dim / 2)
+    fail("expected " + std::to_string(c.head_dim / 2) + " factors (head_dim / 2), found shape " +
+         shape_string(t.shape()));
+  at::Tensor ft = load_tensor(file, kRopeFreqs, DType::kF32);
+  std::vector<double> f(ft.data_ptr<float>(), ft.data_ptr<float>() + ft.numel());
+  RopeConfig r = c.rope;
+  r.type = "llama3";
+  r.factor = *std::max_element(f.begin(), f.end());
+  r.original_max_position_embeddings =
+      file.get_int(arch + ".rope.scaling.original_context_length", 8192);
+  if (!(r.factor >= 1.0) || r.original_max_position_embeddings <= 0)
+    fail("factors below 1 or not finite");
+  if (r.factor == 1.0) return;                  // no scaling at all
+  constexpr double kTol = 1e-5;                 // the factors are stored in float32
+  std::vector<std::pair<double, double>> ramp;  // (context / wavelength, smooth) between plateaus
+  for (std::size_t i = 0; i < f.size(); ++i) {
+    if (f[i] <= 1.0 + kTol || f[i] >= r.factor * (1 - kTol)) continue;
+    const double freq = 1.0 / std::pow(r.theta, static_cast<double>(2 * i) / c.head_dim);
+    const double x = r.original_max_position_embeddings / (2 * M_PI / freq);
+    ramp.emplace_back(x, (1.0 / f[i] - 1.0 / r.factor) / (1.0 - 1.0 / r.factor));
+  }
+  if (ramp.size() >= 2) {
+    const auto [x1, s1] = ramp.front();
+    const auto [x2, s2] = ramp.back();
+    const double slope = (s2 - s1) / (x2 - x1);  // 1 / (high - low)
+    if (!(slope > 0)) fail("the factors between the plateaus do not rise as Llama 3's do");
+    r.low_freq_factor = x1 - s1 / slope;
+    r.high_freq_factor = r.low_freq_factor + 1.0 / slope;
+  }  // else keep Llama 3's defaults (1, 4) if they reproduce the factors
+  const std::vector<double> expect = llama3_factors(r, c.head_dim);
+  for (std::size_t i = 0; i < f.size(); ++i)
+    if (std::abs(expect[i] - f[i]) > kTol * std::max(1.0, std::abs(f[i])))
+      fail("factor " + std::to_string(i) + " is " + std::to_string(f[i]) +
+           " but Llama 3 rope scaling with factor " + std::to_string(r.factor) + " gives " +
+           std::to_string(expect[i]));
+  c.rope = r;
+}
+
+}  // namespace
+
+ModelConfig config_from_gguf(const GgufFile& file) {
+  const std::string arch = file.get_string("general.architecture");
+  ModelConfig c;
+  if (arch == "llama") {
+    c.family = Family::kLlama;  // Mistral too: llama.cpp stores it as llama
+    c.architecture = "LlamaForCausalLM";
+  } else if (arch == "qwen2") {
+    c.family = Family::kQwen2;
+    c.architecture = "Qwen2ForCausalLM";
+  } else if (arch == "qwen3") {
+    c.family = Family::kQwen3;
+    c.architecture = "Qwen3ForCausalLM";
+  } else {
+    throw Error(file.path() + ": metadata 'general.architecture' is '" + arch +
+                "', which Rondo does not support (supported: llama, which includes Mistral, "
+                "qwen2, qwen3)");
+  }
+  auto key = [&](const char* suffix) { return arch + "." + suffix; };
+
+  c.hidden_size = file.get_int(key("embedding_length"));
+  c.num_layers = file.get_int(key("block_count"));
+  c.intermediate_size = file.get_int(key("feed_forward_length"));
+  c.num_heads = file.get_int(key("attention.head_count"));
+  c.num_kv_heads = file.get_int(key("attention.head_count_kv"), c.num_heads);
+  c.head_dim =
+      file.get_int(key("attention.key_length"), c.num_heads > 0 ? c.hidden_size / c.num_heads : 0);
+  const std::int64_t value_length = file.get_int(key("attention.value_length"), c.head_dim);
+  if (value_length != c.head_dim)
+    throw Error(file.path() + ": metadata '" + key("attention.value_length") + "' (" +
+                std::to_string(value_length) + ") differs from the key length (" +
+                std::to_string(c.head_dim) + "); Rondo's families need equal lengths");
+  const std::int64_t rope_dims = file.get_int(key("rope.dimension_count"), c.head_dim);
+  if (rope_dims != c.head_dim)
+    throw Error(file.path() + ": metadata '" + key("rope.dimension_count") + "' (" +
+                std::to_string(rope_dims) + ") is not the head dimension (" +
+                std::to_string(c.head_dim) + "): partial rotary embeddings are not supported");
+  c.max_position_embeddings = file.get_int(key("context_length"), 4096);
+  c.rms_norm_eps = file.get_float(key("attention.layer_norm_rms_epsilon"));
+  c.rope.theta = file.get_float(key("rope.freq_base"), 10000.0);
+  const std::string scaling = file.get_string(key("rope.scaling.type"), "none");
+  if (scaling != "none")
+    throw Error(file.path() + ": metadata '" + key("rope.scaling.type") + "' is '" + scaling +
+                "'; Rondo supports no rope scaling or Llama 3's (stored as rope_freqs.weight)");
+
+  if (file.has("tokenizer.ggml.tokens")) {
+    const GgufValue& tokens = *file.find("tokenizer.ggml.tokens");
+    if (tokens.type() != GgufValueType::kArray)
+      throw Error(file.path() + ": metadata 'tokenizer.ggml.tokens' should be an array");
+    c.vocab_size = static_cast<std::int64_t>(tokens.size());
+  } else if (file.has(key("vocab_size"))) {
+    c.vocab_size = file.get_int(key("vocab_size"));
+  } else if (const GgufTensorInfo* e = file.find_tensor("token_embd.weight");
+             e != nullptr && e->ne.size() == 2) {
+    c.vocab_size = e->ne[1];
+  }
+
+  c.tie_word_embeddings = file.find_tensor("output.weight") == nullptr;
+  c.attention_bias = c.family == Family::kQwen2 || file.find_tensor("blk.0.attn_q.bias") != nullptr;
+  c.attention_out_bias = file.find_tensor("blk.0.attn_output.bias") != nullptr;
+  c.mlp_bias = file.find_tensor("blk.0.ffn_gate.bias") != nullptr;
+  c.qk_norm = c.family == Family::kQwen3;
+
+  // The declared dtype: F32 or F16 when every tensor is (F32 norms beside F16 matrices count as
+  // F16); anything quantised or BF16 streams as BF16.
+  bool all_f32 = true, all_f16_or_f32 = true;
+  for (const GgufTensorInfo& t : file.tensors()) {
+    all_f32 = all_f32 && t.type == GgmlType::kF32;
+    all_f16_or_f32 = all_f16_or_f32 && (t.type == GgmlType::kF32 || t.type == GgmlType::kF16);
+  }
+  c.dtype = all_f32 ? DType::kF32 : all_f16_or_f32 ? DType::kF16 : DType::kBF16;
+
+  auto token_id = [&](const char* k) -> std::int64_t { return file.get_int(k, -1); };
+  c.bos_token_id = token_id("tokenizer.ggml.bos_token_id");
+  for (const char* k : {"tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id",
+                        "tokenizer.ggml.eom_token_id"}) {
+    const std::int64_t id = token_id(k);
+    if (id >= 0 &&
+        std::find(c.eos_token_ids.begin(), c.eos_token_ids.end(), id) == c.eos_token_ids.end())
+      c.eos_token_ids.push_back(id);
+  }
+
+  auto check = [&] {
+    std::vector<std::string> problems = c.problems();
+    if (problems.empty()) return;
+    std::string text = file.path() + ": invalid model metadata:";
+    for (auto& p : problems)
+      text += "\n  - " + p;
+    throw Error(text);
+  };
+  check();  // recover_llama3_rope needs a valid head_dim
+  if (file.find_tensor(kRopeFreqs) != nullptr) {
+    recover_llama3_rope(file, c, arch);
+    check();
+  }
+  return c;
+}
+
+std::vector<GgufTensorMapping> gguf_tensor_mapping(const GgufFile& file, const ModelConfig& c) {
+  const std::int64_t C = c.hidden_size, H = c.num_heads, KV = c.num_kv_heads, D = c.head_dim;
+  const std::int64_t V = c.vocab_size, F = c.intermediate_size;
+  // llama.cpp permutes q/k rows for llama only (Note [llama.cpp rotary permutation]).
+  const bool permuted = c.family == Family::kLlama || c.family == Family::kMistral;
+  std::vector<GgufTensorMapping> out;
+  auto add = [&](std::string gguf, std::string hf, std::vector<std::int64_t> shape,
+                 std::int64_t heads = 0) {
+    out.push_back({std::move(gguf), std::move(hf), std::move(shape), permuted ? heads : 0});
+  };
+  add("token_embd.weight", "model.embed_tokens.weight", {V, C});
+  for (std::int64_t l = 0; l < c.num_layers; ++l) {
+    const std::string g = "blk." + std::to_string(l) + ".";
+    const std::string h = "model.layers." + std::to_string(l) + ".";
+    add(g + "attn_norm.weight", h + "input_layernorm.weight", {C});
+    add(g + "attn_q.weight", h + "self_attn.q_proj.weight", {H * D, C}, H);
+    add(g + "attn_k.weight", h + "self_attn.k_proj.weight", {KV * D, C}, KV);
+    add(g + "attn_v.weight", h + "self_attn.v_proj.weight", {KV * D, C});
+    add(g + "attn_output.weight", h + "self_attn.o_proj.weight", {C, H * D});
+    if (c.attention_bias) {
+      add(g + "attn_q.bias", h + "self_attn.q_proj.bias", {H * D}, H);
+      add(g + "attn_k.bias", h + "self_attn.k_proj.bias", {KV * D}, KV);
+      add(g + "attn_v.bias", h + "self_attn.v_proj.bias", {KV * D});
+    }
+    if (c.attention_out_bias) add(g + "attn_output.bias", h + "self_attn.o_proj.bias", {C});
+    if (c.qk_norm) {
+      add(g + "attn_q_norm.weight", h + "self_attn.q_norm.weight", {D});
+      add(g + "attn_k_norm.weight", h + "self_attn.k_norm.weight", {D});
+    }
+    add(g + "ffn_norm.weight", h + "post_attention_layernorm.weight", {C});
+    add(g + "ffn_gate.weight", h + "mlp.gate_proj.weight", {F, C});
+    add(g + "ffn_up.weight", h + "mlp.up_proj.weight", {F, C});
+    add(g + "ffn_down.weight", h + "mlp.down_proj.weight", {C, F});
+    if (c.mlp_bias) {
+      add(g + "ffn_gate.bias", h + "mlp.gate_proj.bias", {F});
+      add(g + "ffn_up.bias", h + "mlp.up_proj.bias", {F});
+      add(g + "ffn_down.bias", h + "mlp.down_proj.bias", {C});
+    }
+  }
+  add("output_norm.weight", "model.norm.weight", {C});
+  if (!c.tie_word_embeddings) add("output.weight", "lm_head.weight", {V, C});
+
+  std::unordered_set<std::string> expected;
+  for (const GgufTensorMapping& m : out) {
+    expected.insert(m.gguf_name);
+    const GgufTensorInfo* t = file.find_tensor(m.gguf_name);
+    const std::string what = file.path() + ": tensor '" + m.gguf_name + "' (" + m.hf_name + ")";
+    if (t == nullptr)
+      throw Error(what + " is missing; the " + to_string(c.family) +
+                  " model its metadata describes needs it");
+    if (t->shape() != m.shape)
+      throw Error(what + " has shape " + shape_string(t->shape()) + " but the model's metadata " +
+                  "implies " + shape_string(m.shape) + "; the file is inconsistent");
+    if (!ggml_type_info(t->type).dequantizable)
+      throw Error(what + " has type " + ggml_type_info(t->type).name +
+                  ", which Rondo cannot dequantise (supported: " + ggml_dequantizable_types() +
+                  "); requantise the model to one of those types");
+  }
+  for (const GgufTensorInfo& t : file.tensors())
+    if (expected.count(t.name) == 0 && t.name != kRopeFreqs)
+      throw Error(file.path() + ": tensor '" + t.name + "' is not part of the " +
+                  to_string(c.family) + " model its metadata describes (" +
+                  std::to_string(c.num_layers) + " layers" +
+                  (c.tie_word_embeddings ? ", tied embeddings" : "") +
+                  "); the file is for another architecture or inconsistent");
+  return out;
+}
+
+at::Tensor load_hf_tensor(const GgufFile& file, const GgufTensorMapping& m, DType target) {
+  at::Tensor t = load_tensor(file, m.gguf_name, target);
+  RONDO_ASSERT(t.sizes().vec() == m.shape);
+  if (m.unpermute_heads > 0) {
+    // GGUF rows per head are (D/2, 2); HF's are (2, D/2). See the note at the top.
+    const std::int64_t heads = m.unpermute_heads;
+    RONDO_ASSERT(m.shape[0] % (2 * heads) == 0);
+    std::vector<std::int64_t> view = {heads, m.shape[0] / heads / 2, 2};
+    view.insert(view.end(), m.shape.begin() + 1, m.shape.end());
+    t = t.reshape(view).transpose(1, 2).reshape(m.shape).contiguous();
+  }
+  return t;
+}
+
+}  // namespace rondo::models

@@ -1,0 +1,47 @@
+// A GGUF model (llama.cpp's metadata keys, tensor names and layouts) as the same model the
+// Hugging Face checkpoint describes: a ModelConfig, and each GGUF tensor under its HF name, in
+// its HF shape and row order. llama.cpp stores Mistral as `llama`; Qwen2 and Qwen3 as themselves.
+// Used by the model loader, so that everything past loading sees one naming.
+//
+//   models::GgufFile f("model.gguf");
+//   models::ModelConfig c = models::config_from_gguf(f);
+//   for (const auto& m : models::gguf_tensor_mapping(f, c))   // checks the set of tensors
+//     weights[m.hf_name] = models::load_hf_tensor(f, m, DType::kBF16);
+//
+// See Note [llama.cpp rotary permutation] in gguf_model.cpp for why q/k rows move.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "models/config.h"
+#include "models/dtype.h"
+#include "models/gguf.h"
+
+namespace rondo::models {
+
+// Family and dimensions from `general.architecture` (llama, qwen2, qwen3) and `<arch>.*` keys;
+// vocab size from `tokenizer.ggml.tokens`; tied embeddings when `output.weight` is absent; llama3
+// rope scaling recovered from `rope_freqs.weight`. Throws Error naming the file and key.
+ModelConfig config_from_gguf(const GgufFile& file);
+
+struct GgufTensorMapping {
+  std::string gguf_name;             // "blk.0.attn_q.weight"
+  std::string hf_name;               // "model.layers.0.self_attn.q_proj.weight"
+  std::vector<std::int64_t> shape;   // HF (torch) shape, e.g. (H*D, C)
+  std::int64_t unpermute_heads = 0;  // > 0: undo llama.cpp's q/k row permutation over this many
+                                     // heads (llama only)
+};
+
+// Every tensor the config needs, in HF order (embedding, layers, norm, head). Throws Error naming
+// the file and tensor when one is missing, has another shape, has a type Rondo cannot dequantise,
+// or when the file holds a tensor the config does not use.
+std::vector<GgufTensorMapping> gguf_tensor_mapping(const GgufFile& file, const ModelConfig& config);
+
+// The tensor under its HF name and layout, dequantised to `target` (F32 or BF16).
+at::Tensor load_hf_tensor(const GgufFile& file, const GgufTensorMapping& mapping, DType target);
+
+}  // namespace rondo::models
