@@ -5,6 +5,8 @@
 #include <map>
 
 #include "kernels/error.h"
+#include "models/dequant.h"
+#include "models/gguf_model.h"
 #include "models/safetensors.h"
 
 namespace rondo::models {
@@ -25,7 +27,7 @@ std::string dtype_mix(const std::map<std::string, std::uint64_t>& bytes_by_dtype
   std::string out;
   for (auto& [b, d] : order) {
     int pct = total ? static_cast<int>(100.0 * b / total + 0.5) : 0;
-    out += (out.empty() ? "" : ", ") + d + " " + std::to_string(pct) + "%";
+    out += (out.empty() ? "" : ", ") + d + " " + (pct == 0 ? "<1" : std::to_string(pct)) + "%";
   }
   return out;
 }
@@ -37,14 +39,32 @@ ModelSummary inspect_model(const std::string& path, std::int64_t seq_len) {
   ModelSummary s;
   s.path = path;
   s.seq_len = seq_len;
-  if (!fs::is_directory(path))
-    throw Error(path +
-                " is not a Hugging Face model folder (GGUF files are not supported by this "
-                "build yet)");
-  s.format = "safetensors";
-  s.config = load_hf_config((fs::path(path) / "config.json").string());
-  Checkpoint ckpt = Checkpoint::open_hf_folder(path);
   std::map<std::string, std::uint64_t> by_dtype;
+  // Stored bytes of each HF tensor name, from the headers only.
+  std::map<std::string, std::pair<std::uint64_t, std::string>> stored;
+  if (fs::is_directory(path)) {
+    s.format = "safetensors";
+    s.config = load_hf_config((fs::path(path) / "config.json").string());
+    Checkpoint ckpt = Checkpoint::open_hf_folder(path);
+    for (const LayerSpec& spec : layer_specs(s.config))
+      for (const ParamSpec& p : spec.params) {
+        const TensorEntry& e = ckpt.get(p.name);
+        if (e.shape != p.shape)
+          throw Error(e.file + ": tensor '" + p.name +
+                      "' does not have the shape config.json implies");
+        stored[p.name] = {e.bytes, to_string(e.dtype)};
+      }
+  } else if (fs::path(path).extension() == ".gguf") {
+    s.format = "gguf";
+    GgufFile file(path);
+    s.config = config_from_gguf(file);
+    for (const GgufTensorMapping& m : gguf_tensor_mapping(file, s.config)) {
+      const GgufTensorInfo& t = file.tensor(m.gguf_name);
+      stored[m.hf_name] = {t.n_bytes, ggml_type_info(t.type).name};
+    }
+  } else {
+    throw Error(path + " is neither a Hugging Face model folder nor a .gguf file");
+  }
   for (const LayerSpec& spec : layer_specs(s.config)) {
     LayerSummary l;
     l.kind = spec.kind;
@@ -54,12 +74,9 @@ ModelSummary inspect_model(const std::string& path, std::int64_t seq_len) {
     l.activation_bytes_per_token = spec.activation_bytes_per_token(2);
     for (const ParamSpec& p : spec.params) {
       if (p.tied) continue;
-      const TensorEntry& e = ckpt.get(p.name);
-      if (e.shape != p.shape)
-        throw Error(e.file + ": tensor '" + p.name +
-                    "' does not have the shape config.json implies");
-      l.bytes_stored += e.bytes;
-      by_dtype[to_string(e.dtype)] += e.bytes;
+      const auto& [bytes, dtype] = stored.at(p.name);
+      l.bytes_stored += bytes;
+      by_dtype[dtype] += bytes;
     }
     s.params += l.params;
     s.bytes_stored += l.bytes_stored;

@@ -6,6 +6,7 @@
 #include <set>
 
 #include "kernels/error.h"
+#include "models/gguf_model.h"
 #include "models/safetensors.h"
 #include "models/tensor_view.h"
 
@@ -31,10 +32,22 @@ bool ignorable(const std::string& name, const ModelConfig& c) {
 
 Model Model::load(const std::string& path, const LoadOptions& options) {
   if (fs::is_directory(path)) return load_hf_folder(path, options);
-  if (fs::path(path).extension() == ".gguf")
-    throw Error(path + ": GGUF files are not supported by this build yet");
+  if (fs::path(path).extension() == ".gguf") return load_gguf(path, options);
   if (!fs::exists(path)) throw Error("model " + path + " does not exist");
   throw Error(path + " is neither a Hugging Face model folder nor a .gguf file");
+}
+
+Model Model::load_gguf(const std::string& path, const LoadOptions& options) {
+  GgufFile file(path);
+  ModelConfig config = config_from_gguf(file);
+  // Quantised tensors are dequantised on load: to bf16 unless asked otherwise (F32 for tests).
+  DType target = options.dtype.value_or(DType::kF32);
+  if (target != DType::kF32 && target != DType::kBF16)
+    throw Error(path + ": GGUF weights load as F32 or BF16, not " + to_string(target));
+  std::map<std::string, at::Tensor> tensors;
+  for (const GgufTensorMapping& m : gguf_tensor_mapping(file, config))
+    tensors.emplace(m.hf_name, load_hf_tensor(file, m, target));
+  return from_tensors(std::move(config), std::move(tensors), path);
 }
 
 Model Model::load_hf_folder(const std::string& dir, const LoadOptions& options) {

@@ -30,6 +30,8 @@ class Model {
   // A folder (Hugging Face) or a .gguf file.
   static Model load(const std::string& path, const LoadOptions& options = {});
   static Model load_hf_folder(const std::string& dir, const LoadOptions& options = {});
+  // Dequantises every tensor to options.dtype (F32 by default, or BF16).
+  static Model load_gguf(const std::string& path, const LoadOptions& options = {});
   // From tensors already in memory, by Hugging Face name; checks them against the config.
   // `keepalive` owns whatever memory the tensors view (a mapping), if anything.
   static Model from_tensors(ModelConfig config, std::map<std::string, at::Tensor> tensors,
