@@ -1,0 +1,587 @@
+#include "engine/plan.h"
+
+#include <algorithm>
+#include <cmath>
+#include <functional>
+#include <limits>
+#include <map>
+#include <numeric>
+#include <optional>
+
+#include "kernels/error.h"
+
+namespace rondo::engine {
+
+const char* to_string(RecomputeGrain grain) {
+  return grain == RecomputeGrain::kStage ? "stage" : "layer";
+}
+
+std::vector<std::string> Plan::problems(int layers) const {
+  std::vector<std::string> out;
+  if (microbatches < 1) out.push_back("microbatches must be at least 1");
+  if (tail.end != layers)
+    out.push_back("the tail must end at the last layer (" + std::to_string(layers) + "), not " +
+                  std::to_string(tail.end));
+  if (tail.size() < 1) out.push_back("the tail must hold at least one layer");
+  int at = 0;
+  for (const LayerRange& r : forward) {
+    if (r.begin != at || r.size() < 1)
+      out.push_back("forward stage [" + std::to_string(r.begin) + "," + std::to_string(r.end) +
+                    ") does not continue at layer " + std::to_string(at));
+    at = r.end;
+  }
+  if (at != tail.begin)
+    out.push_back("forward stages end at layer " + std::to_string(at) + " but the tail begins at " +
+                  std::to_string(tail.begin));
+  at = tail.begin;
+  for (const LayerRange& r : backward) {
+    if (r.end != at || r.size() < 1)
+      out.push_back("backward stage [" + std::to_string(r.begin) + "," + std::to_string(r.end) +
+                    ") does not continue down from layer " + std::to_string(at));
+    at = r.begin;
+  }
+  if (at != 0) out.push_back("backward stages stop at layer " + std::to_string(at) + ", not 0");
+  return out;
+}
+
+std::string Plan::describe() const {
+  auto range = [](char kind, const LayerRange& r) {
+    return std::string(1, kind) + "[" + std::to_string(r.begin) + "," + std::to_string(r.end) + ")";
+  };
+  std::string s;
+  for (const LayerRange& r : forward)
+    s += range('F', r) + " ";
+  s += range('T', tail) + " ";
+  for (const LayerRange& r : backward)
+    s += range('B', r) + " ";
+  return s + "M=" + std::to_string(microbatches) + " " + to_string(grain);
+}
+
+int PlanInputs::resolved_microbatches() const {
+  return microbatches > 0 ? microbatches : static_cast<int>(devices.size()) + 1;
+}
+
+std::vector<std::string> PlanInputs::problems() const {
+  std::vector<std::string> out;
+  if (layers.empty()) out.push_back("no layers to plan");
+  if (devices.empty()) out.push_back("no devices to plan for");
+  if (tokens_per_step <= 0) out.push_back("tokens per step must be positive");
+  if (microbatches < 0) out.push_back("microbatches must not be negative");
+  if (tokens_per_step > 0 && resolved_microbatches() > tokens_per_step)
+    out.push_back("more microbatches (" + std::to_string(resolved_microbatches()) +
+                  ") than tokens per step (" + std::to_string(tokens_per_step) + ")");
+  for (const DeviceModel& d : devices)
+    if (!(d.speed > 0)) out.push_back("device speeds must be positive");
+  if (!(upper_threshold >= 1.0)) out.push_back("upper_threshold must be at least 1");
+  return out;
+}
+
+namespace {
+
+void check(const PlanInputs& in) {
+  auto problems = in.problems();
+  if (!problems.empty()) {
+    std::string text = "cannot plan:";
+    for (auto& p : problems)
+      text += "\n  - " + p;
+    throw Error(text);
+  }
+}
+
+// --- The schedule simulation -------------------------------------------------------------------
+
+// One direction of a device's link: busy intervals, in time order. Transfers are placed in the
+// earliest gap that holds them (activations), or spread over gaps (weights: chunked).
+class Channel {
+ public:
+  Channel(double bytes_per_s, double latency_s) : bw_(bytes_per_s), latency_(latency_s) {}
+
+  // Returns when `bytes` issued no sooner than `earliest` have arrived.
+  double send(double earliest, double bytes, bool splittable) {
+    double need = bw_ > 0 ? bytes / bw_ : 0;
+    if (need <= 0) return earliest + (bytes > 0 ? latency_ : 0);
+    double t = earliest;
+    std::size_t i = 0;
+    while (i < busy_.size() && busy_[i].second <= t)
+      ++i;
+    for (;;) {
+      double gap_end = i < busy_.size() ? busy_[i].first : std::numeric_limits<double>::infinity();
+      if (i < busy_.size() && busy_[i].first <= t) {  // inside a busy interval: skip it
+        t = busy_[i].second;
+        ++i;
+        continue;
+      }
+      double room = gap_end - t;
+      if (room >= need) {
+        busy_.insert(busy_.begin() + static_cast<std::ptrdiff_t>(i), {t, t + need});
+        merge();
+        return t + need + latency_;
+      }
+      if (splittable && room > 1e-12) {
+        busy_.insert(busy_.begin() + static_cast<std::ptrdiff_t>(i), {t, gap_end});
+        need -= room;
+        ++i;
+      }
+      t = gap_end;
+    }
+  }
+
+ private:
+  void merge() {
+    std::vector<std::pair<double, double>> out;
+    for (auto& iv : busy_) {
+      if (!out.empty() && iv.first <= out.back().second + 1e-15)
+        out.back().second = std::max(out.back().second, iv.second);
+      else
+        out.push_back(iv);
+    }
+    busy_.swap(out);
+  }
+  double bw_, latency_;
+  std::vector<std::pair<double, double>> busy_;
+};
+
+enum class JobKind { kForward, kTail, kBackward };
+
+struct Job {
+  JobKind kind;
+  LayerRange range;
+  int index;  // position in its list (forward stage s, backward stage g; tail 0)
+};
+
+std::vector<Job> jobs_of(const Plan& plan) {
+  std::vector<Job> jobs;
+  for (std::size_t s = 0; s < plan.forward.size(); ++s)
+    jobs.push_back({JobKind::kForward, plan.forward[s], static_cast<int>(s)});
+  jobs.push_back({JobKind::kTail, plan.tail, 0});
+  for (std::size_t g = 0; g < plan.backward.size(); ++g)
+    jobs.push_back({JobKind::kBackward, plan.backward[g], static_cast<int>(g) + 1});
+  return jobs;
+}
+
+struct RangeSums {
+  double forward_s = 0, backward_s = 0;  // per token
+  double params = 0, grads = 0;
+  double activation_sum = 0, activation_max = 0;  // per token
+};
+
+RangeSums sums(const PlanInputs& in, LayerRange r) {
+  RangeSums s;
+  for (int l = r.begin; l < r.end; ++l) {
+    const LayerCosts& c = in.layers[l];
+    s.forward_s += c.forward_s_per_token;
+    s.backward_s += c.backward_s_per_token;
+    s.params += static_cast<double>(c.param_bytes);
+    s.grads += static_cast<double>(c.grad_bytes);
+    s.activation_sum += static_cast<double>(c.activation_bytes_per_token);
+    s.activation_max =
+        std::max(s.activation_max, static_cast<double>(c.activation_bytes_per_token));
+  }
+  return s;
+}
+
+// Bytes of the input of layer l (the output of l - 1) per token; the prefix takes token ids.
+double input_bytes(const PlanInputs& in, int l) {
+  return l > 0 ? static_cast<double>(in.layers[l - 1].output_bytes_per_token) : 8.0;
+}
+
+// Device memory while `job` runs: its weights and the next job's (prefetched), its gradients,
+// one microbatch's activations, and its input and output buffers (plus the next input).
+double job_memory(const PlanInputs& in, const Job& job, double tokens_mb, RecomputeGrain grain) {
+  RangeSums s = sums(in, job.range);
+  double act = 0;
+  switch (job.kind) {
+    case JobKind::kForward:
+      act = s.activation_max;  // no autograd in forward stages: one layer's transients at a time
+      break;
+    case JobKind::kTail:
+      act = s.activation_sum;  // fused: the whole tail's graph is kept
+      break;
+    case JobKind::kBackward:
+      act = grain == RecomputeGrain::kStage ? s.activation_sum : s.activation_max;
+      break;
+  }
+  double io = 2 * input_bytes(in, job.range.begin) +
+              static_cast<double>(in.layers[job.range.end - 1].output_bytes_per_token);
+  double grads = job.kind == JobKind::kForward ? 0 : s.grads;
+  return s.params + grads + tokens_mb * (act + io);
+}
+
+double job_compute(const PlanInputs& in, const Job& job, double tokens_mb) {
+  RangeSums s = sums(in, job.range);
+  return tokens_mb * (job.kind == JobKind::kForward ? s.forward_s : s.forward_s + s.backward_s);
+}
+
+}  // namespace
+
+PlanPrediction predict(const Plan& plan, const PlanInputs& in) {
+  check(in);
+  auto problems = plan.problems(static_cast<int>(in.layers.size()));
+  if (!problems.empty()) throw InternalError("predict() of an invalid plan: " + problems.front());
+  const int N = static_cast<int>(in.devices.size());
+  const int M = plan.microbatches;
+  const double tokens_mb = static_cast<double>(in.tokens_per_step) / M;
+  const std::vector<Job> jobs = jobs_of(plan);
+  const int J = static_cast<int>(jobs.size());
+  // Steps 1-2 fill the pipeline, step 3 is measured, step 4 overlaps its end (no barrier between
+  // steps), so that the measured window sees the work a real run would do in it.
+  constexpr int kSteps = 4;
+
+  std::vector<Channel> up, down;
+  for (const DeviceModel& d : in.devices) {
+    up.emplace_back(d.link_bytes_per_s, d.link_latency_s);
+    down.emplace_back(d.link_bytes_per_s, d.link_latency_s);
+  }
+  std::vector<double> device_free(N, 0.0);       // last compute end
+  std::vector<double> device_job_start(N, 0.0);  // compute start of its current job
+  std::vector<std::vector<std::pair<double, double>>> busy(N);
+  // Per microbatch: when the previous job's output (or input gradient) is on the host, and on
+  // which device it was produced (it stays there for a job on the same device).
+  std::vector<double> handoff_host(M, 0.0), handoff_device_time(M, 0.0);
+  int handoff_device = -1;
+  // Per step and layer: when its gradients are on the host. A job uploading a layer's weights
+  // waits for the update from the previous step's gradients (exact synchronous training), or
+  // from the step before that (one-step-stale mode).
+  std::vector<std::vector<double>> grads_home(kSteps, std::vector<double>(in.layers.size(), 0.0));
+  const int lag = in.one_step_stale ? 2 : 1;
+  std::vector<double> step_end(kSteps, 0.0);
+  std::vector<double> peak(N, 0.0);
+
+  long long pointer = 0;  // the global round-robin pointer
+  for (int step = 0; step < kSteps; ++step) {
+    for (int j = 0; j < J; ++j) {
+      const Job& job = jobs[j];
+      const int d = static_cast<int>(pointer++ % N);
+      RangeSums s = sums(in, job.range);
+      // Weights: prefetched once the device's current job has started, after the optimizer has
+      // updated them.
+      double weights_earliest = device_job_start[d];
+      if (step >= lag)
+        for (int l = job.range.begin; l < job.range.end; ++l)
+          if (in.layers[l].grad_bytes > 0)
+            weights_earliest = std::max(weights_earliest, grads_home[step - lag][l]);
+      double weights_ready = up[d].send(weights_earliest, s.params, /*splittable=*/true);
+      const double compute_mb = job_compute(in, job, tokens_mb) / in.devices[d].speed;
+      const bool first_job = (j == 0);
+      double t = device_free[d];
+      double job_start = -1;
+      for (int m = 0; m < M; ++m) {
+        double input_ready;
+        if (first_job) {
+          input_ready = up[d].send(0.0, tokens_mb * input_bytes(in, 0), false);
+        } else if (handoff_device == d) {
+          input_ready = handoff_device_time[m];  // stayed on the device
+        } else {
+          double bytes =
+              tokens_mb *
+              (job.kind == JobKind::kForward || job.kind == JobKind::kTail
+                   ? input_bytes(in, job.range.begin)
+                   : static_cast<double>(in.layers[job.range.end - 1].output_bytes_per_token));
+          input_ready = up[d].send(handoff_host[m], bytes, false);
+        }
+        if (job.kind == JobKind::kBackward) {
+          // The saved inputs (checkpoints) come back too.
+          double ck =
+              tokens_mb *
+              (plan.grain == RecomputeGrain::kStage ? input_bytes(in, job.range.begin) : [&] {
+                double b = 0;
+                for (int l = job.range.begin; l < job.range.end; ++l)
+                  b += input_bytes(in, l);
+                return b;
+              }());
+          input_ready = std::max(input_ready, up[d].send(0.0, ck, false));
+        }
+        double start = std::max({t, weights_ready, input_ready});
+        if (job_start < 0) job_start = start;
+        double end = start + compute_mb;
+        busy[d].push_back({start, end});
+        t = end;
+        handoff_device_time[m] = end;
+        // Output (forward) or input gradient (tail, backward) goes down for the next job,
+        // unless that job is on this device; backward stage 0 of a plan has no successor.
+        const bool last_of_step = (j == J - 1);
+        const int next_device = static_cast<int>(pointer % N);
+        if (!last_of_step && next_device != d) {
+          double bytes =
+              tokens_mb *
+              (job.kind == JobKind::kForward
+                   ? static_cast<double>(in.layers[job.range.end - 1].output_bytes_per_token)
+                   : input_bytes(in, job.range.begin));
+          handoff_host[m] = down[d].send(end, bytes, false);
+        } else {
+          handoff_host[m] = end;
+        }
+        if (job.kind == JobKind::kForward) {
+          // Checkpoints for the backward: each backward stage's input (stage grain) or every
+          // layer's input (layer grain) inside this forward stage, except its own input.
+          double ck = 0;
+          for (int l = job.range.begin + 1; l < job.range.end; ++l) {
+            bool saved = plan.grain == RecomputeGrain::kLayer;
+            for (const LayerRange& b : plan.backward)
+              saved = saved || b.begin == l;
+            if (saved) ck += input_bytes(in, l);
+          }
+          if (ck > 0) down[d].send(end, tokens_mb * ck, false);
+        }
+      }
+      handoff_device = d;
+      device_job_start[d] = job_start;
+      device_free[d] = t;
+      if (job.kind != JobKind::kForward && s.grads > 0) {
+        double home = down[d].send(t, s.grads, true);
+        for (int l = job.range.begin; l < job.range.end; ++l)
+          grads_home[step][l] = home;
+        step_end[step] = std::max(step_end[step], home);
+      }
+      step_end[step] = std::max(step_end[step], t);
+      // While this job runs, the device also holds the weights of its next job (prefetched).
+      const double next_params = sums(in, jobs[(j + N) % J].range).params;
+      peak[d] = std::max(peak[d], job_memory(in, job, tokens_mb, plan.grain) + next_params);
+    }
+  }
+  PlanPrediction p;
+  const double window_start = step_end[1], window_end = step_end[2];
+  p.step_time_s = window_end - window_start;
+  double busy_in_window = 0;
+  for (int d = 0; d < N; ++d)
+    for (auto [a, b] : busy[d])
+      busy_in_window += std::max(0.0, std::min(b, window_end) - std::max(a, window_start));
+  p.idle_fraction = p.step_time_s > 0 ? 1.0 - busy_in_window / (N * p.step_time_s) : 0.0;
+  p.peak_bytes.resize(N);
+  for (int d = 0; d < N; ++d) {
+    p.peak_bytes[d] = static_cast<std::uint64_t>(peak[d]);
+    std::uint64_t cap = in.devices[d].memory_cap;
+    if (cap != 0 && p.peak_bytes[d] > cap && p.fits) {
+      p.fits = false;
+      p.why_not = "device " + std::to_string(d) + " needs " + format_bytes(p.peak_bytes[d]) +
+                  " of its " + format_bytes(cap);
+    }
+  }
+  return p;
+}
+
+namespace {
+
+// --- Packing -----------------------------------------------------------------------------------
+
+struct Packer {
+  const PlanInputs& in;
+  int M;
+  double tokens_mb;
+  RecomputeGrain grain;
+  // Cost of a job over a range, in the planner's time unit; and whether it fits the memory rule.
+  std::function<double(JobKind, LayerRange)> cost;
+  std::function<bool(JobKind, LayerRange)> fits;
+
+  // RoundPipe's packing for budget T: tail from the top, forward from below the tail downward
+  // (reversed), backward from layer 0 up (then descending). Empty optional if a single layer
+  // cannot fit.
+  std::optional<Plan> pack(double T) const {
+    const int L = static_cast<int>(in.layers.size());
+    Plan plan;
+    plan.microbatches = M;
+    plan.grain = grain;
+    int k = L - 1;
+    while (k > 0 && cost(JobKind::kTail, {k - 1, L}) <= T && fits(JobKind::kTail, {k - 1, L}))
+      --k;
+    if (!fits(JobKind::kTail, {k, L})) return std::nullopt;
+    plan.tail = {k, L};
+    int end = k;
+    while (end > 0) {
+      int begin = end - 1;
+      if (!fits(JobKind::kForward, {begin, end})) return std::nullopt;
+      while (begin > 0 && cost(JobKind::kForward, {begin - 1, end}) <= T &&
+             fits(JobKind::kForward, {begin - 1, end}))
+        --begin;
+      plan.forward.push_back({begin, end});
+      end = begin;
+    }
+    std::reverse(plan.forward.begin(), plan.forward.end());
+    std::vector<LayerRange> up;
+    int begin = 0;
+    while (begin < k) {
+      int e = begin + 1;
+      if (!fits(JobKind::kBackward, {begin, e})) return std::nullopt;
+      while (e < k && cost(JobKind::kBackward, {begin, e + 1}) <= T &&
+             fits(JobKind::kBackward, {begin, e + 1}))
+        ++e;
+      up.push_back({begin, e});
+      begin = e;
+    }
+    plan.backward.assign(up.rbegin(), up.rend());
+    return plan;
+  }
+
+  // Candidate budgets: sums of contiguous ranges' costs within [W, threshold * W].
+  std::vector<double> candidates(double W) const {
+    const int L = static_cast<int>(in.layers.size());
+    std::vector<double> out;
+    for (JobKind kind : {JobKind::kForward, JobKind::kBackward})
+      for (int b = 0; b < L; ++b)
+        for (int e = b + 1; e <= L; ++e) {
+          double c = cost(kind, {b, e});
+          if (c > in.upper_threshold * W * (1 + 1e-12)) break;  // costs grow with the range
+          if (c >= W * (1 - 1e-12)) out.push_back(c);
+        }
+    out.push_back(W);
+    std::sort(out.begin(), out.end());
+    out.erase(std::unique(out.begin(), out.end()), out.end());
+    // Many cuts give the same plan; a few hundred budgets cover the range finely enough.
+    if (out.size() > 256) {
+      std::vector<double> thin;
+      for (std::size_t i = 0; i < 256; ++i)
+        thin.push_back(out[i * out.size() / 256]);
+      thin.push_back(out.back());
+      out.swap(thin);
+    }
+    return out;
+  }
+
+  double heaviest() const {
+    double W = 0;
+    for (int l = 0; l < static_cast<int>(in.layers.size()); ++l)
+      W = std::max({W, cost(JobKind::kForward, {l, l + 1}), cost(JobKind::kBackward, {l, l + 1})});
+    return W;
+  }
+};
+
+std::uint64_t smallest_cap(const PlanInputs& in) {
+  std::uint64_t cap = 0;
+  for (const DeviceModel& d : in.devices)
+    if (d.memory_cap != 0) cap = cap == 0 ? d.memory_cap : std::min(cap, d.memory_cap);
+  return cap;
+}
+
+Packer reference_packer(const PlanInputs& in) {
+  Packer p{in,
+           in.resolved_microbatches(),
+           static_cast<double>(in.tokens_per_step) / in.resolved_microbatches(),
+           in.grain,
+           {},
+           {}};
+  // Compute only, by layer: forward = recompute time, backward = recompute + backward.
+  p.cost = [&in](JobKind kind, LayerRange r) {
+    RangeSums s = sums(in, r);
+    return kind == JobKind::kForward ? s.forward_s : s.forward_s + s.backward_s;
+  };
+  // Stages hold at most half the memory (the other half is the prefetched stage); weights and
+  // gradients only.
+  double half = smallest_cap(in) / 2.0;
+  double largest = 0;
+  for (const LayerCosts& c : in.layers)
+    largest = std::max(largest, double(c.param_bytes + c.grad_bytes));
+  if (half > 0 && largest > half) half = largest;  // the reference raises its limit (and warns)
+  p.fits = [&in, half](JobKind kind, LayerRange r) {
+    if (half <= 0) return true;
+    RangeSums s = sums(in, r);
+    return (kind == JobKind::kForward ? s.params : s.params + s.grads) <= half;
+  };
+  return p;
+}
+
+}  // namespace
+
+Plan plan_reference(const PlanInputs& in) {
+  check(in);
+  Packer packer = reference_packer(in);
+  const int min_stages = in.min_stages > 0 ? in.min_stages : static_cast<int>(in.devices.size());
+  double W = packer.heaviest();
+  std::optional<Plan> best;
+  double best_cost = std::numeric_limits<double>::infinity();
+  for (double T : packer.candidates(W)) {
+    std::optional<Plan> plan = packer.pack(T);
+    if (!plan) continue;
+    double cost = std::max<double>(plan->jobs(), min_stages) * T;
+    if (cost < best_cost) {
+      best_cost = cost;
+      best = plan;
+    }
+  }
+  RONDO_ASSERT_MSG(best.has_value(), "the reference packing found no plan");
+  return *best;
+}
+
+Plan plan_ours(const PlanInputs& in) {
+  check(in);
+  // Try the settings as given; if nothing fits, say which changes would.
+  auto attempt = [&](const PlanInputs& inputs) -> std::optional<std::pair<Plan, PlanPrediction>> {
+    const int M = inputs.resolved_microbatches();
+    const double tokens_mb = static_cast<double>(inputs.tokens_per_step) / M;
+    double bw = std::numeric_limits<double>::infinity();
+    for (const DeviceModel& d : inputs.devices)
+      if (d.link_bytes_per_s > 0) bw = std::min(bw, d.link_bytes_per_s);
+    Packer p{inputs, M, tokens_mb, inputs.grain, {}, {}};
+    // A job's time: compute over all microbatches, or the bytes it must move, whichever is longer.
+    p.cost = [&inputs, M, tokens_mb, bw](JobKind kind, LayerRange r) {
+      RangeSums s = sums(inputs, r);
+      double compute =
+          tokens_mb * M * (kind == JobKind::kForward ? s.forward_s : s.forward_s + s.backward_s);
+      double bytes = s.params + (kind == JobKind::kForward ? 0 : s.grads) +
+                     M * tokens_mb *
+                         (input_bytes(inputs, r.begin) +
+                          static_cast<double>(inputs.layers[r.end - 1].output_bytes_per_token));
+      return std::max(compute, std::isinf(bw) ? 0.0 : bytes / bw);
+    };
+    const double cap = static_cast<double>(smallest_cap(inputs));
+    p.fits = [&inputs, tokens_mb, cap](JobKind kind, LayerRange r) {
+      if (cap <= 0) return true;
+      // Twice the weights: this stage and the prefetched one (assume a stage of the same size).
+      Job job{kind, r, 0};
+      return job_memory(inputs, job, tokens_mb, inputs.grain) + sums(inputs, r).params <= cap;
+    };
+    std::vector<Plan> candidates;
+    double W = p.heaviest();
+    for (double T : p.candidates(W))
+      if (auto plan = p.pack(T)) candidates.push_back(*plan);
+    Plan reference = plan_reference(inputs);
+    candidates.push_back(reference);
+    std::optional<std::pair<Plan, PlanPrediction>> best;
+    for (const Plan& plan : candidates) {
+      PlanPrediction pred = predict(plan, inputs);
+      if (!pred.fits) continue;
+      if (!best || pred.step_time_s < best->second.step_time_s - 1e-15) best = {{plan, pred}};
+    }
+    return best;
+  };
+  if (auto best = attempt(in)) return best->first;
+
+  // Nothing fits: find the smallest changes that would.
+  std::vector<std::string> would_fit;
+  const int M = in.resolved_microbatches();
+  for (int more : {2, 4, 8, 16}) {
+    PlanInputs alt = in;
+    alt.microbatches = M * more;
+    if (alt.microbatches <= alt.tokens_per_step && attempt(alt)) {
+      would_fit.push_back("more microbatches (" + std::to_string(alt.microbatches) + ")");
+      break;
+    }
+  }
+  if (in.grain == RecomputeGrain::kStage) {
+    PlanInputs alt = in;
+    alt.grain = RecomputeGrain::kLayer;
+    if (attempt(alt)) would_fit.push_back("layer-grain recompute");
+  }
+  for (int shorter : {2, 4, 8}) {
+    PlanInputs alt = in;
+    alt.tokens_per_step = in.tokens_per_step / shorter;
+    if (alt.tokens_per_step >= alt.resolved_microbatches() && attempt(alt)) {
+      would_fit.push_back("shorter sequences or a smaller batch (" +
+                          std::to_string(alt.tokens_per_step) + " tokens per step)");
+      break;
+    }
+  }
+  std::string text = "no plan fits in " + format_bytes(smallest_cap(in)) +
+                     " of device memory with " + std::to_string(M) + " microbatches of " +
+                     std::to_string(in.tokens_per_step / M) + " tokens and " + to_string(in.grain) +
+                     "-grain recompute";
+  if (would_fit.empty())
+    text += "; even single-layer stages do not fit: use a larger device memory cap";
+  else {
+    text += "; these would fit: ";
+    for (std::size_t i = 0; i < would_fit.size(); ++i)
+      text += (i ? ", or " : "") + would_fit[i];
+  }
+  throw Error(text);
+}
+
+}  // namespace rondo::engine

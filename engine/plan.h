@@ -1,0 +1,105 @@
+// Execution plans and the partitioner (ARCHITECTURE.md §2.1, roundpipe.md §2.2 and §5).
+//
+// A plan cuts the layer list [prefix, block_0 .. block_{L-1}, head] into forward stages, a fused
+// tail (the last layers + LM head + loss, forward and backward in one job, no recompute) and
+// backward stages — forward and backward cut independently. Jobs run in the order
+// F_0 .. F_{f-1}, T, B_1 .. B_{b-1} (B_1 follows the tail down the layers), each over all M
+// microbatches, dispatched round-robin to the devices.
+//
+// Two partitioners: plan_reference() is RoundPipe's (cost = compute only, stages capped at half the
+// device memory); plan_ours() costs a stage job as max(compute, bytes streamed / link bandwidth),
+// counts activation memory against the cap, and picks among candidate cuts by simulating the
+// round-robin schedule on the actual devices (speeds may differ). predict() is that simulation.
+//
+//   engine::PlanInputs in = ...;           // per-layer costs, devices, M, tokens per step
+//   engine::Plan plan = engine::plan_ours(in);
+//   engine::PlanPrediction p = engine::predict(plan, in);  // step time, peak memory, idle share
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace rondo::engine {
+
+struct LayerRange {
+  int begin = 0, end = 0;  // layers [begin, end)
+  int size() const { return end - begin; }
+  bool operator==(const LayerRange&) const = default;
+};
+
+enum class RecomputeGrain {
+  kStage,  // save each backward stage's input; recompute the whole stage at once
+  kLayer,  // save every layer's input; recompute and backpropagate layer by layer (less memory)
+};
+const char* to_string(RecomputeGrain grain);
+
+struct Plan {
+  std::vector<LayerRange> forward;   // ascending, covering [0, tail.begin)
+  LayerRange tail;                   // [k, layers): forward, loss, backward in one job
+  std::vector<LayerRange> backward;  // after the tail, descending, covering [0, tail.begin)
+  int microbatches = 1;              // M: a job runs its stage over all of them
+  RecomputeGrain grain = RecomputeGrain::kStage;
+
+  int layers() const { return tail.end; }
+  int jobs() const { return static_cast<int>(forward.size() + 1 + backward.size()); }
+  // Every rule a plan breaks, each in words; empty when valid for a model of `layers` layers.
+  std::vector<std::string> problems(int layers) const;
+  // "F[0,4) F[4,9) T[9,12) B[5,9) B[0,5) M=3 stage"
+  std::string describe() const;
+};
+
+// What one layer costs, as the planner sees it. Compute times are per token on a device of speed
+// 1; bytes are what crosses the link or sits in device memory.
+struct LayerCosts {
+  double forward_s_per_token = 0;   // forward (= recompute)
+  double backward_s_per_token = 0;  // backward alone (without the recompute)
+  std::uint64_t param_bytes = 0;    // streamed to the device for every job holding the layer
+  std::uint64_t grad_bytes = 0;     // trainable part: gradients held on the device and downloaded
+  std::uint64_t activation_bytes_per_token = 0;  // what autograd keeps while running the layer
+  std::uint64_t output_bytes_per_token = 0;      // its output: a stage boundary or a checkpoint
+};
+
+struct DeviceModel {
+  double speed = 1.0;            // relative compute speed (1 = the speed the costs assume)
+  std::uint64_t memory_cap = 0;  // bytes the plan may use on it
+  double link_bytes_per_s = 0;   // host link, each direction; 0 = free
+  double link_latency_s = 0;
+};
+
+struct PlanInputs {
+  std::vector<LayerCosts> layers;
+  std::vector<DeviceModel> devices;
+  std::int64_t tokens_per_step = 0;  // global batch in tokens (split over the microbatches)
+  int microbatches = 0;              // M; 0 = devices + 1
+  RecomputeGrain grain = RecomputeGrain::kStage;
+  double upper_threshold = 1.1;  // candidate stage budgets in [W, threshold * W]
+  int min_stages = 0;            // 0 = number of devices
+  bool one_step_stale = false;   // RoundPipe's default: weights lag the gradients by a step
+
+  int resolved_microbatches() const;
+  std::vector<std::string> problems() const;
+};
+
+struct PlanPrediction {
+  double step_time_s = 0;                 // steady state, one optimizer step
+  double idle_fraction = 0;               // share of device time without compute, steady state
+  std::vector<std::uint64_t> peak_bytes;  // per device
+  bool fits = true;                       // every device's peak within its cap
+  std::string why_not;                    // the first device over its cap, and by how much
+};
+
+// Simulates four steps of the round-robin schedule (no global barrier between steps) and
+// reports the third: per-microbatch compute, weight upload once per job (prefetched behind the
+// previous job, one stage ahead at most), boundary transfers on the links, and memory per device
+// (two stages of weights, the running stage's gradients, one microbatch's activations).
+PlanPrediction predict(const Plan& plan, const PlanInputs& inputs);
+
+// RoundPipe's planner (roundpipe.md §5). Throws Error when the inputs are invalid.
+Plan plan_reference(const PlanInputs& inputs);
+// Ours: candidate cuts by job cost max(compute, transfer) under memory including activations,
+// chosen by predict(). The reference plan is among the candidates, so ours never predicts slower.
+// Throws Error naming the settings that would fit when nothing fits the device memory.
+Plan plan_ours(const PlanInputs& inputs);
+
+}  // namespace rondo::engine

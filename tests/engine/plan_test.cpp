@@ -1,0 +1,183 @@
+// Plans: validation, RoundPipe's partitioner on a case worked out by hand from roundpipe.md §5,
+// the schedule simulation against closed-form step times, and our partitioner's guarantees
+// (never predicted slower than the reference, fits memory or says what would).
+#include "engine/plan.h"
+
+#include <gtest/gtest.h>
+
+#include "kernels/error.h"
+
+namespace rondo::engine {
+namespace {
+
+PlanInputs uniform(int layers, int devices, double f, double b, int M, std::int64_t tokens) {
+  PlanInputs in;
+  for (int l = 0; l < layers; ++l)
+    in.layers.push_back({.forward_s_per_token = f, .backward_s_per_token = b});
+  for (int d = 0; d < devices; ++d)
+    in.devices.push_back({});
+  in.microbatches = M;
+  in.tokens_per_step = tokens;
+  return in;
+}
+
+TEST(Plan, ValidPlansPassAndBrokenOnesAreExplained) {
+  Plan ok{{{0, 3}, {3, 7}}, {7, 8}, {{6, 7}, {0, 6}}, 2, RecomputeGrain::kStage};
+  EXPECT_TRUE(ok.problems(8).empty());
+  EXPECT_EQ(ok.describe(), "F[0,3) F[3,7) T[7,8) B[6,7) B[0,6) M=2 stage");
+  EXPECT_EQ(ok.jobs(), 5);
+
+  Plan gap = ok;
+  gap.forward[1] = {4, 7};
+  EXPECT_FALSE(gap.problems(8).empty());
+  Plan short_tail = ok;
+  EXPECT_FALSE(short_tail.problems(9).empty());  // the tail must reach the last layer
+  Plan backward_short = ok;
+  backward_short.backward[1] = {1, 6};
+  auto p = backward_short.problems(8);
+  ASSERT_FALSE(p.empty());
+  EXPECT_NE(p.back().find("not 0"), std::string::npos) << p.back();
+  Plan no_mb = ok;
+  no_mb.microbatches = 0;
+  EXPECT_FALSE(no_mb.problems(8).empty());
+  Plan all_tail{{}, {0, 8}, {}, 1, RecomputeGrain::kStage};
+  EXPECT_TRUE(all_tail.problems(8).empty());
+}
+
+TEST(PlanReference, PacksAsRoundPipeDescribes) {
+  // 8 layers, forward 1, backward 3 (so recompute + backward = 4), no memory limit.
+  // By hand (roundpipe.md §5): W = 4; candidate budgets in [4, 4.4] are only 4. Tail: from the top
+  // while sum(f + b) <= 4: layer 7 alone. Forward, from layer 6 down, sum(f) <= 4: [3,7), then
+  // [0,3); reversed. Backward, from layer 0 up, sum(f + b) <= 4: single layers, descending.
+  PlanInputs in = uniform(8, 4, 1.0, 3.0, 5, 100);
+  Plan plan = plan_reference(in);
+  EXPECT_EQ(plan.describe(),
+            "F[0,3) F[3,7) T[7,8) B[6,7) B[5,6) B[4,5) B[3,4) B[2,3) B[1,2) B[0,1) M=5 stage");
+}
+
+TEST(Predict, OneDeviceWithoutLinkCostsIsTheSumOfCompute) {
+  PlanInputs in = uniform(6, 1, 2e-3, 5e-3, 3, 300);
+  Plan plan{{{0, 2}, {2, 4}}, {4, 6}, {{2, 4}, {0, 2}}, 3, RecomputeGrain::kStage};
+  PlanPrediction p = predict(plan, in);
+  // Forward layers 0-3 once (f), tail 4-5 (f + b), backward 0-3 (recompute f + b), all tokens.
+  double expect = 300 * (4 * 2e-3 + 2 * 7e-3 + 4 * 7e-3);
+  EXPECT_NEAR(p.step_time_s, expect, 1e-9);
+  EXPECT_NEAR(p.idle_fraction, 0.0, 1e-9);
+  EXPECT_TRUE(p.fits);
+}
+
+TEST(Predict, RoundRobinKeepsDevicesBusyWhenMicrobatchesCoverDevices) {
+  // roundpipe.md §2.6: N = 4, M = 5, eight jobs of equal length (F0 F1 F2 T B1 B2 B3 B4) keep
+  // every device busy after the first fill. Five layers with costs chosen so that every job is
+  // one unit: F0 = f0 + f1, F1 = f2, F2 = f3, T = f4 + b4, B = f + b of one layer each.
+  PlanInputs in = uniform(5, 4, 0, 0, 5, 500);
+  const double u = 1e-3;  // seconds per token: a job's microbatch of 100 tokens takes 0.1 s
+  double f[] = {0.5, 0.5, 1, 1, 0.5}, b[] = {0.5, 0.5, 0, 0, 0.5};
+  for (int l = 0; l < 5; ++l) {
+    in.layers[l].forward_s_per_token = f[l] * u;
+    in.layers[l].backward_s_per_token = b[l] * u;
+  }
+  Plan plan{{{0, 2}, {2, 3}, {3, 4}},
+            {4, 5},
+            {{3, 4}, {2, 3}, {1, 2}, {0, 1}},
+            5,
+            RecomputeGrain::kStage};
+  ASSERT_TRUE(plan.problems(5).empty());
+  PlanPrediction p = predict(plan, in);
+  // Eight jobs of 0.5 s per step over four devices: 1 s, if nobody waits.
+  EXPECT_NEAR(p.step_time_s, 1.0, 1e-9);
+  EXPECT_NEAR(p.idle_fraction, 0.0, 1e-9);
+}
+
+TEST(Predict, ExactSynchronyMakesTheNextForwardWaitForItsGradients) {
+  PlanInputs in = uniform(4, 2, 1e-3, 1e-3, 2, 200);
+  for (auto& l : in.layers)
+    l.grad_bytes = 1000;
+  Plan plan{{{0, 2}}, {2, 4}, {{0, 2}}, 2, RecomputeGrain::kStage};
+  PlanPrediction sync = predict(plan, in);
+  in.one_step_stale = true;
+  PlanPrediction stale = predict(plan, in);
+  // Synchronous: each step is the whole chain F -> T -> B (0.4 + 0.8 + 0.8 s of work, pipelined
+  // over 2 microbatches only inside adjacent jobs); stale overlaps steps.
+  EXPECT_GT(sync.step_time_s, stale.step_time_s);
+  EXPECT_GE(sync.step_time_s, 200 * (2 * 1e-3 + 2 * 2e-3 + 2 * 2e-3) / 2 - 1e-9);
+}
+
+TEST(Predict, ASlowerDeviceSlowsTheStep) {
+  PlanInputs in = uniform(8, 4, 1e-3, 2e-3, 5, 500);
+  Plan plan = plan_reference(in);
+  PlanPrediction fast = predict(plan, in);
+  in.devices[1].speed = 0.5;
+  PlanPrediction slow = predict(plan, in);
+  EXPECT_GT(slow.step_time_s, fast.step_time_s);
+}
+
+PlanInputs pcie_bound() {
+  // Big layers on a slow link: streaming weights costs more than computing with them.
+  PlanInputs in = uniform(12, 4, 2e-6, 4e-6, 5, 4000);
+  for (auto& l : in.layers) {
+    l.param_bytes = 200ull << 20;
+    l.grad_bytes = 0;  // LoRA-like: frozen base
+    l.output_bytes_per_token = 8192;
+    l.activation_bytes_per_token = 65536;
+  }
+  for (auto& d : in.devices) {
+    d.link_bytes_per_s = 2e9;
+    d.memory_cap = 24ull << 30;
+  }
+  return in;
+}
+
+TEST(PlanOurs, NeverPredictedSlowerThanTheReferenceAndFits) {
+  for (PlanInputs in : {pcie_bound(), uniform(10, 3, 1e-3, 2e-3, 4, 400)}) {
+    Plan ours = plan_ours(in);
+    Plan reference = plan_reference(in);
+    EXPECT_TRUE(ours.problems(static_cast<int>(in.layers.size())).empty());
+    PlanPrediction po = predict(ours, in), pr = predict(reference, in);
+    EXPECT_TRUE(po.fits) << po.why_not;
+    EXPECT_LE(po.step_time_s, pr.step_time_s * (1 + 1e-9));
+    for (std::size_t d = 0; d < in.devices.size(); ++d)
+      if (in.devices[d].memory_cap) EXPECT_LE(po.peak_bytes[d], in.devices[d].memory_cap);
+  }
+}
+
+TEST(PlanOurs, StreamingCostsChangeTheCut) {
+  // Layers of equal compute but very unequal size (think embedding and LM head against blocks):
+  // the reference balances compute and so lumps big layers together; with the link as the
+  // bottleneck that leaves some jobs far longer than others. Ours balances max(compute, bytes /
+  // bandwidth) and must predict a step at least 10% shorter.
+  PlanInputs in = pcie_bound();
+  for (std::size_t l = 0; l < in.layers.size(); ++l)
+    in.layers[l].param_bytes = (l % 4 == 0 ? 600ull : 40ull) << 20;
+  Plan ours = plan_ours(in), reference = plan_reference(in);
+  PlanPrediction po = predict(ours, in), pr = predict(reference, in);
+  EXPECT_LT(po.step_time_s, 0.9 * pr.step_time_s)
+      << "ours " << ours.describe() << " (" << po.step_time_s << " s) vs reference "
+      << reference.describe() << " (" << pr.step_time_s << " s)";
+}
+
+TEST(PlanOurs, WhenNothingFitsItSaysWhatWould) {
+  PlanInputs in = pcie_bound();
+  for (auto& l : in.layers)
+    l.activation_bytes_per_token = 4ull << 20;  // 4 MiB per token
+  for (auto& d : in.devices)
+    d.memory_cap = 2ull << 30;
+  try {
+    plan_ours(in);
+    FAIL() << "a plan was returned although activations cannot fit";
+  } catch (const Error& e) {
+    std::string msg = e.what();
+    EXPECT_NE(msg.find("no plan fits"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("would fit"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("microbatches"), std::string::npos) << msg;
+  }
+}
+
+TEST(PlanInputs, ProblemsAreListed) {
+  PlanInputs in;
+  EXPECT_GE(in.problems().size(), 3u);
+  EXPECT_THROW(plan_reference(in), Error);
+}
+
+}  // namespace
+}  // namespace rondo::engine
