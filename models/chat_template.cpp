@@ -1,0 +1,333 @@
+#include "models/chat_template.h"
+
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <regex>
+#include <sstream>
+#include <utility>
+
+#include "kernels/error.h"
+#include "models/unicode.h"
+
+namespace rondo::models {
+namespace {
+
+constexpr const char* kChooseFormat =
+    "choose a format explicitly with --chat-format chatml|qwen3|llama3|mistral|mistral-v1";
+
+std::string read_file(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw Error(path + ": cannot open (does the file exist and is it readable?)");
+  std::ostringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+bool contains(const std::string& s, std::string_view needle) {
+  return s.find(needle) != std::string::npos;
+}
+
+// Jinja string-literal escapes (\n, \t, \', \", \\) to the characters they stand for.
+std::string unescape(const std::string& s) {
+  std::string out;
+  for (std::size_t i = 0; i < s.size(); ++i) {
+    if (s[i] == '\\' && i + 1 < s.size()) {
+      const char n = s[++i];
+      out += n == 'n' ? '\n' : n == 't' ? '\t' : n == 'r' ? '\r' : n;
+    } else {
+      out += s[i];
+    }
+  }
+  return out;
+}
+
+// Python str.strip() / lstrip() / rstrip() without arguments (Unicode whitespace), as Jinja's
+// `trim` filter.
+std::string py_strip(const std::string& s, bool left = true, bool right = true) {
+  std::size_t b = 0, e = s.size();
+  if (left)
+    while (b < e) {
+      std::size_t i = b;
+      if (!unicode::python_space(unicode::next(s, i))) break;
+      b = i;
+    }
+  if (right)
+    while (e > b) {
+      std::size_t c = e - 1;
+      while (c > b && (static_cast<unsigned char>(s[c]) & 0xC0) == 0x80)
+        --c;
+      std::size_t i = c;
+      if (!unicode::python_space(unicode::next(s, i))) break;
+      e = c;
+    }
+  return s.substr(b, e - b);
+}
+
+// Python str.strip('\n') and friends.
+std::string strip_newlines(const std::string& s, bool left, bool right) {
+  std::size_t b = 0, e = s.size();
+  if (left)
+    while (b < e && s[b] == '\n')
+      ++b;
+  if (right)
+    while (e > b && s[e - 1] == '\n')
+      --e;
+  return s.substr(b, e - b);
+}
+
+// Text with the byte ranges that belong to assistant replies.
+struct Builder {
+  std::string text;
+  std::vector<std::pair<std::size_t, std::size_t>> assistant;
+  void add(std::string_view s) { text += s; }
+  void reply(std::string_view s) {
+    assistant.emplace_back(text.size(), text.size() + s.size());
+    text += s;
+  }
+};
+
+void check_role(const ChatMessage& m, std::size_t i) {
+  if (m.role != "system" && m.role != "user" && m.role != "assistant")
+    throw Error("chat message " + std::to_string(i) + ": role '" + m.role +
+                "' is not supported (supported: system, user, assistant)");
+}
+
+std::string token_text(const Tokenizer& tok, std::optional<std::int32_t> id, const char* what) {
+  if (!id)
+    throw Error(tok.source() + ": the chat template needs the " + std::string(what) +
+                " token, and the tokenizer has none (set " + what +
+                "_token in tokenizer_config.json)");
+  return *tok.id_to_token(*id);
+}
+
+void render_chatml(const ChatTemplate& t, const std::vector<ChatMessage>& ms, Builder& b) {
+  std::size_t first = 0;
+  if (ms[0].role == "system") {
+    b.add("<|im_start|>system\n" + ms[0].content + "<|im_end|>\n");
+    first = 1;
+  } else if (!t.default_system.empty()) {
+    b.add("<|im_start|>system\n" + t.default_system + "<|im_end|>\n");
+  }
+  // Qwen3: the last user turn; replies after it keep their reasoning.
+  std::size_t last_query = ms.size() - 1;
+  for (std::size_t i = ms.size(); i-- > 0;)
+    if (ms[i].role == "user" &&
+        !(ms[i].content.rfind("<tool_response>", 0) == 0 && ms[i].content.size() >= 16 &&
+          ms[i].content.compare(ms[i].content.size() - 16, 16, "</tool_response>") == 0)) {
+      last_query = i;
+      break;
+    }
+  for (std::size_t i = first; i < ms.size(); ++i) {
+    const ChatMessage& m = ms[i];
+    if (m.role != "assistant") {
+      b.add("<|im_start|>" + m.role + "\n" + m.content + "<|im_end|>\n");
+      continue;
+    }
+    b.add("<|im_start|>assistant\n");
+    std::string content = m.content;
+    if (t.thinking) {
+      std::string reasoning;
+      const std::size_t close = content.find("</think>");
+      if (close != std::string::npos) {
+        std::string before = strip_newlines(content.substr(0, close), false, true);
+        const std::size_t open = before.rfind("<think>");
+        if (open != std::string::npos) before = before.substr(open + 7);
+        reasoning = strip_newlines(before, true, false);
+        content = strip_newlines(content.substr(content.rfind("</think>") + 8), true, false);
+      }
+      if (i > last_query && (i + 1 == ms.size() || !reasoning.empty()))
+        content = "<think>\n" + strip_newlines(reasoning, true, true) + "\n</think>\n\n" +
+                  strip_newlines(content, true, false);
+    }
+    b.reply(content + "<|im_end|>");
+    b.add("\n");
+  }
+}
+
+void render_llama3(const Tokenizer& tok, const std::vector<ChatMessage>& ms, Builder& b) {
+  b.add(token_text(tok, tok.bos_id(), "bos"));
+  for (const ChatMessage& m : ms) {
+    b.add("<|start_header_id|>" + m.role + "<|end_header_id|>\n\n");
+    if (m.role == "assistant")
+      b.reply(py_strip(m.content) + "<|eot_id|>");
+    else
+      b.add(py_strip(m.content) + "<|eot_id|>");
+  }
+}
+
+void render_mistral(const Tokenizer& tok, const ChatTemplate& t, const std::vector<ChatMessage>& ms,
+                    Builder& b) {
+  std::size_t first = 0;
+  std::optional<std::string> system;
+  if (ms[0].role == "system") {
+    if (t.mistral_v1)
+      throw Error("chat: the Mistral v0.1 template supports only user and assistant roles");
+    system = ms[0].content;
+    first = 1;
+  }
+  for (std::size_t i = first; i < ms.size(); ++i) {
+    if ((ms[i].role == "user") != ((i - first) % 2 == 0) || ms[i].role == "system")
+      throw Error("chat message " + std::to_string(i) +
+                  ": the Mistral template needs roles that alternate user/assistant/user/... "
+                  "after an optional system message (got '" +
+                  ms[i].role + "')");
+  }
+  const std::string eos = token_text(tok, tok.eos_id(), "eos");
+  b.add(token_text(tok, tok.bos_id(), "bos"));
+  for (std::size_t i = first; i < ms.size(); ++i) {
+    const ChatMessage& m = ms[i];
+    const bool last = i + 1 == ms.size();
+    if (m.role == "user") {
+      if (t.mistral_v1)
+        b.add("[INST] " + m.content + " [/INST]");
+      else if (last && system)
+        b.add("[INST] " + *system + "\n\n" + m.content + "[/INST]");
+      else
+        b.add("[INST] " + m.content + "[/INST]");
+    } else {
+      b.reply(t.mistral_v1 ? m.content + eos : " " + py_strip(m.content) + eos);
+    }
+  }
+}
+
+}  // namespace
+
+const char* to_string(ChatFormat format) {
+  switch (format) {
+    case ChatFormat::kChatML:
+      return "chatml";
+    case ChatFormat::kLlama3:
+      return "llama3";
+    case ChatFormat::kMistral:
+      return "mistral";
+  }
+  return "?";
+}
+
+ChatTemplate chat_template_from_name(std::string_view name) {
+  ChatTemplate t;
+  if (name == "chatml") {
+    t.format = ChatFormat::kChatML;
+  } else if (name == "qwen3") {
+    t.format = ChatFormat::kChatML;
+    t.thinking = true;
+  } else if (name == "llama3") {
+    t.format = ChatFormat::kLlama3;
+  } else if (name == "mistral") {
+    t.format = ChatFormat::kMistral;
+  } else if (name == "mistral-v1") {
+    t.format = ChatFormat::kMistral;
+    t.mistral_v1 = true;
+  } else {
+    throw Error("chat format '" + std::string(name) +
+                "' is not known (known: chatml, qwen3, llama3, mistral, mistral-v1)");
+  }
+  return t;
+}
+
+ChatTemplate recognise_chat_template(const std::string& jinja, const std::string& source) {
+  auto unknown = [&](const std::string& why) {
+    return Error(source + ": chat template not recognised (" + why + "); " + kChooseFormat);
+  };
+  ChatTemplate t;
+  if (contains(jinja, "<|im_start|>")) {
+    t.format = ChatFormat::kChatML;
+    t.thinking = contains(jinja, "<think>");
+    // A system prompt written out in full, e.g. '<|im_start|>system\nYou are Qwen, ...<|im_end|>'.
+    static const std::regex kDefault(R"(<\|im_start\|>system(?:\\n|\n)([^'"+{}]*?)<\|im_end\|>)");
+    std::smatch m;
+    if (std::regex_search(jinja, m, kDefault)) t.default_system = unescape(m[1].str());
+    return t;
+  }
+  if (contains(jinja, "<|start_header_id|>")) {
+    if (contains(jinja, "Cutting Knowledge Date"))
+      throw unknown(
+          "a Llama 3.1/3.2 template with a dated system header, which Rondo does not render yet");
+    t.format = ChatFormat::kLlama3;
+    return t;
+  }
+  if (contains(jinja, "[INST]")) {
+    if (contains(jinja, "<<SYS>>"))
+      throw unknown("a Llama 2 template, which Rondo does not render");
+    t.format = ChatFormat::kMistral;
+    if (contains(jinja, "' [/INST]'") || contains(jinja, "\" [/INST]\"")) {
+      t.mistral_v1 = true;
+    } else if (!contains(jinja, "\"[/INST]\"") && !contains(jinja, "'[/INST]'")) {
+      throw unknown("an [INST] template of a Mistral version Rondo does not know");
+    }
+    return t;
+  }
+  throw unknown("no <|im_start|>, <|start_header_id|> or [INST] marker");
+}
+
+ChatTemplate load_chat_template(const std::string& tokenizer_config_path) {
+  using nlohmann::json;
+  json cfg;
+  try {
+    cfg = json::parse(read_file(tokenizer_config_path));
+  } catch (const json::parse_error& e) {
+    throw Error(tokenizer_config_path + ": not valid JSON: " + e.what());
+  }
+  if (cfg.is_object() && cfg.contains("chat_template")) {
+    const json& ct = cfg.at("chat_template");
+    if (ct.is_string())
+      return recognise_chat_template(ct.get<std::string>(), tokenizer_config_path);
+    if (ct.is_array())
+      for (const json& entry : ct)
+        if (entry.is_object() && entry.value("name", "") == "default" &&
+            entry.contains("template") && entry.at("template").is_string())
+          return recognise_chat_template(entry.at("template").get<std::string>(),
+                                         tokenizer_config_path + " (chat_template 'default')");
+    throw Error(tokenizer_config_path +
+                ": chat_template must be a string or a list with a 'default' entry; " +
+                kChooseFormat);
+  }
+  const std::size_t slash = tokenizer_config_path.find_last_of('/');
+  const std::string jinja_path =
+      (slash == std::string::npos ? std::string() : tokenizer_config_path.substr(0, slash + 1)) +
+      "chat_template.jinja";
+  std::ifstream in(jinja_path, std::ios::binary);
+  if (in) return recognise_chat_template(read_file(jinja_path), jinja_path);
+  throw Error(tokenizer_config_path +
+              ": no chat_template (and no chat_template.jinja beside it); " + kChooseFormat);
+}
+
+RenderedChat render_chat(const Tokenizer& tokenizer, const ChatTemplate& tmpl,
+                         const std::vector<ChatMessage>& messages, bool add_generation_prompt) {
+  if (messages.empty()) throw Error("chat: a conversation needs at least one message");
+  for (std::size_t i = 0; i < messages.size(); ++i)
+    check_role(messages[i], i);
+  Builder b;
+  switch (tmpl.format) {
+    case ChatFormat::kChatML:
+      render_chatml(tmpl, messages, b);
+      if (add_generation_prompt) b.add("<|im_start|>assistant\n");
+      break;
+    case ChatFormat::kLlama3:
+      render_llama3(tokenizer, messages, b);
+      if (add_generation_prompt) b.add("<|start_header_id|>assistant<|end_header_id|>\n\n");
+      break;
+    case ChatFormat::kMistral:
+      // The prompt already ends with [/INST]: the reply follows directly.
+      render_mistral(tokenizer, tmpl, messages, b);
+      break;
+  }
+  RenderedChat r;
+  const Tokenizer::Encoding enc = tokenizer.encode_with_offsets(b.text, false);
+  r.ids = enc.ids;
+  r.loss_mask.resize(enc.ids.size(), 0);
+  // A token is in the loss when it overlaps a reply (see Note [Byte offsets] in tokenizer.cpp):
+  // the same rule as transformers' assistant masks.
+  std::size_t k = 0;
+  for (std::size_t i = 0; i < enc.ids.size(); ++i) {
+    const auto [tb, te] = enc.offsets[i];
+    if (te <= tb) continue;
+    while (k < b.assistant.size() && b.assistant[k].second <= tb)
+      ++k;
+    if (k < b.assistant.size() && b.assistant[k].first < te) r.loss_mask[i] = 1;
+  }
+  r.text = std::move(b.text);
+  return r;
+}
+
+}  // namespace rondo::models
