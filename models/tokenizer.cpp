@@ -1459,7 +1459,8 @@ Tokenizer Tokenizer::from_spec(const TokenizerSpec& spec, const std::string& sou
           Pattern{"", std::make_shared<Regex>(spec.split_regexes[i], source + ": split_regexes[" +
                                                                          std::to_string(i) + "]")},
           SplitBehavior::kIsolated, false});
-    impl->pre_tokenizer.push_back(PreByteLevel{false, spec.split_regexes.empty()});
+    impl->pre_tokenizer.push_back(
+        PreByteLevel{false, spec.split_regexes.empty() || spec.gpt2_split_after});
     impl->has_decoder = true;
     impl->decoder = {DecByteLevel{}};
   }

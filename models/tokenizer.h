@@ -37,6 +37,11 @@ enum class TokenizerKind {
 
 // A tokenizer described by plain fields rather than a tokenizer.json, e.g. from GGUF metadata
 // (tokenizer.ggml.*). from_spec() builds the same pipeline `tokenizers` would run for it.
+// GGUF mapping: tokenizer.ggml.model "gpt2" -> kByteLevelBpe, "llama" -> kSentencePieceBpe;
+// tokens, merges ("a b"), scores; token_type 3 (control) -> special_ids, 4 (user defined) ->
+// added_ids; tokenizer.ggml.pre "llama-bpe" -> {kSplitRegexLlama3} + ignore_merges, "qwen2" ->
+// {kSplitRegexQwen2} + nfc, "gpt-2"/"default" -> {}, "smollm" -> {R"(\p{N})"} + gpt2_split_after;
+// bos/eos/unknown_token_id, add_bos_token, add_eos_token, add_space_prefix.
 struct TokenizerSpec {
   TokenizerKind kind = TokenizerKind::kByteLevelBpe;
   std::vector<std::string> tokens;  // id -> token as stored (byte-level: mapped chars; SP: "▁")
@@ -49,15 +54,16 @@ struct TokenizerSpec {
   // Byte-level: Split regexes applied in order (Isolated), then the byte mapping. Empty = GPT-2's
   // built-in ByteLevel split.
   std::vector<std::string> split_regexes;
-  bool nfc = false;              // byte-level: NFC-normalise first (Qwen2)
-  bool ignore_merges = false;    // byte-level: a pre-token that is a token stays whole (Llama 3)
-  bool byte_fallback = true;     // SentencePiece: unknown chars as <0xXX> tokens
-  bool add_space_prefix = true;  // SentencePiece: "▁" before the text
-  std::int32_t unk_id = -1;      // -1 = none
-  std::int32_t bos_id = -1;      // -1 = none
-  std::int32_t eos_id = -1;      // -1 = none
-  bool add_bos = false;          // encode(..., add_special_tokens = true) prepends BOS
-  bool add_eos = false;          // ... and appends EOS
+  bool gpt2_split_after = false;  // byte-level: GPT-2's split after split_regexes too (SmolLM)
+  bool nfc = false;               // byte-level: NFC-normalise first (Qwen2)
+  bool ignore_merges = false;     // byte-level: a pre-token that is a token stays whole (Llama 3)
+  bool byte_fallback = true;      // SentencePiece: unknown chars as <0xXX> tokens
+  bool add_space_prefix = true;   // SentencePiece: "▁" before the text
+  std::int32_t unk_id = -1;       // -1 = none
+  std::int32_t bos_id = -1;       // -1 = none
+  std::int32_t eos_id = -1;       // -1 = none
+  bool add_bos = false;           // encode(..., add_special_tokens = true) prepends BOS
+  bool add_eos = false;           // ... and appends EOS
 };
 
 class Tokenizer {

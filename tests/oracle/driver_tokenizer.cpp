@@ -101,6 +101,7 @@ int tokenize_spec(const std::vector<std::string>& args) {
   spec.special_ids = j.value("special_ids", std::vector<std::int32_t>{});
   spec.added_ids = j.value("added_ids", std::vector<std::int32_t>{});
   spec.split_regexes = j.value("split_regexes", std::vector<std::string>{});
+  spec.gpt2_split_after = j.value("gpt2_split_after", false);
   spec.nfc = j.value("nfc", false);
   spec.ignore_merges = j.value("ignore_merges", false);
   spec.byte_fallback = j.value("byte_fallback", true);

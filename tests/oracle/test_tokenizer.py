@@ -1,4 +1,4 @@
-"""Rondo's tokenizer against the `tokenizers` library: for each tokenizer type (GPT-2 byte-level, Llama 3
+"""Rondo's tokenizer against the `tokenizers` library: for each tokenizer type (GPT-2 and SmolLM byte-level, Llama 3
 byte-level with ignore_merges, Qwen2 byte-level with NFC, SentencePiece-style BPE as Llama 2 and
 Mistral build it), the ids of a corpus of hard strings and of fresh random strings, with and
 without the post-processor's special tokens, decodes, and decodes of random id lists."""
@@ -78,6 +78,7 @@ EXTRA_TOKENS = [
 
 BUILDERS = {
     "gpt2": tb.gpt2,
+    "smollm": tb.smollm,
     "llama3": tb.llama3,
     "qwen2": tb.qwen2,
     "llama2": tb.llama2,
@@ -162,7 +163,7 @@ def test_ids_and_decodes_equal_tokenizers(name, tmp_path):
     assert result["special_ids"] == want_special
 
 
-ROUND_TRIP = {"gpt2": lambda s: s, "llama3": lambda s: s,
+ROUND_TRIP = {"gpt2": lambda s: s, "smollm": lambda s: s, "llama3": lambda s: s,
               "qwen2": lambda s: unicodedata.normalize("NFC", s), "llama2": lambda s: s,
               "mistral": lambda s: s}
 
@@ -218,6 +219,7 @@ def spec_from_file(tok_path, kind, **extra):
 
 SPECS = {
     "gpt2": (tb.gpt2, dict(kind="bytelevel")),
+    "smollm": (tb.smollm, dict(kind="bytelevel", split_regexes=[r"\p{N}"], gpt2_split_after=True)),
     "llama3": (tb.llama3, dict(kind="bytelevel", split_regexes=[tb.LLAMA3_REGEX], ignore_merges=True,
                                add_bos=True)),
     "qwen2": (tb.qwen2, dict(kind="bytelevel", split_regexes=[tb.QWEN2_REGEX], nfc=True)),

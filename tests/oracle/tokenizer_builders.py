@@ -68,6 +68,16 @@ def gpt2():
     return tok
 
 
+def smollm():
+    """SmolLM / SmolLM2: Digits(individual_digits) then the GPT-2 ByteLevel split."""
+    pre = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
+                                   pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
+    tok = _train_byte_level(pre)
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    tok.add_special_tokens(["<|endoftext|>", "<|im_start|>", "<|im_end|>"])
+    return tok
+
+
 def llama3(ignore_merges=True):
     """Llama 3: Split(regex) + ByteLevel(use_regex=False), ignore_merges, BOS template. Two extra vocab
     entries that no merge builds make ignore_merges observable."""
