@@ -1,7 +1,9 @@
-"""Generation with Rondo's KV cache against transformers' generate() on the CPU in fp32.
-Greedy decoding must produce exactly the same tokens (random weights make argmax ties
-vanishingly unlikely); the mistral variant's window (9) is shorter than prompt + output, so the
-cached path must apply the sliding window too."""
+"""Generation with Rondo's KV cache against greedy decoding with transformers' full forward on
+the CPU in fp32 (the model's definition: every step recomputes the whole sequence, no cache).
+The tokens must be the same. The mistral variant's window (9) is shorter than prompt + output, so
+the cached path must apply the sliding window exactly as the full forward does. (transformers'
+own cached generate() was seen to differ from its full forward once the sequence reaches the
+window, so it is not the reference here.)"""
 import json
 import os
 
@@ -23,17 +25,28 @@ def test_greedy_generation_matches_transformers(name, tmp_path):
     seed = int.from_bytes(os.urandom(4), "little")
     print("seed", seed)
     model = make_model(name, seed)
-    model.generation_config.eos_token_id = None  # run all steps: more positions checked
     model.save_pretrained(tmp_path / "model")
     g = torch.Generator().manual_seed(seed)
     prompt = torch.randint(0, V, (5,), generator=g).tolist()
+    eos = model.config.eos_token_id
+    ref, gaps, seq = [], [], list(prompt)
     with torch.no_grad():
-        ref = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=20,
-                             min_new_tokens=20, pad_token_id=0)[0, len(prompt):].tolist()
+        for _ in range(20):
+            logits = model(torch.tensor([seq]), use_cache=False).logits[0, -1]
+            top = torch.topk(logits, 2).values
+            token = int(logits.argmax())
+            ref.append(token)
+            gaps.append(float(top[0] - top[1]))
+            seq.append(token)
+            if token == eos:
+                break
     got = rondo_generate(tmp_path / "model", tmp_path, prompt, max_new_tokens=20)
-    # transformers stops at the config's eos too; compare up to where either stopped.
-    assert got[:len(ref)] == ref[:len(got)], (got, ref)
-    assert len(got) > 0
+    for i, (a, b) in enumerate(zip(got, ref)):
+        if a != b:
+            # Only a near tie (within the 1e-4 the logits may differ by) may pick differently.
+            assert gaps[i] < 1e-4, f"step {i}: {a} vs {b}, top-2 gap {gaps[i]:.3g} ({got} vs {ref})"
+            return
+    assert got == ref
 
 
 def test_sampling_is_reproducible_and_top_p_tiny_is_greedy(tmp_path):
