@@ -9,6 +9,7 @@
 #include <string>
 
 #include "cli/devices_command.h"
+#include "cli/generate_command.h"
 #include "cli/inspect_command.h"
 #include "kernels/error.h"
 #include "models/tensor_view.h"
@@ -36,6 +37,11 @@ int main(int argc, char** argv) {
       "inspect", "Describe a model: family, dimensions, parameters, dtype, bytes per layer");
   rondo::cli::add_inspect_options(*inspect_cmd, inspect);
 
+  rondo::cli::GenerateOptions generate;
+  CLI::App* generate_cmd =
+      app.add_subcommand("generate", "Generate text from a model (greedy or sampled)");
+  rondo::cli::add_generate_options(*generate_cmd, generate);
+
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -55,6 +61,7 @@ int main(int argc, char** argv) {
     }
     if (devices_cmd->parsed()) return rondo::cli::run_devices(devices);
     if (inspect_cmd->parsed()) return rondo::cli::run_inspect(inspect);
+    if (generate_cmd->parsed()) return rondo::cli::run_generate(generate);
     std::fputs(app.help().c_str(), stdout);
     return 0;
   } catch (const rondo::Error& e) {

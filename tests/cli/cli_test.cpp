@@ -103,4 +103,19 @@ TEST(Cli, BadOptionsGiveAReadableErrorAndExitNonZero) {
   EXPECT_NE(r.code, 0) << r.out;
 }
 
+TEST(Cli, GenerateExplainsBadInput) {
+  Result r = run("generate /nonexistent/model.gguf -p hi --system 'be brief'");
+  EXPECT_EQ(r.code, 1) << r.out;
+  EXPECT_TRUE(contains(r.out, "--system")) << r.out;
+  EXPECT_TRUE(contains(r.out, "--chat")) << r.out;
+
+  r = run("generate /nonexistent/model.gguf -p hi");
+  EXPECT_EQ(r.code, 1) << r.out;
+  EXPECT_TRUE(contains(r.out, "/nonexistent/model.gguf")) << r.out;
+
+  r = run("generate /nonexistent/model.gguf");  // no prompt
+  EXPECT_NE(r.code, 0) << r.out;
+  EXPECT_TRUE(contains(r.out, "--prompt")) << r.out;
+}
+
 }  // namespace

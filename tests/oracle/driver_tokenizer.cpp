@@ -11,6 +11,7 @@
 #include "driver.h"
 #include "kernels/error.h"
 #include "models/chat_template.h"
+#include "models/model_files.h"
 #include "models/tokenizer.h"
 
 namespace rondo::oracle {
@@ -79,13 +80,18 @@ json run_tokenizer(const models::Tokenizer& tok, const json& in) {
   return out;
 }
 
+// <tokenizer>: a tokenizer.json, or a model (folder or .gguf) whose tokenizer to use.
 int tokenize(const std::vector<std::string>& args) {
-  if (args.size() != 3) throw Error("usage: tokenize <tokenizer.json> <in.json> <out.json>");
-  const models::Tokenizer tok = models::Tokenizer::from_file(args[0]);
+  if (args.size() != 3) throw Error("usage: tokenize <tokenizer.json|model> <in.json> <out.json>");
+  const std::string& path = args[0];
+  const bool json_file = path.size() > 5 && path.compare(path.size() - 5, 5, ".json") == 0;
+  const models::Tokenizer tok =
+      json_file ? models::Tokenizer::from_file(path) : models::load_tokenizer(path);
   write_json(args[2], run_tokenizer(tok, read_json(args[1])));
   return 0;
 }
-const RegisterCommand kTokenize("tokenize", "<tokenizer.json> <in.json> <out.json>", tokenize);
+const RegisterCommand kTokenize("tokenize", "<tokenizer.json|model> <in.json> <out.json>",
+                                tokenize);
 
 // spec.json: the fields of models::TokenizerSpec.
 int tokenize_spec(const std::vector<std::string>& args) {

@@ -1,0 +1,111 @@
+#include "models/model_files.h"
+
+#include <filesystem>
+
+#include "kernels/error.h"
+
+namespace rondo::models {
+namespace fs = std::filesystem;
+
+Tokenizer tokenizer_from_gguf(const GgufFile& f) {
+  const std::string model = f.get_string("tokenizer.ggml.model");
+  TokenizerSpec spec;
+  if (model == "gpt2") {
+    spec.kind = TokenizerKind::kByteLevelBpe;
+  } else if (model == "llama") {
+    spec.kind = TokenizerKind::kSentencePieceBpe;
+  } else {
+    throw Error(f.path() + ": tokenizer.ggml.model '" + model +
+                "' is not supported (supported: gpt2 = byte-level BPE, llama = SentencePiece BPE)");
+  }
+  spec.tokens = f.get_strings("tokenizer.ggml.tokens");
+  const std::int64_t n = static_cast<std::int64_t>(spec.tokens.size());
+  if (f.has("tokenizer.ggml.merges"))
+    for (const std::string& m : f.get_strings("tokenizer.ggml.merges")) {
+      std::size_t space = m.find(' ');
+      if (space == std::string::npos || space == 0 || space + 1 >= m.size())
+        throw Error(f.path() + ": tokenizer.ggml.merges holds '" + m +
+                    "', which is not two tokens separated by a space");
+      spec.merges.emplace_back(m.substr(0, space), m.substr(space + 1));
+    }
+  if (f.has("tokenizer.ggml.scores"))
+    for (double s : f.get_floats("tokenizer.ggml.scores"))
+      spec.scores.push_back(static_cast<float>(s));
+  if (f.has("tokenizer.ggml.token_type")) {
+    std::vector<std::int64_t> types = f.get_ints("tokenizer.ggml.token_type");
+    if (static_cast<std::int64_t>(types.size()) != n)
+      throw Error(f.path() + ": tokenizer.ggml.token_type has " + std::to_string(types.size()) +
+                  " entries for " + std::to_string(n) + " tokens");
+    for (std::int64_t id = 0; id < n; ++id) {
+      if (types[id] == 3) spec.special_ids.push_back(static_cast<std::int32_t>(id));  // control
+      if (types[id] == 4) spec.added_ids.push_back(static_cast<std::int32_t>(id));    // user
+    }
+  }
+  auto id = [&](const char* key) -> std::int32_t {
+    if (!f.has(key)) return -1;
+    std::int64_t v = f.get_int(key);
+    if (v < 0 || v >= n)
+      throw Error(f.path() + ": " + key + " = " + std::to_string(v) + " is not a token id (" +
+                  std::to_string(n) + " tokens)");
+    return static_cast<std::int32_t>(v);
+  };
+  spec.bos_id = id("tokenizer.ggml.bos_token_id");
+  spec.eos_id = id("tokenizer.ggml.eos_token_id");
+  spec.unk_id = id("tokenizer.ggml.unknown_token_id");
+  spec.add_bos =
+      f.get_bool("tokenizer.ggml.add_bos_token", spec.kind == TokenizerKind::kSentencePieceBpe);
+  spec.add_eos = f.get_bool("tokenizer.ggml.add_eos_token", false);
+  spec.add_space_prefix = f.get_bool("tokenizer.ggml.add_space_prefix", true);
+  if (spec.kind == TokenizerKind::kByteLevelBpe) {
+    const std::string pre = f.get_string("tokenizer.ggml.pre", "default");
+    if (pre == "llama-bpe" || pre == "llama3") {
+      spec.split_regexes = {std::string(kSplitRegexLlama3)};
+      spec.ignore_merges = true;
+    } else if (pre == "qwen2") {
+      spec.split_regexes = {std::string(kSplitRegexQwen2)};
+      spec.nfc = true;
+    } else if (pre == "smollm") {
+      spec.split_regexes = {R"(\p{N})"};
+      spec.gpt2_split_after = true;
+    } else if (pre == "gpt2" || pre == "gpt-2" || pre == "default") {
+      // GPT-2's built-in split.
+    } else {
+      throw Error(f.path() + ": tokenizer.ggml.pre '" + pre +
+                  "' is not supported (supported: llama-bpe, qwen2, smollm, gpt2, default)");
+    }
+  }
+  return Tokenizer::from_spec(spec, f.path());
+}
+
+Tokenizer load_tokenizer(const std::string& model_path) {
+  if (fs::is_directory(model_path)) {
+    fs::path p = fs::path(model_path) / "tokenizer.json";
+    if (!fs::exists(p))
+      throw Error(model_path +
+                  " has no tokenizer.json (Rondo reads Hugging Face fast-tokenizer "
+                  "files; re-save the tokenizer with transformers to create one)");
+    return Tokenizer::from_file(p.string());
+  }
+  return tokenizer_from_gguf(GgufFile(model_path));
+}
+
+ChatTemplate load_model_chat_template(const std::string& model_path, const std::string& format) {
+  if (!format.empty()) return chat_template_from_name(format);
+  if (fs::is_directory(model_path)) {
+    fs::path p = fs::path(model_path) / "tokenizer_config.json";
+    if (!fs::exists(p))
+      throw Error(model_path +
+                  " has no tokenizer_config.json with a chat template; choose a "
+                  "format with --chat-format chatml|qwen3|llama3|mistral|mistral-v1");
+    return load_chat_template(p.string());
+  }
+  GgufFile f(model_path);
+  if (!f.has("tokenizer.chat_template"))
+    throw Error(model_path +
+                " has no tokenizer.chat_template; choose a format with "
+                "--chat-format chatml|qwen3|llama3|mistral|mistral-v1");
+  return recognise_chat_template(f.get_string("tokenizer.chat_template"),
+                                 model_path + " (tokenizer.chat_template)");
+}
+
+}  // namespace rondo::models
