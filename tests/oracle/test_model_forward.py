@@ -106,3 +106,17 @@ def test_packed_rows_equal_documents_run_separately(name, tmp_path):
             start += len(doc)
     # Targets never cross a document boundary: one fewer target per document.
     assert out["target_count"] == sum(sum(n - 1 for n in row) for row in rows)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "f16"])
+def test_half_precision_checkpoints_load_to_the_same_weights(dtype, tmp_path):
+    """A bf16 or f16 checkpoint read by Rondo into fp32 gives the logits transformers gives when it
+    loads the same files into fp32 (the upcast is exact, so the same 1e-4 holds)."""
+    model = make_model("qwen3_qk_norm", int.from_bytes(os.urandom(4), "little"))
+    model.to(dtype).save_pretrained(tmp_path / "model")
+    ref_model = type(model).from_pretrained(tmp_path / "model", dtype=torch.float32).eval()
+    tokens = torch.randint(0, V, (1, 17))
+    with torch.no_grad():
+        ref = ref_model(input_ids=tokens).logits.numpy()
+    out = rondo_forward(tmp_path / "model", tmp_path, tokens)
+    assert np.abs(out["logits"] - ref).max() < TOL
