@@ -14,6 +14,12 @@ void assert_fail(const char* expr, const char* file, int line, const std::string
   throw InternalError(text);
 }
 
+std::string join_problems(const std::string& head, const std::vector<std::string>& problems) {
+  std::string text = head;
+  for (const std::string& p : problems) text += "\n  - " + p;
+  return text;
+}
+
 std::string format_bytes(std::uint64_t bytes) {
   static const char* kUnits[] = {"B", "KiB", "MiB", "GiB", "TiB", "PiB"};
   if (bytes < 1024) return std::to_string(bytes) + " B";

@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 namespace rondo {
 
@@ -26,6 +27,9 @@ class InternalError : public std::logic_error {
 
 // "1.50 GiB", "22 B": binary units, as memory is sized.
 std::string format_bytes(std::uint64_t bytes);
+
+// "head:\n  - p1\n  - p2" — how every validate() reports all its problems at once.
+std::string join_problems(const std::string& head, const std::vector<std::string>& problems);
 
 // Parses "24GB", "24 GiB", "512M", "4096": K/M/G/T (with or without B or iB) are binary
 // multiples (1 GB = 2^30 bytes, so "24GB" is an RTX 4090's 24 GiB). Throws Error naming `what`.

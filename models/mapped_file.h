@@ -11,6 +11,10 @@
 
 namespace rondo::models {
 
+// The whole of a (small) text file: config.json, tokenizer.json. Throws Error naming the path and
+// `what` it was wanted for when it cannot be read.
+std::string read_text_file(const std::string& path, const std::string& what);
+
 class MappedFile {
  public:
   // Throws Error naming the path if it cannot be opened or mapped. An empty file maps to size 0.
