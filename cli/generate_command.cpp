@@ -72,34 +72,24 @@ int run_generate(const GenerateOptions& o) {
   sampling.seed = o.seed;
   sampling.stop_tokens = stops;
 
-  // Stream: decode everything generated so far and print what is new, holding back an
-  // incomplete UTF-8 sequence (decoded as U+FFFD until its last byte arrives).
-  std::vector<std::int32_t> generated;
-  std::size_t printed = 0;
-  auto flush = [&](bool final) {
-    std::string text = tok.decode(generated, /*skip_special_tokens=*/true);
-    static const std::string kReplacement = "\xEF\xBF\xBD";
-    std::size_t end = text.size();
-    if (!final && end >= 3 && text.compare(end - 3, 3, kReplacement) == 0) end -= 3;
-    if (end > printed) {
-      std::fwrite(text.data() + printed, 1, end - printed, stdout);
-      std::fflush(stdout);
-      printed = end;
-    }
+  models::TextStreamer streamer(tok);
+  auto print = [](const std::string& text) {
+    std::fwrite(text.data(), 1, text.size(), stdout);
+    std::fflush(stdout);
   };
   auto start = std::chrono::steady_clock::now();
   std::vector<std::int64_t> prompt(ids.begin(), ids.end());
   models::generate(model, prompt, sampling, [&](std::int64_t token) {
-    generated.push_back(static_cast<std::int32_t>(token));
-    flush(false);
+    print(streamer.push(static_cast<std::int32_t>(token)));
     return true;
   });
-  flush(true);
+  print(streamer.finish());
   std::fputc('\n', stdout);
   std::fflush(stdout);
   double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   std::fprintf(stderr, "rondo: %zu prompt tokens, %zu generated in %.2f s (%.1f tokens/s)\n",
-               ids.size(), generated.size(), seconds, generated.size() / std::max(seconds, 1e-9));
+               ids.size(), streamer.ids().size(), seconds,
+               streamer.ids().size() / std::max(seconds, 1e-9));
   return 0;
 }
 

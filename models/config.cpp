@@ -1,10 +1,9 @@
 #include "models/config.h"
 
-#include <fstream>
 #include <nlohmann/json.hpp>
-#include <sstream>
 
 #include "kernels/error.h"
+#include "models/mapped_file.h"
 
 namespace rondo::models {
 
@@ -28,13 +27,25 @@ std::vector<std::string> ModelConfig::problems() const {
     if (v <= 0)
       out.push_back(std::string(field) + " must be positive (got " + std::to_string(v) + ")");
   };
-  positive(vocab_size, "vocab_size");
-  positive(hidden_size, "hidden_size");
-  positive(intermediate_size, "intermediate_size");
-  positive(num_layers, "num_hidden_layers");
-  positive(num_heads, "num_attention_heads");
-  positive(num_kv_heads, "num_key_value_heads");
-  positive(head_dim, "head_dim");
+  // Upper bounds far above any real model keep products like H * D and V * C well inside int64
+  // and stop a hostile file from making Rondo build billions of layer descriptions.
+  auto bounded = [&](std::int64_t v, const char* field, std::int64_t most) {
+    if (v <= 0)
+      out.push_back(std::string(field) + " must be positive (got " + std::to_string(v) + ")");
+    else if (v > most)
+      out.push_back(std::string(field) + " of " + std::to_string(v) + " is beyond what Rondo " +
+                    "supports (at most " + std::to_string(most) + "); is the config corrupt?");
+  };
+  bounded(vocab_size, "vocab_size", 1 << 24);
+  bounded(hidden_size, "hidden_size", 1 << 18);
+  bounded(intermediate_size, "intermediate_size", 1 << 20);
+  bounded(num_layers, "num_hidden_layers", 4096);
+  bounded(num_heads, "num_attention_heads", 4096);
+  bounded(num_kv_heads, "num_key_value_heads", 4096);
+  bounded(head_dim, "head_dim", 4096);
+  if (max_position_embeddings < 0 || max_position_embeddings > (1ll << 30))
+    out.push_back("max_position_embeddings of " + std::to_string(max_position_embeddings) +
+                  " is out of range");
   if (num_heads > 0 && num_kv_heads > 0 && num_heads % num_kv_heads != 0)
     out.push_back("num_attention_heads (" + std::to_string(num_heads) +
                   ") must be a multiple of num_key_value_heads (" + std::to_string(num_kv_heads) +
@@ -101,6 +112,10 @@ struct Reader {
 
 }  // namespace
 
+namespace {
+ModelConfig parse_hf_config_json(const json& j, const std::string& source);
+}  // namespace
+
 ModelConfig parse_hf_config(const std::string& json_text, const std::string& source) {
   json j;
   try {
@@ -109,6 +124,16 @@ ModelConfig parse_hf_config(const std::string& json_text, const std::string& sou
     throw Error(source + ": not valid JSON: " + e.what());
   }
   if (!j.is_object()) throw Error(source + ": expected a JSON object");
+  try {
+    return parse_hf_config_json(j, source);
+  } catch (const json::exception& e) {
+    // A field of the wrong JSON type (e.g. "model_type": null) in one of the lookups below.
+    throw Error(source + ": a field has the wrong type: " + e.what());
+  }
+}
+
+namespace {
+ModelConfig parse_hf_config_json(const json& j, const std::string& source) {
   std::vector<std::string> problems;
   Reader r{j, source, problems};
   ModelConfig c;
@@ -167,13 +192,16 @@ ModelConfig parse_hf_config(const std::string& json_text, const std::string& sou
       c.qk_norm = true;
       break;
   }
-  // Sliding windows: Mistral applies one whenever set; Qwen only with use_sliding_window.
-  if (r.has("sliding_window")) {
-    bool use = c.family == Family::kMistral ||
-               ((c.family == Family::kQwen2 || c.family == Family::kQwen3) &&
-                r.boolean("use_sliding_window", false));
-    if (use) c.sliding_window = r.integer("sliding_window", 0, false);
-  }
+  // Sliding windows: Mistral applies one to every layer whenever set. Qwen applies one only with
+  // use_sliding_window, and then only to layers from max_window_layers on: per-layer windows are
+  // not modelled, so such a config is refused rather than computed differently.
+  if (c.family == Family::kMistral && r.has("sliding_window"))
+    c.sliding_window = r.integer("sliding_window", 0, false);
+  if ((c.family == Family::kQwen2 || c.family == Family::kQwen3) &&
+      r.boolean("use_sliding_window", false))
+    problems.push_back(
+        "use_sliding_window: true (a window on layers from max_window_layers on) "
+        "is not supported; set it to false if the model was trained without it");
 
   // Rotary: transformers 5 writes rope_parameters (with rope_theta inside); older files have
   // rope_theta and rope_scaling at the top level.
@@ -219,21 +247,14 @@ ModelConfig parse_hf_config(const std::string& json_text, const std::string& sou
   if (problems.empty())  // missing fields already said; the checks below would repeat them
     for (auto& p : c.problems())
       problems.push_back(p);
-  if (!problems.empty()) {
-    std::string text = source + ": invalid model config:";
-    for (auto& p : problems)
-      text += "\n  - " + p;
-    throw Error(text);
-  }
+  if (!problems.empty()) throw Error(join_problems(source + ": invalid model config:", problems));
   return c;
 }
+}  // namespace
 
 ModelConfig load_hf_config(const std::string& path) {
-  std::ifstream in(path);
-  if (!in) throw Error("cannot read " + path + " (a Hugging Face model folder needs config.json)");
-  std::stringstream ss;
-  ss << in.rdbuf();
-  return parse_hf_config(ss.str(), path);
+  return parse_hf_config(read_text_file(path, "a Hugging Face model folder needs config.json"),
+                         path);
 }
 
 }  // namespace rondo::models

@@ -4,7 +4,6 @@
 #include <c10/core/InferenceMode.h>
 
 #include <algorithm>
-#include <numeric>
 #include <random>
 
 #include "kernels/error.h"
@@ -14,27 +13,53 @@ namespace rondo::models {
 std::int64_t sample_token(const at::Tensor& logits, const SamplingOptions& options,
                           std::uint64_t& rng_state) {
   at::Tensor l = logits.to(at::kCPU, at::kFloat).contiguous();
+  // NaN or Inf logits come from an overflow in a low-precision forward or from broken weights;
+  // sampling from them would pick garbage (and sorting NaN is undefined).
+  if (!at::isfinite(l).all().item<bool>())
+    throw Error(
+        "the model produced non-finite logits (NaN or Inf); its weights may be corrupt, or "
+        "the forward overflowed (try --dtype f32)");
   if (options.temperature <= 0) return l.argmax().item<std::int64_t>();
-  at::Tensor probs = at::softmax(l / options.temperature, -1);
+  auto [probs, order] = at::sort(at::softmax(l / options.temperature, -1), -1, /*descending=*/true);
   const float* p = probs.data_ptr<float>();
+  const std::int64_t* ids = order.data_ptr<std::int64_t>();
   const std::int64_t V = probs.numel();
-  std::vector<std::int64_t> order(V);
-  std::iota(order.begin(), order.end(), 0);
-  std::sort(order.begin(), order.end(),
-            [&](std::int64_t a, std::int64_t b) { return p[a] > p[b]; });
   // The smallest set of most likely tokens whose mass reaches top_p (at least one token).
   double kept = 0;
   std::int64_t n = 0;
   while (n < V && (n == 0 || kept < options.top_p))
-    kept += p[order[n++]];
+    kept += p[n++];
   std::mt19937_64 rng(rng_state);
   double r = std::uniform_real_distribution<double>(0.0, kept)(rng);
   rng_state = rng();
   for (std::int64_t i = 0; i < n; ++i) {
-    r -= p[order[i]];
-    if (r <= 0) return order[i];
+    r -= p[i];
+    if (r <= 0) return ids[i];
   }
-  return order[n - 1];
+  return ids[n - 1];
+}
+
+std::string TextStreamer::push(std::int32_t id) {
+  ids_.push_back(id);
+  return advance(false);
+}
+
+std::string TextStreamer::finish() {
+  return advance(true);
+}
+
+std::string TextStreamer::advance(bool final) {
+  std::string text = tokenizer_.decode(ids_, skip_special_);
+  static const std::string kReplacement = "\xEF\xBF\xBD";
+  std::size_t end = text.size();
+  while (!final && end >= 3 && text.compare(end - 3, 3, kReplacement) == 0)
+    end -= 3;
+  // Decoders may rewrite the start (strip a leading space); emit only past what was emitted, and
+  // nothing while the text does not extend it.
+  if (end <= shown_.size() || text.compare(0, shown_.size(), shown_) != 0) return {};
+  std::string out = text.substr(shown_.size(), end - shown_.size());
+  shown_.assign(text, 0, end);
+  return out;
 }
 
 std::vector<std::int64_t> generate(const Model& model, const std::vector<std::int64_t>& prompt,

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "models/model.h"
+#include "models/tokenizer.h"
 
 namespace rondo::models {
 
@@ -26,6 +27,25 @@ struct SamplingOptions {
 std::vector<std::int64_t> generate(const Model& model, const std::vector<std::int64_t>& prompt,
                                    const SamplingOptions& options,
                                    const std::function<bool(std::int64_t)>& on_token = {});
+
+// Text of tokens as they are generated: each push() returns what became final with that token.
+// An incomplete UTF-8 sequence decodes as U+FFFD (one per byte with byte-fallback tokenizers)
+// until its last byte arrives, so trailing U+FFFD are held back; finish() returns the rest.
+class TextStreamer {
+ public:
+  explicit TextStreamer(const Tokenizer& tokenizer, bool skip_special_tokens = true)
+      : tokenizer_(tokenizer), skip_special_(skip_special_tokens) {}
+  std::string push(std::int32_t id);
+  std::string finish();
+  const std::vector<std::int32_t>& ids() const { return ids_; }
+
+ private:
+  std::string advance(bool final);
+  const Tokenizer& tokenizer_;
+  bool skip_special_;
+  std::vector<std::int32_t> ids_;
+  std::string shown_;  // returned so far
+};
 
 // Picks the next token from fp32 logits (V) as `options` says, using `rng_state` (advanced).
 std::int64_t sample_token(const at::Tensor& logits, const SamplingOptions& options,

@@ -88,10 +88,10 @@ std::vector<LayerSpec> layer_specs(const ModelConfig& c) {
   prefix.config = c;
   prefix.params.push_back({"model.embed_tokens.weight", {V, C}});
   specs.push_back(prefix);
-  for (int b = 0; b < c.num_layers; ++b) {
+  for (std::int64_t b = 0; b < c.num_layers; ++b) {
     LayerSpec s;
     s.kind = LayerKind::kBlock;
-    s.block = b;
+    s.block = static_cast<int>(b);
     s.config = c;
     std::string p = "model.layers." + std::to_string(b) + ".";
     auto add = [&](const std::string& name, std::vector<std::int64_t> shape) {

@@ -218,6 +218,32 @@ TEST(Config, ListsEveryProblemAtOnce) {
                {"c.json", "GPTNeoXForCausalLM", "not supported", "Qwen3ForCausalLM"});
 }
 
+TEST(Config, AbsurdDimensionsAndWrongTypesAreRejected) {
+  expect_error(
+      [] {
+        parse_hf_config(R"({"architectures":["LlamaForCausalLM"],"vocab_size":10,"hidden_size":8,
+          "intermediate_size":8,"num_hidden_layers":1000000000000,"num_attention_heads":2})",
+                        "huge.json");
+      },
+      {"huge.json", "num_hidden_layers", "at most 4096"});
+  expect_error(
+      [] {
+        parse_hf_config(R"({"architectures":["LlamaForCausalLM"],"model_type":null,
+          "hidden_act":7,"vocab_size":10,"hidden_size":8,"intermediate_size":8,
+          "num_hidden_layers":1,"num_attention_heads":2})",
+                        "types.json");
+      },
+      {"types.json", "wrong type"});
+  expect_error(
+      [] {
+        parse_hf_config(R"({"architectures":["Qwen2ForCausalLM"],"vocab_size":10,"hidden_size":8,
+          "intermediate_size":8,"num_hidden_layers":1,"num_attention_heads":2,
+          "use_sliding_window":true,"sliding_window":4,"max_window_layers":1})",
+                        "qwen.json");
+      },
+      {"qwen.json", "use_sliding_window", "not supported"});
+}
+
 TEST(Config, ReadsOldAndNewRopeFields) {
   ModelConfig old_style = parse_hf_config(R"({"architectures":["LlamaForCausalLM"],
     "vocab_size":10,"hidden_size":8,"intermediate_size":8,"num_hidden_layers":1,
