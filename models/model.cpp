@@ -40,7 +40,7 @@ Model Model::load(const std::string& path, const LoadOptions& options) {
 Model Model::load_gguf(const std::string& path, const LoadOptions& options) {
   GgufFile file(path);
   ModelConfig config = config_from_gguf(file);
-  // Quantised tensors are dequantised on load: to bf16 unless asked otherwise (F32 for tests).
+  // Quantised tensors are dequantised on load, to F32 unless BF16 is asked for.
   DType target = options.dtype.value_or(DType::kF32);
   if (target != DType::kF32 && target != DType::kBF16)
     throw Error(path + ": GGUF weights load as F32 or BF16, not " + to_string(target));

@@ -14,6 +14,7 @@
 #include <sstream>
 
 #include "kernels/error.h"
+#include "models/mapped_file.h"
 #include "models/tensor_view.h"
 
 namespace rondo::models {
@@ -37,8 +38,15 @@ std::int64_t TensorEntry::numel() const {
 }
 
 at::Tensor TensorEntry::view() const {
-  return at::from_blob(const_cast<std::uint8_t*>(data), shape,
-                       at::TensorOptions().dtype(to_scalar_type(dtype)));
+  at::TensorOptions options = at::TensorOptions().dtype(to_scalar_type(dtype));
+  // Writers align every tensor to its element size; a file that does not gets a copy, since
+  // kernels may assume aligned elements.
+  if (reinterpret_cast<std::uintptr_t>(data) % dtype_size(dtype) != 0) {
+    at::Tensor copy = at::empty(shape, options);
+    std::memcpy(copy.data_ptr(), data, bytes);
+    return copy;
+  }
+  return at::from_blob(const_cast<std::uint8_t*>(data), shape, options);
 }
 
 SafetensorsFile::SafetensorsFile(const std::string& path)
@@ -92,7 +100,8 @@ SafetensorsFile::SafetensorsFile(const std::string& path)
       if (!d.is_number_unsigned())
         throw bad("shape " + shape.dump() + " has a negative or non-integer size");
       std::uint64_t v = d.get<std::uint64_t>();
-      if (v != 0 && elements > kMaxElements / v)
+      // Each size on its own too: after a zero size the product no longer catches a huge one.
+      if (v > kMaxElements || (v != 0 && elements > kMaxElements / v))
         throw bad("shape " + shape.dump() + " is absurdly large");
       elements *= v;
       e.shape.push_back(static_cast<std::int64_t>(v));
@@ -151,10 +160,9 @@ Checkpoint Checkpoint::open_hf_folder(const std::string& dir) {
     c.files_.push_back(f);
   };
   if (fs::exists(index)) {
-    std::ifstream in(index);
     json j;
     try {
-      in >> j;
+      j = json::parse(read_text_file(index.string(), "the index of a sharded checkpoint"));
     } catch (const json::exception& e) {
       throw Error(index.string() + ": not valid JSON (" + e.what() + ")");
     }
@@ -270,8 +278,9 @@ void write_safetensors(const std::string& path,
   std::set<std::string> seen;
   std::uint64_t offset = 0;
   for (const auto& [name, tensor] : tensors) {
-    if (!seen.insert(name).second)
-      throw Error("write_safetensors: duplicate tensor name '" + name + "'");
+    if (name == "__metadata__" || !seen.insert(name).second)
+      throw Error("write_safetensors: tensor name '" + name + "' is " +
+                  (name == "__metadata__" ? "reserved" : "used twice"));
     at::Tensor t = tensor.to(at::kCPU).contiguous();
     std::uint64_t bytes = static_cast<std::uint64_t>(t.nbytes());
     header[name] = {{"dtype", to_string(dtype_of(t))},
@@ -313,10 +322,12 @@ void write_safetensors(const std::string& path,
   // Make the rename itself durable.
   fs::path parent = target.has_parent_path() ? target.parent_path() : fs::path(".");
   int dfd = ::open(parent.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  if (dfd >= 0) {
-    ::fsync(dfd);
-    ::close(dfd);
-  }
+  if (dfd < 0)
+    throw Error("cannot open " + parent.string() + " to sync it: " + std::strerror(errno));
+  int rc = ::fsync(dfd);
+  int err = errno;
+  ::close(dfd);
+  if (rc != 0) throw Error("fsync " + parent.string() + ": " + std::strerror(err));
 }
 
 }  // namespace rondo::models

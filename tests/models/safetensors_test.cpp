@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 
@@ -132,6 +133,7 @@ TEST(Safetensors, MalformedHeaderFields) {
       R"({"w":{"dtype":"F32","shape":[1]}})",
       R"({"w":{"dtype":"F32","shape":[4294967296,4294967296,4294967296],"data_offsets":[0,4]}})",
       R"({"__metadata__":{"k":1}})",
+      R"({"w":{"dtype":"F32","shape":[0,18446744073709551615],"data_offsets":[0,0]}})",
   };
   int i = 0;
   for (const char* h : headers) {
@@ -139,6 +141,32 @@ TEST(Safetensors, MalformedHeaderFields) {
     write_raw(p, h, 8);
     expect_error([&] { SafetensorsFile f(p.string()); }, {p.string()});
   }
+}
+
+TEST(Safetensors, MisalignedTensorsAreCopiedNotViewed) {
+  TempDir dir;
+  fs::path p = dir / "a.safetensors";
+  // "b" starts 3 bytes into the data section: not a multiple of 4 wherever the data begins.
+  const std::string header = R"({"a":{"dtype":"U8","shape":[3],"data_offsets":[0,3]},)"
+                             R"("b":{"dtype":"F32","shape":[2],"data_offsets":[3,11]}})";
+  write_raw(p, header, 11);
+  SafetensorsFile f(p.string());
+  const TensorEntry& b = *f.find("b");
+  at::Tensor t = b.view();
+  EXPECT_EQ(reinterpret_cast<std::uintptr_t>(t.data_ptr()) % 4, 0u);
+  float expect;
+  std::memcpy(&expect, b.data, 4);  // bytes 0x01 0x01 0x01 0x01
+  EXPECT_EQ(t[0].item<float>(), expect);
+  EXPECT_EQ(t[1].item<float>(), expect);
+}
+
+TEST(Safetensors, TheMetadataNameIsReserved) {
+  TempDir dir;
+  expect_error(
+      [&] {
+        write_safetensors((dir / "m.safetensors").string(), {{"__metadata__", at::ones({1})}});
+      },
+      {"__metadata__", "reserved"});
 }
 
 TEST(Checkpoint, FolderWithoutWeightsSaysWhatIsMissing) {
