@@ -70,8 +70,21 @@ std::vector<std::string> PlanInputs::problems() const {
   if (tokens_per_step > 0 && resolved_microbatches() > tokens_per_step)
     out.push_back("more microbatches (" + std::to_string(resolved_microbatches()) +
                   ") than tokens per step (" + std::to_string(tokens_per_step) + ")");
-  for (const DeviceModel& d : devices)
-    if (!(d.speed > 0)) out.push_back("device speeds must be positive");
+  auto finite_nonneg = [](double x) { return std::isfinite(x) && x >= 0; };
+  for (std::size_t i = 0; i < devices.size(); ++i) {
+    const DeviceModel& d = devices[i];
+    const std::string who = "device " + std::to_string(i);
+    if (!(std::isfinite(d.speed) && d.speed > 0)) out.push_back(who + ": speed must be positive");
+    if (!finite_nonneg(d.link_bytes_per_s))
+      out.push_back(who + ": link bandwidth must be a number >= 0 (0 = free)");
+    if (!finite_nonneg(d.link_latency_s)) out.push_back(who + ": link latency must be >= 0");
+  }
+  for (std::size_t l = 0; l < layers.size(); ++l)
+    if (!finite_nonneg(layers[l].forward_s_per_token) ||
+        !finite_nonneg(layers[l].backward_s_per_token)) {
+      out.push_back("layer " + std::to_string(l) + ": compute times must be numbers >= 0");
+      break;
+    }
   if (!(upper_threshold >= 1.0)) out.push_back("upper_threshold must be at least 1");
   return out;
 }
@@ -80,12 +93,7 @@ namespace {
 
 void check(const PlanInputs& in) {
   auto problems = in.problems();
-  if (!problems.empty()) {
-    std::string text = "cannot plan:";
-    for (auto& p : problems)
-      text += "\n  - " + p;
-    throw Error(text);
-  }
+  if (!problems.empty()) throw Error(join_problems("cannot plan:", problems));
 }
 
 // --- The schedule simulation -------------------------------------------------------------------
@@ -245,6 +253,14 @@ PlanPrediction predict(const Plan& plan, const PlanInputs& in) {
   std::vector<std::vector<double>> grads_home(kSteps, std::vector<double>(in.layers.size(), 0.0));
   const int lag = in.one_step_stale ? 2 : 1;
   std::vector<double> step_end(kSteps, 0.0);
+  // Which layers' inputs the backward needs saved, and per (layer, microbatch) when that saved
+  // input is on the host.
+  std::vector<bool> saved_for_backward(in.layers.size(), false);
+  for (int l = 0; l < plan.tail.begin; ++l)
+    saved_for_backward[l] = plan.grain == RecomputeGrain::kLayer;
+  for (const LayerRange& b : plan.backward)
+    saved_for_backward[b.begin] = true;
+  std::vector<std::vector<double>> checkpoint_home(in.layers.size(), std::vector<double>(M, 0.0));
   std::vector<double> peak(N, 0.0);
 
   long long pointer = 0;  // the global round-robin pointer
@@ -266,30 +282,31 @@ PlanPrediction predict(const Plan& plan, const PlanInputs& in) {
       double t = device_free[d];
       double job_start = -1;
       for (int m = 0; m < M; ++m) {
+        // When this job's input is on the host: the tokens (prepared while the device's previous
+        // job ran), or the previous job's output once downloaded; -1 when it stayed on this device.
+        double input_on_host = -1;
         double input_ready;
         if (first_job) {
-          input_ready = up[d].send(0.0, tokens_mb * input_bytes(in, 0), false);
+          input_on_host = device_job_start[d];
+          input_ready = up[d].send(input_on_host, tokens_mb * input_bytes(in, 0), false);
         } else if (handoff_device == d) {
           input_ready = handoff_device_time[m];  // stayed on the device
         } else {
+          input_on_host = handoff_host[m];
           double bytes =
               tokens_mb *
               (job.kind == JobKind::kForward || job.kind == JobKind::kTail
                    ? input_bytes(in, job.range.begin)
                    : static_cast<double>(in.layers[job.range.end - 1].output_bytes_per_token));
-          input_ready = up[d].send(handoff_host[m], bytes, false);
+          input_ready = up[d].send(input_on_host, bytes, false);
         }
         if (job.kind == JobKind::kBackward) {
-          // The saved inputs (checkpoints) come back too.
-          double ck =
-              tokens_mb *
-              (plan.grain == RecomputeGrain::kStage ? input_bytes(in, job.range.begin) : [&] {
-                double b = 0;
-                for (int l = job.range.begin; l < job.range.end; ++l)
-                  b += input_bytes(in, l);
-                return b;
-              }());
-          input_ready = std::max(input_ready, up[d].send(0.0, ck, false));
+          // The saved inputs (checkpoints) come back, each once it has reached the host.
+          for (int l = job.range.begin; l < job.range.end; ++l) {
+            if (plan.grain == RecomputeGrain::kStage && l != job.range.begin) continue;
+            input_ready = std::max(input_ready, up[d].send(checkpoint_home[l][m],
+                                                           tokens_mb * input_bytes(in, l), false));
+          }
         }
         double start = std::max({t, weights_ready, input_ready});
         if (job_start < 0) job_start = start;
@@ -297,8 +314,21 @@ PlanPrediction predict(const Plan& plan, const PlanInputs& in) {
         busy[d].push_back({start, end});
         t = end;
         handoff_device_time[m] = end;
+        if (job.kind == JobKind::kForward) {
+          // Checkpoints for the backward: each backward stage's input (stage grain) or every
+          // layer's input (layer grain). This stage's own input is on the host already unless it
+          // stayed on the device; inner layers' inputs go down as they are computed.
+          for (int l = job.range.begin; l < job.range.end; ++l) {
+            if (!saved_for_backward[l]) continue;
+            if (l == job.range.begin && input_on_host >= 0)
+              checkpoint_home[l][m] = input_on_host;
+            else
+              checkpoint_home[l][m] = down[d].send(l == job.range.begin ? start : end,
+                                                   tokens_mb * input_bytes(in, l), false);
+          }
+        }
         // Output (forward) or input gradient (tail, backward) goes down for the next job,
-        // unless that job is on this device; backward stage 0 of a plan has no successor.
+        // unless that job is on this device; the last backward stage has no successor.
         const bool last_of_step = (j == J - 1);
         const int next_device = static_cast<int>(pointer % N);
         if (!last_of_step && next_device != d) {
@@ -310,18 +340,6 @@ PlanPrediction predict(const Plan& plan, const PlanInputs& in) {
           handoff_host[m] = down[d].send(end, bytes, false);
         } else {
           handoff_host[m] = end;
-        }
-        if (job.kind == JobKind::kForward) {
-          // Checkpoints for the backward: each backward stage's input (stage grain) or every
-          // layer's input (layer grain) inside this forward stage, except its own input.
-          double ck = 0;
-          for (int l = job.range.begin + 1; l < job.range.end; ++l) {
-            bool saved = plan.grain == RecomputeGrain::kLayer;
-            for (const LayerRange& b : plan.backward)
-              saved = saved || b.begin == l;
-            if (saved) ck += input_bytes(in, l);
-          }
-          if (ck > 0) down[d].send(end, tokens_mb * ck, false);
         }
       }
       handoff_device = d;
