@@ -1,0 +1,165 @@
+#include "engine/events.h"
+
+#include <cerrno>
+#include <chrono>
+#include <cstring>
+#include <ctime>
+#include <nlohmann/json.hpp>
+
+#include "kernels/error.h"
+
+namespace rondo::engine {
+namespace {
+
+using nlohmann::json;
+
+std::int64_t steady_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(
+             std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+std::string utc_now() {
+  auto now = std::chrono::system_clock::now();
+  std::time_t secs = std::chrono::system_clock::to_time_t(now);
+  auto ms =
+      std::chrono::duration_cast<std::chrono::milliseconds>(now.time_since_epoch()).count() % 1000;
+  std::tm tm{};
+  gmtime_r(&secs, &tm);
+  char buf[40];
+  std::snprintf(buf, sizeof buf, "%04d-%02d-%02dT%02d:%02d:%02d.%03dZ", tm.tm_year + 1900,
+                tm.tm_mon + 1, tm.tm_mday, tm.tm_hour, tm.tm_min, tm.tm_sec, static_cast<int>(ms));
+  return buf;
+}
+
+}  // namespace
+
+std::unique_ptr<EventSink> EventSink::open(const std::string& path) {
+  if (path == "-") return std::unique_ptr<EventSink>(new EventSink(stdout, false));
+  std::FILE* f = std::fopen(path.c_str(), "a");
+  if (f == nullptr)
+    throw Error("cannot open the event stream " + path + ": " + std::strerror(errno));
+  return std::unique_ptr<EventSink>(new EventSink(f, true));
+}
+
+EventSink::EventSink(std::FILE* file, bool owned)
+    : file_(file), owned_(owned), start_ns_(steady_ns()) {}
+
+EventSink::~EventSink() {
+  if (owned_ && std::fclose(file_) != 0)
+    std::fprintf(stderr, "rondo: warning: closing the event stream failed: %s\n",
+                 std::strerror(errno));
+}
+
+double EventSink::now() const {
+  return (steady_ns() - start_ns_) * 1e-9;
+}
+
+void EventSink::write(const char* type, const std::string& fields) {
+  // The clock is read under the lock, so "t" never goes backwards down the file.
+  std::lock_guard lock(mutex_);
+  json head = {{"v", kEventSchemaVersion}, {"type", type}, {"t", now()}, {"time", utc_now()}};
+  std::string line = head.dump();
+  // Splice the event's own members after the common ones: {"v":..,"time":"..", <fields>}.
+  if (fields.size() > 2) {
+    line.pop_back();
+    line += ",";
+    line.append(fields, 1, std::string::npos);
+  }
+  line += "\n";
+  // A failed write must not kill training; it is reported once on stderr.
+  if (std::fwrite(line.data(), 1, line.size(), file_) != line.size() || std::fflush(file_) != 0) {
+    static bool warned = false;
+    if (!warned) {
+      warned = true;
+      std::fprintf(stderr, "rondo: warning: writing the event stream failed: %s\n",
+                   std::strerror(errno));
+    }
+  }
+}
+
+void EventSink::emit(const RunStartEvent& e) {
+  write("run_start", json{{"run_dir", e.run_dir},
+                          {"model", e.model},
+                          {"method", e.method},
+                          {"steps_total", e.steps_total},
+                          {"config", e.config_toml}}
+                         .dump());
+}
+
+void EventSink::emit(const PlanEvent& e) {
+  write("plan", json{{"plan", e.plan},
+                     {"devices", e.devices},
+                     {"microbatches", e.microbatches},
+                     {"predicted_step_s", e.predicted_step_s},
+                     {"predicted_idle_fraction", e.predicted_idle_fraction},
+                     {"predicted_peak_bytes", e.predicted_peak_bytes},
+                     {"partitioner", e.partitioner}}
+                    .dump());
+}
+
+void EventSink::emit(const StepEvent& e) {
+  write("step", json{{"step", e.step},
+                     {"steps_total", e.steps_total},
+                     {"loss", e.loss},
+                     {"lr", e.lr},
+                     {"grad_norm", e.grad_norm},
+                     {"tokens_per_s", e.tokens_per_s},
+                     {"eta_s", e.eta_s},
+                     {"tokens", e.tokens}}
+                    .dump());
+}
+
+void EventSink::emit(const EvalEvent& e) {
+  write("eval", json{{"step", e.step}, {"loss", e.loss}, {"tokens", e.tokens}}.dump());
+}
+
+void EventSink::emit(const SampleEvent& e) {
+  write("sample", json{{"step", e.step}, {"prompt", e.prompt}, {"text", e.text}}.dump(
+                      -1, ' ', false, json::error_handler_t::replace));
+}
+
+void EventSink::emit(const DeviceEvent& e) {
+  write("device", json{{"device", e.device},
+                       {"name", e.name},
+                       {"bytes_in_use", e.bytes_in_use},
+                       {"bytes_peak", e.bytes_peak},
+                       {"bytes_cap", e.bytes_cap},
+                       {"busy_fraction", e.busy_fraction},
+                       {"bytes_h2d", e.bytes_h2d},
+                       {"bytes_d2h", e.bytes_d2h}}
+                      .dump());
+}
+
+void EventSink::emit(const SpanEvent& e) {
+  write("span", json{{"device", e.device},
+                     {"step", e.step},
+                     {"stage", e.stage},
+                     {"first_layer", e.first_layer},
+                     {"end_layer", e.end_layer},
+                     {"start", e.start},
+                     {"end", e.end}}
+                    .dump());
+}
+
+void EventSink::emit(const CheckpointEvent& e) {
+  write("checkpoint", json{{"step", e.step}, {"path", e.path}, {"bytes", e.bytes}}.dump());
+}
+
+void EventSink::warning(const std::string& message) {
+  write("warning", json{{"message", message}}.dump(-1, ' ', false, json::error_handler_t::replace));
+}
+
+void EventSink::error(const std::string& message) {
+  write("error", json{{"message", message}}.dump(-1, ' ', false, json::error_handler_t::replace));
+}
+
+void EventSink::emit(const RunEndEvent& e) {
+  write("run_end", json{{"status", e.status},
+                        {"steps", e.steps},
+                        {"seconds", e.seconds},
+                        {"export_path", e.export_path}}
+                       .dump());
+}
+
+}  // namespace rondo::engine
