@@ -57,10 +57,12 @@ struct AdamWTensor {
 //   v = v * float(β2) + float(1 - β2) * g * g     (torch's mul_ + addcmul_, fused multiply-add)
 //   p = p + float(-lr / (1 - β1^t)) * m / (sqrt(v) / float((1 - β2^t)^0.5) + float(eps))
 //   stream = round(p)
-// Constants are computed in double, as torch computes them in Python. Large tensors are cut into
-// tiles spread over oneTBB threads (in the caller's task arena); small ones run on the caller's
-// thread. Throws rondo::Error for a hyper-parameter torch would reject, null arrays, or a path the
-// CPU lacks.
+// Constants are computed in double, as torch computes them in Python. grad_scale is one f32
+// multiply: where torch would unscale (GradScaler) and then clip (clip_grad_norm_), two
+// multiplies, a combined grad_scale can differ from that by an ulp of the gradient. Large tensors
+// are cut into tiles spread over oneTBB threads (in the caller's task arena); small ones run on the
+// caller's thread. Throws rondo::Error for a hyper-parameter torch would reject, null arrays, or a
+// path the CPU lacks.
 void adamw_step(const AdamWTensor& tensor, const AdamWParams& params,
                 SimdPath path = SimdPath::kAuto);
 

@@ -28,6 +28,15 @@
 #include "kernels/error.h"
 
 namespace rondo::kernels {
+
+// Names instead of bytes in gtest's parameter printouts (found by argument-dependent lookup).
+inline void PrintTo(SimdPath path, std::ostream* os) {
+  *os << to_string(path);
+}
+inline void PrintTo(FloatDType dtype, std::ostream* os) {
+  *os << to_string(dtype);
+}
+
 namespace {
 
 // --- Seeds -----------------------------------------------------------------------------------
