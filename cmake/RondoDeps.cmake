@@ -26,6 +26,8 @@ endfunction()
 rondo_find_c_library(HWLOC hwloc hwloc.h hwloc)
 rondo_find_c_library(URING liburing liburing.h uring)
 rondo_find_c_library(PCRE2 libpcre2-8 pcre2.h pcre2-8)
+# oneTBB (Debian's libtbb-dev ships its CMake config): the CPU kernels' threads.
+find_package(TBB REQUIRED)
 find_package(nlohmann_json REQUIRED)
 if(RONDO_WITH_TORCH)
   find_package(CLI11 REQUIRED)

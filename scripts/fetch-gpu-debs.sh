@@ -9,6 +9,7 @@ DEST="$ROOT/.gpu-debs"
 PACKAGES=(
   libhwloc-dev libhwloc15 libudev1 libnuma-dev libnuma1 libltdl-dev libltdl7
   liburing-dev liburing2
+  libtbb-dev libtbb12 libtbbmalloc2 libtbbbind-2-5
   libgtest-dev libgmock-dev googletest
   nlohmann-json3-dev libcli11-dev libpcre2-dev libpcre2-8-0
 )
