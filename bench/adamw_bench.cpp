@@ -10,8 +10,8 @@
 //  - Same-traffic GB/s: a pass with AdamW's streams and next to no arithmetic (see
 //    same_traffic_pass); AdamW/same near 1 says the arithmetic is hidden behind memory. On a
 //    machine with few cores the triad's three streams per core may fall short of the memory's
-//    bandwidth (seen on a 2-vCPU VM: ~11 GB/s per core for the triad, ~22 for AdamW's 8 streams),
-//    and this is the fairer ceiling.
+//    bandwidth (seen on a 2-vCPU VM: ~14 GB/s per core for the triad, ~24 for AdamW's 8 streams
+//    and for the same-traffic pass), and this is the fairer ceiling.
 // bench/adamw_bench.py runs this with --json and adds torch.optim.AdamW on the CPU, measured in
 // the same run with the same thread counts.
 //
