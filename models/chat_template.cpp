@@ -97,7 +97,12 @@ std::string token_text(const Tokenizer& tok, std::optional<std::int32_t> id, con
     throw Error(tok.source() + ": the chat template needs the " + std::string(what) +
                 " token, and the tokenizer has none (set " + what +
                 "_token in tokenizer_config.json)");
-  return *tok.id_to_token(*id);
+  std::optional<std::string> text = tok.id_to_token(*id);
+  if (!text)
+    throw Error(tok.source() + ": the " + std::string(what) + " token id " + std::to_string(*id) +
+                " is not a token of the tokenizer (set " + what +
+                "_token in tokenizer_config.json to one of its tokens)");
+  return *text;
 }
 
 void render_chatml(const ChatTemplate& t, const std::vector<ChatMessage>& ms, Builder& b) {

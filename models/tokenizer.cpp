@@ -19,6 +19,7 @@
 #include <array>
 #include <cstring>
 #include <fstream>
+#include <limits>
 #include <mutex>
 #include <nlohmann/json.hpp>
 #include <queue>
@@ -976,6 +977,9 @@ namespace {
 
 struct Parser {
   const std::string& source;
+  // Ids run 0 .. id_limit - 1: model.vocab and added_tokens cannot hold more distinct ids than
+  // they have entries, so a larger id is a corrupt file (and would size id_to_token by it).
+  std::int64_t id_limit = 0;
 
   [[noreturn]] void fail(const std::string& path, const std::string& msg) const {
     throw Error(source + ": " + path + ": " + msg);
@@ -1004,6 +1008,30 @@ struct Parser {
     if (!v.is_array()) fail(path + "." + key, "expected a list");
     return v;
   }
+
+  // A JSON integer >= 0 as the number it is: get<std::int32_t>() would truncate 5000000000 to
+  // 705032704 and wrap 4294967295 to -1.
+  static std::optional<std::uint64_t> non_negative(const json& v) {
+    if (v.is_number_unsigned()) return v.get<std::uint64_t>();
+    if (v.is_number_integer() && v.get<std::int64_t>() >= 0)
+      return static_cast<std::uint64_t>(v.get<std::int64_t>());
+    return std::nullopt;
+  }
+
+  // A token id in 0 .. id_limit - 1, checked before narrowing.
+  std::int32_t token_id(const json& v, const std::string& path) const {
+    const auto id = non_negative(v);
+    if (!id) fail(path, "expected a token id (an integer >= 0), got " + v.dump());
+    if (*id >= static_cast<std::uint64_t>(id_limit))
+      fail(path, "id " + std::to_string(*id) + " is outside 0.." + std::to_string(id_limit - 1) +
+                     " (model.vocab and added_tokens hold " + std::to_string(id_limit) +
+                     " entries); the file is corrupt");
+    return static_cast<std::int32_t>(*id);
+  }
+
+  // An id the post-processor adds: it must be a token of the vocabulary or added_tokens (both are
+  // parsed by then), or decode and chat templates would meet an id without a token.
+  std::int32_t used_id(const json& v, const std::string& path, const Tokenizer::Impl& t) const;
 
   Pattern pattern(const json& obj, const std::string& path) const {
     const json& p = field(obj, path, "pattern");
@@ -1172,11 +1200,11 @@ struct Parser {
           const std::string id = str(item.at("SpecialToken"), where + ".SpecialToken", "id");
           PostItem p;
           if (specials.contains(id) && specials.at(id).contains("ids")) {
-            for (const json& x : specials.at(id).at("ids")) {
-              if (!x.is_number_integer())
-                fail(path + ".special_tokens." + id, "ids must be integers");
-              p.ids.push_back(x.get<std::int32_t>());
-            }
+            const std::string ids_path = path + ".special_tokens." + id + ".ids";
+            const json& ids = specials.at(id).at("ids");
+            if (!ids.is_array()) fail(ids_path, "expected a list of token ids");
+            for (std::size_t k = 0; k < ids.size(); ++k)
+              p.ids.push_back(used_id(ids[k], ids_path + "[" + std::to_string(k) + "]", t));
           } else {
             p.ids.push_back(special(id, where));
           }
@@ -1189,9 +1217,9 @@ struct Parser {
     } else if (type == "RobertaProcessing" || type == "BertProcessing") {
       auto token = [&](const char* key) {
         const json& v = field(n, path, key);
-        if (!v.is_array() || v.size() != 2 || !v[0].is_string() || !v[1].is_number_integer())
+        if (!v.is_array() || v.size() != 2 || !v[0].is_string())
           fail(path + "." + key, "expected [token, id]");
-        return v[1].get<std::int32_t>();
+        return used_id(v[1], path + "." + key + "[1]", t);
       };
       t.post = {{false, {token("cls")}}, {true, {}}, {false, {token("sep")}}};
     } else {
@@ -1211,11 +1239,7 @@ struct Parser {
     if (!vocab.is_object()) fail("model.vocab", "expected an object {token: id}");
     BpeModel& bpe = t.model;
     for (auto it = vocab.begin(); it != vocab.end(); ++it) {
-      if (!it.value().is_number_integer() || it.value().get<std::int64_t>() < 0 ||
-          it.value().get<std::int64_t>() > (std::int64_t(1) << 30))
-        fail("model.vocab." + it.key(),
-             "id must be a non-negative integer, got " + it.value().dump());
-      const auto id = it.value().get<std::int32_t>();
+      const std::int32_t id = token_id(it.value(), "model.vocab." + it.key());
       bpe.vocab[it.key()] = id;
       t.set_id(id, it.key());
     }
@@ -1291,10 +1315,7 @@ struct Parser {
       const std::string path = "added_tokens[" + std::to_string(i) + "]";
       const json& a = list_json[i];
       AddedToken tok;
-      const json& id = field(a, path, "id");
-      if (!id.is_number_integer() || id.get<std::int64_t>() < 0)
-        fail(path + ".id", "expected an id");
-      tok.id = id.get<std::int32_t>();
+      tok.id = token_id(field(a, path, "id"), path + ".id");
       tok.content = str(a, path, "content");
       tok.special = flag(a, path, "special", false);
       tok.lstrip = flag(a, path, "lstrip", false);
@@ -1305,6 +1326,16 @@ struct Parser {
     }
   }
 };
+
+std::int32_t Parser::used_id(const json& v, const std::string& path,
+                             const Tokenizer::Impl& t) const {
+  const auto id = non_negative(v);
+  if (!id) fail(path, "expected a token id (an integer >= 0), got " + v.dump());
+  if (*id >= t.id_to_token.size() || !t.id_used[*id])
+    fail(path, "id " + std::to_string(*id) + " is not the id of a token in model.vocab or " +
+                   "added_tokens");
+  return static_cast<std::int32_t>(*id);
+}
 
 std::string read_file(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
@@ -1340,7 +1371,15 @@ Tokenizer Tokenizer::from_json(const std::string& json_text, const std::string& 
   impl->source = source;
   Parser p{source};
   if (!j.contains("model")) p.fail("model", "missing (is this a Hugging Face tokenizer.json?)");
-  p.model(j.at("model"), *impl);
+  const json& m = j.at("model");
+  std::size_t entries = 0;
+  if (m.is_object() && m.contains("vocab") && m.at("vocab").is_object())
+    entries += m.at("vocab").size();
+  if (j.contains("added_tokens") && j.at("added_tokens").is_array())
+    entries += j.at("added_tokens").size();
+  p.id_limit = static_cast<std::int64_t>(
+      std::min<std::size_t>(entries, std::numeric_limits<std::int32_t>::max()));
+  p.model(m, *impl);
   if (j.contains("normalizer")) p.normalizer(j.at("normalizer"), "normalizer", impl->normalizer);
   if (j.contains("pre_tokenizer"))
     p.pre_tokenizer(j.at("pre_tokenizer"), "pre_tokenizer", impl->pre_tokenizer);
