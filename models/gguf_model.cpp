@@ -65,13 +65,22 @@ void recover_llama3_rope(const GgufFile& file, ModelConfig& c, const std::string
          shape_string(t.shape()));
   at::Tensor ft = load_tensor(file, kRopeFreqs, DType::kF32);
   std::vector<double> f(ft.data_ptr<float>(), ft.data_ptr<float>() + ft.numel());
+  // Before any comparison: max_element and the tolerance checks below are false for NaN.
+  for (std::size_t i = 0; i < f.size(); ++i)
+    if (!std::isfinite(f[i]))
+      fail("factor " + std::to_string(i) + " is " + std::to_string(f[i]) + ", not a finite number");
   RopeConfig r = c.rope;
   r.type = "llama3";
   r.factor = *std::max_element(f.begin(), f.end());
-  r.original_max_position_embeddings =
-      file.get_int(arch + ".rope.scaling.original_context_length", 8192);
-  if (!(r.factor >= 1.0) || r.original_max_position_embeddings <= 0)
-    fail("factors below 1 or not finite");
+  const std::string context_key = arch + ".rope.scaling.original_context_length";
+  r.original_max_position_embeddings = file.get_int(context_key, 8192);
+  if (r.original_max_position_embeddings <= 0)
+    throw Error(file.path() + ": metadata '" + context_key + "' is " +
+                std::to_string(r.original_max_position_embeddings) +
+                "; Llama 3 rope scaling needs a positive original context length");
+  if (!(r.factor >= 1.0))
+    fail("the largest factor is " + std::to_string(r.factor) +
+         ", but Llama 3 rope scaling only divides frequencies by factors of at least 1");
   if (r.factor == 1.0) return;                  // no scaling at all
   constexpr double kTol = 1e-5;                 // the factors are stored in float32
   std::vector<std::pair<double, double>> ramp;  // (context / wavelength, smooth) between plateaus
@@ -91,7 +100,7 @@ void recover_llama3_rope(const GgufFile& file, ModelConfig& c, const std::string
   }  // else keep Llama 3's defaults (1, 4) if they reproduce the factors
   const std::vector<double> expect = llama3_factors(r, c.head_dim);
   for (std::size_t i = 0; i < f.size(); ++i)
-    if (std::abs(expect[i] - f[i]) > kTol * std::max(1.0, std::abs(f[i])))
+    if (!(std::abs(expect[i] - f[i]) <= kTol * std::max(1.0, std::abs(f[i]))))  // NaN fails
       fail("factor " + std::to_string(i) + " is " + std::to_string(f[i]) +
            " but Llama 3 rope scaling with factor " + std::to_string(r.factor) + " gives " +
            std::to_string(expect[i]));
