@@ -544,8 +544,15 @@ const GgufTensorInfo& GgufFile::tensor(std::string_view name) const {
 }
 
 const std::uint8_t* GgufFile::tensor_data(const GgufTensorInfo& info) const {
-  // The parser checked the range; MappedFile checks it again for a caller's hand-made info.
-  return file_.bytes(data_offset_ + info.offset, info.n_bytes, "tensor " + in_quotes(info.name));
+  // The parser checked the range; for a caller's hand-made info, check that data_offset_ +
+  // offset cannot wrap around to a place inside the file (data_offset_ itself may lie past the
+  // end of a file without tensors), then MappedFile checks the whole range.
+  const std::string what = "tensor " + in_quotes(info.name);
+  const std::uint64_t size = file_.size();
+  if (data_offset_ > size || info.offset > size - data_offset_)
+    throw Error(path() + ": " + what + ": data offset " + std::to_string(info.offset) +
+                " lies beyond the end of the " + std::to_string(size) + "-byte file");
+  return file_.bytes(data_offset_ + info.offset, info.n_bytes, what);
 }
 
 at::Tensor load_tensor(const GgufFile& file, std::string_view name, DType target) {
