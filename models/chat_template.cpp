@@ -2,7 +2,7 @@
 
 #include <fstream>
 #include <nlohmann/json.hpp>
-#include <regex>
+#include <optional>
 #include <sstream>
 #include <utility>
 
@@ -75,6 +75,30 @@ std::string strip_newlines(const std::string& s, bool left, bool right) {
   return s.substr(b, e - b);
 }
 
+// A system prompt written out in full, e.g. '<|im_start|>system\nYou are Qwen, ...<|im_end|>':
+// the text after the first "<|im_start|>system" + newline (escaped or not) that reaches the next
+// <|im_end|> without a quote, '+' or brace (which would make it an expression, not a literal).
+// A find loop rather than std::regex: libstdc++'s regex recurses per character and overflows the
+// stack on a long template.
+std::optional<std::string> written_default_system(const std::string& jinja) {
+  constexpr std::string_view kOpen = "<|im_start|>system", kClose = "<|im_end|>";
+  for (std::size_t at = jinja.find(kOpen); at != std::string::npos;
+       at = jinja.find(kOpen, at + 1)) {
+    std::size_t b = at + kOpen.size();
+    if (jinja.compare(b, 2, "\\n") == 0)
+      b += 2;
+    else if (jinja.compare(b, 1, "\n") == 0)
+      b += 1;
+    else
+      continue;
+    const std::size_t e = jinja.find(kClose, b);
+    if (e == std::string::npos) return std::nullopt;  // no later start can reach one either
+    const std::size_t expr = jinja.find_first_of("'\"+{}", b);
+    if (expr == std::string::npos || expr > e) return jinja.substr(b, e - b);
+  }
+  return std::nullopt;
+}
+
 // Text with the byte ranges that belong to assistant replies.
 struct Builder {
   std::string text;
@@ -103,6 +127,35 @@ std::string token_text(const Tokenizer& tok, std::optional<std::int32_t> id, con
                 " is not a token of the tokenizer (set " + what +
                 "_token in tokenizer_config.json to one of its tokens)");
   return *text;
+}
+
+// The marker tokens a format writes into the text. A tokenizer must have each as one token, or
+// the markers would be tokenized as plain text and the model would never see its turn structure.
+// Mistral v0.1 writes [INST] as plain text in its own model, so only its bos/eos are needed.
+std::vector<std::string_view> markers(const ChatTemplate& t) {
+  switch (t.format) {
+    case ChatFormat::kChatML:
+      return {"<|im_start|>", "<|im_end|>"};
+    case ChatFormat::kLlama3:
+      return {"<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"};
+    case ChatFormat::kMistral:
+      if (t.mistral_v1) return {};
+      return {"[INST]", "[/INST]"};
+  }
+  return {};
+}
+
+void check_markers(const Tokenizer& tok, const ChatTemplate& t) {
+  for (std::string_view marker : markers(t)) {
+    const std::optional<std::int32_t> id = tok.token_to_id(marker);
+    if (id && tok.encode(marker) == std::vector<std::int32_t>{*id}) continue;
+    throw Error(tok.source() + ": chat format '" + to_string(t.format) + "' needs " +
+                std::string(marker) + " as a token, and this tokenizer " +
+                (id ? "does not split it out of text" : "does not have it") +
+                ": the format's markers would be rendered as plain text. The model was not "
+                "trained with this format; use its own (leave --chat-format unset to take it "
+                "from the model's chat template)");
+  }
 }
 
 void render_chatml(const ChatTemplate& t, const std::vector<ChatMessage>& ms, Builder& b) {
@@ -238,10 +291,7 @@ ChatTemplate recognise_chat_template(const std::string& jinja, const std::string
   if (contains(jinja, "<|im_start|>")) {
     t.format = ChatFormat::kChatML;
     t.thinking = contains(jinja, "<think>");
-    // A system prompt written out in full, e.g. '<|im_start|>system\nYou are Qwen, ...<|im_end|>'.
-    static const std::regex kDefault(R"(<\|im_start\|>system(?:\\n|\n)([^'"+{}]*?)<\|im_end\|>)");
-    std::smatch m;
-    if (std::regex_search(jinja, m, kDefault)) t.default_system = unescape(m[1].str());
+    if (auto text = written_default_system(jinja)) t.default_system = unescape(*text);
     return t;
   }
   if (contains(jinja, "<|start_header_id|>")) {
@@ -302,6 +352,7 @@ RenderedChat render_chat(const Tokenizer& tokenizer, const ChatTemplate& tmpl,
   if (messages.empty()) throw Error("chat: a conversation needs at least one message");
   for (std::size_t i = 0; i < messages.size(); ++i)
     check_role(messages[i], i);
+  check_markers(tokenizer, tmpl);  // before the bos/eos checks: a wrong format explains those too
   Builder b;
   switch (tmpl.format) {
     case ChatFormat::kChatML:
