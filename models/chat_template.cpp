@@ -1,12 +1,13 @@
 #include "models/chat_template.h"
 
-#include <fstream>
+#include <filesystem>
 #include <nlohmann/json.hpp>
 #include <optional>
-#include <sstream>
 #include <utility>
 
 #include "kernels/error.h"
+#include "models/mapped_file.h"
+#include "models/tokenizer_config.h"
 #include "models/unicode.h"
 
 namespace rondo::models {
@@ -14,14 +15,6 @@ namespace {
 
 constexpr const char* kChooseFormat =
     "choose a format explicitly with --chat-format chatml|qwen3|llama3|mistral|mistral-v1";
-
-std::string read_file(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) throw Error(path + ": cannot open (does the file exist and is it readable?)");
-  std::ostringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
-}
 
 bool contains(const std::string& s, std::string_view needle) {
   return s.find(needle) != std::string::npos;
@@ -317,13 +310,8 @@ ChatTemplate recognise_chat_template(const std::string& jinja, const std::string
 
 ChatTemplate load_chat_template(const std::string& tokenizer_config_path) {
   using nlohmann::json;
-  json cfg;
-  try {
-    cfg = json::parse(read_file(tokenizer_config_path));
-  } catch (const json::parse_error& e) {
-    throw Error(tokenizer_config_path + ": not valid JSON: " + e.what());
-  }
-  if (cfg.is_object() && cfg.contains("chat_template")) {
+  const json cfg = read_tokenizer_config(tokenizer_config_path);
+  if (cfg.contains("chat_template")) {
     const json& ct = cfg.at("chat_template");
     if (ct.is_string())
       return recognise_chat_template(ct.get<std::string>(), tokenizer_config_path);
@@ -341,8 +329,9 @@ ChatTemplate load_chat_template(const std::string& tokenizer_config_path) {
   const std::string jinja_path =
       (slash == std::string::npos ? std::string() : tokenizer_config_path.substr(0, slash + 1)) +
       "chat_template.jinja";
-  std::ifstream in(jinja_path, std::ios::binary);
-  if (in) return recognise_chat_template(read_file(jinja_path), jinja_path);
+  std::error_code ec;
+  if (std::filesystem::exists(jinja_path, ec))
+    return recognise_chat_template(read_text_file(jinja_path, "chat template"), jinja_path);
   throw Error(tokenizer_config_path +
               ": no chat_template (and no chat_template.jinja beside it); " + kChooseFormat);
 }

@@ -18,17 +18,18 @@
 #include <algorithm>
 #include <array>
 #include <cstring>
-#include <fstream>
+#include <filesystem>
 #include <limits>
 #include <mutex>
 #include <nlohmann/json.hpp>
 #include <queue>
-#include <sstream>
 #include <unordered_map>
 #include <unordered_set>
 #include <variant>
 
 #include "kernels/error.h"
+#include "models/mapped_file.h"
+#include "models/tokenizer_config.h"
 #include "models/unicode.h"
 
 namespace rondo::models {
@@ -1337,14 +1338,6 @@ std::int32_t Parser::used_id(const json& v, const std::string& path,
   return static_cast<std::int32_t>(*id);
 }
 
-std::string read_file(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) throw Error(path + ": cannot open (does the file exist and is it readable?)");
-  std::ostringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
-}
-
 // A token given in tokenizer_config.json as "<s>" or {"content": "<s>", ...}.
 std::optional<std::string> config_token(const json& cfg, const char* key) {
   if (!cfg.contains(key)) return std::nullopt;
@@ -1405,26 +1398,32 @@ Tokenizer Tokenizer::from_json(const std::string& json_text, const std::string& 
   return Tokenizer(std::move(impl));
 }
 
+json read_tokenizer_config(const std::string& path) {
+  json cfg;
+  try {
+    cfg = json::parse(read_text_file(path, "tokenizer config"));
+  } catch (const json::parse_error& e) {
+    throw Error(path + ": not valid JSON: " + e.what());
+  }
+  if (!cfg.is_object()) throw Error(path + ": expected a JSON object (a tokenizer_config.json)");
+  return cfg;
+}
+
 Tokenizer Tokenizer::from_file(const std::string& path) {
-  Tokenizer t = from_json(read_file(path), path);
+  Tokenizer t = from_json(read_text_file(path, "tokenizer"), path);
   // bos/eos from a tokenizer_config.json beside it.
   const std::size_t slash = path.find_last_of('/');
   const std::string config =
       (slash == std::string::npos ? std::string() : path.substr(0, slash + 1)) +
       "tokenizer_config.json";
-  std::ifstream in(config, std::ios::binary);
-  if (in) {
-    std::ostringstream ss;
-    ss << in.rdbuf();
-    json cfg = json::parse(ss.str(), nullptr, /*allow_exceptions=*/false);
-    if (cfg.is_object()) {
-      auto impl = std::const_pointer_cast<Impl>(t.impl_);
-      if (auto bos = config_token(cfg, "bos_token"))
-        if (auto id = t.token_to_id(*bos)) impl->bos = *id;
-      if (auto eos = config_token(cfg, "eos_token"))
-        if (auto id = t.token_to_id(*eos)) impl->eos = *id;
-    }
-  }
+  std::error_code ec;
+  if (!std::filesystem::exists(config, ec)) return t;
+  const json cfg = read_tokenizer_config(config);
+  auto impl = std::const_pointer_cast<Impl>(t.impl_);
+  if (auto bos = config_token(cfg, "bos_token"))
+    if (auto id = t.token_to_id(*bos)) impl->bos = *id;
+  if (auto eos = config_token(cfg, "eos_token"))
+    if (auto id = t.token_to_id(*eos)) impl->eos = *id;
   return t;
 }
 

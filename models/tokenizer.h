@@ -69,9 +69,9 @@ struct TokenizerSpec {
 class Tokenizer {
  public:
   // A Hugging Face tokenizer.json. Reads bos_token / eos_token from a tokenizer_config.json in
-  // the same folder when there is one. Throws Error naming the file and the JSON path of any
-  // construct it does not support, and what is supported, and of any id outside
-  // 0 .. (vocab entries + added tokens - 1).
+  // the same folder when there is one (an invalid one is an Error naming it). Throws Error naming
+  // the file and the JSON path of any construct it does not support, and what is supported, and
+  // of any id outside 0 .. (vocab entries + added tokens - 1).
   static Tokenizer from_file(const std::string& path);
   // tokenizer.json text; `source` names it in errors.
   static Tokenizer from_json(const std::string& json_text, const std::string& source);

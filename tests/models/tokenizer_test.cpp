@@ -4,6 +4,7 @@
 #include "models/tokenizer.h"
 
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include <cstdio>
 #include <fstream>
@@ -324,6 +325,33 @@ TEST(Tokenizer, RejectsIdsOutsideTheVocabulary) {
   j["post_processor"]["sep"] = {"<|end|>", 262};
   const Tokenizer t = Tokenizer::from_json(j.dump(), "dir/tokenizer.json");
   EXPECT_EQ(t.encode("hello", true), (std::vector<std::int32_t>{262, 259, 262}));
+}
+
+// An invalid tokenizer_config.json beside a tokenizer.json is an error naming it, as it is for
+// load_chat_template, not silently ignored (which would drop its bos/eos tokens).
+TEST(Tokenizer, InvalidTokenizerConfigIsAnError) {
+  char dir_template[] = "/tmp/rondo_tok_cfg_XXXXXX";
+  const char* dir = mkdtemp(dir_template);
+  ASSERT_NE(dir, nullptr);
+  const std::string tok_path = std::string(dir) + "/tokenizer.json";
+  const std::string cfg_path = std::string(dir) + "/tokenizer_config.json";
+  std::ofstream(tok_path) << sentencepiece_json(true).dump();
+  std::ofstream(cfg_path) << R"({"eos_token": "<s>", )";
+  try {
+    Tokenizer::from_file(tok_path);
+    ADD_FAILURE() << "an invalid tokenizer_config.json was ignored";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find(cfg_path + ": not valid JSON"), std::string::npos)
+        << e.what();
+  }
+  std::ofstream(cfg_path) << R"(["eos_token"])";
+  EXPECT_THROW(Tokenizer::from_file(tok_path), Error);
+  std::ofstream(cfg_path) << R"({"eos_token": {"content": "</s>"}})";
+  EXPECT_EQ(Tokenizer::from_file(tok_path).eos_id(), 2);
+  std::remove(cfg_path.c_str());
+  EXPECT_FALSE(Tokenizer::from_file(tok_path).eos_id().has_value());
+  std::remove(tok_path.c_str());
+  rmdir(dir);
 }
 
 TEST(Tokenizer, FromSpecChecksIds) {
