@@ -34,25 +34,9 @@ std::string unescape(const std::string& s) {
   return out;
 }
 
-// Python str.strip() / lstrip() / rstrip() without arguments (Unicode whitespace), as Jinja's
-// `trim` filter.
-std::string py_strip(const std::string& s, bool left = true, bool right = true) {
-  std::size_t b = 0, e = s.size();
-  if (left)
-    while (b < e) {
-      std::size_t i = b;
-      if (!unicode::python_space(unicode::next(s, i))) break;
-      b = i;
-    }
-  if (right)
-    while (e > b) {
-      std::size_t c = e - 1;
-      while (c > b && (static_cast<unsigned char>(s[c]) & 0xC0) == 0x80)
-        --c;
-      std::size_t i = c;
-      if (!unicode::python_space(unicode::next(s, i))) break;
-      e = c;
-    }
+// Python str.strip() without arguments (Unicode whitespace), as Jinja's `trim` filter.
+std::string py_strip(const std::string& s) {
+  const auto [b, e] = unicode::strip(s, 0, s.size(), true, true, unicode::python_space);
   return s.substr(b, e - b);
 }
 

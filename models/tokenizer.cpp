@@ -256,24 +256,8 @@ Piece apply_norm(const NormStep& step, const Piece& p) {
     return replace_ranges(p, s->pattern.find_all(p.text), s->content);
   if (auto* s = std::get_if<NormUnicode>(&step)) return normalize_unicode(p, s->compose);
   const auto& strip = std::get<NormStrip>(step);
-  std::size_t b = 0, e = p.text.size();
-  if (strip.left) {
-    while (b < e) {
-      std::size_t i = b;
-      if (!unicode::is_white_space(unicode::next(p.text, i))) break;
-      b = i;
-    }
-  }
-  if (strip.right) {
-    while (e > b) {
-      std::size_t start = e - 1;
-      while (start > b && (static_cast<unsigned char>(p.text[start]) & 0xC0) == 0x80)
-        --start;
-      std::size_t i = start;
-      if (!unicode::is_white_space(unicode::next(p.text, i))) break;
-      e = start;
-    }
-  }
+  const auto [b, e] =
+      unicode::strip(p.text, 0, p.text.size(), strip.left, strip.right, unicode::is_white_space);
   return slice(p, b, e);
 }
 
@@ -641,10 +625,7 @@ bool starts_with_word(std::string_view s) {
 }
 bool ends_with_word(std::string_view s) {
   if (s.empty()) return false;
-  std::size_t c = s.size() - 1;
-  while (c > 0 && (static_cast<unsigned char>(s[c]) & 0xC0) == 0x80)
-    --c;
-  return word_char_regex().matches_at_start(s.substr(c));
+  return word_char_regex().matches_at_start(s.substr(unicode::prev_start(s, s.size())));
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -871,25 +852,13 @@ struct Tokenizer::Impl {
             stop == s.size() || !starts_with_word(std::string_view(s).substr(stop));
         if (!start_space || !stop_space) continue;
       }
-      if (t.lstrip) {
-        std::size_t b = start;
-        while (b > 0) {
-          std::size_t c = b - 1;
-          while (c > 0 && (static_cast<unsigned char>(s[c]) & 0xC0) == 0x80)
-            --c;
-          std::size_t i = c;
-          if (!unicode::is_white_space(unicode::next(s, i))) break;
-          b = c;
-        }
-        start = std::max(b, start_offset);
-      }
-      if (t.rstrip) {
-        while (stop < s.size()) {
-          std::size_t i = stop;
-          if (!unicode::is_white_space(unicode::next(s, i))) break;
-          stop = i;
-        }
-      }
+      // lstrip takes the white space before the token (but not text already cut off), rstrip
+      // the white space after it.
+      if (t.lstrip)
+        start = std::max(unicode::strip(s, 0, start, false, true, unicode::is_white_space).second,
+                         start_offset);
+      if (t.rstrip)
+        stop = unicode::strip(s, stop, s.size(), true, false, unicode::is_white_space).first;
       if (start_offset < start) out.push_back(slice(p, start_offset, start));
       Piece tok = slice(p, start, stop);
       tok.token = t.id;
