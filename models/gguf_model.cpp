@@ -20,13 +20,6 @@ namespace {
 
 constexpr const char* kRopeFreqs = "rope_freqs.weight";
 
-std::string shape_string(const std::vector<std::int64_t>& shape) {
-  std::string s = "(";
-  for (std::size_t i = 0; i < shape.size(); ++i)
-    s += (i ? ", " : "") + std::to_string(shape[i]);
-  return s + ")";
-}
-
 // llama3 frequency factors for given parameters, as llama.cpp's converter computes them into
 // rope_freqs.weight (one factor per rotary pair; the rotation frequency is divided by it).
 std::vector<double> llama3_factors(const RopeConfig& r, std::int64_t head_dim) {
@@ -62,7 +55,7 @@ void recover_llama3_rope(const GgufFile& file, ModelConfig& c, const std::string
   };
   if (t.ne.size() != 1 || t.ne[0] != c.head_dim / 2)
     fail("expected " + std::to_string(c.head_dim / 2) + " factors (head_dim / 2), found shape " +
-         shape_string(t.shape()));
+         shape_text(t.shape()));
   at::Tensor ft = load_tensor(file, kRopeFreqs, DType::kF32);
   std::vector<double> f(ft.data_ptr<float>(), ft.data_ptr<float>() + ft.numel());
   // Before any comparison: max_element and the tolerance checks below are false for NaN.
@@ -257,12 +250,10 @@ std::vector<GgufTensorMapping> gguf_tensor_mapping(const GgufFile& file, const M
       throw Error(what + " is missing; the " + to_string(c.family) +
                   " model its metadata describes needs it");
     if (t->shape() != m.shape)
-      throw Error(what + " has shape " + shape_string(t->shape()) + " but the model's metadata " +
-                  "implies " + shape_string(m.shape) + "; the file is inconsistent");
+      throw Error(what + " has shape " + shape_text(t->shape()) + " but the model's metadata " +
+                  "implies " + shape_text(m.shape) + "; the file is inconsistent");
     if (!ggml_type_info(t->type).dequantizable)
-      throw Error(what + " has type " + ggml_type_info(t->type).name +
-                  ", which Rondo cannot dequantise (supported: " + ggml_dequantizable_types() +
-                  "); requantise the model to one of those types");
+      throw Error(what + " " + ggml_not_dequantizable(t->type));
   }
   for (const GgufTensorInfo& t : file.tensors())
     if (expected.count(t.name) == 0 && t.name != kRopeFreqs)
