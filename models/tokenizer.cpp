@@ -100,25 +100,11 @@ class Regex {
   // Non-overlapping matches [begin, end), left to right; an empty match advances one character.
   std::vector<std::pair<std::size_t, std::size_t>> find_all(std::string_view s) const {
     std::vector<std::pair<std::size_t, std::size_t>> out;
-    pcre2_match_data* md = pcre2_match_data_create_from_pattern(code_, nullptr);
-    RONDO_ASSERT(md != nullptr);
+    MatchData md(code_);
     std::size_t pos = 0;
     while (pos <= s.size()) {
-      int rc = jit_ ? pcre2_jit_match(code_, reinterpret_cast<PCRE2_SPTR>(s.data()), s.size(), pos,
-                                      0, md, nullptr)
-                    : PCRE2_ERROR_JIT_BADOPTION;
-      if (rc == PCRE2_ERROR_JIT_STACKLIMIT || rc == PCRE2_ERROR_JIT_BADOPTION)
-        rc = pcre2_match(code_, reinterpret_cast<PCRE2_SPTR>(s.data()), s.size(), pos,
-                         PCRE2_NO_UTF_CHECK | PCRE2_NO_JIT, md, nullptr);
-      if (rc == PCRE2_ERROR_NOMATCH) break;
-      if (rc < 0) {
-        pcre2_match_data_free(md);
-        PCRE2_UCHAR msg[256];
-        pcre2_get_error_message(rc, msg, sizeof(msg));
-        throw Error("tokenizer regex " + json(pattern_).dump() +
-                    " failed: " + reinterpret_cast<const char*>(msg));
-      }
-      const PCRE2_SIZE* ov = pcre2_get_ovector_pointer(md);
+      if (!match(s, pos, 0, md)) break;
+      const PCRE2_SIZE* ov = pcre2_get_ovector_pointer(md.get());
       const std::size_t b = ov[0], e = ov[1];
       if (e == b) {
         if (b >= s.size()) break;
@@ -128,16 +114,53 @@ class Regex {
       out.emplace_back(b, e);
       pos = e;
     }
-    pcre2_match_data_free(md);
     return out;
   }
 
+  // Whether a match starts at s[0] (one anchored attempt, not a scan).
   bool matches_at_start(std::string_view s) const {
-    auto m = find_all(s);
-    return !m.empty() && m.front().first == 0;
+    MatchData md(code_);
+    return match(s, 0, PCRE2_ANCHORED, md);
   }
 
  private:
+  // Match data sized for the pattern, freed on every path out (an emplace_back may throw).
+  class MatchData {
+   public:
+    explicit MatchData(const pcre2_code* code)
+        : md_(pcre2_match_data_create_from_pattern(code, nullptr)) {
+      RONDO_ASSERT(md_ != nullptr);
+    }
+    ~MatchData() { pcre2_match_data_free(md_); }
+    MatchData(const MatchData&) = delete;
+    MatchData& operator=(const MatchData&) = delete;
+    pcre2_match_data* get() const { return md_; }
+
+   private:
+    pcre2_match_data* md_;
+  };
+
+  // One match attempt from byte `pos`: true when found (ovector in md), false for no match.
+  // JIT unless it runs out of stack or `options` needs the interpreter (PCRE2_ANCHORED does).
+  bool match(std::string_view s, std::size_t pos, std::uint32_t options,
+             const MatchData& md) const {
+    const auto* subject = reinterpret_cast<PCRE2_SPTR>(s.data());
+    int rc = jit_ && options == 0
+                 ? pcre2_jit_match(code_, subject, s.size(), pos, 0, md.get(), nullptr)
+                 : PCRE2_ERROR_JIT_BADOPTION;
+    if (rc == PCRE2_ERROR_JIT_STACKLIMIT || rc == PCRE2_ERROR_JIT_BADOPTION)
+      rc = pcre2_match(code_, subject, s.size(), pos, options | PCRE2_NO_UTF_CHECK | PCRE2_NO_JIT,
+                       md.get(), nullptr);
+    if (rc == PCRE2_ERROR_NOMATCH) return false;
+    if (rc < 0) {
+      PCRE2_UCHAR msg[256];
+      pcre2_get_error_message(rc, msg, sizeof(msg));
+      throw Error("tokenizer regex " + json(pattern_).dump() +
+                  " failed: " + reinterpret_cast<const char*>(msg));
+    }
+    return true;
+  }
+
   std::string pattern_;
   pcre2_code* code_ = nullptr;
   bool jit_ = false;
