@@ -87,10 +87,16 @@ struct Builder {
   }
 };
 
-void check_role(const ChatMessage& m, std::size_t i) {
+// Before any rendering: Jinja's trim (py_strip) would cut an invalid byte at either end out of
+// sight of the tokenizer's UTF-8 check.
+void check_message(const ChatMessage& m, std::size_t i) {
   if (m.role != "system" && m.role != "user" && m.role != "assistant")
     throw Error("chat message " + std::to_string(i) + ": role '" + m.role +
                 "' is not supported (supported: system, user, assistant)");
+  const std::size_t bad = unicode::find_invalid(m.content);
+  if (bad != std::string::npos)
+    throw Error("chat message " + std::to_string(i) + ": content is not valid UTF-8 (byte " +
+                std::to_string(bad) + " of " + std::to_string(m.content.size()) + ")");
 }
 
 std::string token_text(const Tokenizer& tok, std::optional<std::int32_t> id, const char* what) {
@@ -324,7 +330,7 @@ RenderedChat render_chat(const Tokenizer& tokenizer, const ChatTemplate& tmpl,
                          const std::vector<ChatMessage>& messages, bool add_generation_prompt) {
   if (messages.empty()) throw Error("chat: a conversation needs at least one message");
   for (std::size_t i = 0; i < messages.size(); ++i)
-    check_role(messages[i], i);
+    check_message(messages[i], i);
   check_markers(tokenizer, tmpl);  // before the bos/eos checks: a wrong format explains those too
   Builder b;
   switch (tmpl.format) {

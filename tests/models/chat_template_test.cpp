@@ -211,6 +211,18 @@ TEST(ChatTemplate, MaskCoversExactlyTheReplies) {
 
 TEST(ChatTemplate, RejectsUnsupportedRolesAndMistralOrder) {
   const Tokenizer tok = tiny_tokenizer();
+  // Invalid UTF-8 is refused even where Llama 3's trim would cut it off ("\xC9" alone would read
+  // as a tab).
+  for (const char* content : {"Hi \xC9", "\xC9", "ok\xE2\x82"}) {
+    try {
+      render_chat(tok, chat_template_from_name("llama3"), {{"user", "a"}, {"assistant", content}});
+      ADD_FAILURE() << "invalid UTF-8 was rendered";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("chat message 1: content is not valid UTF-8"),
+                std::string::npos)
+          << e.what();
+    }
+  }
   EXPECT_THROW(render_chat(tok, chat_template_from_name("chatml"), {{"tool", "x"}}), Error);
   EXPECT_THROW(render_chat(tok, chat_template_from_name("chatml"), {}), Error);
   try {
