@@ -1,12 +1,13 @@
 #include "models/chat_template.h"
 
-#include <fstream>
+#include <filesystem>
 #include <nlohmann/json.hpp>
-#include <regex>
-#include <sstream>
+#include <optional>
 #include <utility>
 
 #include "kernels/error.h"
+#include "models/mapped_file.h"
+#include "models/tokenizer_config.h"
 #include "models/unicode.h"
 
 namespace rondo::models {
@@ -14,14 +15,6 @@ namespace {
 
 constexpr const char* kChooseFormat =
     "choose a format explicitly with --chat-format chatml|qwen3|llama3|mistral|mistral-v1";
-
-std::string read_file(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) throw Error(path + ": cannot open (does the file exist and is it readable?)");
-  std::ostringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
-}
 
 bool contains(const std::string& s, std::string_view needle) {
   return s.find(needle) != std::string::npos;
@@ -41,25 +34,9 @@ std::string unescape(const std::string& s) {
   return out;
 }
 
-// Python str.strip() / lstrip() / rstrip() without arguments (Unicode whitespace), as Jinja's
-// `trim` filter.
-std::string py_strip(const std::string& s, bool left = true, bool right = true) {
-  std::size_t b = 0, e = s.size();
-  if (left)
-    while (b < e) {
-      std::size_t i = b;
-      if (!unicode::python_space(unicode::next(s, i))) break;
-      b = i;
-    }
-  if (right)
-    while (e > b) {
-      std::size_t c = e - 1;
-      while (c > b && (static_cast<unsigned char>(s[c]) & 0xC0) == 0x80)
-        --c;
-      std::size_t i = c;
-      if (!unicode::python_space(unicode::next(s, i))) break;
-      e = c;
-    }
+// Python str.strip() without arguments (Unicode whitespace), as Jinja's `trim` filter.
+std::string py_strip(const std::string& s) {
+  const auto [b, e] = unicode::strip(s, 0, s.size(), true, true, unicode::python_space);
   return s.substr(b, e - b);
 }
 
@@ -75,6 +52,30 @@ std::string strip_newlines(const std::string& s, bool left, bool right) {
   return s.substr(b, e - b);
 }
 
+// A system prompt written out in full, e.g. '<|im_start|>system\nYou are Qwen, ...<|im_end|>':
+// the text after the first "<|im_start|>system" + newline (escaped or not) that reaches the next
+// <|im_end|> without a quote, '+' or brace (which would make it an expression, not a literal).
+// A find loop rather than std::regex: libstdc++'s regex recurses per character and overflows the
+// stack on a long template.
+std::optional<std::string> written_default_system(const std::string& jinja) {
+  constexpr std::string_view kOpen = "<|im_start|>system", kClose = "<|im_end|>";
+  for (std::size_t at = jinja.find(kOpen); at != std::string::npos;
+       at = jinja.find(kOpen, at + 1)) {
+    std::size_t b = at + kOpen.size();
+    if (jinja.compare(b, 2, "\\n") == 0)
+      b += 2;
+    else if (jinja.compare(b, 1, "\n") == 0)
+      b += 1;
+    else
+      continue;
+    const std::size_t e = jinja.find(kClose, b);
+    if (e == std::string::npos) return std::nullopt;  // no later start can reach one either
+    const std::size_t expr = jinja.find_first_of("'\"+{}", b);
+    if (expr == std::string::npos || expr > e) return jinja.substr(b, e - b);
+  }
+  return std::nullopt;
+}
+
 // Text with the byte ranges that belong to assistant replies.
 struct Builder {
   std::string text;
@@ -86,10 +87,16 @@ struct Builder {
   }
 };
 
-void check_role(const ChatMessage& m, std::size_t i) {
+// Before any rendering: Jinja's trim (py_strip) would cut an invalid byte at either end out of
+// sight of the tokenizer's UTF-8 check.
+void check_message(const ChatMessage& m, std::size_t i) {
   if (m.role != "system" && m.role != "user" && m.role != "assistant")
     throw Error("chat message " + std::to_string(i) + ": role '" + m.role +
                 "' is not supported (supported: system, user, assistant)");
+  const std::size_t bad = unicode::find_invalid(m.content);
+  if (bad != std::string::npos)
+    throw Error("chat message " + std::to_string(i) + ": content is not valid UTF-8 (byte " +
+                std::to_string(bad) + " of " + std::to_string(m.content.size()) + ")");
 }
 
 std::string token_text(const Tokenizer& tok, std::optional<std::int32_t> id, const char* what) {
@@ -97,7 +104,41 @@ std::string token_text(const Tokenizer& tok, std::optional<std::int32_t> id, con
     throw Error(tok.source() + ": the chat template needs the " + std::string(what) +
                 " token, and the tokenizer has none (set " + what +
                 "_token in tokenizer_config.json)");
-  return *tok.id_to_token(*id);
+  std::optional<std::string> text = tok.id_to_token(*id);
+  if (!text)
+    throw Error(tok.source() + ": the " + std::string(what) + " token id " + std::to_string(*id) +
+                " is not a token of the tokenizer (set " + what +
+                "_token in tokenizer_config.json to one of its tokens)");
+  return *text;
+}
+
+// The marker tokens a format writes into the text. A tokenizer must have each as one token, or
+// the markers would be tokenized as plain text and the model would never see its turn structure.
+// Mistral v0.1 writes [INST] as plain text in its own model, so only its bos/eos are needed.
+std::vector<std::string_view> markers(const ChatTemplate& t) {
+  switch (t.format) {
+    case ChatFormat::kChatML:
+      return {"<|im_start|>", "<|im_end|>"};
+    case ChatFormat::kLlama3:
+      return {"<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"};
+    case ChatFormat::kMistral:
+      if (t.mistral_v1) return {};
+      return {"[INST]", "[/INST]"};
+  }
+  return {};
+}
+
+void check_markers(const Tokenizer& tok, const ChatTemplate& t) {
+  for (std::string_view marker : markers(t)) {
+    const std::optional<std::int32_t> id = tok.token_to_id(marker);
+    if (id && tok.encode(marker) == std::vector<std::int32_t>{*id}) continue;
+    throw Error(tok.source() + ": chat format '" + to_string(t.format) + "' needs " +
+                std::string(marker) + " as a token, and this tokenizer " +
+                (id ? "does not split it out of text" : "does not have it") +
+                ": the format's markers would be rendered as plain text. The model was not "
+                "trained with this format; use its own (leave --chat-format unset to take it "
+                "from the model's chat template)");
+  }
 }
 
 void render_chatml(const ChatTemplate& t, const std::vector<ChatMessage>& ms, Builder& b) {
@@ -233,10 +274,7 @@ ChatTemplate recognise_chat_template(const std::string& jinja, const std::string
   if (contains(jinja, "<|im_start|>")) {
     t.format = ChatFormat::kChatML;
     t.thinking = contains(jinja, "<think>");
-    // A system prompt written out in full, e.g. '<|im_start|>system\nYou are Qwen, ...<|im_end|>'.
-    static const std::regex kDefault(R"(<\|im_start\|>system(?:\\n|\n)([^'"+{}]*?)<\|im_end\|>)");
-    std::smatch m;
-    if (std::regex_search(jinja, m, kDefault)) t.default_system = unescape(m[1].str());
+    if (auto text = written_default_system(jinja)) t.default_system = unescape(*text);
     return t;
   }
   if (contains(jinja, "<|start_header_id|>")) {
@@ -262,13 +300,8 @@ ChatTemplate recognise_chat_template(const std::string& jinja, const std::string
 
 ChatTemplate load_chat_template(const std::string& tokenizer_config_path) {
   using nlohmann::json;
-  json cfg;
-  try {
-    cfg = json::parse(read_file(tokenizer_config_path));
-  } catch (const json::parse_error& e) {
-    throw Error(tokenizer_config_path + ": not valid JSON: " + e.what());
-  }
-  if (cfg.is_object() && cfg.contains("chat_template")) {
+  const json cfg = read_tokenizer_config(tokenizer_config_path);
+  if (cfg.contains("chat_template")) {
     const json& ct = cfg.at("chat_template");
     if (ct.is_string())
       return recognise_chat_template(ct.get<std::string>(), tokenizer_config_path);
@@ -286,8 +319,9 @@ ChatTemplate load_chat_template(const std::string& tokenizer_config_path) {
   const std::string jinja_path =
       (slash == std::string::npos ? std::string() : tokenizer_config_path.substr(0, slash + 1)) +
       "chat_template.jinja";
-  std::ifstream in(jinja_path, std::ios::binary);
-  if (in) return recognise_chat_template(read_file(jinja_path), jinja_path);
+  std::error_code ec;
+  if (std::filesystem::exists(jinja_path, ec))
+    return recognise_chat_template(read_text_file(jinja_path, "chat template"), jinja_path);
   throw Error(tokenizer_config_path +
               ": no chat_template (and no chat_template.jinja beside it); " + kChooseFormat);
 }
@@ -296,7 +330,8 @@ RenderedChat render_chat(const Tokenizer& tokenizer, const ChatTemplate& tmpl,
                          const std::vector<ChatMessage>& messages, bool add_generation_prompt) {
   if (messages.empty()) throw Error("chat: a conversation needs at least one message");
   for (std::size_t i = 0; i < messages.size(); ++i)
-    check_role(messages[i], i);
+    check_message(messages[i], i);
+  check_markers(tokenizer, tmpl);  // before the bos/eos checks: a wrong format explains those too
   Builder b;
   switch (tmpl.format) {
     case ChatFormat::kChatML:

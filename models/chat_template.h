@@ -65,7 +65,8 @@ struct RenderedChat {
 
 // Renders, tokenizes and masks `messages`. add_generation_prompt appends the assistant header
 // (for generation). Throws Error for roles the format does not support or, for Mistral, turns
-// that do not alternate user/assistant.
+// that do not alternate user/assistant, and when the tokenizer lacks a marker token of the
+// format (<|im_start|>, <|start_header_id|>, [INST], ...): a format the model was not trained with.
 RenderedChat render_chat(const Tokenizer& tokenizer, const ChatTemplate& tmpl,
                          const std::vector<ChatMessage>& messages,
                          bool add_generation_prompt = false);

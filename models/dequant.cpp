@@ -180,10 +180,7 @@ BlockFn block_fn(GgmlType type) {
 }
 
 [[noreturn]] void not_dequantizable(GgmlType type) {
-  const GgmlTypeInfo* info = ggml_type_info(static_cast<std::uint32_t>(type));
-  throw Error(std::string("ggml type ") + (info ? info->name : "?") +
-              " cannot be dequantised by Rondo (supported: " + ggml_dequantizable_types() +
-              "); requantise the model to one of those types, e.g. with llama-quantize");
+  throw Error("ggml tensor data " + ggml_not_dequantizable(type));
 }
 
 }  // namespace
@@ -202,6 +199,15 @@ const GgmlTypeInfo& ggml_type_info(GgmlType type) {
 
 const char* ggml_dequantizable_types() {
   return "F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q4_K, Q6_K";
+}
+
+std::string ggml_not_dequantizable(GgmlType type) {
+  const GgmlTypeInfo* info = ggml_type_info(static_cast<std::uint32_t>(type));
+  const std::string name =
+      info ? info->name : "#" + std::to_string(static_cast<std::uint32_t>(type));
+  return "has type " + name +
+         ", which Rondo cannot dequantise (supported: " + ggml_dequantizable_types() +
+         "); requantise the model to one of those types, e.g. with llama-quantize";
 }
 
 float f16_to_f32(std::uint16_t h) {

@@ -10,6 +10,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <string>
 
 namespace rondo::models {
 
@@ -65,6 +66,9 @@ const GgmlTypeInfo* ggml_type_info(std::uint32_t type);
 const GgmlTypeInfo& ggml_type_info(GgmlType type);
 // "F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q4_K, Q6_K": for error messages.
 const char* ggml_dequantizable_types();
+// The end of the error for a type Rondo cannot dequantise, after its subject ("<file>: tensor
+// 'x'"): "has type Q5_K, which Rondo cannot dequantise (supported: ...); requantise ...".
+std::string ggml_not_dequantizable(GgmlType type);
 
 // Scalar conversions. f32_to_bf16 rounds to nearest, ties to even; a NaN stays a NaN (quiet, sign
 // and top payload bits kept) instead of rounding into an infinity.

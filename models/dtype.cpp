@@ -40,4 +40,11 @@ std::optional<DType> dtype_from_string(std::string_view name) {
   return std::nullopt;
 }
 
+std::string shape_text(const std::vector<std::int64_t>& shape) {
+  std::string s = "[";
+  for (std::size_t i = 0; i < shape.size(); ++i)
+    s += (i ? ", " : "") + std::to_string(shape[i]);
+  return s + "]";
+}
+
 }  // namespace rondo::models

@@ -369,29 +369,22 @@ class GgufParser {
     for (std::int64_t d : t.ne) {
       const auto ud = static_cast<std::uint64_t>(d);
       if (ud != 0 && n > kMaxI64 / ud)
-        fail("has more elements than fit in 64 bits (dimensions " + dims(t) + ")");
+        fail("has more elements than fit in 64 bits (dimensions " + shape_text(t.ne) + ")");
       n *= ud;
     }
     t.n_elements = n;
     const std::int64_t row = t.ne.empty() ? 1 : t.ne[0];
     if (row % info.block_size != 0)
-      fail("its rows of " + std::to_string(row) + " elements (dimensions " + dims(t) +
+      fail("its rows of " + std::to_string(row) + " elements (dimensions " + shape_text(t.ne) +
            ") are not a multiple of the " + info.name + " block size " +
            std::to_string(info.block_size) + ", so its byte size is undefined");
     const std::uint64_t blocks = n / info.block_size;
     if (blocks > kMaxU64 / info.type_size)
-      fail("its byte size does not fit in 64 bits (dimensions " + dims(t) + ")");
+      fail("its byte size does not fit in 64 bits (dimensions " + shape_text(t.ne) + ")");
     t.n_bytes = blocks * info.type_size;
     if (t.offset % out_.alignment_ != 0)
       fail("its offset " + std::to_string(t.offset) + " is not a multiple of the alignment " +
            std::to_string(out_.alignment_));
-  }
-
-  static std::string dims(const GgufTensorInfo& t) {
-    std::string s = "[";
-    for (std::size_t i = 0; i < t.ne.size(); ++i)
-      s += (i ? ", " : "") + std::to_string(t.ne[i]);
-    return s + "]";
   }
 
   void check_tensor_ranges() {
@@ -544,17 +537,22 @@ const GgufTensorInfo& GgufFile::tensor(std::string_view name) const {
 }
 
 const std::uint8_t* GgufFile::tensor_data(const GgufTensorInfo& info) const {
-  // The parser checked the range; MappedFile checks it again for a caller's hand-made info.
-  return file_.bytes(data_offset_ + info.offset, info.n_bytes, "tensor " + in_quotes(info.name));
+  // The parser checked the range; for a caller's hand-made info, check that data_offset_ +
+  // offset cannot wrap around to a place inside the file (data_offset_ itself may lie past the
+  // end of a file without tensors), then MappedFile checks the whole range.
+  const std::string what = "tensor " + in_quotes(info.name);
+  const std::uint64_t size = file_.size();
+  if (data_offset_ > size || info.offset > size - data_offset_)
+    throw Error(path() + ": " + what + ": data offset " + std::to_string(info.offset) +
+                " lies beyond the end of the " + std::to_string(size) + "-byte file");
+  return file_.bytes(data_offset_ + info.offset, info.n_bytes, what);
 }
 
 at::Tensor load_tensor(const GgufFile& file, std::string_view name, DType target) {
   const GgufTensorInfo& t = file.tensor(name);
   const GgmlTypeInfo& type = ggml_type_info(t.type);
   if (!type.dequantizable)
-    throw Error(file.path() + ": tensor " + in_quotes(name) + " has type " + type.name +
-                ", which Rondo cannot dequantise (supported: " + ggml_dequantizable_types() +
-                "); requantise the model to one of those types");
+    throw Error(file.path() + ": tensor " + in_quotes(name) + " " + ggml_not_dequantizable(t.type));
   if (target != DType::kF32 && target != DType::kBF16)
     throw Error(file.path() + ": tensor " + in_quotes(name) + ": cannot load into " +
                 to_string(target) + " (F32 or BF16 only)");

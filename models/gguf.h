@@ -53,7 +53,6 @@ class GgufValue {
  public:
   GgufValueType type() const { return type_; }
   bool is_integer() const;  // any of the eight integer types
-  bool is_float() const { return type_ == GgufValueType::kF32 || type_ == GgufValueType::kF64; }
 
   // nullopt when the type does not fit: to_int takes any integer that fits int64, to_uint any
   // non-negative integer, to_float F32/F64 (exact) and integers.

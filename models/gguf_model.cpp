@@ -20,13 +20,6 @@ namespace {
 
 constexpr const char* kRopeFreqs = "rope_freqs.weight";
 
-std::string shape_string(const std::vector<std::int64_t>& shape) {
-  std::string s = "(";
-  for (std::size_t i = 0; i < shape.size(); ++i)
-    s += (i ? ", " : "") + std::to_string(shape[i]);
-  return s + ")";
-}
-
 // llama3 frequency factors for given parameters, as llama.cpp's converter computes them into
 // rope_freqs.weight (one factor per rotary pair; the rotation frequency is divided by it).
 std::vector<double> llama3_factors(const RopeConfig& r, std::int64_t head_dim) {
@@ -62,16 +55,25 @@ void recover_llama3_rope(const GgufFile& file, ModelConfig& c, const std::string
   };
   if (t.ne.size() != 1 || t.ne[0] != c.head_dim / 2)
     fail("expected " + std::to_string(c.head_dim / 2) + " factors (head_dim / 2), found shape " +
-         shape_string(t.shape()));
+         shape_text(t.shape()));
   at::Tensor ft = load_tensor(file, kRopeFreqs, DType::kF32);
   std::vector<double> f(ft.data_ptr<float>(), ft.data_ptr<float>() + ft.numel());
+  // Before any comparison: max_element and the tolerance checks below are false for NaN.
+  for (std::size_t i = 0; i < f.size(); ++i)
+    if (!std::isfinite(f[i]))
+      fail("factor " + std::to_string(i) + " is " + std::to_string(f[i]) + ", not a finite number");
   RopeConfig r = c.rope;
   r.type = "llama3";
   r.factor = *std::max_element(f.begin(), f.end());
-  r.original_max_position_embeddings =
-      file.get_int(arch + ".rope.scaling.original_context_length", 8192);
-  if (!(r.factor >= 1.0) || r.original_max_position_embeddings <= 0)
-    fail("factors below 1 or not finite");
+  const std::string context_key = arch + ".rope.scaling.original_context_length";
+  r.original_max_position_embeddings = file.get_int(context_key, 8192);
+  if (r.original_max_position_embeddings <= 0)
+    throw Error(file.path() + ": metadata '" + context_key + "' is " +
+                std::to_string(r.original_max_position_embeddings) +
+                "; Llama 3 rope scaling needs a positive original context length");
+  if (!(r.factor >= 1.0))
+    fail("the largest factor is " + std::to_string(r.factor) +
+         ", but Llama 3 rope scaling only divides frequencies by factors of at least 1");
   if (r.factor == 1.0) return;                  // no scaling at all
   constexpr double kTol = 1e-5;                 // the factors are stored in float32
   std::vector<std::pair<double, double>> ramp;  // (context / wavelength, smooth) between plateaus
@@ -91,7 +93,7 @@ void recover_llama3_rope(const GgufFile& file, ModelConfig& c, const std::string
   }  // else keep Llama 3's defaults (1, 4) if they reproduce the factors
   const std::vector<double> expect = llama3_factors(r, c.head_dim);
   for (std::size_t i = 0; i < f.size(); ++i)
-    if (std::abs(expect[i] - f[i]) > kTol * std::max(1.0, std::abs(f[i])))
+    if (!(std::abs(expect[i] - f[i]) <= kTol * std::max(1.0, std::abs(f[i]))))  // NaN fails
       fail("factor " + std::to_string(i) + " is " + std::to_string(f[i]) +
            " but Llama 3 rope scaling with factor " + std::to_string(r.factor) + " gives " +
            std::to_string(expect[i]));
@@ -248,12 +250,10 @@ std::vector<GgufTensorMapping> gguf_tensor_mapping(const GgufFile& file, const M
       throw Error(what + " is missing; the " + to_string(c.family) +
                   " model its metadata describes needs it");
     if (t->shape() != m.shape)
-      throw Error(what + " has shape " + shape_string(t->shape()) + " but the model's metadata " +
-                  "implies " + shape_string(m.shape) + "; the file is inconsistent");
+      throw Error(what + " has shape " + shape_text(t->shape()) + " but the model's metadata " +
+                  "implies " + shape_text(m.shape) + "; the file is inconsistent");
     if (!ggml_type_info(t->type).dequantizable)
-      throw Error(what + " has type " + ggml_type_info(t->type).name +
-                  ", which Rondo cannot dequantise (supported: " + ggml_dequantizable_types() +
-                  "); requantise the model to one of those types");
+      throw Error(what + " " + ggml_not_dequantizable(t->type));
   }
   for (const GgufTensorInfo& t : file.tensors())
     if (expected.count(t.name) == 0 && t.name != kRopeFreqs)

@@ -36,9 +36,13 @@ Tokenizer tokenizer_from_gguf(const GgufFile& f) {
     if (static_cast<std::int64_t>(types.size()) != n)
       throw Error(f.path() + ": tokenizer.ggml.token_type has " + std::to_string(types.size()) +
                   " entries for " + std::to_string(n) + " tokens");
+    // llama.cpp's types: 2 unknown (<unk>), 3 control (<s>, <|im_start|>), 4 user defined.
+    // Unknown counts as special, as in the tokenizer.json transformers writes for these models:
+    // "<unk>" in text is the token, and decode(skip_special_tokens) drops it.
     for (std::int64_t id = 0; id < n; ++id) {
-      if (types[id] == 3) spec.special_ids.push_back(static_cast<std::int32_t>(id));  // control
-      if (types[id] == 4) spec.added_ids.push_back(static_cast<std::int32_t>(id));    // user
+      const auto i = static_cast<std::size_t>(id);
+      if (types[i] == 2 || types[i] == 3) spec.special_ids.push_back(static_cast<std::int32_t>(id));
+      if (types[i] == 4) spec.added_ids.push_back(static_cast<std::int32_t>(id));
     }
   }
   auto id = [&](const char* key) -> std::int32_t {

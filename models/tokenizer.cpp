@@ -18,16 +18,18 @@
 #include <algorithm>
 #include <array>
 #include <cstring>
-#include <fstream>
+#include <filesystem>
+#include <limits>
 #include <mutex>
 #include <nlohmann/json.hpp>
 #include <queue>
-#include <sstream>
 #include <unordered_map>
 #include <unordered_set>
 #include <variant>
 
 #include "kernels/error.h"
+#include "models/mapped_file.h"
+#include "models/tokenizer_config.h"
 #include "models/unicode.h"
 
 namespace rondo::models {
@@ -98,25 +100,11 @@ class Regex {
   // Non-overlapping matches [begin, end), left to right; an empty match advances one character.
   std::vector<std::pair<std::size_t, std::size_t>> find_all(std::string_view s) const {
     std::vector<std::pair<std::size_t, std::size_t>> out;
-    pcre2_match_data* md = pcre2_match_data_create_from_pattern(code_, nullptr);
-    RONDO_ASSERT(md != nullptr);
+    MatchData md(code_);
     std::size_t pos = 0;
     while (pos <= s.size()) {
-      int rc = jit_ ? pcre2_jit_match(code_, reinterpret_cast<PCRE2_SPTR>(s.data()), s.size(), pos,
-                                      0, md, nullptr)
-                    : PCRE2_ERROR_JIT_BADOPTION;
-      if (rc == PCRE2_ERROR_JIT_STACKLIMIT || rc == PCRE2_ERROR_JIT_BADOPTION)
-        rc = pcre2_match(code_, reinterpret_cast<PCRE2_SPTR>(s.data()), s.size(), pos,
-                         PCRE2_NO_UTF_CHECK | PCRE2_NO_JIT, md, nullptr);
-      if (rc == PCRE2_ERROR_NOMATCH) break;
-      if (rc < 0) {
-        pcre2_match_data_free(md);
-        PCRE2_UCHAR msg[256];
-        pcre2_get_error_message(rc, msg, sizeof(msg));
-        throw Error("tokenizer regex " + json(pattern_).dump() +
-                    " failed: " + reinterpret_cast<const char*>(msg));
-      }
-      const PCRE2_SIZE* ov = pcre2_get_ovector_pointer(md);
+      if (!match(s, pos, 0, md)) break;
+      const PCRE2_SIZE* ov = pcre2_get_ovector_pointer(md.get());
       const std::size_t b = ov[0], e = ov[1];
       if (e == b) {
         if (b >= s.size()) break;
@@ -126,16 +114,53 @@ class Regex {
       out.emplace_back(b, e);
       pos = e;
     }
-    pcre2_match_data_free(md);
     return out;
   }
 
+  // Whether a match starts at s[0] (one anchored attempt, not a scan).
   bool matches_at_start(std::string_view s) const {
-    auto m = find_all(s);
-    return !m.empty() && m.front().first == 0;
+    MatchData md(code_);
+    return match(s, 0, PCRE2_ANCHORED, md);
   }
 
  private:
+  // Match data sized for the pattern, freed on every path out (an emplace_back may throw).
+  class MatchData {
+   public:
+    explicit MatchData(const pcre2_code* code)
+        : md_(pcre2_match_data_create_from_pattern(code, nullptr)) {
+      RONDO_ASSERT(md_ != nullptr);
+    }
+    ~MatchData() { pcre2_match_data_free(md_); }
+    MatchData(const MatchData&) = delete;
+    MatchData& operator=(const MatchData&) = delete;
+    pcre2_match_data* get() const { return md_; }
+
+   private:
+    pcre2_match_data* md_;
+  };
+
+  // One match attempt from byte `pos`: true when found (ovector in md), false for no match.
+  // JIT unless it runs out of stack or `options` needs the interpreter (PCRE2_ANCHORED does).
+  bool match(std::string_view s, std::size_t pos, std::uint32_t options,
+             const MatchData& md) const {
+    const auto* subject = reinterpret_cast<PCRE2_SPTR>(s.data());
+    int rc = jit_ && options == 0
+                 ? pcre2_jit_match(code_, subject, s.size(), pos, 0, md.get(), nullptr)
+                 : PCRE2_ERROR_JIT_BADOPTION;
+    if (rc == PCRE2_ERROR_JIT_STACKLIMIT || rc == PCRE2_ERROR_JIT_BADOPTION)
+      rc = pcre2_match(code_, subject, s.size(), pos, options | PCRE2_NO_UTF_CHECK | PCRE2_NO_JIT,
+                       md.get(), nullptr);
+    if (rc == PCRE2_ERROR_NOMATCH) return false;
+    if (rc < 0) {
+      PCRE2_UCHAR msg[256];
+      pcre2_get_error_message(rc, msg, sizeof(msg));
+      throw Error("tokenizer regex " + json(pattern_).dump() +
+                  " failed: " + reinterpret_cast<const char*>(msg));
+    }
+    return true;
+  }
+
   std::string pattern_;
   pcre2_code* code_ = nullptr;
   bool jit_ = false;
@@ -254,24 +279,8 @@ Piece apply_norm(const NormStep& step, const Piece& p) {
     return replace_ranges(p, s->pattern.find_all(p.text), s->content);
   if (auto* s = std::get_if<NormUnicode>(&step)) return normalize_unicode(p, s->compose);
   const auto& strip = std::get<NormStrip>(step);
-  std::size_t b = 0, e = p.text.size();
-  if (strip.left) {
-    while (b < e) {
-      std::size_t i = b;
-      if (!unicode::is_white_space(unicode::next(p.text, i))) break;
-      b = i;
-    }
-  }
-  if (strip.right) {
-    while (e > b) {
-      std::size_t start = e - 1;
-      while (start > b && (static_cast<unsigned char>(p.text[start]) & 0xC0) == 0x80)
-        --start;
-      std::size_t i = start;
-      if (!unicode::is_white_space(unicode::next(p.text, i))) break;
-      e = start;
-    }
-  }
+  const auto [b, e] =
+      unicode::strip(p.text, 0, p.text.size(), strip.left, strip.right, unicode::is_white_space);
   return slice(p, b, e);
 }
 
@@ -639,10 +648,7 @@ bool starts_with_word(std::string_view s) {
 }
 bool ends_with_word(std::string_view s) {
   if (s.empty()) return false;
-  std::size_t c = s.size() - 1;
-  while (c > 0 && (static_cast<unsigned char>(s[c]) & 0xC0) == 0x80)
-    --c;
-  return word_char_regex().matches_at_start(s.substr(c));
+  return word_char_regex().matches_at_start(s.substr(unicode::prev_start(s, s.size())));
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -869,25 +875,13 @@ struct Tokenizer::Impl {
             stop == s.size() || !starts_with_word(std::string_view(s).substr(stop));
         if (!start_space || !stop_space) continue;
       }
-      if (t.lstrip) {
-        std::size_t b = start;
-        while (b > 0) {
-          std::size_t c = b - 1;
-          while (c > 0 && (static_cast<unsigned char>(s[c]) & 0xC0) == 0x80)
-            --c;
-          std::size_t i = c;
-          if (!unicode::is_white_space(unicode::next(s, i))) break;
-          b = c;
-        }
-        start = std::max(b, start_offset);
-      }
-      if (t.rstrip) {
-        while (stop < s.size()) {
-          std::size_t i = stop;
-          if (!unicode::is_white_space(unicode::next(s, i))) break;
-          stop = i;
-        }
-      }
+      // lstrip takes the white space before the token (but not text already cut off), rstrip
+      // the white space after it.
+      if (t.lstrip)
+        start = std::max(unicode::strip(s, 0, start, false, true, unicode::is_white_space).second,
+                         start_offset);
+      if (t.rstrip)
+        stop = unicode::strip(s, stop, s.size(), true, false, unicode::is_white_space).first;
       if (start_offset < start) out.push_back(slice(p, start_offset, start));
       Piece tok = slice(p, start, stop);
       tok.token = t.id;
@@ -976,6 +970,9 @@ namespace {
 
 struct Parser {
   const std::string& source;
+  // Ids run 0 .. id_limit - 1: model.vocab and added_tokens cannot hold more distinct ids than
+  // they have entries, so a larger id is a corrupt file (and would size id_to_token by it).
+  std::int64_t id_limit = 0;
 
   [[noreturn]] void fail(const std::string& path, const std::string& msg) const {
     throw Error(source + ": " + path + ": " + msg);
@@ -1004,6 +1001,30 @@ struct Parser {
     if (!v.is_array()) fail(path + "." + key, "expected a list");
     return v;
   }
+
+  // A JSON integer >= 0 as the number it is: get<std::int32_t>() would truncate 5000000000 to
+  // 705032704 and wrap 4294967295 to -1.
+  static std::optional<std::uint64_t> non_negative(const json& v) {
+    if (v.is_number_unsigned()) return v.get<std::uint64_t>();
+    if (v.is_number_integer() && v.get<std::int64_t>() >= 0)
+      return static_cast<std::uint64_t>(v.get<std::int64_t>());
+    return std::nullopt;
+  }
+
+  // A token id in 0 .. id_limit - 1, checked before narrowing.
+  std::int32_t token_id(const json& v, const std::string& path) const {
+    const auto id = non_negative(v);
+    if (!id) fail(path, "expected a token id (an integer >= 0), got " + v.dump());
+    if (*id >= static_cast<std::uint64_t>(id_limit))
+      fail(path, "id " + std::to_string(*id) + " is outside 0.." + std::to_string(id_limit - 1) +
+                     " (model.vocab and added_tokens hold " + std::to_string(id_limit) +
+                     " entries); the file is corrupt");
+    return static_cast<std::int32_t>(*id);
+  }
+
+  // An id the post-processor adds: it must be a token of the vocabulary or added_tokens (both are
+  // parsed by then), or decode and chat templates would meet an id without a token.
+  std::int32_t used_id(const json& v, const std::string& path, const Tokenizer::Impl& t) const;
 
   Pattern pattern(const json& obj, const std::string& path) const {
     const json& p = field(obj, path, "pattern");
@@ -1172,11 +1193,11 @@ struct Parser {
           const std::string id = str(item.at("SpecialToken"), where + ".SpecialToken", "id");
           PostItem p;
           if (specials.contains(id) && specials.at(id).contains("ids")) {
-            for (const json& x : specials.at(id).at("ids")) {
-              if (!x.is_number_integer())
-                fail(path + ".special_tokens." + id, "ids must be integers");
-              p.ids.push_back(x.get<std::int32_t>());
-            }
+            const std::string ids_path = path + ".special_tokens." + id + ".ids";
+            const json& ids = specials.at(id).at("ids");
+            if (!ids.is_array()) fail(ids_path, "expected a list of token ids");
+            for (std::size_t k = 0; k < ids.size(); ++k)
+              p.ids.push_back(used_id(ids[k], ids_path + "[" + std::to_string(k) + "]", t));
           } else {
             p.ids.push_back(special(id, where));
           }
@@ -1189,9 +1210,9 @@ struct Parser {
     } else if (type == "RobertaProcessing" || type == "BertProcessing") {
       auto token = [&](const char* key) {
         const json& v = field(n, path, key);
-        if (!v.is_array() || v.size() != 2 || !v[0].is_string() || !v[1].is_number_integer())
+        if (!v.is_array() || v.size() != 2 || !v[0].is_string())
           fail(path + "." + key, "expected [token, id]");
-        return v[1].get<std::int32_t>();
+        return used_id(v[1], path + "." + key + "[1]", t);
       };
       t.post = {{false, {token("cls")}}, {true, {}}, {false, {token("sep")}}};
     } else {
@@ -1211,11 +1232,7 @@ struct Parser {
     if (!vocab.is_object()) fail("model.vocab", "expected an object {token: id}");
     BpeModel& bpe = t.model;
     for (auto it = vocab.begin(); it != vocab.end(); ++it) {
-      if (!it.value().is_number_integer() || it.value().get<std::int64_t>() < 0 ||
-          it.value().get<std::int64_t>() > (std::int64_t(1) << 30))
-        fail("model.vocab." + it.key(),
-             "id must be a non-negative integer, got " + it.value().dump());
-      const auto id = it.value().get<std::int32_t>();
+      const std::int32_t id = token_id(it.value(), "model.vocab." + it.key());
       bpe.vocab[it.key()] = id;
       t.set_id(id, it.key());
     }
@@ -1291,10 +1308,7 @@ struct Parser {
       const std::string path = "added_tokens[" + std::to_string(i) + "]";
       const json& a = list_json[i];
       AddedToken tok;
-      const json& id = field(a, path, "id");
-      if (!id.is_number_integer() || id.get<std::int64_t>() < 0)
-        fail(path + ".id", "expected an id");
-      tok.id = id.get<std::int32_t>();
+      tok.id = token_id(field(a, path, "id"), path + ".id");
       tok.content = str(a, path, "content");
       tok.special = flag(a, path, "special", false);
       tok.lstrip = flag(a, path, "lstrip", false);
@@ -1306,12 +1320,14 @@ struct Parser {
   }
 };
 
-std::string read_file(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) throw Error(path + ": cannot open (does the file exist and is it readable?)");
-  std::ostringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
+std::int32_t Parser::used_id(const json& v, const std::string& path,
+                             const Tokenizer::Impl& t) const {
+  const auto id = non_negative(v);
+  if (!id) fail(path, "expected a token id (an integer >= 0), got " + v.dump());
+  if (*id >= t.id_to_token.size() || !t.id_used[*id])
+    fail(path, "id " + std::to_string(*id) + " is not the id of a token in model.vocab or " +
+                   "added_tokens");
+  return static_cast<std::int32_t>(*id);
 }
 
 // A token given in tokenizer_config.json as "<s>" or {"content": "<s>", ...}.
@@ -1340,7 +1356,15 @@ Tokenizer Tokenizer::from_json(const std::string& json_text, const std::string& 
   impl->source = source;
   Parser p{source};
   if (!j.contains("model")) p.fail("model", "missing (is this a Hugging Face tokenizer.json?)");
-  p.model(j.at("model"), *impl);
+  const json& m = j.at("model");
+  std::size_t entries = 0;
+  if (m.is_object() && m.contains("vocab") && m.at("vocab").is_object())
+    entries += m.at("vocab").size();
+  if (j.contains("added_tokens") && j.at("added_tokens").is_array())
+    entries += j.at("added_tokens").size();
+  p.id_limit = static_cast<std::int64_t>(
+      std::min<std::size_t>(entries, std::numeric_limits<std::int32_t>::max()));
+  p.model(m, *impl);
   if (j.contains("normalizer")) p.normalizer(j.at("normalizer"), "normalizer", impl->normalizer);
   if (j.contains("pre_tokenizer"))
     p.pre_tokenizer(j.at("pre_tokenizer"), "pre_tokenizer", impl->pre_tokenizer);
@@ -1366,26 +1390,32 @@ Tokenizer Tokenizer::from_json(const std::string& json_text, const std::string& 
   return Tokenizer(std::move(impl));
 }
 
+json read_tokenizer_config(const std::string& path) {
+  json cfg;
+  try {
+    cfg = json::parse(read_text_file(path, "tokenizer config"));
+  } catch (const json::parse_error& e) {
+    throw Error(path + ": not valid JSON: " + e.what());
+  }
+  if (!cfg.is_object()) throw Error(path + ": expected a JSON object (a tokenizer_config.json)");
+  return cfg;
+}
+
 Tokenizer Tokenizer::from_file(const std::string& path) {
-  Tokenizer t = from_json(read_file(path), path);
+  Tokenizer t = from_json(read_text_file(path, "tokenizer"), path);
   // bos/eos from a tokenizer_config.json beside it.
   const std::size_t slash = path.find_last_of('/');
   const std::string config =
       (slash == std::string::npos ? std::string() : path.substr(0, slash + 1)) +
       "tokenizer_config.json";
-  std::ifstream in(config, std::ios::binary);
-  if (in) {
-    std::ostringstream ss;
-    ss << in.rdbuf();
-    json cfg = json::parse(ss.str(), nullptr, /*allow_exceptions=*/false);
-    if (cfg.is_object()) {
-      auto impl = std::const_pointer_cast<Impl>(t.impl_);
-      if (auto bos = config_token(cfg, "bos_token"))
-        if (auto id = t.token_to_id(*bos)) impl->bos = *id;
-      if (auto eos = config_token(cfg, "eos_token"))
-        if (auto id = t.token_to_id(*eos)) impl->eos = *id;
-    }
-  }
+  std::error_code ec;
+  if (!std::filesystem::exists(config, ec)) return t;
+  const json cfg = read_tokenizer_config(config);
+  auto impl = std::const_pointer_cast<Impl>(t.impl_);
+  if (auto bos = config_token(cfg, "bos_token"))
+    if (auto id = t.token_to_id(*bos)) impl->bos = *id;
+  if (auto eos = config_token(cfg, "eos_token"))
+    if (auto id = t.token_to_id(*eos)) impl->eos = *id;
   return t;
 }
 

@@ -38,10 +38,10 @@ enum class TokenizerKind {
 // A tokenizer described by plain fields rather than a tokenizer.json, e.g. from GGUF metadata
 // (tokenizer.ggml.*). from_spec() builds the same pipeline `tokenizers` would run for it.
 // GGUF mapping: tokenizer.ggml.model "gpt2" -> kByteLevelBpe, "llama" -> kSentencePieceBpe;
-// tokens, merges ("a b"), scores; token_type 3 (control) -> special_ids, 4 (user defined) ->
-// added_ids; tokenizer.ggml.pre "llama-bpe" -> {kSplitRegexLlama3} + ignore_merges, "qwen2" ->
-// {kSplitRegexQwen2} + nfc, "gpt-2"/"default" -> {}, "smollm" -> {R"(\p{N})"} + gpt2_split_after;
-// bos/eos/unknown_token_id, add_bos_token, add_eos_token, add_space_prefix.
+// tokens, merges ("a b"), scores; token_type 2 (unknown) and 3 (control) -> special_ids, 4 (user
+// defined) -> added_ids; tokenizer.ggml.pre "llama-bpe" -> {kSplitRegexLlama3} + ignore_merges,
+// "qwen2" -> {kSplitRegexQwen2} + nfc, "gpt-2"/"default" -> {}, "smollm" -> {R"(\p{N})"} +
+// gpt2_split_after; bos/eos/unknown_token_id, add_bos_token, add_eos_token, add_space_prefix.
 struct TokenizerSpec {
   TokenizerKind kind = TokenizerKind::kByteLevelBpe;
   std::vector<std::string> tokens;  // id -> token as stored (byte-level: mapped chars; SP: "▁")
@@ -49,7 +49,7 @@ struct TokenizerSpec {
   // (a pair merges when its concatenation is a token; higher score first).
   std::vector<std::pair<std::string, std::string>> merges;
   std::vector<float> scores;              // per id; SentencePiece only
-  std::vector<std::int32_t> special_ids;  // control tokens: split out of text, is_special()
+  std::vector<std::int32_t> special_ids;  // control/unknown: split out of text, is_special()
   std::vector<std::int32_t> added_ids;    // user-defined tokens: split out of text, not special
   // Byte-level: Split regexes applied in order (Isolated), then the byte mapping. Empty = GPT-2's
   // built-in ByteLevel split.
@@ -69,8 +69,9 @@ struct TokenizerSpec {
 class Tokenizer {
  public:
   // A Hugging Face tokenizer.json. Reads bos_token / eos_token from a tokenizer_config.json in
-  // the same folder when there is one. Throws Error naming the file and the JSON path of any
-  // construct it does not support, and what is supported.
+  // the same folder when there is one (an invalid one is an Error naming it). Throws Error naming
+  // the file and the JSON path of any construct it does not support, and what is supported, and
+  // of any id outside 0 .. (vocab entries + added tokens - 1).
   static Tokenizer from_file(const std::string& path);
   // tokenizer.json text; `source` names it in errors.
   static Tokenizer from_json(const std::string& json_text, const std::string& source);

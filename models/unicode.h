@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 namespace rondo::models::unicode {
@@ -18,6 +19,36 @@ inline std::size_t char_len(unsigned char lead) {
 
 // The code point at s[i] (s valid UTF-8); advances i past it.
 char32_t next(std::string_view s, std::size_t& i);
+
+// Start of the character that ends just before byte `end` (end > floor): steps back over
+// continuation bytes, never below `floor`.
+inline std::size_t prev_start(std::string_view s, std::size_t end, std::size_t floor = 0) {
+  std::size_t c = end - 1;
+  while (c > floor && (static_cast<unsigned char>(s[c]) & 0xC0) == 0x80)
+    --c;
+  return c;
+}
+
+// [b, e) narrowed past the code points `drop` holds for: from the left when `left`, from the
+// right when `right` (Python's str.strip() with drop = python_space). b and e are char boundaries.
+template <class Pred>
+std::pair<std::size_t, std::size_t> strip(std::string_view s, std::size_t b, std::size_t e,
+                                          bool left, bool right, Pred drop) {
+  if (left)
+    while (b < e) {
+      std::size_t i = b;
+      if (!drop(next(s, i))) break;
+      b = i < e ? i : e;  // a truncated sequence at the end must not carry b past e
+    }
+  if (right)
+    while (e > b) {
+      const std::size_t c = prev_start(s, e, b);
+      std::size_t i = c;
+      if (!drop(next(s, i))) break;
+      e = c;
+    }
+  return {b, e};
+}
 void append(std::string& out, char32_t cp);
 
 // Offset of the first byte that is not part of valid UTF-8, or std::string_view::npos.

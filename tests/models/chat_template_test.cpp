@@ -17,18 +17,27 @@ namespace {
 
 using nlohmann::json;
 
-// Byte-level tokenizer with single-character tokens for printable ASCII plus Ġ, Ċ, and the
-// ChatML / Llama 3 special tokens.
-Tokenizer tiny_tokenizer() {
+const std::vector<std::string> kAllMarkers = {
+    "<|im_start|>", "<|im_end|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>",
+    "[INST]",       "[/INST]"};
+
+// Byte-level tokenizer with single-character tokens for printable ASCII plus Ġ, Ċ, the bos token
+// <|begin_of_text|>, the eos token <|end_of_text|>, and `specials` as special added tokens;
+// `plain` are vocabulary entries only (not split out of text).
+Tokenizer tiny_tokenizer(const std::vector<std::string>& specials = kAllMarkers,
+                         const std::vector<std::string>& plain = {}) {
   json vocab = json::object();
   int id = 0;
   for (int c = 33; c < 127; ++c)
     vocab[std::string(1, static_cast<char>(c))] = id++;
   vocab["\xC4\xA0"] = id++;  // Ġ (space)
   vocab["\xC4\x8A"] = id++;  // Ċ (newline)
+  for (const std::string& s : plain)
+    vocab[s] = id++;
   json added = json::array();
-  for (const char* s : {"<|im_start|>", "<|im_end|>", "<|begin_of_text|>", "<|start_header_id|>",
-                        "<|end_header_id|>", "<|eot_id|>"}) {
+  std::vector<std::string> all = {"<|begin_of_text|>", "<|end_of_text|>"};
+  all.insert(all.end(), specials.begin(), specials.end());
+  for (const std::string& s : all) {
     added.push_back({{"id", id}, {"content", s}, {"special", true}, {"normalized", false}});
     vocab[s] = id++;
   }
@@ -36,9 +45,11 @@ Tokenizer tiny_tokenizer() {
   j["added_tokens"] = added;
   j["pre_tokenizer"] = {{"type", "ByteLevel"}, {"add_prefix_space", false}};
   j["decoder"] = {{"type", "ByteLevel"}};
-  j["post_processor"] = {{"type", "TemplateProcessing"},
-                         {"single", json::array({{{"SpecialToken", {{"id", "<|begin_of_text|>"}}}},
-                                                 {{"Sequence", {{"id", "A"}}}}})}};
+  j["post_processor"] = {
+      {"type", "TemplateProcessing"},
+      {"single", json::array({{{"SpecialToken", {{"id", "<|begin_of_text|>"}}}},
+                              {{"Sequence", {{"id", "A"}}}},
+                              {{"SpecialToken", {{"id", "<|end_of_text|>"}}}}})}};
   j["model"] = {{"type", "BPE"}, {"vocab", vocab}, {"merges", json::array()}};
   return Tokenizer::from_json(j.dump(), "tiny");
 }
@@ -71,6 +82,66 @@ TEST(ChatTemplate, RecognisesTheFamilies) {
   EXPECT_TRUE(t.mistral_v1);
   t = recognise_chat_template("{{- \"[INST] \" + message[\"content\"] + \"[/INST]\" }}", "x");
   EXPECT_FALSE(t.mistral_v1);
+}
+
+TEST(ChatTemplate, DefaultSystemPrompts) {
+  // 200 000 characters: std::regex recursed once per character here and overflowed the stack.
+  std::string prompt;
+  for (int i = 0; i < 20000; ++i)
+    prompt += "Be helpful";
+  ChatTemplate t =
+      recognise_chat_template("{{ '<|im_start|>system\\n" + prompt + "<|im_end|>\\n' }}", "x");
+  EXPECT_EQ(t.default_system, prompt);
+  // The first "<|im_start|>system" is followed by an expression (a quote or '+' before
+  // <|im_end|>), the second by a literal with a real newline.
+  t = recognise_chat_template(
+      "{{ '<|im_start|>system\\n' + messages[0].content + '<|im_end|>' }}"
+      "{{ '<|im_start|>system\nBe brief.\\tOK<|im_end|>' }}",
+      "x");
+  EXPECT_EQ(t.default_system, "Be brief.\tOK");
+  for (const char* none : {"<|im_start|>system\\nno end in sight", "<|im_start|>systemX<|im_end|>",
+                           "<|im_start|>system\\n{{ x }}<|im_end|>", "<|im_start|>system"}) {
+    t = recognise_chat_template(none, "x");
+    EXPECT_EQ(t.default_system, "") << none;
+  }
+}
+
+// An explicit format on a tokenizer without its marker tokens would render the markers as plain
+// text, which the model never saw: an error naming the tokenizer and the marker.
+TEST(ChatTemplate, AFormatNeedsItsMarkerTokens) {
+  const std::vector<ChatMessage> conv = {{"user", "Hi"}, {"assistant", "Hello"}};
+  auto error = [&](const Tokenizer& tok, const char* format) {
+    try {
+      render_chat(tok, chat_template_from_name(format), conv);
+    } catch (const Error& e) {
+      return std::string(e.what());
+    }
+    return std::string("(no error)");
+  };
+  const Tokenizer llama3 =
+      tiny_tokenizer({"<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"});
+  std::string msg = error(llama3, "chatml");
+  EXPECT_NE(msg.find("tiny: "), std::string::npos) << msg;
+  EXPECT_NE(msg.find("'chatml' needs <|im_start|> as a token"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("does not have it"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("use its own"), std::string::npos) << msg;
+  EXPECT_NE(error(llama3, "mistral").find("needs [INST] as a token"), std::string::npos);
+  EXPECT_EQ(error(llama3, "llama3"), "(no error)");
+
+  const Tokenizer chatml = tiny_tokenizer({"<|im_start|>", "<|im_end|>"});
+  EXPECT_NE(error(chatml, "llama3").find("needs <|start_header_id|> as a token"),
+            std::string::npos);
+  EXPECT_EQ(error(chatml, "chatml"), "(no error)");
+  EXPECT_EQ(error(chatml, "qwen3"), "(no error)");
+  // Mistral v0.1's own tokenizer has no [INST] token: its markers are text.
+  EXPECT_EQ(error(chatml, "mistral-v1"), "(no error)");
+
+  // In the vocabulary, but tokenized like text.
+  const Tokenizer plain = tiny_tokenizer({"<|im_end|>"}, {"<|im_start|>"});
+  msg = error(plain, "chatml");
+  EXPECT_NE(msg.find("<|im_start|> as a token, and this tokenizer does not split it out of text"),
+            std::string::npos)
+      << msg;
 }
 
 TEST(ChatTemplate, UnknownTemplatesSayHowToChoose) {
@@ -140,6 +211,18 @@ TEST(ChatTemplate, MaskCoversExactlyTheReplies) {
 
 TEST(ChatTemplate, RejectsUnsupportedRolesAndMistralOrder) {
   const Tokenizer tok = tiny_tokenizer();
+  // Invalid UTF-8 is refused even where Llama 3's trim would cut it off ("\xC9" alone would read
+  // as a tab).
+  for (const char* content : {"Hi \xC9", "\xC9", "ok\xE2\x82"}) {
+    try {
+      render_chat(tok, chat_template_from_name("llama3"), {{"user", "a"}, {"assistant", content}});
+      ADD_FAILURE() << "invalid UTF-8 was rendered";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("chat message 1: content is not valid UTF-8"),
+                std::string::npos)
+          << e.what();
+    }
+  }
   EXPECT_THROW(render_chat(tok, chat_template_from_name("chatml"), {{"tool", "x"}}), Error);
   EXPECT_THROW(render_chat(tok, chat_template_from_name("chatml"), {}), Error);
   try {

@@ -163,6 +163,27 @@ TEST_F(GgufMalformed, TheValidFileReadsBack) {
     EXPECT_EQ(q.view({-1})[i].item<float>(), 0.5 * v.q_values[i]) << i;
 }
 
+// tensor_data() also serves infos a caller built: an offset that would wrap data_offset + offset
+// around to the file's header is refused, not read.
+TEST_F(GgufMalformed, HandMadeInfoCannotWrapAroundTheOffset) {
+  const std::string path = write(v.g.b);
+  GgufFile f(path);
+  GgufTensorInfo info = f.tensor("tok.weight");
+  EXPECT_EQ(f.tensor_data(info), f.tensor_data(f.tensor("tok.weight")));
+  info.offset = ~std::uint64_t{0} - v.data_at + 1;  // data_at + offset == 2^64, i.e. 0
+  try {
+    f.tensor_data(info);
+    ADD_FAILURE() << "a wrapped offset was read";
+  } catch (const Error& e) {
+    const std::string msg = e.what();
+    EXPECT_HAS(msg, path);
+    EXPECT_HAS(msg, "'tok.weight'");
+    EXPECT_HAS(msg, "beyond the end");
+  }
+  info.offset = v.g.b.size() - v.data_at - 4;  // inside, but 48 bytes do not fit
+  EXPECT_THROW(f.tensor_data(info), Error);
+}
+
 TEST_F(GgufMalformed, Version2HasTheSameLayout) {
   auto g = v.g;
   g.set_u32(4, 2);

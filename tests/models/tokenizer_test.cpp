@@ -4,6 +4,7 @@
 #include "models/tokenizer.h"
 
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include <cstdio>
 #include <fstream>
@@ -288,6 +289,69 @@ TEST(Tokenizer, ErrorsNameFileAndJsonPath) {
   } catch (const Error& err) {
     EXPECT_NE(std::string(err.what()).find("/nonexistent/tokenizer.json"), std::string::npos);
   }
+}
+
+// Every id in a tokenizer.json lies below the number of vocab and added-token entries (263 here):
+// a larger one is refused with the JSON path, never truncated, wrapped or used to size a table.
+TEST(Tokenizer, RejectsIdsOutsideTheVocabulary) {
+  auto expect_error = [](const json& j, const std::string& path, const std::string& detail) {
+    const std::string e = error_of(j);
+    EXPECT_NE(e.find("dir/tokenizer.json: " + path), std::string::npos) << e;
+    EXPECT_NE(e.find(detail), std::string::npos) << e;
+  };
+  json j = byte_level_json();
+  j["model"]["vocab"]["hello"] = 100000;
+  expect_error(j, "model.vocab.hello", "id 100000 is outside 0..262");
+
+  // 2^32 + 262 would truncate to the valid id 262; 2^32 - 1 would wrap to -1.
+  j = byte_level_json();
+  j["added_tokens"][0]["id"] = 4294967558u;
+  expect_error(j, "added_tokens[0].id", "id 4294967558 is outside 0..262");
+  j["added_tokens"][0]["id"] = 4294967295u;
+  expect_error(j, "added_tokens[0].id", "id 4294967295 is outside 0..262");
+  j["added_tokens"][0]["id"] = -1;
+  expect_error(j, "added_tokens[0].id", "expected a token id");
+
+  // Post-processor ids must be ids of tokens.
+  j = sentencepiece_json(true);
+  j["post_processor"]["special_tokens"]["<s>"]["ids"] = {1, 9999};
+  expect_error(j, "post_processor.special_tokens.<s>.ids[1]", "id 9999 is not the id of a token");
+  j["post_processor"]["special_tokens"]["<s>"]["ids"] = {5000000000};
+  expect_error(j, "post_processor.special_tokens.<s>.ids[0]", "id 5000000000 is not the id");
+  j = byte_level_json();
+  j["post_processor"] = {
+      {"type", "RobertaProcessing"}, {"cls", {"<|end|>", 262}}, {"sep", {"<|end|>", 263}}};
+  expect_error(j, "post_processor.sep[1]", "id 263 is not the id of a token");
+  j["post_processor"]["sep"] = {"<|end|>", 262};
+  const Tokenizer t = Tokenizer::from_json(j.dump(), "dir/tokenizer.json");
+  EXPECT_EQ(t.encode("hello", true), (std::vector<std::int32_t>{262, 259, 262}));
+}
+
+// An invalid tokenizer_config.json beside a tokenizer.json is an error naming it, as it is for
+// load_chat_template, not silently ignored (which would drop its bos/eos tokens).
+TEST(Tokenizer, InvalidTokenizerConfigIsAnError) {
+  char dir_template[] = "/tmp/rondo_tok_cfg_XXXXXX";
+  const char* dir = mkdtemp(dir_template);
+  ASSERT_NE(dir, nullptr);
+  const std::string tok_path = std::string(dir) + "/tokenizer.json";
+  const std::string cfg_path = std::string(dir) + "/tokenizer_config.json";
+  std::ofstream(tok_path) << sentencepiece_json(true).dump();
+  std::ofstream(cfg_path) << R"({"eos_token": "<s>", )";
+  try {
+    Tokenizer::from_file(tok_path);
+    ADD_FAILURE() << "an invalid tokenizer_config.json was ignored";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find(cfg_path + ": not valid JSON"), std::string::npos)
+        << e.what();
+  }
+  std::ofstream(cfg_path) << R"(["eos_token"])";
+  EXPECT_THROW(Tokenizer::from_file(tok_path), Error);
+  std::ofstream(cfg_path) << R"({"eos_token": {"content": "</s>"}})";
+  EXPECT_EQ(Tokenizer::from_file(tok_path).eos_id(), 2);
+  std::remove(cfg_path.c_str());
+  EXPECT_FALSE(Tokenizer::from_file(tok_path).eos_id().has_value());
+  std::remove(tok_path.c_str());
+  rmdir(dir);
 }
 
 TEST(Tokenizer, FromSpecChecksIds) {

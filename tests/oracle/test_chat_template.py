@@ -431,8 +431,28 @@ def test_formats_are_recognised_and_can_be_chosen(tmp_path):
     setup_family("llama3", folder)
     msgs = CONVERSATIONS[0]
     assert rondo_chat(folder, msgs, False)["format"] == "llama3"
-    # An explicit format overrides the file's template: ChatML markers appear in the text.
-    assert "<|im_start|>user\nHello!<|im_end|>" in rondo_chat(folder, msgs, False, "chatml")["text"]
+    folder = str(tmp_path / "qwen")
+    setup_family("qwen2.5", folder)
+    got = rondo_chat(folder, msgs, False)
+    assert got["format"] == "chatml" and "You are Qwen" in got["text"]
+    # An explicit format overrides the file's template: plain ChatML has no default system prompt.
+    assert rondo_chat(folder, msgs, False, "chatml")["text"] == (
+        "<|im_start|>user\nHello!<|im_end|>\n<|im_start|>assistant\nHi there, how can I help?<|im_end|>\n")
+
+
+@pytest.mark.parametrize("family,fmt,marker", [("llama3", "chatml", "<|im_start|>"),
+                                                ("qwen2.5", "llama3", "<|start_header_id|>"),
+                                                ("mistral-v0.1", "mistral", "[INST]")])
+def test_a_format_whose_markers_the_tokenizer_lacks_is_an_error(tmp_path, family, fmt, marker):
+    """The markers would be tokenized as plain text, which `transformers` does too; but that is not
+    how the model was trained: Rondo refuses, naming the tokenizer and the marker."""
+    folder = str(tmp_path)
+    path, hf, _, _ = setup_family(family, folder)
+    assert hf.convert_tokens_to_ids(marker) in (None, hf.unk_token_id)  # not a token of its own
+    with pytest.raises(rondo_oracle.DriverError) as e:
+        rondo_chat(folder, CONVERSATIONS[0], False, fmt)
+    assert path in e.value.message and f"needs {marker} as a token" in e.value.message
+    assert "use its own" in e.value.message
 
 
 def test_unrecognised_template_names_file_and_how_to_choose(tmp_path):

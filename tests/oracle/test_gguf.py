@@ -527,4 +527,4 @@ def test_missing_wrong_and_unexpected_tensors_are_named(tmp_path):
     assert "'blk.2.attn_q.weight'" in msg and "not part of" in msg
     msg = fails("wrong", drop={"blk.0.ffn_up.weight"},
                 extra=[("blk.0.ffn_up.weight", np.ones((81, 48), np.float32))])
-    assert "'blk.0.ffn_up.weight'" in msg and "(81, 48)" in msg and "(80, 48)" in msg
+    assert "'blk.0.ffn_up.weight'" in msg and "[81, 48]" in msg and "[80, 48]" in msg

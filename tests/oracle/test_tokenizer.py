@@ -28,6 +28,7 @@ HARD = [
     "<html><body class=\"x\">&nbsp;</body></html>", "ls -la | grep '^d' > out.txt 2>&1",
     "{\"a\": [1, 2.5e-3, null], \"b\": \"\\u00e9\"}", "x==y!=z<=w>=v->u::t...s???r!!!",
     "Hello<|endoftext|>world", "<|im_start|>user\nHi<|im_end|>\n", "a <s> b </s> c", "<s><s></s>",
+    "<unk>", "a <unk> b", "x<unk><unk>y",
     "<|endoftext", "<|im_start|", "<|begin_of_text|>Hi<|eot_id|>", "[INST] Hi [/INST]",
     "a <mask> b", "<mask>", "a<mask>b", "x <sw> y", "x<sw>y", "<sw>", "call <tool> now", "<tool>x",
     "cafe\u0301 café", "\u00a0non-breaking\u00a0space", "\u3000ideographic", "line\u2028sep",
@@ -93,6 +94,12 @@ def build(name, folder):
     tok.add_tokens(EXTRA_TOKENS)
     path = tb.save(tok, str(folder))
     return Tokenizer.from_file(path), path  # the oracle reads the same file Rondo reads
+
+
+def build_plain(name, folder):
+    """The family's tokenizer without EXTRA_TOKENS, saved; the library reads the saved file."""
+    path = tb.save(BUILDERS[name](), str(folder))
+    return Tokenizer.from_file(path), path
 
 
 def run_driver(command, model_path, folder, texts, decode_ids):
@@ -178,7 +185,7 @@ def test_decode_of_encode_gives_the_text_back(name, tmp_path):
     texts = HARD + random_strings(random.Random(seed), 200)
     # Added tokens do not round-trip by design (lstrip/rstrip eat spaces; ByteLevel decodes "café"
     # as bytes), in `tokenizers` too: leave them out.
-    added = SPECIAL_SNIPPETS + ["<|", "[INST]", "[/INST]", "café", "cafe\u0301"]
+    added = SPECIAL_SNIPPETS + ["<|", "<unk>", "[INST]", "[/INST]", "café", "cafe\u0301"]
     texts = [t for t in texts if not any(s in t for s in added)]
     if name in ("llama2", "mistral"):
         texts = [t for t in texts if "▁" not in t and not t[:1].isspace()]
@@ -285,6 +292,57 @@ def test_sentencepiece_merges_from_scores(tmp_path):
     result = run_driver("tokenize-spec", spec_path, str(tmp_path), texts, [])
     check_against_library(oracle, result, texts, [])
     assert models  # imported for the oracle's model class
+
+
+def test_gguf_sentencepiece_tokenizer_equals_tokenizers(tmp_path):
+    """A SentencePiece vocabulary as llama.cpp writes it into a GGUF (Mistral v0.3: <unk> of token
+    type UNKNOWN, <s> </s> [INST] [/INST] CONTROL, <0xXX> BYTE, the rest NORMAL) gives the tokenizer
+    `tokenizers` runs from the model's tokenizer.json, where <unk> is a special token too: split out
+    of text, dropped by decode(skip_special_tokens=True)."""
+    import gguf
+    tok, path = build_plain("mistral", tmp_path)
+    with open(path, encoding="utf-8") as f:
+        j = json.load(f)
+    vocab = j["model"]["vocab"]
+    tokens = sorted(vocab, key=vocab.get)
+    assert [vocab[t] for t in tokens] == list(range(len(tokens)))
+    special = {a["content"] for a in j["added_tokens"] if a["special"]}
+    assert "<unk>" in special and tok.get_added_tokens_decoder()[vocab["<unk>"]].special
+
+    def token_type(t):
+        if t == "<unk>":
+            return gguf.TokenType.UNKNOWN
+        if t in special:
+            return gguf.TokenType.CONTROL
+        if len(t) == 6 and t.startswith("<0x") and t.endswith(">"):
+            return gguf.TokenType.BYTE
+        return gguf.TokenType.NORMAL
+
+    gguf_path = os.path.join(str(tmp_path), "mistral.gguf")
+    w = gguf.GGUFWriter(gguf_path, "llama")
+    w.add_tokenizer_model("llama")
+    w.add_token_list(tokens)
+    w.add_token_types([token_type(t) for t in tokens])
+    w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in j["model"]["merges"]])
+    w.add_bos_token_id(vocab["<s>"])
+    w.add_eos_token_id(vocab["</s>"])
+    w.add_unk_token_id(vocab["<unk>"])
+    w.add_add_bos_token(True)
+    w.add_add_eos_token(False)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+    seed = random.randrange(2**32)
+    print(f"seed={seed}")
+    rng = random.Random(seed)
+    texts = HARD + random_strings(rng, 100)
+    decode_ids = [[rng.choice([vocab["<unk>"], vocab["<s>"], rng.randrange(len(tokens))])
+                   for _ in range(rng.randint(1, 12))] for _ in range(50)]
+    result = run_driver("tokenize", gguf_path, str(tmp_path), texts, decode_ids)
+    check_against_library(tok, result, texts, decode_ids)
+    assert result["special_ids"] == sorted(vocab[t] for t in special)
 
 
 def test_unsupported_model_names_file_and_path(tmp_path):
