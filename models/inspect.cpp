@@ -50,8 +50,8 @@ ModelSummary inspect_model(const std::string& path, std::int64_t seq_len) {
       for (const ParamSpec& p : spec.params) {
         const TensorEntry& e = ckpt.get(p.name);
         if (e.shape != p.shape)
-          throw Error(e.file + ": tensor '" + p.name +
-                      "' does not have the shape config.json implies");
+          throw Error(e.file + ": tensor '" + p.name + "' has shape " + shape_text(e.shape) +
+                      " but config.json implies " + shape_text(p.shape));
         stored[p.name] = {e.bytes, to_string(e.dtype)};
       }
   } else if (fs::path(path).extension() == ".gguf") {

@@ -14,12 +14,6 @@ namespace rondo::models {
 namespace fs = std::filesystem;
 
 namespace {
-std::string shape_text(at::IntArrayRef shape) {
-  std::string s = "[";
-  for (std::size_t i = 0; i < shape.size(); ++i)
-    s += (i ? ", " : "") + std::to_string(shape[i]);
-  return s + "]";
-}
 
 // Tensors a checkpoint may carry that are not weights.
 bool ignorable(const std::string& name, const ModelConfig& c) {
@@ -81,8 +75,9 @@ Model Model::from_tensors(ModelConfig config, std::map<std::string, at::Tensor> 
         continue;
       }
       if (it->second.sizes() != at::IntArrayRef(p.shape))
-        problems.push_back("tensor '" + p.name + "' has shape " + shape_text(it->second.sizes()) +
-                           " but the config needs " + shape_text(p.shape));
+        problems.push_back("tensor '" + p.name + "' has shape " +
+                           shape_text(it->second.sizes().vec()) + " but the config needs " +
+                           shape_text(p.shape));
     }
   for (auto it = tensors.begin(); it != tensors.end();) {
     if (expected.count(it->first)) {
