@@ -16,7 +16,8 @@ void assert_fail(const char* expr, const char* file, int line, const std::string
 
 std::string join_problems(const std::string& head, const std::vector<std::string>& problems) {
   std::string text = head;
-  for (const std::string& p : problems) text += "\n  - " + p;
+  for (const std::string& p : problems)
+    text += "\n  - " + p;
   return text;
 }
 

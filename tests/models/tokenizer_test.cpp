@@ -2,6 +2,7 @@
 // name the file and the JSON path, round trips on fresh random text, concurrent encoding. The
 // comparison with the `tokenizers` library itself is tests/oracle/test_tokenizer.py.
 #include "models/tokenizer.h"
+#include "models/unicode.h"
 
 #include <gtest/gtest.h>
 #include <unistd.h>
@@ -21,31 +22,13 @@ namespace {
 
 using nlohmann::json;
 
-void append_utf8(std::string& out, char32_t cp) {
-  if (cp < 0x80) {
-    out += static_cast<char>(cp);
-  } else if (cp < 0x800) {
-    out += static_cast<char>(0xC0 | (cp >> 6));
-    out += static_cast<char>(0x80 | (cp & 0x3F));
-  } else if (cp < 0x10000) {
-    out += static_cast<char>(0xE0 | (cp >> 12));
-    out += static_cast<char>(0x80 | ((cp >> 6) & 0x3F));
-    out += static_cast<char>(0x80 | (cp & 0x3F));
-  } else {
-    out += static_cast<char>(0xF0 | (cp >> 18));
-    out += static_cast<char>(0x80 | ((cp >> 12) & 0x3F));
-    out += static_cast<char>(0x80 | ((cp >> 6) & 0x3F));
-    out += static_cast<char>(0x80 | (cp & 0x3F));
-  }
-}
-
 // GPT-2's published byte-to-character table, written out here from its definition.
 std::vector<std::string> gpt2_byte_chars() {
   std::vector<std::string> out(256);
   int next = 256;
   for (int b = 0; b < 256; ++b) {
     const bool keep = (b >= 33 && b <= 126) || (b >= 161 && b <= 172) || (b >= 174 && b <= 255);
-    append_utf8(out[static_cast<std::size_t>(b)], keep ? static_cast<char32_t>(b) : next++);
+    unicode::append(out[static_cast<std::size_t>(b)], keep ? static_cast<char32_t>(b) : next++);
   }
   return out;
 }
@@ -169,7 +152,7 @@ TEST(Tokenizer, ByteLevelRoundTripsRandomText) {
     std::string s;
     const int len = static_cast<int>(rng() % 40);
     for (int i = 0; i < len; ++i)
-      append_utf8(s, pool[rng() % pool.size()]);
+      unicode::append(s, pool[rng() % pool.size()]);
     const std::vector<std::int32_t> ids = t.encode(s);
     ASSERT_EQ(t.decode(ids), s) << "seed " << seed;
     // Offsets cover the text in order.
