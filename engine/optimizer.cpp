@@ -1,0 +1,120 @@
+#include "engine/optimizer.h"
+
+#include <cmath>
+#include <cstring>
+
+#include "kernels/cpu/float_convert.h"
+#include "kernels/error.h"
+
+namespace rondo::engine {
+
+// Note [Exact clipping with per-layer updates]
+// Global-norm clipping scales every gradient by min(1, max_norm / ||g||), where ||g|| covers all
+// layers, so no layer can be updated before the last gradient of the step has landed. That costs
+// less than it seems: the backward produces layer 0's gradient last, and the next forward needs
+// layer 0 first — whatever the clipping, the next step waits for the end of this backward. So the
+// driver computes the norm once everything is in (a sum-of-squares pass, read-only), then updates
+// layers in forward order, and the next step's first stage starts as soon as its own layers are
+// done while later layers are still being updated. The update is exactly torch's
+// clip_grad_norm_ followed by AdamW: the coefficient is passed to the kernel as grad_scale.
+
+Optimizer::Optimizer(offload::LayerStore& store, const kernels::AdamWParams& params,
+                     double max_grad_norm)
+    : store_(store), params_(params), max_norm_(max_grad_norm) {
+  for (std::size_t l = 0; l < store_.layers(); ++l) {
+    const auto& tensors = store_.layer(l);
+    for (std::size_t i = 0; i < tensors.size(); ++i) {
+      if (!tensors[i].tied || !tensors[i].trainable) continue;
+      bool found = false;
+      for (std::size_t ol = 0; ol < l && !found; ++ol)
+        for (std::size_t oi = 0; oi < store_.layer(ol).size(); ++oi)
+          if (!store_.layer(ol)[oi].tied && store_.layer(ol)[oi].master == tensors[i].master) {
+            ties_.push_back({ol, oi, l, i});
+            found = true;
+            break;
+          }
+      RONDO_ASSERT_MSG(found, "tied tensor " + tensors[i].name + " has no owner");
+    }
+  }
+}
+
+const void* Optimizer::gradient(std::size_t layer, std::size_t index, kernels::FloatDType& dtype) {
+  const offload::TensorState& t = store_.layer(layer)[index];
+  dtype = store_.grad_dtype();
+  bool tied = false;
+  for (const Tie& tie : ties_)
+    tied = tied || (tie.owner_layer == layer && tie.owner_index == index);
+  if (!tied) return t.grad;
+  // Sum in f32: the owner's gradient and every tied copy's.
+  scratch_.assign(t.numel, 0.0f);
+  auto add = [&](const void* g) {
+    for (std::size_t k = 0; k < t.numel; ++k) {
+      float x;
+      switch (dtype) {
+        case kernels::FloatDType::kF32:
+          x = static_cast<const float*>(g)[k];
+          break;
+        case kernels::FloatDType::kBF16:
+          x = kernels::f32_from_bf16(static_cast<const std::uint16_t*>(g)[k]);
+          break;
+        case kernels::FloatDType::kF16:
+          x = kernels::f32_from_f16(static_cast<const std::uint16_t*>(g)[k]);
+          break;
+      }
+      scratch_[k] += x;
+    }
+  };
+  add(t.grad);
+  for (const Tie& tie : ties_)
+    if (tie.owner_layer == layer && tie.owner_index == index)
+      add(store_.layer(tie.layer)[tie.index].grad);
+  dtype = kernels::FloatDType::kF32;
+  return scratch_.data();
+}
+
+double Optimizer::begin_step() {
+  ++step_;
+  double sum = 0;
+  for (std::size_t l = 0; l < store_.layers(); ++l) {
+    const auto& tensors = store_.layer(l);
+    for (std::size_t i = 0; i < tensors.size(); ++i) {
+      if (!tensors[i].trainable || tensors[i].tied) continue;  // a tie is counted with its owner
+      kernels::FloatDType dtype;
+      const void* g = gradient(l, i, dtype);
+      sum += kernels::grad_sum_squares(g, dtype, tensors[i].numel);
+    }
+  }
+  const double norm = std::sqrt(sum);
+  // torch: clip_coef = max_norm / (total_norm + 1e-6), clamped to 1.
+  clip_ = max_norm_ > 0 ? std::min(1.0, max_norm_ / (norm + 1e-6)) : 1.0;
+  return norm;
+}
+
+void Optimizer::update_layer(std::size_t layer) {
+  RONDO_ASSERT_MSG(step_ > 0, "update_layer() before begin_step()");
+  kernels::AdamWParams p = params_;
+  p.step = step_;
+  p.grad_scale = clip_;
+  const auto& tensors = store_.layer(layer);
+  for (std::size_t i = 0; i < tensors.size(); ++i) {
+    const offload::TensorState& t = tensors[i];
+    if (!t.trainable || t.tied) continue;
+    kernels::FloatDType dtype;
+    const void* g = gradient(layer, i, dtype);
+    kernels::adamw_step({.n = t.numel,
+                         .grad = g,
+                         .grad_dtype = dtype,
+                         .master = t.master,
+                         .m = t.m,
+                         .v = t.v,
+                         .stream = t.stream,
+                         .stream_dtype = store_.stream_dtype()},
+                        p);
+  }
+  // The layer's gradients (tied copies included) start the next step at zero. A tied copy in a
+  // later layer is zeroed when that layer is updated, after its owner has read it.
+  const offload::ByteRange grads = store_.grad_bytes(layer);
+  if (grads.bytes) std::memset(grads.data, 0, grads.bytes);
+}
+
+}  // namespace rondo::engine

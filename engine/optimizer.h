@@ -1,0 +1,56 @@
+// The optimizer driver: AdamW over the LayerStore, layer by layer, with exact global-norm gradient
+// clipping. Per step: once every gradient of the step has landed, begin_step() computes the global
+// norm (tied tensors' two gradients summed first) and the clip coefficient; then update_layer()
+// runs the fused AdamW kernel on each layer, in forward order, so that the next step's first stage
+// can start as soon as its own layers are updated. See Note [Exact clipping with per-layer
+// updates].
+//
+//   engine::Optimizer opt(store, {.lr = 2e-5, .weight_decay = 0.1}, /*max_grad_norm=*/1.0);
+//   double norm = opt.begin_step();            // all gradients of the step are in the store
+//   for (std::size_t l = 0; l < store.layers(); ++l) opt.update_layer(l);
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <vector>
+
+#include "kernels/cpu/adamw.h"
+#include "offload/layer_store.h"
+
+namespace rondo::engine {
+
+class Optimizer {
+ public:
+  // `params.step` is ignored: the driver counts steps. max_grad_norm <= 0 disables clipping.
+  Optimizer(offload::LayerStore& store, const kernels::AdamWParams& params, double max_grad_norm);
+
+  // Starts step t + 1: the global gradient norm (before clipping) over every trainable tensor.
+  // Returns it; a NaN or Inf norm is returned as is (the caller skips the step, e.g. fp16
+  // overflow) and update_layer must not be called for it.
+  double begin_step();
+  // AdamW on the layer's own trainable tensors (a tied tensor is updated by its owner, with both
+  // gradients), then the gradients of the layer are zeroed for the next step.
+  void update_layer(std::size_t layer);
+
+  std::int64_t step() const { return step_; }
+  double clip_coefficient() const { return clip_; }
+  void set_lr(double lr) { params_.lr = lr; }
+
+ private:
+  // The gradient AdamW sees for an owned tensor: its own, plus the tied copies' (as f32).
+  const void* gradient(std::size_t layer, std::size_t index, kernels::FloatDType& dtype);
+
+  offload::LayerStore& store_;
+  kernels::AdamWParams params_;
+  double max_norm_;
+  std::int64_t step_ = 0;
+  double clip_ = 1.0;
+  // For each owned tensor with tied copies: (layer, index) of each copy.
+  struct Tie {
+    std::size_t owner_layer, owner_index, layer, index;
+  };
+  std::vector<Tie> ties_;
+  std::vector<float> scratch_;  // summed gradient of a tied tensor
+};
+
+}  // namespace rondo::engine
