@@ -1,6 +1,7 @@
 #include "models/layers.h"
 
 #include <ATen/ATen.h>
+#include <c10/core/GradMode.h>
 
 #include <cmath>
 #include <map>
@@ -343,6 +344,55 @@ at::Tensor head_loss_sum(const ModelConfig& c, const at::Tensor& norm_weight,
                                            /*ignore_index=*/-100);
   }
   return total;
+}
+
+HeadGrads head_forward_backward(const ModelConfig& c, const at::Tensor& norm_weight,
+                                const at::Tensor& lm_head_weight, const at::Tensor& x,
+                                const at::Tensor& targets, double loss_scale,
+                                bool want_lm_head_grad, std::int64_t chunk_tokens) {
+  RONDO_ASSERT(chunk_tokens > 0);
+  // The final norm runs under autograd (its output is tokens x hidden, small); the LM head and
+  // the loss are differentiated by hand, chunk by chunk.
+  at::Tensor x_leaf = x.detach().requires_grad_(true);
+  at::Tensor w_leaf = norm_weight.detach().requires_grad_(true);
+  at::Tensor h;
+  {
+    c10::AutoGradMode grad(true);
+    h = rms_norm(x_leaf, w_leaf, c.rms_norm_eps);
+  }
+  const std::int64_t C = x.size(-1), V = lm_head_weight.size(0);
+  at::Tensor h2 = h.detach().reshape({-1, C});
+  at::Tensor t = targets.reshape({-1}).to(at::kLong);
+  const std::int64_t N = h2.size(0);
+  at::Tensor dh = at::empty_like(h2);
+  HeadGrads out;
+  out.loss_sum = at::zeros({}, h2.options().dtype(at::kFloat));
+  if (want_lm_head_grad) out.grad_lm_head = at::zeros({V, C}, h2.options().dtype(at::kFloat));
+  c10::AutoGradMode no_grad(false);
+  for (std::int64_t start = 0; start < N; start += chunk_tokens) {
+    const std::int64_t n = std::min(chunk_tokens, N - start);
+    at::Tensor hc = h2.narrow(0, start, n);
+    at::Tensor tc = t.narrow(0, start, n);
+    at::Tensor logits = at::linear(hc, lm_head_weight).to(at::kFloat);  // (n, V)
+    at::Tensor valid = tc.ne(-100);
+    at::Tensor safe = at::where(valid, tc, at::zeros_like(tc));
+    at::Tensor logz = at::logsumexp(logits, -1);
+    at::Tensor picked = logits.gather(1, safe.unsqueeze(1)).squeeze(1);
+    out.loss_sum += ((logz - picked) * valid).sum();
+    // d(loss)/d(logits) = softmax - one-hot, zero for ignored tokens, times the scale.
+    at::Tensor d = at::exp(logits - logz.unsqueeze(1));
+    d.scatter_add_(1, safe.unsqueeze(1), -at::ones({n, 1}, d.options()));
+    d.mul_((valid.to(d.scalar_type()) * loss_scale).unsqueeze(1));
+    dh.narrow(0, start, n).copy_(at::matmul(d.to(lm_head_weight.scalar_type()), lm_head_weight));
+    if (want_lm_head_grad) out.grad_lm_head.addmm_(d.t(), hc.to(at::kFloat));
+  }
+  {
+    c10::AutoGradMode grad(true);
+    h.backward(dh.view(h.sizes()));
+  }
+  out.grad_x = x_leaf.grad();
+  out.grad_norm = w_leaf.grad();
+  return out;
 }
 
 }  // namespace rondo::models

@@ -115,6 +115,22 @@ at::Tensor head_loss_sum(const ModelConfig& config, const at::Tensor& norm_weigh
                          const at::Tensor& lm_head_weight, const at::Tensor& x,
                          const at::Tensor& targets, std::int64_t chunk_tokens = 1024);
 
+// The head's forward and backward in one pass over token chunks (the fused tail's last layer):
+// for each chunk, fp32 logits, the cross-entropy and its gradient (softmax - one-hot) * loss_scale,
+// which is folded straight into the gradients of the hidden states and of the LM head — so at most
+// `chunk_tokens` rows of logits ever exist, in forward or backward. loss_scale is what the summed
+// loss is multiplied by (1 / target tokens of the whole global batch, times the fp16 loss scale).
+struct HeadGrads {
+  at::Tensor loss_sum;      // () fp32: sum of the cross-entropy over targets != -100, unscaled
+  at::Tensor grad_x;        // like x: gradient of loss_sum * loss_scale w.r.t. the head's input
+  at::Tensor grad_norm;     // (C): w.r.t. the final norm's weight
+  at::Tensor grad_lm_head;  // (V, C) fp32, w.r.t. the LM head; undefined unless asked for
+};
+HeadGrads head_forward_backward(const ModelConfig& config, const at::Tensor& norm_weight,
+                                const at::Tensor& lm_head_weight, const at::Tensor& x,
+                                const at::Tensor& targets, double loss_scale,
+                                bool want_lm_head_grad, std::int64_t chunk_tokens = 1024);
+
 // RMSNorm as Hugging Face computes it: in fp32, then back to the input dtype, times the weight.
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 
