@@ -346,6 +346,60 @@ at::Tensor head_loss_sum(const ModelConfig& c, const at::Tensor& norm_weight,
   return total;
 }
 
+namespace {
+
+// Recomputes one or more blocks under autograd from `x`, backpropagates `grad_out`, adds the
+// weight gradients; returns the input gradient.
+at::Tensor recompute_and_backward(const ModelConfig& c, const std::vector<BlockRun>& blocks,
+                                  std::size_t first, std::size_t end, const at::Tensor& x,
+                                  const AttentionContext& ctx, const at::Tensor& grad_out) {
+  c10::AutoGradMode grad_mode(true);
+  at::Tensor x_leaf = x.detach().requires_grad_(true);
+  // Aliases of the weights that carry autograd state: the shared weight tensors stay untouched.
+  std::vector<std::vector<at::Tensor>> leaves(end - first);
+  at::Tensor h = x_leaf;
+  for (std::size_t b = first; b < end; ++b) {
+    const BlockRun& run = blocks[b];
+    for (std::size_t i = 0; i < run.weights.size(); ++i) {
+      bool trainable = run.grads && i < run.grads->size() && (*run.grads)[i].defined();
+      leaves[b - first].push_back(trainable ? run.weights[i].detach().requires_grad_(true)
+                                            : run.weights[i].detach());
+    }
+    h = block_forward(c, BlockWeights::bind(*run.spec, leaves[b - first]), h, ctx);
+  }
+  h.backward(grad_out);
+  for (std::size_t b = first; b < end; ++b) {
+    const BlockRun& run = blocks[b];
+    if (!run.grads) continue;
+    for (std::size_t i = 0; i < leaves[b - first].size(); ++i)
+      if ((*run.grads)[i].defined()) (*run.grads)[i].add_(leaves[b - first][i].grad());
+  }
+  return x_leaf.grad();
+}
+
+}  // namespace
+
+at::Tensor blocks_backward(const ModelConfig& c, const std::vector<BlockRun>& blocks,
+                           const std::vector<at::Tensor>& saved_inputs, const AttentionContext& ctx,
+                           const at::Tensor& grad_out) {
+  if (blocks.empty()) return grad_out;
+  if (saved_inputs.size() == 1)  // stage grain
+    return recompute_and_backward(c, blocks, 0, blocks.size(), saved_inputs[0], ctx, grad_out);
+  if (saved_inputs.size() != blocks.size())
+    throw InternalError("blocks_backward: " + std::to_string(saved_inputs.size()) +
+                        " saved inputs for " + std::to_string(blocks.size()) + " blocks");
+  at::Tensor g = grad_out;
+  for (std::size_t b = blocks.size(); b-- > 0;)  // layer grain: top block first
+    g = recompute_and_backward(c, blocks, b, b + 1, saved_inputs[b], ctx, g);
+  return g;
+}
+
+void embed_backward(const at::Tensor& tokens, const at::Tensor& grad_x, at::Tensor& grad_weight) {
+  const std::int64_t C = grad_x.size(-1);
+  grad_weight.index_add_(0, tokens.reshape({-1}).to(at::kLong),
+                         grad_x.reshape({-1, C}).to(grad_weight.scalar_type()));
+}
+
 HeadGrads head_forward_backward(const ModelConfig& c, const at::Tensor& norm_weight,
                                 const at::Tensor& lm_head_weight, const at::Tensor& x,
                                 const at::Tensor& targets, double loss_scale,

@@ -131,6 +131,29 @@ HeadGrads head_forward_backward(const ModelConfig& config, const at::Tensor& nor
                                 const at::Tensor& targets, double loss_scale,
                                 bool want_lm_head_grad, std::int64_t chunk_tokens = 1024);
 
+// One block of a backward stage: its layer spec, its weights, and where its weight gradients
+// accumulate (same order and shapes as `weights`; an undefined entry, or no vector at all, for
+// frozen weights).
+struct BlockRun {
+  const LayerSpec* spec = nullptr;
+  std::vector<at::Tensor> weights;
+  std::vector<at::Tensor>* grads = nullptr;
+};
+
+// The backward of a run of blocks from saved inputs (activation checkpointing): recomputes the
+// forward under autograd and backpropagates `grad_out` (the gradient of the last block's output).
+// Stage grain: `saved_inputs` holds the input of the first block and all blocks are recomputed at
+// once. Layer grain: it holds every block's input and each block is recomputed and
+// backpropagated alone (less memory). Weight gradients are added to BlockRun::grads; returns the
+// gradient of the first block's input. Weights are never modified (autograd uses aliases).
+at::Tensor blocks_backward(const ModelConfig& config, const std::vector<BlockRun>& blocks,
+                           const std::vector<at::Tensor>& saved_inputs, const AttentionContext& ctx,
+                           const at::Tensor& grad_out);
+
+// The embedding's weight gradient for `grad_x` (B, T, C) flowing into embed(weight, tokens):
+// added to `grad_weight` (V, C).
+void embed_backward(const at::Tensor& tokens, const at::Tensor& grad_x, at::Tensor& grad_weight);
+
 // RMSNorm as Hugging Face computes it: in fp32, then back to the input dtype, times the weight.
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 
