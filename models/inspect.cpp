@@ -7,6 +7,7 @@
 #include "kernels/error.h"
 #include "models/dequant.h"
 #include "models/gguf_model.h"
+#include "models/model.h"
 #include "models/safetensors.h"
 
 namespace rondo::models {
@@ -35,14 +36,13 @@ std::string dtype_mix(const std::map<std::string, std::uint64_t>& bytes_by_dtype
 }  // namespace
 
 ModelSummary inspect_model(const std::string& path, std::int64_t seq_len) {
-  if (!fs::exists(path)) throw Error("model " + path + " does not exist");
   ModelSummary s;
   s.path = path;
   s.seq_len = seq_len;
   std::map<std::string, std::uint64_t> by_dtype;
   // Stored bytes of each HF tensor name, from the headers only.
   std::map<std::string, std::pair<std::uint64_t, std::string>> stored;
-  if (fs::is_directory(path)) {
+  if (model_format(path) == ModelFormat::kHfFolder) {
     s.format = "safetensors";
     s.config = load_hf_config((fs::path(path) / "config.json").string());
     Checkpoint ckpt = Checkpoint::open_hf_folder(path);
@@ -54,7 +54,7 @@ ModelSummary inspect_model(const std::string& path, std::int64_t seq_len) {
                       " but config.json implies " + shape_text(p.shape));
         stored[p.name] = {e.bytes, to_string(e.dtype)};
       }
-  } else if (fs::path(path).extension() == ".gguf") {
+  } else {
     s.format = "gguf";
     GgufFile file(path);
     s.config = config_from_gguf(file);
@@ -62,8 +62,6 @@ ModelSummary inspect_model(const std::string& path, std::int64_t seq_len) {
       const GgufTensorInfo& t = file.tensor(m.gguf_name);
       stored[m.hf_name] = {t.n_bytes, ggml_type_info(t.type).name};
     }
-  } else {
-    throw Error(path + " is neither a Hugging Face model folder nor a .gguf file");
   }
   for (const LayerSpec& spec : layer_specs(s.config)) {
     LayerSummary l;

@@ -24,11 +24,16 @@ bool ignorable(const std::string& name, const ModelConfig& c) {
 }
 }  // namespace
 
-Model Model::load(const std::string& path, const LoadOptions& options) {
-  if (fs::is_directory(path)) return load_hf_folder(path, options);
-  if (fs::path(path).extension() == ".gguf") return load_gguf(path, options);
+ModelFormat model_format(const std::string& path) {
+  if (fs::is_directory(path)) return ModelFormat::kHfFolder;
   if (!fs::exists(path)) throw Error("model " + path + " does not exist");
+  if (fs::path(path).extension() == ".gguf") return ModelFormat::kGguf;
   throw Error(path + " is neither a Hugging Face model folder nor a .gguf file");
+}
+
+Model Model::load(const std::string& path, const LoadOptions& options) {
+  return model_format(path) == ModelFormat::kHfFolder ? load_hf_folder(path, options)
+                                                      : load_gguf(path, options);
 }
 
 Model Model::load_gguf(const std::string& path, const LoadOptions& options) {

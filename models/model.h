@@ -21,6 +21,12 @@
 
 namespace rondo::models {
 
+enum class ModelFormat { kHfFolder, kGguf };
+
+// What `path` holds: a Hugging Face folder or a .gguf file. Throws Error (missing, or neither)
+// with the one message every entry point (load, inspect, tokenizer, chat template) gives.
+ModelFormat model_format(const std::string& path);
+
 struct LoadOptions {
   std::optional<DType> dtype;  // weights' dtype in memory; default: as stored (GGUF: F32)
 };

@@ -3,6 +3,7 @@
 #include <filesystem>
 
 #include "kernels/error.h"
+#include "models/model.h"
 
 namespace rondo::models {
 namespace fs = std::filesystem;
@@ -82,7 +83,7 @@ Tokenizer tokenizer_from_gguf(const GgufFile& f) {
 }
 
 Tokenizer load_tokenizer(const std::string& model_path) {
-  if (fs::is_directory(model_path)) {
+  if (model_format(model_path) == ModelFormat::kHfFolder) {
     fs::path p = fs::path(model_path) / "tokenizer.json";
     if (!fs::exists(p))
       throw Error(model_path +
@@ -95,7 +96,7 @@ Tokenizer load_tokenizer(const std::string& model_path) {
 
 ChatTemplate load_model_chat_template(const std::string& model_path, const std::string& format) {
   if (!format.empty()) return chat_template_from_name(format);
-  if (fs::is_directory(model_path)) {
+  if (model_format(model_path) == ModelFormat::kHfFolder) {
     fs::path p = fs::path(model_path) / "tokenizer_config.json";
     if (!fs::exists(p))
       throw Error(model_path +
