@@ -84,7 +84,7 @@ double Optimizer::begin_step() {
       sum += kernels::grad_sum_squares(g, dtype, tensors[i].numel);
     }
   }
-  const double norm = std::sqrt(sum);
+  const double norm = std::sqrt(sum) * unscale_;
   // torch: clip_coef = max_norm / (total_norm + 1e-6), clamped to 1.
   clip_ = max_norm_ > 0 ? std::min(1.0, max_norm_ / (norm + 1e-6)) : 1.0;
   return norm;
@@ -94,7 +94,7 @@ void Optimizer::update_layer(std::size_t layer) {
   RONDO_ASSERT_MSG(step_ > 0, "update_layer() before begin_step()");
   kernels::AdamWParams p = params_;
   p.step = step_;
-  p.grad_scale = clip_;
+  p.grad_scale = clip_ * unscale_;
   const auto& tensors = store_.layer(layer);
   for (std::size_t i = 0; i < tensors.size(); ++i) {
     const offload::TensorState& t = tensors[i];
@@ -115,6 +115,15 @@ void Optimizer::update_layer(std::size_t layer) {
   // later layer is zeroed when that layer is updated, after its owner has read it.
   const offload::ByteRange grads = store_.grad_bytes(layer);
   if (grads.bytes) std::memset(grads.data, 0, grads.bytes);
+}
+
+void Optimizer::discard_step() {
+  RONDO_ASSERT_MSG(step_ > 0, "discard_step() before begin_step()");
+  --step_;
+  for (std::size_t l = 0; l < store_.layers(); ++l) {
+    const offload::ByteRange grads = store_.grad_bytes(l);
+    if (grads.bytes) std::memset(grads.data, 0, grads.bytes);
+  }
 }
 
 }  // namespace rondo::engine

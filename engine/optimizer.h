@@ -32,6 +32,14 @@ class Optimizer {
   // gradients), then the gradients of the layer are zeroed for the next step.
   void update_layer(std::size_t layer);
 
+  // Undoes begin_step() for a step that will not be applied (fp16 overflow): the step count goes
+  // back and every gradient is zeroed.
+  void discard_step();
+
+  // What the stored gradients are multiplied by before use: 1 / the fp16 loss scale (1 = none).
+  // The norm begin_step() returns and clips against is that of the unscaled gradient.
+  void set_grad_unscale(double unscale) { unscale_ = unscale; }
+
   std::int64_t step() const { return step_; }
   double clip_coefficient() const { return clip_; }
   void set_lr(double lr) { params_.lr = lr; }
@@ -45,6 +53,7 @@ class Optimizer {
   double max_norm_;
   std::int64_t step_ = 0;
   double clip_ = 1.0;
+  double unscale_ = 1.0;
   // For each owned tensor with tied copies: (layer, index) of each copy.
   struct Tie {
     std::size_t owner_layer, owner_index, layer, index;

@@ -271,7 +271,7 @@ BlockWeights BlockWeights::bind(const LayerSpec& spec, const std::vector<at::Ten
 }
 
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
-  at::Tensor h = x.to(at::kFloat);
+  at::Tensor h = x.to(at::promote_types(x.scalar_type(), at::kFloat));  // f64 stays f64
   at::Tensor variance = h.pow(2).mean(-1, /*keepdim=*/true);
   h = h * at::rsqrt(variance + eps);
   return weight * h.to(x.scalar_type());
@@ -348,11 +348,13 @@ at::Tensor head_loss_sum(const ModelConfig& c, const at::Tensor& norm_weight,
 
 namespace {
 
-// Recomputes one or more blocks under autograd from `x`, backpropagates `grad_out`, adds the
-// weight gradients; returns the input gradient.
-at::Tensor recompute_and_backward(const ModelConfig& c, const std::vector<BlockRun>& blocks,
-                                  std::size_t first, std::size_t end, const at::Tensor& x,
-                                  const AttentionContext& ctx, const at::Tensor& grad_out) {
+// Runs blocks [first, end) under autograd from `x`, asks `grad_of` for the gradient of their
+// output (given the output), backpropagates it, adds the weight gradients; returns the input
+// gradient.
+at::Tensor forward_and_backward(const ModelConfig& c, const std::vector<BlockRun>& blocks,
+                                std::size_t first, std::size_t end, const at::Tensor& x,
+                                const AttentionContext& ctx,
+                                const std::function<at::Tensor(const at::Tensor&)>& grad_of) {
   c10::AutoGradMode grad_mode(true);
   at::Tensor x_leaf = x.detach().requires_grad_(true);
   // Aliases of the weights that carry autograd state: the shared weight tensors stay untouched.
@@ -367,6 +369,11 @@ at::Tensor recompute_and_backward(const ModelConfig& c, const std::vector<BlockR
     }
     h = block_forward(c, BlockWeights::bind(*run.spec, leaves[b - first]), h, ctx);
   }
+  at::Tensor grad_out;
+  {
+    c10::AutoGradMode no_grad(false);  // the head's own pass manages its autograd
+    grad_out = grad_of(h.detach());
+  }
   h.backward(grad_out);
   for (std::size_t b = first; b < end; ++b) {
     const BlockRun& run = blocks[b];
@@ -375,6 +382,13 @@ at::Tensor recompute_and_backward(const ModelConfig& c, const std::vector<BlockR
       if ((*run.grads)[i].defined()) (*run.grads)[i].add_(leaves[b - first][i].grad());
   }
   return x_leaf.grad();
+}
+
+at::Tensor recompute_and_backward(const ModelConfig& c, const std::vector<BlockRun>& blocks,
+                                  std::size_t first, std::size_t end, const at::Tensor& x,
+                                  const AttentionContext& ctx, const at::Tensor& grad_out) {
+  return forward_and_backward(c, blocks, first, end, x, ctx,
+                              [&](const at::Tensor&) { return grad_out; });
 }
 
 }  // namespace
@@ -392,6 +406,13 @@ at::Tensor blocks_backward(const ModelConfig& c, const std::vector<BlockRun>& bl
   for (std::size_t b = blocks.size(); b-- > 0;)  // layer grain: top block first
     g = recompute_and_backward(c, blocks, b, b + 1, saved_inputs[b], ctx, g);
   return g;
+}
+
+at::Tensor blocks_forward_backward(const ModelConfig& c, const std::vector<BlockRun>& blocks,
+                                   const at::Tensor& x, const AttentionContext& ctx,
+                                   const std::function<at::Tensor(const at::Tensor&)>& head) {
+  if (blocks.empty()) return head(x);
+  return forward_and_backward(c, blocks, 0, blocks.size(), x, ctx, head);
 }
 
 void embed_backward(const at::Tensor& tokens, const at::Tensor& grad_x, at::Tensor& grad_weight) {

@@ -13,6 +13,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
+#include <functional>
 #include <optional>
 #include <string>
 #include <vector>
@@ -150,11 +151,21 @@ at::Tensor blocks_backward(const ModelConfig& config, const std::vector<BlockRun
                            const std::vector<at::Tensor>& saved_inputs, const AttentionContext& ctx,
                            const at::Tensor& grad_out);
 
+// The fused tail's blocks: their forward under autograd from `x` (kept, not recomputed), then
+// `head` gets the last block's output and returns the gradient to backpropagate into it (it runs
+// the head's own forward and backward, e.g. head_forward_backward), then the blocks' backward.
+// Weight gradients are added to BlockRun::grads; returns the gradient of `x`. With no blocks,
+// returns head(x).
+at::Tensor blocks_forward_backward(const ModelConfig& config, const std::vector<BlockRun>& blocks,
+                                   const at::Tensor& x, const AttentionContext& ctx,
+                                   const std::function<at::Tensor(const at::Tensor&)>& head);
+
 // The embedding's weight gradient for `grad_x` (B, T, C) flowing into embed(weight, tokens):
 // added to `grad_weight` (V, C).
 void embed_backward(const at::Tensor& tokens, const at::Tensor& grad_x, at::Tensor& grad_weight);
 
-// RMSNorm as Hugging Face computes it: in fp32, then back to the input dtype, times the weight.
+// RMSNorm as Hugging Face computes it: in fp32 (f64 for f64 input), then back to the input dtype,
+// times the weight.
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 
 }  // namespace rondo::models

@@ -1,0 +1,983 @@
+#include "engine/engine.h"
+
+#include <ATen/ATen.h>
+#include <c10/core/GradMode.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <condition_variable>
+#include <map>
+#include <mutex>
+#include <set>
+#include <thread>
+#include <tuple>
+
+#include "engine/events.h"
+#include "engine/optimizer.h"
+#include "engine/state.h"
+#include "engine/torch_device.h"
+#include "kernels/error.h"
+
+namespace rondo::engine {
+
+// Note [Engine synchronisation]
+// Three kinds of thread share the host state; every hand-over between them is a host-side flag
+// under one mutex (Impl::mu_) plus a device event that orders the device work behind it.
+//
+// 1. Job to job (worker to worker). Job g's output for microbatch m is a Handoff published under
+//    the mutex after the producer has enqueued the work and recorded an event behind it (on the
+//    compute stream when the data stays on the device, on the download stream when it goes to
+//    host staging memory). The consumer waits for the flag, then makes its stream wait for the
+//    event before touching the data. The same for activation checkpoints, keyed by (step, layer,
+//    microbatch). A Handoff is consumed exactly once; the consumer owns its buffers from then on.
+// 2. Optimizer to loaders (weights). versions_[l] counts the optimizer passes over layer l in
+//    this train() call; a loader uploads a job of step s only when every layer it streams
+//    (tied owners included) has versions_ >= s. The optimizer bumps versions_[l] after writing
+//    layer l's streaming copy. So an upload never reads a layer while the optimizer writes it:
+//    the optimizer writes layer l for step s only after every job of step s has finished (their
+//    gradients are all in), and every upload of step s happened before its job's compute; the
+//    uploads of step s+1 wait for the bump.
+// 3. Workers to the optimizer (gradients). A job downloads its layers' gradients into the store
+//    and records done_down behind them; it then sets `enqueued`. The optimizer waits for the flag
+//    of every backward-bearing job of step s and synchronises done_down; only then does it read
+//    the gradients. The next writes to those gradient buffers are step s+1's downloads, which come
+//    from jobs whose weights waited for the optimizer's bump of the same layers (2), i.e. after
+//    the optimizer read and zeroed them.
+// Device memory: a loader releases job k-2's buffers (after synchronising its events on the host)
+// before it allocates job k's, so a device holds the running job and at most one prefetched one,
+// and every byte the ledger counts as free is really idle. Ordering inside a device is stream
+// order; across devices and streams only the events above order anything.
+
+namespace {
+
+struct Aborted {};  // thrown inside waits once another thread has failed
+
+enum class JobKind { kForward, kTail, kBackward };
+
+struct JobSpec {
+  JobKind kind = JobKind::kForward;
+  LayerRange range;
+  std::string name;           // "F0", "T", "B1"
+  std::vector<int> streamed;  // layers whose streaming copies the job needs (tied owners too)
+  bool has_output = false;    // hands a tensor to the next job of the step
+};
+
+std::size_t elem_size(at::ScalarType t) {
+  return c10::elementSize(t);
+}
+
+std::size_t nbytes(const std::vector<std::int64_t>& sizes, at::ScalarType t) {
+  std::size_t n = elem_size(t);
+  for (std::int64_t s : sizes)
+    n *= static_cast<std::size_t>(s);
+  return n;
+}
+
+at::Tensor view(void* data, const std::vector<std::int64_t>& sizes, at::ScalarType t,
+                c10::Device device) {
+  return at::from_blob(data, sizes, at::TensorOptions().dtype(t).device(device));
+}
+
+// Recycled host staging buffers (boundary activations, checkpoints): allocating from the arena
+// maps (and, with a GPU, pins) fresh pages, far too slow to do per microbatch.
+class StagingPool {
+ public:
+  explicit StagingPool(offload::HostArena& arena) : arena_(arena) {}
+  offload::HostBuffer take(std::size_t bytes) {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      auto it = free_.lower_bound(bytes);
+      if (it != free_.end() && it->first <= 2 * bytes + 4096) {
+        offload::HostBuffer b = std::move(it->second);
+        free_.erase(it);
+        return b;
+      }
+    }
+    return arena_.allocate(bytes, offload::Purpose::kActivations);
+  }
+  void give(offload::HostBuffer b) {
+    if (!b) return;
+    std::lock_guard<std::mutex> lock(mutex_);
+    free_.emplace(b.bytes(), std::move(b));
+  }
+  void clear() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    free_.clear();
+  }
+
+ private:
+  offload::HostArena& arena_;
+  std::mutex mutex_;
+  std::multimap<std::size_t, offload::HostBuffer> free_;
+};
+
+// A tensor handed from one job to the next (or a checkpoint from a forward job to a backward one).
+struct Handoff {
+  bool ready = false;
+  kernels::Device* device = nullptr;  // where the data is; nullptr = host staging memory
+  std::unique_ptr<kernels::Event> event;
+  kernels::DeviceBuffer dev;
+  offload::HostBuffer host;
+  std::vector<std::int64_t> sizes;
+};
+
+struct StepData {
+  std::vector<Microbatch> mb;
+  std::vector<models::AttentionContext> ctx;  // CPU, compute dtype
+  std::int64_t tokens = 0, targets = 0;
+  std::vector<float> loss_sum;  // per tail job (one): downloaded there
+  double loss_scale = 1;        // fp16 scale this step's backward uses
+};
+
+struct DeviceCtx {
+  kernels::Device* dev = nullptr;
+  kernels::Stream *compute = nullptr, *act_up = nullptr, *weight_up = nullptr, *down = nullptr;
+  c10::Device torch = c10::Device(c10::DeviceType::CPU);
+  std::mutex busy_mutex;
+  double busy_s = 0, busy_reported_s = 0;
+  double speed = 1;
+};
+
+struct JobRun {
+  // Loader -> worker.
+  bool loaded = false;
+  std::unique_ptr<kernels::Event> weights_ready;
+  std::vector<kernels::DeviceBuffer> weights;
+  struct Mapping {
+    const std::uint8_t* host;
+    std::size_t bytes;
+    std::uint8_t* dev;
+  };
+  std::vector<Mapping> map;
+  // Worker -> optimizer, loader.
+  bool enqueued = false;
+  std::unique_ptr<kernels::Event> done_compute, done_up, done_down;
+  std::vector<kernels::DeviceBuffer> buffers;
+  std::vector<offload::HostBuffer> staging;
+  // Written by the job's compute work (one stream, in order), read after done_compute.
+  double t_start = -1, t_end = 0;
+
+  void* device_ptr(const void* host) const {
+    auto* h = static_cast<const std::uint8_t*>(host);
+    for (const Mapping& m : map)
+      if (h >= m.host && h < m.host + m.bytes) return m.dev + (h - m.host);
+    throw InternalError("engine: a tensor of the job was not uploaded");
+  }
+};
+
+}  // namespace
+
+struct Engine::Impl {
+  models::ModelConfig config;
+  std::vector<models::LayerSpec> specs;
+  offload::LayerStore& store;
+  offload::HostArena& arena;
+  Plan plan;
+  EngineOptions options;
+  std::vector<std::unique_ptr<DeviceCtx>> devs;
+  std::vector<JobSpec> jobs;
+  std::set<int> ckpt_layers;  // blocks whose inputs the forward saves for the backward
+  Optimizer optimizer;
+  StagingPool staging;
+  at::ScalarType act_dtype;
+  double scale = 1;  // fp16 loss scale
+  int good_steps = 0;
+  std::int64_t steps_done = 0;
+
+  // Per train() call, under mu_.
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool failed_ = false;
+  std::exception_ptr error_;
+  std::int64_t total_jobs_ = 0;
+  std::vector<std::int64_t> versions_;
+  std::map<std::int64_t, std::shared_ptr<StepData>> steps_;
+  std::map<std::int64_t, std::shared_ptr<JobRun>> runs_;
+  std::map<std::tuple<std::int64_t, int, int>, std::shared_ptr<Handoff>> outputs_, ckpts_;
+  std::vector<StepResult> results_;
+  std::chrono::steady_clock::time_point last_step_end_;
+  double last_device_event_t_ = 0;  // optimizer thread only
+
+  Impl(const models::ModelConfig& c, const std::vector<models::LayerSpec>& s,
+       offload::LayerStore& st, offload::HostArena& a, Plan p, EngineOptions o)
+      : config(c),
+        specs(s),
+        store(st),
+        arena(a),
+        plan(std::move(p)),
+        options(std::move(o)),
+        optimizer(st, options.adamw, options.max_grad_norm),
+        staging(a),
+        act_dtype(scalar_type(st.stream_dtype())),
+        scale(options.loss_scaling.enabled ? options.loss_scaling.initial_scale : 1.0) {}
+
+  // ---- failure and waiting ----
+
+  void fail(std::exception_ptr e) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!failed_) {
+      failed_ = true;
+      error_ = e;
+    }
+    cv_.notify_all();
+  }
+  bool failed() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return failed_;
+  }
+  template <typename Pred>
+  void wait(std::unique_lock<std::mutex>& lock, Pred pred) {
+    cv_.wait(lock, [&] { return failed_ || pred(); });
+    if (failed_) throw Aborted{};
+  }
+  // Runs `body`, turning an exception into the engine's failure, with `where` prepended.
+  template <typename F>
+  void guarded(const std::string& where, F&& body) {
+    try {
+      body();
+    } catch (const Aborted&) {
+    } catch (const kernels::OutOfMemory& e) {
+      // The device's message already names the settings that lower memory; add the one that is
+      // the engine's own.
+      fail(std::make_exception_ptr(
+          Error(where + ": " + e.what() + "; layer-grain recompute also lowers it")));
+    } catch (const std::exception& e) {
+      fail(std::make_exception_ptr(Error(where + ": " + e.what())));
+    }
+  }
+
+  std::string job_where(std::int64_t g) const {
+    const JobSpec& js = jobs[g % jobs.size()];
+    const DeviceCtx& d = *devs[g % devs.size()];
+    return "step " + std::to_string(steps_done + g / static_cast<std::int64_t>(jobs.size()) + 1) +
+           ", job " + js.name + " (layers " + std::to_string(js.range.begin) + "-" +
+           std::to_string(js.range.end - 1) + ") on " + d.dev->info().name;
+  }
+
+  std::shared_ptr<JobRun> run_locked(std::int64_t g) {
+    auto& r = runs_[g];
+    if (!r) r = std::make_shared<JobRun>();
+    return r;
+  }
+  static std::shared_ptr<Handoff> slot(
+      std::map<std::tuple<std::int64_t, int, int>, std::shared_ptr<Handoff>>& map,
+      std::tuple<std::int64_t, int, int> key) {
+    auto& h = map[key];
+    if (!h) h = std::make_shared<Handoff>();
+    return h;
+  }
+
+  // ---- setup ----
+
+  void build_jobs() {
+    const int F = static_cast<int>(plan.forward.size());
+    auto add = [&](JobKind kind, LayerRange r, std::string name) {
+      JobSpec js{.kind = kind, .range = r, .name = std::move(name)};
+      std::set<int> streamed;
+      for (int l = r.begin; l < r.end; ++l) {
+        streamed.insert(l);
+        for (const offload::TensorState& t : store.layer(l))
+          if (t.tied)
+            for (std::size_t o = 0; o < store.layers(); ++o)
+              for (const offload::TensorState& u : store.layer(o))
+                if (!u.tied && u.stream == t.stream) streamed.insert(static_cast<int>(o));
+      }
+      js.streamed.assign(streamed.begin(), streamed.end());
+      jobs.push_back(std::move(js));
+    };
+    for (int i = 0; i < F; ++i)
+      add(JobKind::kForward, plan.forward[i], "F" + std::to_string(i));
+    add(JobKind::kTail, plan.tail, "T");
+    for (std::size_t i = 0; i < plan.backward.size(); ++i)
+      add(JobKind::kBackward, plan.backward[i], "B" + std::to_string(i + 1));
+    // Forward stages feed the next stage (or the tail); the tail and backward stages feed the
+    // next backward stage unless they reach the prefix.
+    for (JobSpec& js : jobs)
+      js.has_output = js.kind == JobKind::kForward || js.range.begin > 0;
+    if (plan.grain == RecomputeGrain::kLayer) {
+      for (int l = 1; l < plan.tail.begin; ++l)
+        ckpt_layers.insert(l);
+    } else {
+      for (const LayerRange& r : plan.backward)
+        if (std::max(r.begin, 1) < r.end) ckpt_layers.insert(std::max(r.begin, 1));
+    }
+  }
+
+  // ---- loader ----
+
+  void release(std::int64_t g) {
+    std::shared_ptr<JobRun> r;
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      wait(lock, [&] { return runs_.count(g) && runs_[g]->enqueued; });
+      r = runs_[g];
+    }
+    for (auto* e : {r->done_compute.get(), r->done_up.get(), r->done_down.get()})
+      if (e) e->synchronize();
+    r->weights.clear();
+    r->buffers.clear();
+    for (auto& h : r->staging)
+      staging.give(std::move(h));
+    r->staging.clear();
+    std::lock_guard<std::mutex> lock(mu_);
+    runs_.erase(g);
+  }
+
+  void loader(int d) {
+    const std::int64_t N = static_cast<std::int64_t>(devs.size()),
+                       J = static_cast<std::int64_t>(jobs.size());
+    DeviceCtx& dc = *devs[d];
+    for (std::int64_t g = d; g < total_jobs_; g += N) {
+      guarded(job_where(g), [&] {
+        if (g - 2 * N >= 0) release(g - 2 * N);  // at most one stage prefetched behind the running
+        const JobSpec& js = jobs[g % J];
+        const std::int64_t s = g / J;
+        std::shared_ptr<JobRun> r;
+        {
+          std::unique_lock<std::mutex> lock(mu_);
+          wait(lock, [&] {
+            for (int l : js.streamed)
+              if (versions_[l] < s) return false;
+            return true;
+          });
+          r = run_locked(g);
+        }
+        for (int l : js.streamed) {
+          const offload::ByteRange range = store.stream_bytes(l);
+          if (range.bytes == 0) continue;
+          kernels::DeviceBuffer buf = dc.dev->allocate(range.bytes, dc.weight_up);
+          for (std::size_t off = 0; off < range.bytes; off += options.max_chunk_bytes)
+            dc.weight_up->upload(static_cast<std::uint8_t*>(buf.data()) + off, range.data + off,
+                                 std::min<std::size_t>(options.max_chunk_bytes, range.bytes - off));
+          r->map.push_back({range.data, range.bytes, static_cast<std::uint8_t*>(buf.data())});
+          r->weights.push_back(std::move(buf));
+        }
+        r->weights_ready = dc.dev->create_event();
+        dc.weight_up->record(*r->weights_ready);
+        std::lock_guard<std::mutex> lock(mu_);
+        r->loaded = true;
+        cv_.notify_all();
+      });
+      if (failed()) return;
+    }
+  }
+
+  // ---- worker ----
+
+  // The job's weights as device tensors, per layer in spec order.
+  std::vector<at::Tensor> layer_weights(const JobRun& r, int l, c10::Device dev) const {
+    std::vector<at::Tensor> out;
+    for (std::size_t i = 0; i < store.layer(l).size(); ++i)
+      out.push_back(
+          view(r.device_ptr(store.layer(l)[i].stream), specs[l].params[i].shape, act_dtype, dev));
+    return out;
+  }
+
+  // An input handed over by another job: a device tensor on `dc`, ready in compute-stream order.
+  using Slots = std::map<std::tuple<std::int64_t, int, int>, std::shared_ptr<Handoff>>;
+  at::Tensor receive(DeviceCtx& dc, JobRun& r, Slots& slots, std::tuple<std::int64_t, int, int> key,
+                     std::unique_lock<std::mutex>& lock) {
+    std::shared_ptr<Handoff> h = slot(slots, key);
+    wait(lock, [&] { return h->ready; });
+    slots.erase(key);  // consumed once: this job owns its buffers from here
+    lock.unlock();
+    at::Tensor t;
+    if (h->device == dc.dev) {
+      dc.compute->wait(*h->event);
+      t = view(h->dev.data(), h->sizes, act_dtype, dc.torch);
+      r.buffers.push_back(std::move(h->dev));
+    } else {
+      const std::size_t bytes = nbytes(h->sizes, act_dtype);
+      kernels::DeviceBuffer buf = dc.dev->allocate(bytes, dc.act_up);
+      dc.act_up->wait(*h->event);
+      dc.act_up->upload(buf.data(), h->host.data(), bytes);
+      auto ev = dc.dev->create_event();
+      dc.act_up->record(*ev);
+      dc.compute->wait(*ev);
+      t = view(buf.data(), h->sizes, act_dtype, dc.torch);
+      r.buffers.push_back(std::move(buf));
+      r.staging.push_back(std::move(h->host));
+    }
+    lock.lock();
+    return t;
+  }
+
+  // Publishes `dev_buf` (written by compute work enqueued before this call) to the consumer:
+  // kept on the device when the consumer runs there, else downloaded to host staging memory.
+  void send(DeviceCtx& dc, JobRun& r, Slots& slots, std::tuple<std::int64_t, int, int> key,
+            kernels::DeviceBuffer dev_buf, std::vector<std::int64_t> sizes, bool keep) {
+    std::shared_ptr<Handoff> h;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      h = slot(slots, key);
+    }
+    auto ev = dc.dev->create_event();
+    dc.compute->record(*ev);
+    if (keep) {
+      h->device = dc.dev;
+      h->event = std::move(ev);
+      h->dev = std::move(dev_buf);
+    } else {
+      const std::size_t bytes = nbytes(sizes, act_dtype);
+      offload::HostBuffer host = staging.take(bytes);
+      dc.down->wait(*ev);
+      dc.down->download(host.data(), dev_buf.data(), bytes);
+      auto done = dc.dev->create_event();
+      dc.down->record(*done);
+      h->device = nullptr;
+      h->event = std::move(done);
+      h->host = std::move(host);
+      r.buffers.push_back(std::move(dev_buf));
+    }
+    h->sizes = std::move(sizes);
+    std::lock_guard<std::mutex> lock(mu_);
+    h->ready = true;
+    cv_.notify_all();
+  }
+
+  double job_emulated_seconds(const JobSpec& js, std::int64_t tokens, int d) const {
+    if (options.emulate_costs.empty()) return 0;
+    double s = 0;
+    for (int l = js.range.begin; l < js.range.end; ++l) {
+      const LayerCosts& c = options.emulate_costs.at(l);
+      s += js.kind == JobKind::kForward ? c.forward_s_per_token
+                                        : c.forward_s_per_token + c.backward_s_per_token;
+    }
+    return s * static_cast<double>(tokens) / devs[d]->speed;
+  }
+
+  void worker(int d) {
+    const std::int64_t N = static_cast<std::int64_t>(devs.size());
+    for (std::int64_t g = d; g < total_jobs_; g += N) {
+      guarded(job_where(g), [&] { run_job(d, g); });
+      if (failed()) return;
+    }
+  }
+
+  void run_job(int d, std::int64_t g) {
+    const std::int64_t J = static_cast<std::int64_t>(jobs.size()),
+                       N = static_cast<std::int64_t>(devs.size());
+    const std::int64_t s = g / J;
+    const int j = static_cast<int>(g % J);
+    const JobSpec& js = jobs[j];
+    DeviceCtx& dc = *devs[d];
+    const int M = plan.microbatches;
+    std::unique_lock<std::mutex> lock(mu_);
+    wait(lock, [&] { return steps_.count(s) && runs_.count(g) && runs_[g]->loaded; });
+    std::shared_ptr<StepData> step = steps_[s];
+    std::shared_ptr<JobRun> r = runs_[g];
+    lock.unlock();
+    dc.compute->wait(*r->weights_ready);
+
+    // Weights and (for jobs with a backward) gradient accumulators.
+    std::map<int, std::vector<at::Tensor>> w;
+    for (int l = js.range.begin; l < js.range.end; ++l)
+      w[l] = layer_weights(*r, l, dc.torch);
+    const bool backward = js.kind != JobKind::kForward;
+    const bool convert = store.grad_dtype() != kernels::FloatDType::kF32;
+    std::map<int, std::vector<at::Tensor>> acc, out_grad;  // f32 accumulators, store-dtype views
+    std::vector<std::pair<int, void*>>
+        grad_buffers;  // layer, device gradient in the store's layout
+    if (backward) {
+      for (int l = js.range.begin; l < js.range.end; ++l) {
+        const offload::ByteRange gr = store.grad_bytes(l);
+        if (gr.bytes == 0) continue;
+        const std::size_t gs = kernels::dtype_size(store.grad_dtype());
+        r->buffers.push_back(dc.dev->allocate(gr.bytes, dc.compute));
+        std::uint8_t* gdata = static_cast<std::uint8_t*>(r->buffers.back().data());
+        std::uint8_t* accp = gdata;
+        if (convert) {
+          r->buffers.push_back(dc.dev->allocate(gr.bytes / gs * 4, dc.compute));
+          accp = static_cast<std::uint8_t*>(r->buffers.back().data());
+          dc.compute->fill(accp, 0, gr.bytes / gs * 4);
+        } else {
+          dc.compute->fill(gdata, 0, gr.bytes);
+        }
+        for (std::size_t i = 0; i < store.layer(l).size(); ++i) {
+          const offload::TensorState& t = store.layer(l)[i];
+          if (!t.trainable) {
+            acc[l].emplace_back();
+            out_grad[l].emplace_back();
+            continue;
+          }
+          const std::size_t off = static_cast<const std::uint8_t*>(t.grad) - gr.data;
+          const auto& shape = specs[l].params[i].shape;
+          acc[l].push_back(view(accp + off / gs * (convert ? 4 : gs), shape, at::kFloat, dc.torch));
+          out_grad[l].push_back(
+              view(gdata + off, shape, scalar_type(store.grad_dtype()), dc.torch));
+        }
+        grad_buffers.push_back({l, gdata});
+      }
+    }
+    // The tail's loss, summed over the microbatches on the device.
+    float* loss_dev = nullptr;
+    if (js.kind == JobKind::kTail) {
+      r->buffers.push_back(dc.dev->allocate(sizeof(float), dc.compute));
+      loss_dev = static_cast<float*>(r->buffers.back().data());
+      dc.compute->fill(loss_dev, 0, sizeof(float));
+    }
+
+    const bool keep_output = (g + 1) % N == d && js.has_output;
+    const int C = static_cast<int>(config.hidden_size);
+    double loss_scale = 1;
+    EventSink* sink = options.events;
+
+    for (int m = 0; m < M; ++m) {
+      const Microbatch& mb = step->mb[m];
+      const std::vector<std::int64_t> act = {mb.batch.tokens.size(0), mb.batch.tokens.size(1), C};
+      // Inputs.
+      at::Tensor in;
+      std::map<int, at::Tensor> saved;  // backward: checkpointed block inputs
+      lock.lock();
+      const bool from_tokens = js.kind != JobKind::kBackward && js.range.begin == 0;
+      if (!from_tokens) in = receive(dc, *r, outputs_, {g - 1, m, 0}, lock);
+      if (js.kind == JobKind::kBackward)
+        for (int l : ckpt_layers)
+          if (l >= js.range.begin && l < js.range.end)
+            saved[l] = receive(dc, *r, ckpts_, {s, l, m}, lock);
+      // The fp16 loss scale of this step: fixed by the previous step's optimizer, which finished
+      // before this job's weights (or its input) could be ready.
+      if (m == 0) {
+        if (js.kind == JobKind::kTail) step->loss_scale = scale;
+        loss_scale =
+            step->loss_scale / static_cast<double>(std::max<std::int64_t>(step->targets, 1));
+      }
+      lock.unlock();
+      // Outputs.
+      kernels::DeviceBuffer out_buf;
+      at::Tensor out;
+      if (js.has_output) {
+        out_buf = dc.dev->allocate(nbytes(act, act_dtype), dc.compute);
+        out = view(out_buf.data(), act, act_dtype, dc.torch);
+      }
+      std::map<int, std::pair<kernels::DeviceBuffer, at::Tensor>> ckpt_out;
+      if (js.kind == JobKind::kForward)
+        for (int l : ckpt_layers)
+          if (l >= std::max(js.range.begin, 1) && l < js.range.end) {
+            kernels::DeviceBuffer b = dc.dev->allocate(nbytes(act, act_dtype), dc.compute);
+            at::Tensor t = view(b.data(), act, act_dtype, dc.torch);
+            ckpt_out.emplace(l, std::make_pair(std::move(b), t));
+          }
+
+      const double emulate = job_emulated_seconds(js, mb.batch.tokens.numel(), d);
+      std::map<int, at::Tensor> ckpt_views;
+      for (auto& [l, bt] : ckpt_out)
+        ckpt_views[l] = bt.second;
+      const bool last = m == M - 1;
+      auto work = [this, &dc, r, step, m, last, in, out, saved, ckpt_views, w, acc, out_grad,
+                   loss_dev, loss_scale, emulate, sink, g, d, &js, convert] {
+        if (failed()) return;
+        guarded(job_where(g), [&] {
+          const auto t0 = std::chrono::steady_clock::now();
+          if (m == 0 && sink) r->t_start = sink->now();
+          TorchStreamScope scope(*dc.compute);
+          compute(js, dc, *step, m, in, out, saved, ckpt_views, w, acc, loss_dev, loss_scale);
+          if (last && convert)  // f32 accumulators to the gradient dtype, for the download
+            for (auto& [l, views] : out_grad)
+              for (std::size_t i = 0; i < views.size(); ++i)
+                if (views[i].defined()) views[i].copy_(acc.at(l)[i]);
+          const double spent =
+              std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+          if (emulate > spent)
+            std::this_thread::sleep_for(std::chrono::duration<double>(emulate - spent));
+          const double busy =
+              std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+          {
+            std::lock_guard<std::mutex> lk(dc.busy_mutex);
+            dc.busy_s += busy;
+          }
+          if (last && sink) {
+            r->t_end = sink->now();
+            sink->emit(
+                SpanEvent{.device = d,
+                          .step = steps_done + g / static_cast<std::int64_t>(jobs.size()) + 1,
+                          .stage = js.name,
+                          .first_layer = js.range.begin,
+                          .end_layer = js.range.end,
+                          .start = r->t_start,
+                          .end = r->t_end});
+          }
+        });
+      };
+      dc.compute->enqueue(std::move(work));
+      // Hand on the output and the checkpoints.
+      if (js.has_output) send(dc, *r, outputs_, {g, m, 0}, std::move(out_buf), act, keep_output);
+      for (auto& [l, bt] : ckpt_out)
+        send(dc, *r, ckpts_, {s, l, m}, std::move(bt.first), act, false);
+    }
+
+    // Gradients (and the tail's loss) down to the store, once per job.
+    if (backward) {
+      auto ev = dc.dev->create_event();
+      dc.compute->record(*ev);
+      dc.down->wait(*ev);
+      for (auto& [l, data] : grad_buffers) {
+        const offload::ByteRange gr = store.grad_bytes(l);
+        dc.down->download(gr.data, data, gr.bytes);
+      }
+      if (loss_dev) dc.down->download(&step->loss_sum[0], loss_dev, sizeof(float));
+    }
+    r->done_compute = dc.dev->create_event();
+    r->done_up = dc.dev->create_event();
+    r->done_down = dc.dev->create_event();
+    dc.compute->record(*r->done_compute);
+    dc.act_up->record(*r->done_up);
+    dc.down->record(*r->done_down);
+    lock.lock();
+    r->enqueued = true;
+    cv_.notify_all();
+  }
+
+  at::Tensor on_device(const at::Tensor& t, c10::Device dev) const {
+    return t.defined() && t.device() != dev ? t.to(dev) : t;
+  }
+
+  // One microbatch of one job, on the device (runs in compute-stream order).
+  void compute(const JobSpec& js, DeviceCtx& dc, const StepData& step, int m, const at::Tensor& in,
+               const at::Tensor& out, const std::map<int, at::Tensor>& saved,
+               const std::map<int, at::Tensor>& ckpt,
+               const std::map<int, std::vector<at::Tensor>>& w,
+               const std::map<int, std::vector<at::Tensor>>& acc, float* loss_dev,
+               double loss_scale) {
+    const Microbatch& mb = step.mb[m];
+    const c10::Device dev = dc.torch;
+    const models::AttentionContext& hctx = step.ctx[m];
+    models::AttentionContext ctx{.positions = on_device(hctx.positions, dev),
+                                 .cos = on_device(hctx.cos, dev),
+                                 .sin = on_device(hctx.sin, dev),
+                                 .mask = on_device(hctx.mask, dev)};
+    const at::Tensor tokens = on_device(mb.batch.tokens, dev);
+    const int head = static_cast<int>(specs.size()) - 1;
+    auto grads_of = [&](int l) -> std::vector<at::Tensor>* {
+      auto it = acc.find(l);
+      return it == acc.end() ? nullptr : const_cast<std::vector<at::Tensor>*>(&it->second);
+    };
+    auto block_runs = [&](int begin, int end) {
+      std::vector<models::BlockRun> runs;
+      for (int l = std::max(begin, 1); l < std::min(end, head); ++l)
+        runs.push_back({.spec = &specs[l], .weights = w.at(l), .grads = grads_of(l)});
+      return runs;
+    };
+    auto embed_grad = [&](const at::Tensor& grad_x) {
+      std::vector<at::Tensor>* g = grads_of(0);
+      if (g && (*g)[0].defined()) models::embed_backward(tokens, grad_x, (*g)[0]);
+    };
+    const LayerRange range = js.range;
+    switch (js.kind) {
+      case JobKind::kForward: {
+        c10::AutoGradMode no_grad(false);
+        at::Tensor x = range.begin == 0 ? models::embed(w.at(0)[0], tokens) : in;
+        for (int l = std::max(range.begin, 1); l < range.end; ++l) {
+          auto it = ckpt.find(l);
+          if (it != ckpt.end()) it->second.copy_(x);
+          x = models::block_forward(config, models::BlockWeights::bind(specs[l], w.at(l)), x, ctx);
+        }
+        out.copy_(x);
+        break;
+      }
+      case JobKind::kTail: {
+        at::Tensor x;
+        {
+          c10::AutoGradMode no_grad(false);
+          x = range.begin == 0 ? models::embed(w.at(0)[0], tokens) : in;
+        }
+        const at::Tensor targets = on_device(mb.targets, dev);
+        const std::vector<at::Tensor>& hw = w.at(head);
+        std::vector<at::Tensor>* hg = grads_of(head);
+        const bool lm_trainable = hg && (*hg)[1].defined();
+        at::Tensor gx = models::blocks_forward_backward(
+            config, block_runs(range.begin, range.end), x, ctx, [&](const at::Tensor& h) {
+              models::HeadGrads r =
+                  models::head_forward_backward(config, hw[0], hw[1], h, targets, loss_scale,
+                                                lm_trainable, options.head_chunk_tokens);
+              at::from_blob(loss_dev, {}, at::TensorOptions().dtype(at::kFloat).device(dev))
+                  .add_(r.loss_sum);
+              if (hg && (*hg)[0].defined()) (*hg)[0].add_(r.grad_norm.to(at::kFloat));
+              if (lm_trainable) (*hg)[1].add_(r.grad_lm_head);
+              return r.grad_x;
+            });
+        c10::AutoGradMode no_grad(false);
+        if (range.begin == 0)
+          embed_grad(gx);
+        else
+          out.copy_(gx);
+        break;
+      }
+      case JobKind::kBackward: {
+        std::vector<at::Tensor> inputs;
+        for (auto& [l, t] : saved)
+          inputs.push_back(t);  // ascending layers
+        at::Tensor g = in;
+        std::vector<models::BlockRun> runs = block_runs(range.begin, range.end);
+        if (!runs.empty()) g = models::blocks_backward(config, runs, inputs, ctx, g);
+        c10::AutoGradMode no_grad(false);
+        if (range.begin == 0)
+          embed_grad(g);
+        else
+          out.copy_(g);
+        break;
+      }
+    }
+  }
+
+  // ---- optimizer ----
+
+  void optimizer_thread(std::int64_t steps) {
+    const std::int64_t J = static_cast<std::int64_t>(jobs.size());
+    const int F = static_cast<int>(plan.forward.size());
+    for (std::int64_t s = 0; s < steps; ++s) {
+      guarded("step " + std::to_string(steps_done + s + 1) + ", optimizer", [&] {
+        std::shared_ptr<StepData> step;
+        for (std::int64_t j = F; j < J; ++j) {
+          std::shared_ptr<JobRun> r;
+          {
+            std::unique_lock<std::mutex> lock(mu_);
+            wait(lock, [&] { return runs_.count(s * J + j) && runs_[s * J + j]->enqueued; });
+            r = runs_[s * J + j];
+            step = steps_[s];
+          }
+          r->done_down->synchronize();
+          if (failed()) throw Aborted{};
+        }
+        const std::int64_t step_no = steps_done + s + 1;
+        if (options.on_gradients) options.on_gradients(step_no);
+        StepResult res;
+        res.step = step_no;
+        res.tokens = step->tokens;
+        res.targets = step->targets;
+        res.loss =
+            step->loss_sum[0] / static_cast<double>(std::max<std::int64_t>(step->targets, 1));
+        res.loss_scale = step->loss_scale;
+        optimizer.set_grad_unscale(1.0 / step->loss_scale);
+        const double norm = optimizer.begin_step();
+        res.grad_norm = norm;
+        const LossScaling& ls = options.loss_scaling;
+        const bool finite = std::isfinite(norm);
+        if (!finite && !ls.enabled)
+          throw Error("the gradient norm is " + std::to_string(norm) + " (loss " +
+                      std::to_string(res.loss) +
+                      "): training diverged; lower the learning rate or enable clipping");
+        {
+          // The next step's scale is decided before any of its jobs can start (they wait for
+          // the version bumps below).
+          std::lock_guard<std::mutex> lock(mu_);
+          if (ls.enabled && !finite) {
+            scale = std::max(scale / 2, ls.min_scale);
+            good_steps = 0;
+          } else if (ls.enabled && ++good_steps >= ls.growth_interval) {
+            scale *= 2;
+            good_steps = 0;
+          }
+        }
+        if (!finite) {
+          optimizer.discard_step();
+          res.skipped = true;
+          std::lock_guard<std::mutex> lock(mu_);
+          for (auto& v : versions_)
+            v = s + 1;
+          cv_.notify_all();
+        } else {
+          if (options.lr) optimizer.set_lr(options.lr(step_no));
+          for (std::size_t l = 0; l < store.layers(); ++l) {
+            optimizer.update_layer(l);
+            std::lock_guard<std::mutex> lock(mu_);
+            versions_[l] = s + 1;
+            cv_.notify_all();
+          }
+        }
+        emit_device_events();
+        std::lock_guard<std::mutex> lock(mu_);
+        const auto now = std::chrono::steady_clock::now();
+        res.seconds = std::chrono::duration<double>(now - last_step_end_).count();
+        last_step_end_ = now;
+        results_.push_back(res);
+        steps_.erase(s);
+        cv_.notify_all();
+      });
+      if (failed()) return;
+    }
+  }
+
+  void emit_device_events() {
+    if (!options.events) return;
+    const double t = options.events->now();
+    double& last_t = last_device_event_t_;
+    for (std::size_t d = 0; d < devs.size(); ++d) {
+      DeviceCtx& dc = *devs[d];
+      const kernels::MemoryStats mem = dc.dev->memory();
+      const kernels::TrafficStats tr = dc.dev->traffic();
+      double busy;
+      {
+        std::lock_guard<std::mutex> lk(dc.busy_mutex);
+        busy = dc.busy_s - dc.busy_reported_s;
+        dc.busy_reported_s = dc.busy_s;
+      }
+      options.events->emit(
+          DeviceEvent{.device = static_cast<int>(d),
+                      .name = dc.dev->info().name,
+                      .bytes_in_use = mem.bytes_in_use,
+                      .bytes_peak = mem.bytes_peak,
+                      .bytes_cap = mem.bytes_cap,
+                      .busy_fraction = t > last_t ? std::min(1.0, busy / (t - last_t)) : 0,
+                      .bytes_h2d = tr.bytes_h2d,
+                      .bytes_d2h = tr.bytes_d2h});
+    }
+    last_t = t;
+  }
+
+  // ---- main thread ----
+
+  std::shared_ptr<StepData> make_step(std::int64_t step_no, std::vector<Microbatch> mb) {
+    const std::string where = "step " + std::to_string(step_no);
+    if (static_cast<int>(mb.size()) != plan.microbatches)
+      throw Error(where + ": " + std::to_string(mb.size()) + " microbatches given, the plan runs " +
+                  std::to_string(plan.microbatches));
+    auto step = std::make_shared<StepData>();
+    for (std::size_t m = 0; m < mb.size(); ++m) {
+      const std::string w = where + ", microbatch " + std::to_string(m);
+      Microbatch& b = mb[m];
+      if (!b.batch.tokens.defined() || b.batch.tokens.dim() != 2 || b.batch.tokens.numel() == 0)
+        throw Error(w + ": tokens must be a non-empty (B, T) tensor");
+      if (!b.targets.defined() || b.targets.sizes() != b.batch.tokens.sizes())
+        throw Error(w + ": targets must have the tokens' shape");
+      b.batch.tokens = b.batch.tokens.to(at::kCPU, at::kLong).contiguous();
+      b.targets = b.targets.to(at::kCPU, at::kLong).contiguous();
+      if (b.batch.doc_ids.defined()) b.batch.doc_ids = b.batch.doc_ids.to(at::kCPU, at::kLong);
+      const std::int64_t lo = b.batch.tokens.min().item<std::int64_t>(),
+                         hi = b.batch.tokens.max().item<std::int64_t>();
+      if (lo < 0 || hi >= config.vocab_size)
+        throw Error(w + ": token id " + std::to_string(lo < 0 ? lo : hi) +
+                    " is outside the vocabulary (0.." + std::to_string(config.vocab_size - 1) +
+                    ")");
+      step->ctx.push_back(models::make_attention_context(config, b.batch, act_dtype));
+      step->tokens += b.batch.tokens.numel();
+      step->targets += b.targets.ne(-100).sum().item<std::int64_t>();
+    }
+    step->mb = std::move(mb);
+    step->loss_sum.assign(1, 0.0f);
+    return step;
+  }
+
+  std::vector<StepResult> train(std::int64_t steps, const BatchSource& batches,
+                                const std::function<void(const StepResult&)>& on_step) {
+    if (steps <= 0) return {};
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      failed_ = false;
+      error_ = nullptr;
+      total_jobs_ = steps * static_cast<std::int64_t>(jobs.size());
+      versions_.assign(store.layers(), 0);
+      steps_.clear();
+      runs_.clear();
+      outputs_.clear();
+      ckpts_.clear();
+      results_.clear();
+      last_step_end_ = std::chrono::steady_clock::now();
+    }
+    if (options.events && options.plan_inputs && steps_done == 0) {
+      PlanPrediction p = predict(plan, *options.plan_inputs);
+      options.events->emit(PlanEvent{.plan = plan.describe(),
+                                     .devices = static_cast<int>(devs.size()),
+                                     .microbatches = plan.microbatches,
+                                     .predicted_step_s = p.step_time_s,
+                                     .predicted_idle_fraction = p.idle_fraction,
+                                     .predicted_peak_bytes = p.peak_bytes,
+                                     .partitioner = "ours"});
+    }
+    std::vector<std::thread> threads;
+    for (std::size_t d = 0; d < devs.size(); ++d) {
+      threads.emplace_back([this, d] { loader(static_cast<int>(d)); });
+      threads.emplace_back([this, d] { worker(static_cast<int>(d)); });
+    }
+    threads.emplace_back([this, steps] { optimizer_thread(steps); });
+
+    std::vector<StepResult> out;
+    auto publish = [&](std::int64_t s) {
+      guarded("step " + std::to_string(steps_done + s + 1) + ", reading the batch", [&] {
+        auto step = make_step(steps_done + s + 1, batches(steps_done + s + 1));
+        std::lock_guard<std::mutex> lock(mu_);
+        step->loss_scale = scale;
+        steps_[s] = std::move(step);
+        cv_.notify_all();
+      });
+    };
+    publish(0);
+    if (steps > 1) publish(1);
+    for (std::int64_t s = 0; s < steps && !failed(); ++s) {
+      StepResult res;
+      {
+        std::unique_lock<std::mutex> lock(mu_);
+        cv_.wait(lock, [&] { return failed_ || static_cast<std::int64_t>(results_.size()) > s; });
+        if (failed_) break;
+        res = results_[s];
+      }
+      out.push_back(res);
+      if (on_step) guarded("after step " + std::to_string(res.step), [&] { on_step(res); });
+      if (s + 2 < steps) publish(s + 2);
+    }
+    for (auto& t : threads)
+      t.join();
+    // Everything still on the devices: wait for it, then free it.
+    for (auto& dc : devs)
+      dc->dev->synchronize();
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      runs_.clear();
+      outputs_.clear();
+      ckpts_.clear();
+      steps_.clear();
+    }
+    staging.clear();
+    for (auto& dc : devs) dc->dev->synchronize();  // stream-ordered releases done
+    steps_done += static_cast<std::int64_t>(out.size());
+    if (error_) std::rethrow_exception(error_);
+    return out;
+  }
+};
+
+Engine::Engine(const models::ModelConfig& config, const std::vector<models::LayerSpec>& specs,
+               offload::LayerStore& store, offload::HostArena& arena,
+               std::vector<kernels::Device*> devices, Plan plan, EngineOptions options) {
+  const int layers = static_cast<int>(specs.size());
+  std::vector<std::string> problems = plan.problems(layers);
+  if (static_cast<int>(store.layers()) != layers)
+    problems.push_back("the store holds " + std::to_string(store.layers()) +
+                       " layers, the model has " + std::to_string(layers));
+  if (devices.empty()) problems.push_back("no devices");
+  if (!options.emulate_costs.empty() && static_cast<int>(options.emulate_costs.size()) != layers)
+    problems.push_back("emulate_costs must have one entry per layer");
+  if (!options.emulate_speeds.empty() && options.emulate_speeds.size() != devices.size())
+    problems.push_back("emulate_speeds must have one entry per device");
+  if (!problems.empty()) throw Error(join_problems("The engine cannot run this plan:", problems));
+  impl_ = std::make_unique<Impl>(config, specs, store, arena, std::move(plan), std::move(options));
+  for (std::size_t d = 0; d < devices.size(); ++d) {
+    auto dc = std::make_unique<DeviceCtx>();
+    dc->dev = devices[d];
+    dc->compute = &dc->dev->create_stream("compute");
+    dc->act_up = &dc->dev->create_stream("activation-upload", kernels::StreamPriority::kHigh);
+    dc->weight_up = &dc->dev->create_stream("weight-upload");
+    dc->down = &dc->dev->create_stream("download");
+    dc->torch = torch_device(*dc->dev);
+    if (!impl_->options.emulate_speeds.empty()) dc->speed = impl_->options.emulate_speeds[d];
+    impl_->devs.push_back(std::move(dc));
+  }
+  impl_->build_jobs();
+}
+
+Engine::~Engine() = default;
+
+std::vector<StepResult> Engine::train(std::int64_t steps, const BatchSource& batches,
+                                      const std::function<void(const StepResult&)>& on_step) {
+  return impl_->train(steps, batches, on_step);
+}
+
+const Plan& Engine::plan() const {
+  return impl_->plan;
+}
+
+double Engine::loss_scale() const {
+  return impl_->scale;
+}
+
+}  // namespace rondo::engine

@@ -1,0 +1,112 @@
+// The engine: runs a plan's stage jobs on stateless devices, round-robin, and the optimizer on the
+// host (ARCHITECTURE.md §2, roundpipe.md §2–§4).
+//
+// Threads: per device a loader (uploads a job's weights, one stage ahead at most) and a worker
+// (enqueues the job's computation microbatch by microbatch, hands outputs on, downloads the
+// gradients); one optimizer thread (per step: waits for every gradient, then AdamW layer by layer
+// in forward order, releasing each layer to the next step's loaders). Job g of the global sequence
+// (step s = g / J, stage j = g % J) runs on device g % N: one round-robin pointer across stages
+// and steps, no barrier between steps. See Note [Engine synchronisation] in engine.cpp.
+//
+// Per device four streams: compute, activation upload (high priority), weight upload (weights cut
+// into chunks of at most max_chunk_bytes, so activation uploads slot in between) and download.
+// A stage's output stays on the device when the next stage runs there; otherwise it goes down to
+// host staging memory and up to the next device. Activation checkpoints (each backward stage's
+// input, or every layer's input in layer grain) always go down to the host.
+//
+//   engine::Engine eng(model.config(), model.layers(), store, arena, devices, plan, options);
+//   auto results = eng.train(3, [&](std::int64_t step) { return microbatches_for(step); });
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <vector>
+
+#include "engine/plan.h"
+#include "kernels/cpu/adamw.h"
+#include "kernels/device.h"
+#include "models/layers.h"
+#include "offload/host_arena.h"
+#include "offload/layer_store.h"
+
+namespace rondo::engine {
+
+class EventSink;
+
+// One microbatch, CPU tensors: tokens (B, T) int64, optional doc_ids, targets (B, T) int64 with
+// -100 where there is no loss (already shifted: targets[t] is the token after t).
+struct Microbatch {
+  models::TokenBatch batch;
+  at::Tensor targets;
+};
+
+struct LossScaling {  // fp16: dynamic loss scaling
+  bool enabled = false;
+  double initial_scale = 65536;
+  int growth_interval = 2000;  // finite steps in a row before the scale doubles
+  double min_scale = 1.0 / 65536;
+};
+
+struct EngineOptions {
+  kernels::AdamWParams adamw;  // adamw.step is ignored (the optimizer counts)
+  double max_grad_norm = 0;    // <= 0: no clipping
+  // Learning rate for a (1-based) step; empty = adamw.lr throughout.
+  std::function<double(std::int64_t step)> lr;
+  LossScaling loss_scaling;
+  std::int64_t head_chunk_tokens = 1024;  // rows of logits at a time in the fused tail
+  std::uint64_t max_chunk_bytes = 256ull << 20;
+  EventSink* events = nullptr;              // plan, span and device events when set
+  const PlanInputs* plan_inputs = nullptr;  // for the plan event's prediction; may be null
+  // Runs on the optimizer thread once every gradient of `step` (1-based) is in the store, before
+  // the update (tests read them there).
+  std::function<void(std::int64_t step)> on_gradients;
+  // Benchmarks only: make each job take at least the time these per-layer costs give (compute
+  // per token, on a device of speed 1), as if the device were that fast, so that simulated devices
+  // sharing a few CPU cores behave like separate GPUs. Empty = off.
+  std::vector<LayerCosts> emulate_costs;
+  std::vector<double> emulate_speeds;  // per device; empty = all 1
+};
+
+struct StepResult {
+  std::int64_t step = 0;  // 1-based, counted across train() calls
+  double loss = 0;        // mean cross-entropy over the step's target tokens
+  std::int64_t tokens = 0, targets = 0;
+  double grad_norm = 0;  // of the unscaled gradient, before clipping
+  bool skipped = false;  // fp16 overflow: the update was skipped and the scale lowered
+  double loss_scale = 1;
+  double seconds = 0;  // wall time since the previous step ended (or train() began)
+};
+
+class Engine {
+ public:
+  // `devices` are borrowed and must outlive the engine; `store` holds the weights (and, for
+  // trainable tensors, gradients and optimizer state); `arena` gives staging memory. Throws Error
+  // when the plan does not match the model or the devices.
+  Engine(const models::ModelConfig& config, const std::vector<models::LayerSpec>& specs,
+         offload::LayerStore& store, offload::HostArena& arena,
+         std::vector<kernels::Device*> devices, Plan plan, EngineOptions options);
+  ~Engine();
+  Engine(const Engine&) = delete;
+  Engine& operator=(const Engine&) = delete;
+
+  using BatchSource = std::function<std::vector<Microbatch>(std::int64_t step)>;
+  // Runs `steps` optimizer steps; `batches(step)` (1-based step) gives the step's M microbatches
+  // (called on this thread, a step or two ahead). `on_step` runs on this thread after each step.
+  // On failure (a device out of memory, bad input, an error in a layer) every thread stops and
+  // the first error is rethrown, naming the device, the job and the step; state already updated
+  // stays as it was after the last completed step's update of each layer.
+  std::vector<StepResult> train(std::int64_t steps, const BatchSource& batches,
+                                const std::function<void(const StepResult&)>& on_step = {});
+
+  const Plan& plan() const;
+  double loss_scale() const;
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace rondo::engine

@@ -1,0 +1,328 @@
+// The engine against a plain single-device libtorch training loop (tests/support/plain_loop.h):
+// the same layer functions, the same microbatch split, autograd instead of stages and checkpoints,
+// torch::optim::AdamW and clip_grad_norm_ instead of ours. Gradients of step 1 and weights after 3
+// steps agree within 1e-6 relative (fp32) for two model families, 1-4 simulated devices,
+// M = 1, 2, 5, stage and layer grain, and random valid plans. Also: different microbatch splits,
+// the event stream, memory caps, failures in a layer, fp16 loss scaling.
+#include "engine/engine.h"
+
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <random>
+
+#include <nlohmann/json.hpp>
+
+#include "engine/events.h"
+#include "engine/state.h"
+#include "kernels/cpu/sim_device.h"
+#include "tests/support/plain_loop.h"
+
+namespace rondo::engine {
+namespace {
+
+// lr 1e-3: three steps move weights by ~3e-3 (checked), far above the 1e-6 tolerance. eps 1e-6:
+// Adam divides by sqrt(v) + eps, which turns an entry whose gradient is pure rounding noise (exactly
+// zero in exact arithmetic, ~1e-10 in fp32) into a full-size step of random sign; with eps well
+// above that noise and well below real gradient entries (1e-4..1e-1 here), both loops take the same
+// steps and the comparison measures the engine, not the noise.
+constexpr double kLr = 1e-3, kWd = 0.1, kClip = 0.5, kEps = 1e-6;
+
+// max |a - b| / max |b|: the relative error of a tensor as a whole.
+double rel(const at::Tensor& a, const at::Tensor& b) {
+  const double scale = std::max(1e-30, b.abs().max().item<double>());
+  return (a.to(at::kDouble) - b.to(at::kDouble)).abs().max().item<double>() / scale;
+}
+
+// A random valid plan for `layers` layers: tail [k, layers), forward and backward cut at random.
+Plan random_plan(int layers, int M, RecomputeGrain grain, std::mt19937& rng) {
+  Plan p;
+  p.microbatches = M;
+  p.grain = grain;
+  const int k = std::uniform_int_distribution<int>(0, layers - 1)(rng);
+  p.tail = {k, layers};
+  auto cut = [&](int n) {  // sizes of a random composition of n
+    std::vector<int> sizes;
+    for (int left = n; left > 0;) {
+      int s = std::uniform_int_distribution<int>(1, left)(rng);
+      sizes.push_back(s);
+      left -= s;
+    }
+    return sizes;
+  };
+  int at = 0;
+  for (int s : cut(k)) {
+    p.forward.push_back({at, at + s});
+    at += s;
+  }
+  at = k;
+  for (int s : cut(k)) {
+    p.backward.push_back({at - s, at});
+    at -= s;
+  }
+  EXPECT_TRUE(p.problems(layers).empty()) << p.describe();
+  return p;
+}
+
+struct Case {
+  models::ModelConfig config;
+  std::vector<models::LayerSpec> specs;
+  std::map<std::string, at::Tensor> weights;
+  std::vector<std::vector<Microbatch>> steps;  // global batches, one per step, split in M
+};
+
+Case make_case(const models::ModelConfig& config, int M, unsigned seed) {
+  at::manual_seed(seed);
+  Case s{config, models::layer_specs(config), test::random_weights(config), {}};
+  for (int i = 0; i < 3; ++i)
+    s.steps.push_back(test::random_batch(config, 10, 8, M));
+  return s;
+}
+
+struct EngineRun {
+  std::map<std::string, at::Tensor> grads1;   // step 1, by name (tied copies summed)
+  std::map<std::string, at::Tensor> weights;  // after the last step: masters
+  std::vector<StepResult> results;
+};
+
+std::vector<std::unique_ptr<kernels::Device>> sim_devices(int n, std::uint64_t bytes = 1ull << 30,
+                                                          kernels::LinkSpec link = {}) {
+  std::vector<std::unique_ptr<kernels::Device>> devs;
+  for (int d = 0; d < n; ++d)
+    devs.push_back(kernels::make_sim_device(
+        {.name = "sim" + std::to_string(d), .bytes_cap = bytes, .link = link}));
+  return devs;
+}
+
+std::vector<kernels::Device*> raw(const std::vector<std::unique_ptr<kernels::Device>>& devs) {
+  std::vector<kernels::Device*> out;
+  for (auto& d : devs)
+    out.push_back(d.get());
+  return out;
+}
+
+EngineRun run_engine(const Case& s, const Plan& plan, int devices, EngineOptions options = {}) {
+  offload::HostArena arena;
+  offload::LayerStore store(arena,
+                            layer_descs(s.specs, [](const models::ParamSpec&) { return true; }),
+                            kernels::FloatDType::kF32, kernels::FloatDType::kF32);
+  load_weights(store, s.specs, [&](const std::string& n) { return s.weights.at(n); });
+  auto devs = sim_devices(devices);
+  EngineRun out;
+  options.adamw = {.lr = kLr, .eps = kEps, .weight_decay = kWd};
+  options.max_grad_norm = kClip;
+  options.head_chunk_tokens = 7;  // several chunks per microbatch
+  options.on_gradients = [&](std::int64_t step) {
+    if (step != 1) return;
+    for (std::size_t l = 0; l < s.specs.size(); ++l)
+      for (std::size_t i = 0; i < s.specs[l].params.size(); ++i) {
+        at::Tensor g = state_view(store, s.specs, l, i, StateView::kGrad).clone();
+        auto& slot = out.grads1[s.specs[l].params[i].name];
+        slot = slot.defined() ? slot + g : g;  // the tied LM head's share goes to the embedding
+      }
+  };
+  {
+    Engine engine(s.config, s.specs, store, arena, raw(devs), plan, options);
+    out.results = engine.train(static_cast<std::int64_t>(s.steps.size()),
+                               [&](std::int64_t step) { return s.steps.at(step - 1); });
+  }
+  for (std::size_t l = 0; l < s.specs.size(); ++l)
+    for (std::size_t i = 0; i < s.specs[l].params.size(); ++i) {
+      if (store.layer(l)[i].tied) continue;
+      out.weights[s.specs[l].params[i].name] =
+          state_view(store, s.specs, l, i, StateView::kMaster).clone();
+      // The streaming copy the devices read is the master (fp32 here).
+      EXPECT_TRUE(state_view(store, s.specs, l, i, StateView::kStream)
+                      .equal(state_view(store, s.specs, l, i, StateView::kMaster)));
+    }
+  return out;
+}
+
+struct Reference {
+  std::map<std::string, at::Tensor> grads1, weights;
+  std::vector<double> losses;
+};
+
+Reference run_reference(const Case& s) {
+  test::PlainLoop ref(s.config, s.weights, {.lr = kLr, .eps = kEps, .weight_decay = kWd}, kClip);
+  Reference out;
+  for (std::size_t i = 0; i < s.steps.size(); ++i)
+    out.losses.push_back(ref.step(s.steps[i], i == 0 ? &out.grads1 : nullptr));
+  for (auto& [name, w] : s.weights)
+    out.weights[name] = ref.param(name).clone();
+  return out;
+}
+
+// ||a - b|| / ||b|| over one layer's tensors taken together (the layer's gradient or weights as
+// one vector, as the store holds them). Per tensor would be too strict for tensors that are tiny
+// next to the rest of their layer because of cancellation (the q/k gradients at a near-uniform
+// attention): there the fp32 plain loop itself is only ~1e-6 from an f64 loop.
+double layer_rel(const std::map<std::string, at::Tensor>& a,
+                 const std::map<std::string, at::Tensor>& b, const models::LayerSpec& spec) {
+  double diff = 0, norm = 0;
+  for (const models::ParamSpec& p : spec.params) {
+    if (p.tied) continue;  // counted with its owner
+    at::Tensor x = a.at(p.name).to(at::kDouble), y = b.at(p.name).to(at::kDouble);
+    diff += (x - y).pow(2).sum().item<double>();
+    norm += y.pow(2).sum().item<double>();
+  }
+  return norm == 0 ? std::sqrt(diff) : std::sqrt(diff / norm);
+}
+
+void expect_equal(const EngineRun& e, const Reference& r,
+                  const std::vector<models::LayerSpec>& specs,
+                  const std::map<std::string, at::Tensor>& initial, const std::string& what) {
+  ASSERT_EQ(e.grads1.size(), r.grads1.size()) << what;
+  for (std::size_t l = 0; l < specs.size(); ++l) {
+    EXPECT_LE(layer_rel(e.grads1, r.grads1, specs[l]), 1e-6)
+        << what << ": step-1 gradient, layer " << l;
+    EXPECT_LE(layer_rel(e.weights, r.weights, specs[l]), 1e-6)
+        << what << ": weights after 3 steps, layer " << l;
+    EXPECT_GE(layer_rel(r.weights, initial, specs[l]), 1e-3)
+        << what << ": layer " << l << " hardly moved";
+  }
+  ASSERT_EQ(e.results.size(), r.losses.size());
+  for (std::size_t i = 0; i < r.losses.size(); ++i)
+    EXPECT_NEAR(e.results[i].loss, r.losses[i], 1e-6 * r.losses[i]) << what << " step " << i + 1;
+}
+
+TEST(Engine, InvariantToDevicesMicrobatchesGrainAndPlan) {
+  const unsigned seed = std::random_device{}();
+  std::printf("seed %u\n", seed);
+  std::mt19937 rng(seed);
+  for (const auto& family : {test::tiny_llama(4), test::tiny_qwen2(4)}) {
+    for (int M : {1, 2, 5}) {
+      Case s = make_case(family, M, seed + M);
+      Reference ref = run_reference(s);
+      const int layers = static_cast<int>(s.specs.size());
+      for (int N = 1; N <= 4; ++N)
+        for (RecomputeGrain grain : {RecomputeGrain::kStage, RecomputeGrain::kLayer}) {
+          Plan plan = random_plan(layers, M, grain, rng);
+          const std::string what =
+              s.config.architecture + " N=" + std::to_string(N) + " " + plan.describe();
+          SCOPED_TRACE(what);
+          expect_equal(run_engine(s, plan, N), ref, s.specs, s.weights, what);
+          if (HasFailure()) return;
+        }
+    }
+  }
+}
+
+// The same global batch split into 1, 2 or 5 microbatches: the engine's results differ between
+// splits by no more than twice what the plain loop's own results differ (summation order), with a
+// floor of a few fp32 ulps for tensors where the plain loop happens to agree exactly.
+TEST(Engine, MicrobatchSplitsDifferOnlyAsThePlainLoopDoes) {
+  const unsigned seed = std::random_device{}();
+  std::printf("seed %u\n", seed);
+  std::mt19937 rng(seed);
+  Case base = make_case(test::tiny_qwen2(3), 1, seed);
+  std::map<int, EngineRun> eng;
+  std::map<int, Reference> ref;
+  for (int M : {1, 2, 5}) {
+    Case s = base;
+    for (auto& step : s.steps)
+      step = test::resplit(step, M);
+    ref[M] = run_reference(s);
+    eng[M] = run_engine(
+        s, random_plan(static_cast<int>(s.specs.size()), M, RecomputeGrain::kStage, rng), 3);
+  }
+  for (auto [a, b] : {std::pair{1, 2}, std::pair{1, 5}, std::pair{2, 5}})
+    for (auto& [name, w] : ref[a].weights) {
+      const double plain = rel(ref[a].grads1[name], ref[b].grads1[name]);
+      const double ours = rel(eng[a].grads1[name], eng[b].grads1[name]);
+      std::printf("%s M=%d vs %d: grads plain %.3g ours %.3g; weights plain %.3g ours %.3g\n",
+                  name.c_str(), a, b, plain, ours, rel(ref[a].weights[name], ref[b].weights[name]),
+                  rel(eng[a].weights[name], eng[b].weights[name]));
+      EXPECT_LE(ours, std::max(2 * plain, 5e-7)) << name << " M=" << a << " vs M=" << b;
+    }
+}
+
+TEST(Engine, EmitsPlanSpanAndDeviceEvents) {
+  Case s = make_case(test::tiny_llama(3), 2, 7);
+  Plan plan{{{0, 2}, {2, 3}}, {3, 5}, {{2, 3}, {0, 2}}, 2, RecomputeGrain::kStage};
+  const std::string path = ::testing::TempDir() + "/engine_events.jsonl";
+  std::filesystem::remove(path);
+  auto sink = EventSink::open(path);
+  PlanInputs in;
+  for (int l = 0; l < 5; ++l)
+    in.layers.push_back({.forward_s_per_token = 1e-6, .backward_s_per_token = 2e-6});
+  for (int d = 0; d < 3; ++d)
+    in.devices.push_back({.memory_cap = 1ull << 30});
+  in.tokens_per_step = 80;
+  in.microbatches = 2;
+  EngineOptions o;
+  o.events = sink.get();
+  o.plan_inputs = &in;
+  run_engine(s, plan, 3, o);
+  sink.reset();
+  std::ifstream f(path);
+  std::string line;
+  int plans = 0, spans = 0, devices = 0;
+  while (std::getline(f, line)) {
+    auto j = nlohmann::json::parse(line);
+    if (j["type"] == "plan") {
+      ++plans;
+      EXPECT_EQ(j["plan"], plan.describe());
+    } else if (j["type"] == "span") {
+      ++spans;
+      // Round robin: job g = (step - 1) * 5 + j runs on device g % 3.
+      static const std::map<std::string, int> index{
+          {"F0", 0}, {"F1", 1}, {"T", 2}, {"B1", 3}, {"B2", 4}};
+      const int g = (j["step"].get<int>() - 1) * 5 + index.at(j["stage"]);
+      EXPECT_EQ(j["device"].get<int>(), g % 3) << line;
+      EXPECT_LE(j["start"].get<double>(), j["end"].get<double>()) << line;
+    } else if (j["type"] == "device") {
+      ++devices;
+      EXPECT_GT(j["bytes_h2d"].get<std::uint64_t>(), 0u) << line;
+      EXPECT_GT(j["bytes_peak"].get<std::uint64_t>(), 0u) << line;
+    }
+  }
+  EXPECT_EQ(plans, 1);
+  EXPECT_EQ(spans, 3 * 5);
+  EXPECT_EQ(devices, 3 * 3);
+}
+
+TEST(Engine, DeviceOutOfMemoryIsAnErrorNamingTheJobAndWhatToChange) {
+  Case s = make_case(test::tiny_llama(2), 1, 3);
+  offload::HostArena arena;
+  offload::LayerStore store(arena,
+                            layer_descs(s.specs, [](const models::ParamSpec&) { return true; }),
+                            kernels::FloatDType::kF32, kernels::FloatDType::kF32);
+  load_weights(store, s.specs, [&](const std::string& n) { return s.weights.at(n); });
+  auto devs = sim_devices(2, /*bytes=*/8 << 10);  // 8 KiB: the embedding alone does not fit
+  Plan plan{{{0, 2}}, {2, 4}, {{0, 2}}, 1, RecomputeGrain::kStage};
+  Engine engine(s.config, s.specs, store, arena, raw(devs), plan, {});
+  try {
+    engine.train(2, [&](std::int64_t step) { return s.steps.at(step - 1); });
+    FAIL() << "expected an out-of-memory error";
+  } catch (const Error& e) {
+    const std::string msg = e.what();
+    // Either device's loader may be the first to fail.
+    EXPECT_TRUE(msg.find("step 1, job F0 (layers 0-1) on sim0: out of memory") == 0 ||
+                msg.find("step 1, job T (layers 2-3) on sim1: out of memory") == 0)
+        << msg;
+    EXPECT_NE(msg.find("more microbatches"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("layer-grain recompute"), std::string::npos) << msg;
+  }
+  for (auto& d : devs)
+    EXPECT_EQ(d->memory().bytes_in_use, 0u) << d->info().name;
+}
+
+TEST(Engine, BadInputStopsEveryThreadWithTheStepAndMicrobatch) {
+  Case s = make_case(test::tiny_llama(2), 2, 5);
+  s.steps[1][1].batch.tokens[0][0] = s.config.vocab_size;  // outside the vocabulary
+  Plan plan{{{0, 1}, {1, 2}}, {2, 4}, {{1, 2}, {0, 1}}, 2, RecomputeGrain::kLayer};
+  try {
+    run_engine(s, plan, 2);
+    FAIL() << "expected an error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("step 2, microbatch 1: token id 37"), std::string::npos)
+        << e.what();
+  }
+}
+
+}  // namespace
+}  // namespace rondo::engine

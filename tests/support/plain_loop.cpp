@@ -1,0 +1,170 @@
+#include "tests/support/plain_loop.h"
+
+#include <ATen/ATen.h>
+#include <torch/nn/utils/clip_grad.h>
+#include <torch/optim/adamw.h>
+
+#include "models/layers.h"
+#include "models/model.h"
+
+namespace rondo::test {
+
+struct PlainLoop::State {
+  models::ModelConfig config;
+  std::vector<models::LayerSpec> specs;
+  std::map<std::string, at::Tensor> params;  // leaves; a tied name appears once
+  std::vector<at::Tensor> order;             // parameters, for the optimizer
+  std::unique_ptr<torch::optim::AdamW> adamw;
+  double max_norm = 0;
+};
+
+PlainLoop::PlainLoop(const models::ModelConfig& config,
+                     const std::map<std::string, at::Tensor>& weights, const PlainAdamW& a,
+                     double max_grad_norm, at::ScalarType dtype)
+    : state_(std::make_unique<State>()) {
+  State& s = *state_;
+  s.config = config;
+  s.specs = models::layer_specs(config);
+  s.max_norm = max_grad_norm;
+  for (const models::LayerSpec& l : s.specs)
+    for (const models::ParamSpec& p : l.params) {
+      if (s.params.count(p.name)) continue;
+      at::Tensor t = weights.at(p.name).to(dtype).clone().requires_grad_(true);
+      s.params.emplace(p.name, t);
+      s.order.push_back(t);
+    }
+  s.adamw = std::make_unique<torch::optim::AdamW>(s.order, torch::optim::AdamWOptions(a.lr)
+                                                               .betas({a.beta1, a.beta2})
+                                                               .eps(a.eps)
+                                                               .weight_decay(a.weight_decay));
+}
+
+PlainLoop::~PlainLoop() = default;
+
+double PlainLoop::forward_backward(const std::vector<engine::Microbatch>& microbatches) {
+  State& s = *state_;
+  std::int64_t targets = 0;
+  for (const engine::Microbatch& mb : microbatches)
+    targets += mb.targets.ne(-100).sum().item<std::int64_t>();
+  double loss = 0;
+  auto layer = [&](std::size_t l) {
+    std::vector<at::Tensor> w;
+    for (const models::ParamSpec& p : s.specs[l].params)
+      w.push_back(s.params.at(p.name));
+    return w;
+  };
+  for (const engine::Microbatch& mb : microbatches) {
+    const at::ScalarType dt = s.order[0].scalar_type();
+    models::AttentionContext ctx = models::make_attention_context(s.config, mb.batch, dt);
+    at::Tensor x = models::embed(layer(0)[0], mb.batch.tokens);
+    for (std::size_t l = 1; l + 1 < s.specs.size(); ++l)
+      x = models::block_forward(s.config, models::BlockWeights::bind(s.specs[l], layer(l)), x, ctx);
+    std::vector<at::Tensor> head = layer(s.specs.size() - 1);
+    // The head as one plain graph: norm, LM head, cross-entropy in fp32 (or the loop's dtype when
+    // wider, so that an f64 loop is f64 throughout).
+    at::Tensor logits = at::linear(models::rms_norm(x, head[0], s.config.rms_norm_eps), head[1]);
+    logits = logits.to(at::promote_types(logits.scalar_type(), at::kFloat));
+    at::Tensor sum = at::cross_entropy_loss(logits.reshape({-1, logits.size(-1)}),
+                                            mb.targets.reshape({-1}), {}, at::Reduction::Sum, -100);
+    (sum / static_cast<double>(targets)).backward();
+    loss += sum.item<double>();
+  }
+  return loss / static_cast<double>(targets);
+}
+
+double PlainLoop::step(const std::vector<engine::Microbatch>& microbatches,
+                       std::map<std::string, at::Tensor>* grads) {
+  State& s = *state_;
+  s.adamw->zero_grad();
+  double loss = forward_backward(microbatches);
+  if (grads)
+    for (auto& [name, p] : s.params)
+      (*grads)[name] = p.grad().clone();
+  if (s.max_norm > 0) torch::nn::utils::clip_grad_norm_(s.order, s.max_norm);
+  s.adamw->step();
+  return loss;
+}
+
+std::map<std::string, at::Tensor> PlainLoop::gradients(
+    const std::vector<engine::Microbatch>& microbatches) {
+  State& s = *state_;
+  s.adamw->zero_grad();
+  forward_backward(microbatches);
+  std::map<std::string, at::Tensor> out;
+  for (auto& [name, p] : s.params)
+    out[name] = p.grad().clone();
+  s.adamw->zero_grad();
+  return out;
+}
+
+at::Tensor PlainLoop::param(const std::string& name) const {
+  return state_->params.at(name).detach();
+}
+
+models::ModelConfig tiny_llama(int layers, int scale) {
+  const int C = 16 * scale;
+  return models::parse_hf_config(
+      R"({"architectures":["LlamaForCausalLM"],"vocab_size":)" + std::to_string(37 * scale) +
+          R"(,"hidden_size":)" + std::to_string(C) + R"(,"intermediate_size":)" +
+          std::to_string(40 * scale) + R"(,"num_hidden_layers":)" + std::to_string(layers) +
+          R"(,"num_attention_heads":4,"num_key_value_heads":2,"tie_word_embeddings":false,
+          "rms_norm_eps":1e-5,"rope_theta":10000})",
+      "tiny llama");
+}
+
+models::ModelConfig tiny_qwen2(int layers, int scale) {
+  return models::parse_hf_config(
+      R"({"architectures":["Qwen2ForCausalLM"],"vocab_size":)" + std::to_string(29 * scale) +
+          R"(,"hidden_size":)" + std::to_string(16 * scale) + R"(,"intermediate_size":)" +
+          std::to_string(24 * scale) + R"(,"num_hidden_layers":)" + std::to_string(layers) +
+          R"(,"num_attention_heads":4,"num_key_value_heads":2,"tie_word_embeddings":true,
+          "rms_norm_eps":1e-6})",
+      "tiny qwen2");
+}
+
+std::map<std::string, at::Tensor> random_weights(const models::ModelConfig& config) {
+  std::map<std::string, at::Tensor> w;
+  for (const models::LayerSpec& l : models::layer_specs(config))
+    for (const models::ParamSpec& p : l.params) {
+      if (w.count(p.name)) continue;
+      w[p.name] = p.shape.size() == 1 ? 1 + 0.1 * at::randn(p.shape) : 0.2 * at::randn(p.shape);
+    }
+  return w;
+}
+
+std::vector<engine::Microbatch> random_batch(const models::ModelConfig& config, int rows, int seq,
+                                             int m) {
+  at::Tensor tokens = at::randint(0, config.vocab_size, {rows, seq}, at::kLong);
+  // Two documents per row, split at a random point.
+  at::Tensor docs = at::zeros({rows, seq}, at::kLong);
+  for (int r = 0; r < rows; ++r) {
+    const std::int64_t cut = at::randint(1, seq, {1}, at::kLong).item<std::int64_t>();
+    docs[r].narrow(0, cut, seq - cut).fill_(1);
+  }
+  models::TokenBatch batch{tokens, docs};
+  engine::Microbatch all{batch, models::next_token_targets(batch)};
+  // Some positions without loss (a prompt), as chat data has.
+  all.targets.narrow(1, 0, 1).fill_(-100);
+  return resplit({all}, m);
+}
+
+std::vector<engine::Microbatch> resplit(const std::vector<engine::Microbatch>& batch, int m) {
+  std::vector<at::Tensor> tok, docs, tgt;
+  for (const engine::Microbatch& b : batch) {
+    tok.push_back(b.batch.tokens);
+    docs.push_back(b.batch.doc_ids);
+    tgt.push_back(b.targets);
+  }
+  at::Tensor t = at::cat(tok), d = at::cat(docs), y = at::cat(tgt);
+  const std::int64_t rows = t.size(0);
+  std::vector<engine::Microbatch> out;
+  for (int i = 0; i < m; ++i) {
+    const std::int64_t begin = rows * i / m, end = rows * (i + 1) / m;
+    out.push_back({{t.narrow(0, begin, end - begin).contiguous(),
+                    d.narrow(0, begin, end - begin).contiguous()},
+                   y.narrow(0, begin, end - begin).contiguous()});
+  }
+  return out;
+}
+
+}  // namespace rondo::test
