@@ -25,10 +25,10 @@ namespace rondo::engine {
 namespace {
 
 // lr 1e-3: three steps move weights by ~3e-3 (checked), far above the 1e-6 tolerance. eps 1e-6:
-// Adam divides by sqrt(v) + eps, which turns an entry whose gradient is pure rounding noise (exactly
-// zero in exact arithmetic, ~1e-10 in fp32) into a full-size step of random sign; with eps well
-// above that noise and well below real gradient entries (1e-4..1e-1 here), both loops take the same
-// steps and the comparison measures the engine, not the noise.
+// Adam divides by sqrt(v) + eps, which turns an entry whose gradient is pure rounding noise
+// (exactly zero in exact arithmetic, ~1e-10 in fp32) into a full-size step of random sign; with eps
+// well above that noise and well below real gradient entries (1e-4..1e-1 here), both loops take the
+// same steps and the comparison measures the engine, not the noise.
 constexpr double kLr = 1e-3, kWd = 0.1, kClip = 0.5, kEps = 1e-6;
 
 // max |a - b| / max |b|: the relative error of a tensor as a whole.
@@ -322,6 +322,72 @@ TEST(Engine, BadInputStopsEveryThreadWithTheStepAndMicrobatch) {
     EXPECT_NE(std::string(e.what()).find("step 2, microbatch 1: token id 37"), std::string::npos)
         << e.what();
   }
+}
+
+// fp16 with dynamic loss scaling: a scale so large that the fp16 gradients overflow makes the
+// engine skip the update (weights untouched) and halve the scale until the gradients are finite;
+// the first applied step then equals a run that starts at that scale; after `growth_interval`
+// finite steps the scale doubles.
+TEST(Engine, Fp16LossScalingSkipsOverflowsAndGrows) {
+  Case s = make_case(test::tiny_llama(2), 2, 11);
+  const std::vector<Microbatch> batch = s.steps[0];  // the same data every step
+  Plan plan{{{0, 2}}, {2, 4}, {{0, 2}}, 2, RecomputeGrain::kStage};
+  struct Run {
+    std::vector<StepResult> results;
+    std::map<std::string, at::Tensor> weights;  // streaming copies (fp16)
+  };
+  auto run = [&](double initial_scale, int steps) {
+    offload::HostArena arena;
+    offload::LayerStore store(arena,
+                              layer_descs(s.specs, [](const models::ParamSpec&) { return true; }),
+                              kernels::FloatDType::kF16, kernels::FloatDType::kF16);
+    load_weights(store, s.specs, [&](const std::string& n) { return s.weights.at(n); });
+    auto devs = sim_devices(2);
+    EngineOptions o;
+    o.adamw = {.lr = kLr, .eps = kEps, .weight_decay = kWd};
+    o.loss_scaling = {.enabled = true, .initial_scale = initial_scale, .growth_interval = 2};
+    Run out;
+    {
+      Engine engine(s.config, s.specs, store, arena, raw(devs), plan, o);
+      out.results = engine.train(steps, [&](std::int64_t) { return batch; });
+    }
+    for (std::size_t l = 0; l < s.specs.size(); ++l)
+      for (std::size_t i = 0; i < s.specs[l].params.size(); ++i)
+        if (!store.layer(l)[i].tied)
+          out.weights[s.specs[l].params[i].name] =
+              state_view(store, s.specs, l, i, StateView::kStream).clone();
+    return out;
+  };
+  const Run zero = run(1.0, 0);  // the weights as loaded, rounded to fp16
+  const Run a = run(std::ldexp(1.0, 40), 30);
+  // Skipped steps first, each at half the previous scale, with the weights left alone.
+  std::size_t first = 0;
+  while (first < a.results.size() && a.results[first].skipped)
+    ++first;
+  ASSERT_GT(first, 0u) << "2^40 should overflow fp16 gradients";
+  ASSERT_LT(first, a.results.size()) << "never found a finite scale";
+  for (std::size_t i = 0; i < first; ++i) {
+    EXPECT_EQ(a.results[i].loss_scale, std::ldexp(1.0, 40 - static_cast<int>(i)));
+    EXPECT_FALSE(std::isfinite(a.results[i].grad_norm));
+  }
+  const double found = a.results[first].loss_scale;
+  EXPECT_EQ(found, std::ldexp(1.0, 40 - static_cast<int>(first)));
+  // After two finite steps in a row the scale doubles.
+  ASSERT_GE(a.results.size(), first + 3);
+  EXPECT_FALSE(a.results[first + 1].skipped);
+  if (!a.results[first + 2].skipped) EXPECT_EQ(a.results[first + 2].loss_scale, 2 * found);
+  // The first applied step equals one step of a run that starts at the scale found.
+  const Run b = run(found, 1);
+  const Run a1 = run(std::ldexp(1.0, 40), static_cast<int>(first) + 1);
+  ASSERT_FALSE(b.results[0].skipped);
+  EXPECT_EQ(a1.results.back().grad_norm, b.results[0].grad_norm);
+  for (auto& [name, w] : b.weights) {
+    EXPECT_TRUE(a1.weights.at(name).equal(w)) << name;
+    EXPECT_FALSE(zero.weights.at(name).equal(w)) << name << " did not move";
+  }
+  // The reported norm is the unscaled one: the same as at a much smaller scale, up to fp16.
+  const Run c = run(16.0, 1);
+  EXPECT_NEAR(c.results[0].grad_norm, b.results[0].grad_norm, 0.02 * b.results[0].grad_norm);
 }
 
 }  // namespace
