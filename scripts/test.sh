@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # The test command (README, .ci/run): every test that runs without a GPU — labels cpu, oracle and
-# gui — in the main build; then the device-layer and host-arena tests again in a small
-# ThreadSanitizer build (torch-free: the torch wheel is not instrumented); then the models tests
+# gui — in the main build; then the device layer, host arena and engine tests again in a
+# ThreadSanitizer build (our code instrumented; the torch wheel is not, so races inside torch are
+# out of its sight; torch on one thread so that its OpenMP pool stays out of it); then the models tests
 # (the checkpoint readers' malformed-input tests among them) under AddressSanitizer + UBSan.
-# Needs scripts/setup.sh first. Extra arguments go to the ctest runs (e.g. -R SimDevice).
+# Needs scripts/setup.sh first. Extra arguments go to the main ctest run (e.g. -R SimDevice).
 set -uo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -26,15 +27,17 @@ echo "==> tests: labels cpu, oracle, gui"
 ctest --test-dir "$BUILD" -L 'cpu|oracle|gui' -LE slow --output-on-failure -j2 "$@" ||
   failed+=("tests")
 
-echo "==> ThreadSanitizer build of the device layer and host arena ($TSAN_BUILD)"
+echo "==> ThreadSanitizer build of the device layer, host arena and engine ($TSAN_BUILD)"
 if [[ ! -f "$TSAN_BUILD/build.ninja" ]]; then
-  cmake -S "$ROOT" -B "$TSAN_BUILD" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
-    -DRONDO_WITH_TORCH=OFF -DRONDO_TSAN=ON >/dev/null || failed+=("tsan-configure")
+  cmake -S "$ROOT" -B "$TSAN_BUILD" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DRONDO_TSAN=ON \
+    -DRONDO_PYTHON="$RONDO_VENV/bin/python" >/dev/null || failed+=("tsan-configure")
 fi
-if ninja -C "$TSAN_BUILD"; then
+if ninja -C "$TSAN_BUILD" kernels_test offload_test engine_test; then
   # halt_on_error: a data race fails the test instead of scrolling past.
-  TSAN_OPTIONS="halt_on_error=1 second_deadlock_stack=1" \
-    ctest --test-dir "$TSAN_BUILD" -L cpu --output-on-failure -j2 "$@" || failed+=("tsan-tests")
+  for t in kernels_test offload_test engine_test; do
+    OMP_NUM_THREADS=1 TSAN_OPTIONS="halt_on_error=1 second_deadlock_stack=1" \
+      "$TSAN_BUILD/tests/$t" --gtest_brief=1 || failed+=("tsan-$t")
+  done
 else
   failed+=("tsan-build")
 fi

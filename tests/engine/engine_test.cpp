@@ -375,7 +375,9 @@ TEST(Engine, Fp16LossScalingSkipsOverflowsAndGrows) {
   // After two finite steps in a row the scale doubles.
   ASSERT_GE(a.results.size(), first + 3);
   EXPECT_FALSE(a.results[first + 1].skipped);
-  if (!a.results[first + 2].skipped) EXPECT_EQ(a.results[first + 2].loss_scale, 2 * found);
+  if (!a.results[first + 2].skipped) {
+    EXPECT_EQ(a.results[first + 2].loss_scale, 2 * found);
+  }
   // The first applied step equals one step of a run that starts at the scale found.
   const Run b = run(found, 1);
   const Run a1 = run(std::ldexp(1.0, 40), static_cast<int>(first) + 1);
