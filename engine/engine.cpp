@@ -152,6 +152,9 @@ struct JobRun {
   std::vector<Mapping> map;
   // Worker -> optimizer, loader.
   bool enqueued = false;
+  // The JobRun is dropped once both are true: the loader has freed its buffers, and the optimizer
+  // has read its gradients (set at once for a forward job, which has none).
+  bool released = false, consumed = false;
   std::unique_ptr<kernels::Event> done_compute, done_up, done_down;
   std::vector<kernels::DeviceBuffer> buffers;
   std::vector<offload::HostBuffer> staging;
@@ -321,7 +324,8 @@ struct Engine::Impl {
       staging.give(std::move(h));
     r->staging.clear();
     std::lock_guard<std::mutex> lock(mu_);
-    runs_.erase(g);
+    r->released = true;
+    if (r->consumed) runs_.erase(g);
   }
 
   void loader(int d) {
@@ -626,6 +630,7 @@ struct Engine::Impl {
     dc.down->record(*r->done_down);
     lock.lock();
     r->enqueued = true;
+    r->consumed = !backward;
     cv_.notify_all();
   }
 
@@ -739,6 +744,9 @@ struct Engine::Impl {
           }
           r->done_down->synchronize();
           if (failed()) throw Aborted{};
+          std::lock_guard<std::mutex> lock(mu_);
+          r->consumed = true;
+          if (r->released) runs_.erase(s * J + j);
         }
         const std::int64_t step_no = steps_done + s + 1;
         if (options.on_gradients) options.on_gradients(step_no);
