@@ -1,0 +1,235 @@
+"""Rondo's engine against Hugging Face transformers + torch.optim.AdamW on the CPU: 3 optimizer
+steps of a tiny random model, on the same data split into the same microbatches.
+
+Rondo's side (driver `engine-train`) runs Engine::train on 1-3 simulated devices under a given plan
+(forward stages, fused tail, backward stages with stage- or layer-grain recompute). The reference
+is the transformers model in float32: per microbatch the logits from model(...) on packed rows,
+the summed cross-entropy over the targets divided by the number of targets in the whole step's
+batch, backward (gradients accumulate over the microbatches), then clip_grad_norm_ over all
+parameters and torch.optim.AdamW.step(). The targets are computed here, independently of Rondo:
+the next token inside the same document, none at each document's last token.
+
+Packed rows: each row holds two documents (doc_ids 0 then 1 from a random cut). transformers 5
+takes a 4D attention mask as given (masking_utils returns a 4D mask as-is), so the reference passes
+an additive (B, 1, T, T) mask that is causal and block-diagonal by document, and position_ids that
+restart at 0 in each document; the eager attention adds it to the scores. A check below confirms
+that on the reference itself: a packed row's logits equal each document run alone. (Given the
+mask, restarting positions changes nothing in exact arithmetic, since rotary scores depend only on
+position differences inside a document; the positions are passed for fidelity, and neither this
+test nor the check can tell whether they restart.)
+
+Compared: each step's loss (mean cross-entropy over the step's targets) and gradient norm (before
+clipping) within 1e-5 relative (observed: <= 3e-7), the number of targets exactly, and every final
+weight tensor elementwise with rtol 1e-5 and atol 1e-5 * max|ref| of that tensor.
+
+Why those numbers. Both sides are float32 with different summation orders (Rondo's kernels, stage
+boundaries, recompute, the chunked head vs. transformers' autograd graph), so gradients differ by
+~1e-7..1e-6 of their scale. Weights move ~lr = 1e-3 per step (an Adam step is about lr), so an
+error anywhere in the step moves every tensor far beyond the tolerance. Measured with a broken
+reference, the worst element in units of the tolerance: weight decay left out 15, lr 1.1e-3 for
+1e-3 230, clipping left out 80, one microbatch's backward left out 1600; exact reference 0.03.
+
+Adam magnifies gradient noise where it divides by sqrt(v) + eps: in step 1 an update is
+lr * g / (|g| + eps), whose slope at g = 0 is lr / eps, so an entry whose gradient happens to cancel
+to ~0 (from terms of ~1e-2, with ~1e-8 of rounding noise) takes that noise times lr / eps into its
+weight. Worst element as a fraction of max|ref| over 10-48 random runs per eps: eps 1e-6 up to
+1.04e-5 (so the test failed now and then), eps 1e-5 up to 4.4e-6, eps 1e-4 up to 7.4e-7. Hence
+eps = 1e-4: the worst rounding effect is ~14 times below the tolerance, while entries with real
+gradients (1e-4..1e-1 here) still get Adam's usual near-unit steps.
+
+max_grad_norm is 0.7 of the step-1 gradient norm (a reference pass before the run), so clipping
+is active at least in step 1.
+"""
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+import transformers as T
+from safetensors.numpy import load_file
+
+from rondo_oracle import driver
+
+V = 64  # vocabulary
+L = 3  # blocks: the layer list is [prefix, block_0, block_1, block_2, head], 5 layers
+ROWS, SEQ, STEPS = 6, 12, 3
+HP = dict(lr=1e-3, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-4)
+RTOL = 1e-5
+
+FAMILIES = {
+    "llama_gqa_untied": (T.LlamaForCausalLM, T.LlamaConfig, dict(
+        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)),
+    "qwen2_tied_qkv_bias": (T.Qwen2ForCausalLM, T.Qwen2Config, dict(
+        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)),
+}
+
+# (devices, M, plan) over the 5 layers. The tail ends at 5 and holds the head; forward stages cover
+# [0, tail begin) ascending, backward stages the same range descending (cut independently).
+PLANS = {
+    "1dev_whole_tail_M1": (1, 1, dict(forward=[], tail=[0, 5], backward=[], grain="stage")),
+    "2dev_stages_M2_stage": (2, 2, dict(forward=[[0, 2], [2, 3]], tail=[3, 5],
+                                        backward=[[1, 3], [0, 1]], grain="stage",
+                                        head_chunk_tokens=5)),
+    "3dev_stages_M3_layer": (3, 3, dict(forward=[[0, 1], [1, 2], [2, 4]], tail=[4, 5],
+                                        backward=[[2, 4], [0, 2]], grain="layer")),
+    "2dev_stages_M3_layer": (2, 3, dict(forward=[[0, 3]], tail=[3, 5],
+                                        backward=[[2, 3], [1, 2], [0, 1]], grain="layer",
+                                        head_chunk_tokens=7)),
+}
+
+
+def make_model(family, seed):
+    model_cls, config_cls, extra = FAMILIES[family]
+    torch.manual_seed(seed)
+    config = config_cls(vocab_size=V, hidden_size=32, intermediate_size=56, num_hidden_layers=L,
+                        max_position_embeddings=64, rms_norm_eps=1e-5,
+                        attn_implementation="eager", **extra)
+    model = model_cls(config).eval()  # no dropout in these models; eval() only to be explicit
+    with torch.no_grad():  # no zeros and no ones (biases, norms), and attention far from uniform
+        for p in model.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    return model
+
+
+def random_step(g):
+    """One step's global batch: tokens and doc_ids (ROWS, SEQ), two documents per row."""
+    tokens = torch.randint(0, V, (ROWS, SEQ), generator=g)
+    doc_ids = torch.zeros(ROWS, SEQ, dtype=torch.long)
+    for r in range(ROWS):
+        cut = int(torch.randint(1, SEQ, (1,), generator=g))
+        doc_ids[r, cut:] = 1
+    return tokens, doc_ids
+
+
+def split(t, m):
+    """m microbatches of consecutive rows."""
+    n = t.shape[0]
+    return [t[n * i // m:n * (i + 1) // m] for i in range(m)]
+
+
+def targets_of(tokens, doc_ids):
+    """Next token inside the same document; -100 at each document's last token."""
+    y = torch.full_like(tokens, -100)
+    same = doc_ids[:, 1:] == doc_ids[:, :-1]
+    y[:, :-1] = torch.where(same, tokens[:, 1:], torch.full_like(tokens[:, 1:], -100))
+    return y
+
+
+def packed_inputs(doc_ids):
+    """An additive (B, 1, T, T) mask (causal, inside a document) and positions restarting at 0."""
+    B, S = doc_ids.shape
+    causal = torch.ones(S, S, dtype=torch.bool).tril()
+    allowed = (doc_ids[:, :, None] == doc_ids[:, None, :]) & causal
+    mask = torch.zeros(B, 1, S, S)
+    mask.masked_fill_(~allowed[:, None], torch.finfo(torch.float32).min)
+    pos = torch.zeros(B, S, dtype=torch.long)
+    for b in range(B):
+        for t in range(1, S):
+            pos[b, t] = pos[b, t - 1] + 1 if doc_ids[b, t] == doc_ids[b, t - 1] else 0
+    return mask, pos
+
+
+def logits_of(model, tokens, doc_ids):
+    mask, pos = packed_inputs(doc_ids)
+    return model(input_ids=tokens, attention_mask=mask, position_ids=pos).logits
+
+
+def backward_step(model, step, m):
+    """Accumulates the step's gradient over m microbatches; returns (mean loss, targets)."""
+    tokens, doc_ids = step
+    targets = targets_of(tokens, doc_ids)
+    count = int((targets != -100).sum())
+    total = 0.0
+    for tok, doc, y in zip(split(tokens, m), split(doc_ids, m), split(targets, m)):
+        logits = logits_of(model, tok, doc)
+        loss_sum = F.cross_entropy(logits.reshape(-1, V).float(), y.reshape(-1),
+                                   reduction="sum", ignore_index=-100)
+        (loss_sum / count).backward()
+        total += loss_sum.item()
+    return total / count, count
+
+
+def reference(model, steps, m, max_norm):
+    params = list(model.parameters())  # a tied LM head is the embedding: listed once
+    opt = torch.optim.AdamW(params, **HP)
+    out = []
+    for step in steps:
+        opt.zero_grad()
+        loss, count = backward_step(model, step, m)
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm).item()
+        opt.step()
+        out.append((loss, norm, count))
+    return out
+
+
+def test_packed_mask_equals_documents_run_alone():
+    """The reference's packed-row inputs (4D mask, restarting positions) do what they claim in
+    transformers: each document's logits equal the document run alone."""
+    seed = int.from_bytes(os.urandom(4), "little")
+    print("seed", seed)
+    g = torch.Generator().manual_seed(seed)
+    for family in FAMILIES:
+        model = make_model(family, seed)
+        tokens, doc_ids = random_step(g)
+        with torch.no_grad():
+            packed = logits_of(model, tokens, doc_ids)
+            for r in range(ROWS):
+                cut = int((doc_ids[r] == 0).sum())
+                for a, b in ((0, cut), (cut, SEQ)):
+                    alone = model(input_ids=tokens[r:r + 1, a:b]).logits[0]
+                    diff = (packed[r, a:b] - alone).abs().max().item()
+                    assert diff < 1e-5, f"{family} row {r} [{a},{b}): {diff:.3g}"
+
+
+@pytest.mark.parametrize("plan_name", sorted(PLANS))
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_three_steps_match_transformers_and_adamw(family, plan_name, tmp_path):
+    seed = int.from_bytes(os.urandom(4), "little")
+    print("seed", seed)
+    devices, m, plan = PLANS[plan_name]
+    model = make_model(family, seed)
+    model_dir = tmp_path / "model"
+    model.save_pretrained(model_dir)  # safetensors, float32
+    initial = {n: p.detach().clone() for n, p in model.named_parameters()}
+    g = torch.Generator().manual_seed(seed)
+    steps = [random_step(g) for _ in range(STEPS)]
+
+    # Clipping active in step 1: max_norm below that step's gradient norm (a dry pass).
+    model.zero_grad()
+    backward_step(model, steps[0], m)
+    max_norm = 0.7 * torch.nn.utils.clip_grad_norm_(list(model.parameters()), float("inf")).item()
+    model.zero_grad()
+
+    (tmp_path / "in.json").write_text(json.dumps({
+        "microbatches": [[{"tokens": t.tolist(), "doc_ids": d.tolist()}
+                          for t, d in zip(split(tokens, m), split(doc_ids, m))]
+                         for tokens, doc_ids in steps],
+        **plan, "devices": devices, "lr": HP["lr"], "weight_decay": HP["weight_decay"],
+        "betas": list(HP["betas"]), "eps": HP["eps"], "max_grad_norm": max_norm}))
+    driver("engine-train", model_dir, tmp_path / "in.json", tmp_path / "out.safetensors",
+           timeout=120)  # ~1 s; a hang in the engine fails here
+    got = load_file(str(tmp_path / "out.safetensors"))
+
+    ref = reference(model, steps, m, max_norm)
+    for s, (loss, norm, count) in enumerate(ref, 1):
+        assert int(got[f"targets{s}"][0]) == count, f"step {s}: targets"
+        assert float(got[f"loss{s}"][0]) == pytest.approx(loss, rel=RTOL), f"step {s}: loss"
+        assert float(got[f"norm{s}"][0]) == pytest.approx(norm, rel=RTOL), f"step {s}: norm"
+        print(f"step {s}: loss {loss:.6f} rel diff {abs(got[f'loss{s}'][0] / loss - 1):.2g}, "
+              f"norm {norm:.4g} rel diff {abs(got[f'norm{s}'][0] / norm - 1):.2g}, "
+              f"clipped to {max_norm:.4g}")
+
+    names = {n for n, _ in model.named_parameters()}  # owners: no lm_head when tied
+    weights = {n for n in got if not n.startswith(("loss", "norm", "targets"))}
+    assert weights == names
+    worst = 0.0
+    for name, p in model.named_parameters():
+        want = p.detach().numpy()
+        scale = np.abs(want).max()
+        moved = np.abs(want - initial[name].numpy()).max()
+        assert moved > 1e-3 * scale, f"{name} hardly moved ({moved:.3g})"
+        np.testing.assert_allclose(got[name], want, rtol=RTOL, atol=RTOL * scale, err_msg=name)
+        worst = max(worst, np.abs(got[name] - want).max() / scale)
+    print(f"largest weight difference / max|ref|: {worst:.3g}")
