@@ -126,6 +126,7 @@ struct StepData {
   std::vector<Microbatch> mb;
   std::vector<models::AttentionContext> ctx;  // CPU, compute dtype
   std::int64_t tokens = 0, targets = 0;
+  std::int64_t step_no = 0;     // 1-based, across train() calls
   std::vector<float> loss_sum;  // per tail job (one): downloaded there
   double loss_scale = 1;        // fp16 scale this step's backward uses
 };
@@ -652,6 +653,8 @@ struct Engine::Impl {
                                  .cos = on_device(hctx.cos, dev),
                                  .sin = on_device(hctx.sin, dev),
                                  .mask = on_device(hctx.mask, dev)};
+    if (config.attention_dropout > 0)
+      ctx.dropout_seed = dropout_seed(options.seed, step.step_no, m);
     const at::Tensor tokens = on_device(mb.batch.tokens, dev);
     const int head = static_cast<int>(specs.size()) - 1;
     auto grads_of = [&](int l) -> std::vector<at::Tensor>* {
@@ -863,6 +866,7 @@ struct Engine::Impl {
       step->targets += b.targets.ne(-100).sum().item<std::int64_t>();
     }
     step->mb = std::move(mb);
+    step->step_no = step_no;
     step->loss_sum.assign(1, 0.0f);
     return step;
   }
@@ -937,12 +941,23 @@ struct Engine::Impl {
       steps_.clear();
     }
     staging.clear();
-    for (auto& dc : devs) dc->dev->synchronize();  // stream-ordered releases done
+    for (auto& dc : devs)
+      dc->dev->synchronize();  // stream-ordered releases done
     steps_done += static_cast<std::int64_t>(out.size());
     if (error_) std::rethrow_exception(error_);
     return out;
   }
 };
+
+std::int64_t dropout_seed(std::uint64_t run_seed, std::int64_t step, int microbatch) {
+  // splitmix64 of the three, kept non-negative (negative means "no dropout").
+  std::uint64_t z = run_seed * 0x9e3779b97f4a7c15ull + static_cast<std::uint64_t>(step) * 4099 +
+                    static_cast<std::uint64_t>(microbatch);
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  z ^= z >> 31;
+  return static_cast<std::int64_t>(z >> 1);
+}
 
 Engine::Engine(const models::ModelConfig& config, const std::vector<models::LayerSpec>& specs,
                offload::LayerStore& store, offload::HostArena& arena,

@@ -56,6 +56,7 @@ struct EngineOptions {
   // Learning rate for a (1-based) step; empty = adamw.lr throughout.
   std::function<double(std::int64_t step)> lr;
   LossScaling loss_scaling;
+  std::uint64_t seed = 0;  // run seed: dropout draws depend on it, the step and the microbatch
   std::int64_t head_chunk_tokens = 1024;  // rows of logits at a time in the fused tail
   std::uint64_t max_chunk_bytes = 256ull << 20;
   EventSink* events = nullptr;              // plan, span and device events when set
@@ -69,6 +70,10 @@ struct EngineOptions {
   std::vector<LayerCosts> emulate_costs;
   std::vector<double> emulate_speeds;  // per device; empty = all 1
 };
+
+// The dropout seed of one microbatch of one (1-based) step: what AttentionContext::dropout_seed
+// holds while the engine trains (and what a reference loop must use to draw the same masks).
+std::int64_t dropout_seed(std::uint64_t run_seed, std::int64_t step, int microbatch);
 
 struct StepResult {
   std::int64_t step = 0;  // 1-based, counted across train() calls

@@ -54,6 +54,8 @@ std::vector<std::string> ModelConfig::problems() const {
     out.push_back("head_dim must be even for rotary embeddings (got " + std::to_string(head_dim) +
                   ")");
   if (!(rms_norm_eps > 0)) out.push_back("rms_norm_eps must be positive");
+  if (!(attention_dropout >= 0 && attention_dropout < 1))
+    out.push_back("attention_dropout must be in [0, 1)");
   if (!(rope.theta > 0)) out.push_back("rope_theta must be positive");
   if (rope.type != "default" && rope.type != "llama3")
     out.push_back("rope type '" + rope.type + "' is not supported (supported: default, llama3)");
@@ -173,6 +175,7 @@ ModelConfig parse_hf_config_json(const json& j, const std::string& source) {
                                  : (c.num_heads > 0 ? c.hidden_size / c.num_heads : 0);
   c.max_position_embeddings = r.integer("max_position_embeddings", 4096, false);
   c.rms_norm_eps = r.number(j, "rms_norm_eps", 1e-6);
+  c.attention_dropout = r.number(j, "attention_dropout", 0.0);
   c.tie_word_embeddings = r.boolean("tie_word_embeddings", false);
   std::string act = j.value("hidden_act", std::string("silu"));
   if (act != "silu") problems.push_back("hidden_act '" + act + "' is not supported (only silu)");

@@ -38,6 +38,7 @@ struct ModelConfig {
   std::int64_t head_dim = 0;           // D (need not be C / H)
   std::int64_t max_position_embeddings = 0;
   double rms_norm_eps = 1e-6;
+  double attention_dropout = 0;  // on the attention probabilities, in training only
   RopeConfig rope;
   bool tie_word_embeddings = false;  // LM head = embedding matrix
   bool attention_bias = false;       // bias on q, k, v (Qwen2 always; Llama when set)

@@ -4,6 +4,7 @@
 #include <c10/core/GradMode.h>
 
 #include <cmath>
+#include <limits>
 #include <map>
 
 #include "kernels/error.h"
@@ -267,6 +268,7 @@ BlockWeights BlockWeights::bind(const LayerSpec& spec, const std::vector<at::Ten
     RONDO_ASSERT_MSG(it != kFields.end(), "unknown block parameter " + spec.params[i].name);
     w.*(it->second) = tensors[i];
   }
+  w.block = spec.block;
   return w;
 }
 
@@ -275,6 +277,35 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   at::Tensor variance = h.pow(2).mean(-1, /*keepdim=*/true);
   h = h * at::rsqrt(variance + eps);
   return weight * h.to(x.scalar_type());
+}
+
+namespace {
+// A 32-bit integer hash (Chris Wellons' lowbias32) on int64 tensors holding values < 2^32; the
+// multiplications are split in 16-bit halves so that no product overflows int64.
+at::Tensor hash32(at::Tensor x) {
+  const std::int64_t m32 = 0xffffffffLL;
+  auto mul = [&](const at::Tensor& v, std::int64_t c) {
+    at::Tensor lo = v.bitwise_and(0xffff), hi = v.bitwise_right_shift(16);
+    return (lo * c + (hi * c).bitwise_and(0xffff).bitwise_left_shift(16)).bitwise_and(m32);
+  };
+  x = x.bitwise_xor(x.bitwise_right_shift(16));
+  x = mul(x, 0x7feb352dLL);
+  x = x.bitwise_xor(x.bitwise_right_shift(15));
+  x = mul(x, 0x846ca68bLL);
+  return x.bitwise_xor(x.bitwise_right_shift(16));
+}
+}  // namespace
+
+at::Tensor seeded_dropout(const at::Tensor& x, double p, std::int64_t seed) {
+  if (p <= 0) return x;
+  const std::int64_t m32 = 0xffffffffLL;
+  at::Tensor idx = at::arange(x.numel(), x.options().dtype(at::kLong)).view(x.sizes());
+  const std::int64_t s_lo = seed & m32, s_hi = (seed >> 32) & m32;
+  at::Tensor h = hash32(idx.bitwise_right_shift(32).bitwise_xor(s_hi));
+  h = hash32(h.bitwise_xor(idx.bitwise_and(m32)).bitwise_xor(s_lo));
+  h = hash32(h.bitwise_xor(s_lo));
+  at::Tensor keep = h.ge(static_cast<std::int64_t>(p * 4294967296.0));
+  return x * keep.to(x.scalar_type()) * (1.0 / (1.0 - p));
 }
 
 at::Tensor embed(const at::Tensor& embed_weight, const at::Tensor& tokens) {
@@ -312,9 +343,30 @@ at::Tensor block_forward(const ModelConfig& c, const BlockWeights& w, const at::
   }
   std::optional<at::Tensor> mask;
   if (ctx.mask.defined()) mask = ctx.mask;
-  at::Tensor a = at::scaled_dot_product_attention(q, k, v, mask, 0.0, causal,
-                                                  1.0 / std::sqrt(static_cast<double>(D)),
-                                                  /*enable_gqa=*/H != KV);
+  at::Tensor a;
+  if (c.attention_dropout > 0 && ctx.dropout_seed >= 0) {
+    // Training with attention dropout: the plain path (as transformers' eager attention), because
+    // the fused kernels draw from a generator whose state a recompute could not replay.
+    RONDO_ASSERT_MSG(cache == nullptr, "attention dropout is for training, not generation");
+    at::Tensor kk = H != KV ? k.repeat_interleave(H / KV, 1) : k;
+    at::Tensor vv = H != KV ? v.repeat_interleave(H / KV, 1) : v;
+    at::Tensor s = at::matmul(q, kk.transpose(-2, -1)) / std::sqrt(static_cast<double>(D));
+    at::Tensor allowed =
+        mask ? *mask
+             : at::ones({T, T}, at::TensorOptions().dtype(at::kBool).device(x.device())).tril();
+    s = s.masked_fill(allowed.logical_not(), -std::numeric_limits<double>::infinity());
+    at::Tensor p =
+        at::softmax(s.to(at::promote_types(s.scalar_type(), at::kFloat)), -1).to(q.scalar_type());
+    p = seeded_dropout(
+        p, c.attention_dropout,
+        static_cast<std::int64_t>(static_cast<std::uint64_t>(ctx.dropout_seed) * 1000003u +
+                                  static_cast<std::uint64_t>(w.block)));
+    a = at::matmul(p, vv);
+  } else {
+    a = at::scaled_dot_product_attention(q, k, v, mask, 0.0, causal,
+                                         1.0 / std::sqrt(static_cast<double>(D)),
+                                         /*enable_gqa=*/H != KV);
+  }
   a = a.transpose(1, 2).reshape({B, T, H * D});
   at::Tensor out = x + linear(a, w.o, w.o_bias);
   h = rms_norm(out, w.post_norm, c.rms_norm_eps);

@@ -68,7 +68,16 @@ struct AttentionContext {
   at::Tensor positions;  // (B, T) int64
   at::Tensor cos, sin;   // (B, 1, T, D) in the compute dtype
   at::Tensor mask;       // (B, 1, T, T) bool, true = may attend; undefined = plain causal
+  // Training: >= 0 turns dropout on (the config's attention_dropout). Every random draw is a pure
+  // function of (dropout_seed, block, element), with no generator state, so a recompute from a
+  // checkpoint — on any device, in any order — draws exactly what the forward drew. The engine
+  // gives each (step, microbatch) its own seed. -1 = inference: no dropout.
+  std::int64_t dropout_seed = -1;
 };
+
+// Inverted dropout with a counter-based mask: x where hash(seed, index) >= p, scaled by 1/(1-p);
+// zero elsewhere. Deterministic for (seed, shape) on every device.
+at::Tensor seeded_dropout(const at::Tensor& x, double p, std::int64_t seed);
 
 AttentionContext make_attention_context(const ModelConfig& config, const TokenBatch& batch,
                                         at::ScalarType dtype);
@@ -94,6 +103,7 @@ struct BlockWeights {
   at::Tensor post_norm;                       // (C)
   at::Tensor gate, up, down;                  // (I, C) (I, C) (C, I)
   at::Tensor gate_bias, up_bias, down_bias;   // optional (Llama mlp_bias)
+  int block = -1;                             // which block (seeds its dropout)
 
   static BlockWeights bind(const LayerSpec& spec, const std::vector<at::Tensor>& tensors);
 };

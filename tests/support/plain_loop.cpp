@@ -41,7 +41,8 @@ PlainLoop::PlainLoop(const models::ModelConfig& config,
 
 PlainLoop::~PlainLoop() = default;
 
-double PlainLoop::forward_backward(const std::vector<engine::Microbatch>& microbatches) {
+double PlainLoop::forward_backward(const std::vector<engine::Microbatch>& microbatches,
+                                   std::int64_t step_no, std::uint64_t seed) {
   State& s = *state_;
   std::int64_t targets = 0;
   for (const engine::Microbatch& mb : microbatches)
@@ -53,9 +54,12 @@ double PlainLoop::forward_backward(const std::vector<engine::Microbatch>& microb
       w.push_back(s.params.at(p.name));
     return w;
   };
-  for (const engine::Microbatch& mb : microbatches) {
+  for (std::size_t m = 0; m < microbatches.size(); ++m) {
+    const engine::Microbatch& mb = microbatches[m];
     const at::ScalarType dt = s.order[0].scalar_type();
     models::AttentionContext ctx = models::make_attention_context(s.config, mb.batch, dt);
+    if (s.config.attention_dropout > 0)
+      ctx.dropout_seed = engine::dropout_seed(seed, step_no, static_cast<int>(m));
     at::Tensor x = models::embed(layer(0)[0], mb.batch.tokens);
     for (std::size_t l = 1; l + 1 < s.specs.size(); ++l)
       x = models::block_forward(s.config, models::BlockWeights::bind(s.specs[l], layer(l)), x, ctx);
@@ -73,10 +77,11 @@ double PlainLoop::forward_backward(const std::vector<engine::Microbatch>& microb
 }
 
 double PlainLoop::step(const std::vector<engine::Microbatch>& microbatches,
-                       std::map<std::string, at::Tensor>* grads) {
+                       std::map<std::string, at::Tensor>* grads, std::int64_t step_no,
+                       std::uint64_t seed) {
   State& s = *state_;
   s.adamw->zero_grad();
-  double loss = forward_backward(microbatches);
+  double loss = forward_backward(microbatches, step_no, seed);
   if (grads)
     for (auto& [name, p] : s.params)
       (*grads)[name] = p.grad().clone();
@@ -89,7 +94,7 @@ std::map<std::string, at::Tensor> PlainLoop::gradients(
     const std::vector<engine::Microbatch>& microbatches) {
   State& s = *state_;
   s.adamw->zero_grad();
-  forward_backward(microbatches);
+  forward_backward(microbatches, 1, 0);
   std::map<std::string, at::Tensor> out;
   for (auto& [name, p] : s.params)
     out[name] = p.grad().clone();

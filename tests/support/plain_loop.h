@@ -1,8 +1,9 @@
 // The reference the engine is measured against: a plain single-device libtorch training loop over
 // the same layer functions (models/layers.h) — one autograd graph per microbatch through embed,
-// block_forward, the final norm, the LM head and torch's cross-entropy, the loss divided by the step's target tokens, gradients
-// accumulated by autograd, torch::nn::utils::clip_grad_norm_, then torch::optim::AdamW. No engine
-// code: no stages, no checkpoints, no hand-written backward, no Rondo optimizer.
+// block_forward, the final norm, the LM head and torch's cross-entropy, the loss divided by the
+// step's target tokens, gradients accumulated by autograd, torch::nn::utils::clip_grad_norm_, then
+// torch::optim::AdamW. No engine code: no stages, no checkpoints, no hand-written backward, no
+// Rondo optimizer.
 //
 //   test::PlainLoop ref(config, weights, {.lr = 1e-3, .weight_decay = 0.1}, 1.0);
 //   double loss = ref.step(microbatches);  // one optimizer step
@@ -35,15 +36,19 @@ class PlainLoop {
   // Forward and backward of every microbatch, then clipping and one AdamW step. Returns the mean
   // loss over the step's target tokens. If `grads` is given, it receives the step's gradients by
   // name (before clipping), copies in the loop's dtype.
+  // With attention dropout in the config, `step_no` (1-based) and the run seed choose the masks,
+  // as engine::dropout_seed does for the engine.
   double step(const std::vector<engine::Microbatch>& microbatches,
-              std::map<std::string, at::Tensor>* grads = nullptr);
+              std::map<std::string, at::Tensor>* grads = nullptr, std::int64_t step_no = 1,
+              std::uint64_t seed = 0);
   // Forward and backward only (no optimizer step): the gradients, then zeroed.
   std::map<std::string, at::Tensor> gradients(const std::vector<engine::Microbatch>& microbatches);
 
   at::Tensor param(const std::string& name) const;
 
  private:
-  double forward_backward(const std::vector<engine::Microbatch>& microbatches);
+  double forward_backward(const std::vector<engine::Microbatch>& microbatches, std::int64_t step_no,
+                          std::uint64_t seed);
   struct State;
   std::unique_ptr<State> state_;
 };
