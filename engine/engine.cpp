@@ -161,6 +161,7 @@ struct JobRun {
   std::vector<offload::HostBuffer> staging;
   // Written by the job's compute work (one stream, in order), read after done_compute.
   double t_start = -1, t_end = 0;
+  double measured_s = 0;  // compute time of the job, all microbatches
 
   void* device_ptr(const void* host) const {
     auto* h = static_cast<const std::uint8_t*>(host);
@@ -199,6 +200,14 @@ struct Engine::Impl {
   std::map<std::int64_t, std::shared_ptr<StepData>> steps_;
   std::map<std::int64_t, std::shared_ptr<JobRun>> runs_;
   std::map<std::tuple<std::int64_t, int, int>, std::shared_ptr<Handoff>> outputs_, ckpts_;
+  // Measured job times since the last re-plan (under mu_).
+  struct Measurement {
+    int job = 0, device = 0;
+    double seconds = 0;
+    std::int64_t tokens = 0;
+  };
+  std::vector<Measurement> measured_;
+  PlanInputs costs_;  // the costs the current plan was made from (options.plan_inputs, updated)
   std::vector<StepResult> results_;
   std::chrono::steady_clock::time_point last_step_end_;
   double last_device_event_t_ = 0;  // optimizer thread only
@@ -592,6 +601,12 @@ struct Engine::Impl {
             std::lock_guard<std::mutex> lk(dc.busy_mutex);
             dc.busy_s += busy;
           }
+          r->measured_s += busy;
+          if (last && options.replan_every > 0) {
+            std::lock_guard<std::mutex> lk(mu_);
+            measured_.push_back({static_cast<int>(g % static_cast<std::int64_t>(jobs.size())), d,
+                                 r->measured_s, step->tokens});
+          }
           if (last && sink) {
             r->t_end = sink->now();
             sink->emit(
@@ -871,8 +886,92 @@ struct Engine::Impl {
     return step;
   }
 
+  void emit_plan(const char* partitioner) {
+    if (!options.events || !options.plan_inputs) return;
+    PlanPrediction p = predict(plan, costs_);
+    options.events->emit(PlanEvent{.plan = plan.describe(),
+                                   .devices = static_cast<int>(devs.size()),
+                                   .microbatches = plan.microbatches,
+                                   .predicted_step_s = p.step_time_s,
+                                   .predicted_idle_fraction = p.idle_fraction,
+                                   .predicted_peak_bytes = p.peak_bytes,
+                                   .partitioner = partitioner});
+  }
+
+  // Folds the measured job times into the per-layer costs; re-plans when a cost moved enough.
+  // Between segments: no thread is running.
+  void replan() {
+    std::vector<Measurement> ms;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      ms.swap(measured_);
+    }
+    const std::size_t L = costs_.layers.size();
+    std::vector<double> f_sum(L, 0), f_n(L, 0), b_sum(L, 0), b_n(L, 0);
+    for (const Measurement& m : ms) {
+      const JobSpec& js = jobs[m.job];
+      double predicted = 0;
+      for (int l = js.range.begin; l < js.range.end; ++l) {
+        const LayerCosts& c = costs_.layers[l];
+        predicted += js.kind == JobKind::kForward ? c.forward_s_per_token
+                                                  : c.forward_s_per_token + c.backward_s_per_token;
+      }
+      const double speed = costs_.devices.at(m.device).speed;
+      predicted *= static_cast<double>(m.tokens) / (speed > 0 ? speed : 1);
+      if (!(predicted > 0) || !(m.seconds > 0)) continue;
+      const double ratio = m.seconds / predicted;  // the job's layers all took this much longer
+      for (int l = js.range.begin; l < js.range.end; ++l) {
+        f_sum[l] += ratio;
+        f_n[l] += 1;
+        if (js.kind != JobKind::kForward) {
+          b_sum[l] += ratio;
+          b_n[l] += 1;
+        }
+      }
+    }
+    bool moved = false;
+    for (std::size_t l = 0; l < L; ++l) {
+      LayerCosts& c = costs_.layers[l];
+      if (f_n[l] > 0) {
+        const double r = f_sum[l] / f_n[l];
+        moved = moved || std::abs(r - 1) > options.replan_threshold;
+        c.forward_s_per_token *= 0.5 + 0.5 * r;
+      }
+      if (b_n[l] > 0) {
+        const double r = b_sum[l] / b_n[l];
+        moved = moved || std::abs(r - 1) > options.replan_threshold;
+        c.backward_s_per_token *= 0.5 + 0.5 * r;
+      }
+    }
+    if (!moved) return;
+    Plan next = plan_ours(costs_);
+    if (next.describe() == plan.describe()) return;
+    plan = std::move(next);
+    jobs.clear();
+    ckpt_layers.clear();
+    build_jobs();
+    emit_plan("ours, re-planned from measured timings");
+  }
+
   std::vector<StepResult> train(std::int64_t steps, const BatchSource& batches,
                                 const std::function<void(const StepResult&)>& on_step) {
+    std::vector<StepResult> all;
+    if (steps_done == 0) emit_plan("ours");
+    const bool replanning = options.replan_every > 0 && options.plan_inputs;
+    while (steps > 0) {
+      const std::int64_t n =
+          replanning ? std::min<std::int64_t>(steps, options.replan_every) : steps;
+      std::vector<StepResult> r = run_segment(n, batches, on_step);
+      all.insert(all.end(), r.begin(), r.end());
+      steps -= n;
+      if (steps > 0 && replanning) replan();
+    }
+    return all;
+  }
+
+  // `steps` steps with the current plan, pipelined; every thread is joined at the end.
+  std::vector<StepResult> run_segment(std::int64_t steps, const BatchSource& batches,
+                                      const std::function<void(const StepResult&)>& on_step) {
     if (steps <= 0) return {};
     {
       std::lock_guard<std::mutex> lock(mu_);
@@ -886,16 +985,6 @@ struct Engine::Impl {
       ckpts_.clear();
       results_.clear();
       last_step_end_ = std::chrono::steady_clock::now();
-    }
-    if (options.events && options.plan_inputs && steps_done == 0) {
-      PlanPrediction p = predict(plan, *options.plan_inputs);
-      options.events->emit(PlanEvent{.plan = plan.describe(),
-                                     .devices = static_cast<int>(devs.size()),
-                                     .microbatches = plan.microbatches,
-                                     .predicted_step_s = p.step_time_s,
-                                     .predicted_idle_fraction = p.idle_fraction,
-                                     .predicted_peak_bytes = p.peak_bytes,
-                                     .partitioner = "ours"});
     }
     std::vector<std::thread> threads;
     for (std::size_t d = 0; d < devs.size(); ++d) {
@@ -984,6 +1073,15 @@ Engine::Engine(const models::ModelConfig& config, const std::vector<models::Laye
     dc->torch = torch_device(*dc->dev);
     if (!impl_->options.emulate_speeds.empty()) dc->speed = impl_->options.emulate_speeds[d];
     impl_->devs.push_back(std::move(dc));
+  }
+  if (impl_->options.plan_inputs) {
+    impl_->costs_ = *impl_->options.plan_inputs;
+    impl_->costs_.microbatches = impl_->plan.microbatches;
+    impl_->costs_.grain = impl_->plan.grain;
+    if (impl_->costs_.layers.size() != specs.size() ||
+        impl_->costs_.devices.size() != devices.size())
+      throw Error("engine: plan_inputs must describe the model's " + std::to_string(specs.size()) +
+                  " layers and the " + std::to_string(devices.size()) + " devices");
   }
   impl_->build_jobs();
 }

@@ -59,8 +59,17 @@ struct EngineOptions {
   std::uint64_t seed = 0;  // run seed: dropout draws depend on it, the step and the microbatch
   std::int64_t head_chunk_tokens = 1024;  // rows of logits at a time in the fused tail
   std::uint64_t max_chunk_bytes = 256ull << 20;
-  EventSink* events = nullptr;              // plan, span and device events when set
-  const PlanInputs* plan_inputs = nullptr;  // for the plan event's prediction; may be null
+  EventSink* events = nullptr;  // plan, span and device events when set
+  // The costs the plan was made from: for the plan event's prediction and for re-planning. May
+  // be null (then no prediction and no re-planning).
+  const PlanInputs* plan_inputs = nullptr;
+  // Re-planning from measured timings: every `replan_every` steps (0 = never) the engine folds the
+  // jobs' measured compute times into the per-layer costs (smoothed: each update moves a cost
+  // half-way to what was measured), and when some layer's cost moved by more than
+  // `replan_threshold` it asks plan_ours() again and switches to the new plan at that step
+  // boundary (a `plan` event says so). On a GPU the measured times are issue times for now.
+  int replan_every = 0;
+  double replan_threshold = 0.2;
   // Runs on the optimizer thread once every gradient of `step` (1-based) is in the store, before
   // the update (tests read them there).
   std::function<void(std::int64_t step)> on_gradients;
@@ -106,7 +115,7 @@ class Engine {
   std::vector<StepResult> train(std::int64_t steps, const BatchSource& batches,
                                 const std::function<void(const StepResult&)>& on_step = {});
 
-  const Plan& plan() const;
+  const Plan& plan() const;  // the plan in use (it changes when the engine re-plans)
   double loss_scale() const;
 
  private:

@@ -76,10 +76,10 @@ struct Case {
   std::vector<std::vector<Microbatch>> steps;  // global batches, one per step, split in M
 };
 
-Case make_case(const models::ModelConfig& config, int M, unsigned seed) {
+Case make_case(const models::ModelConfig& config, int M, unsigned seed, int steps = 3) {
   at::manual_seed(seed);
   Case s{config, models::layer_specs(config), test::random_weights(config), {}};
-  for (int i = 0; i < 3; ++i)
+  for (int i = 0; i < steps; ++i)
     s.steps.push_back(test::random_batch(config, 10, 8, M));
   return s;
 }
@@ -88,6 +88,7 @@ struct EngineRun {
   std::map<std::string, at::Tensor> grads1;   // step 1, by name (tied copies summed)
   std::map<std::string, at::Tensor> weights;  // after the last step: masters
   std::vector<StepResult> results;
+  Plan final_plan;  // the plan in use at the end (re-planning may change it)
 };
 
 std::vector<std::unique_ptr<kernels::Device>> sim_devices(int n, std::uint64_t bytes = 1ull << 30,
@@ -133,6 +134,7 @@ EngineRun run_engine(const Case& s, const Plan& plan, int devices, EngineOptions
     Engine engine(s.config, s.specs, store, arena, raw(devs), plan, options);
     out.results = engine.train(static_cast<std::int64_t>(s.steps.size()),
                                [&](std::int64_t step) { return s.steps.at(step - 1); });
+    out.final_plan = engine.plan();
   }
   for (std::size_t l = 0; l < s.specs.size(); ++l)
     for (std::size_t i = 0; i < s.specs[l].params.size(); ++i) {
@@ -186,7 +188,7 @@ void expect_equal(const EngineRun& e, const Reference& r,
     EXPECT_LE(layer_rel(e.grads1, r.grads1, specs[l]), 1e-6)
         << what << ": step-1 gradient, layer " << l;
     EXPECT_LE(layer_rel(e.weights, r.weights, specs[l]), 1e-6)
-        << what << ": weights after 3 steps, layer " << l;
+        << what << ": weights after the last step, layer " << l;
     EXPECT_GE(layer_rel(r.weights, initial, specs[l]), 1e-3)
         << what << ": layer " << l << " hardly moved";
   }
@@ -355,6 +357,55 @@ TEST(Engine, OptimizerBehindTheLoadersStillSeesEveryJob) {
     std::_Exit(1);  // the engine's threads cannot be joined
   }
   EXPECT_EQ(done.get().results.size(), 3u);
+}
+
+// The plan is made for uniform costs, but one block really takes eight times as long (emulated):
+// after measuring two steps the engine re-plans, the new plan is predicted faster on the real
+// costs than the first, a plan event says so — and training is still exactly the plain loop's.
+TEST(Engine, ReplansFromMeasuredTimings) {
+  Case s = make_case(test::tiny_llama(6), 2, 23, /*steps=*/6);
+  const int layers = static_cast<int>(s.specs.size());
+  const double f = 1e-3 / 40;  // 1 ms per block and microbatch (40 tokens)
+  PlanInputs assumed, actual;
+  for (int l = 0; l < layers; ++l) {
+    const double w = (l == 0 || l == layers - 1) ? 0.25 : 1.0;
+    assumed.layers.push_back({.forward_s_per_token = w * f, .backward_s_per_token = 2 * w * f});
+  }
+  actual = assumed;
+  actual.layers[4].forward_s_per_token *= 8;
+  actual.layers[4].backward_s_per_token *= 8;
+  for (PlanInputs* in : {&assumed, &actual}) {
+    for (int d = 0; d < 2; ++d)
+      in->devices.push_back({.memory_cap = 1ull << 30});
+    in->tokens_per_step = 80;
+    in->microbatches = 2;
+  }
+  const Plan first = plan_ours(assumed);
+  const std::string path = ::testing::TempDir() + "/engine_replan.jsonl";
+  std::filesystem::remove(path);
+  auto sink = EventSink::open(path);
+  EngineOptions o;
+  o.events = sink.get();
+  o.plan_inputs = &assumed;
+  o.emulate_costs = actual.layers;
+  o.replan_every = 2;
+  EngineRun run = run_engine(s, first, 2, o);
+  sink.reset();
+  expect_equal(run, run_reference(s), s.specs, s.weights, "re-planned");
+  EXPECT_NE(run.final_plan.describe(), first.describe());
+  EXPECT_LT(predict(run.final_plan, actual).step_time_s, 0.95 * predict(first, actual).step_time_s)
+      << first.describe() << " -> " << run.final_plan.describe();
+  std::ifstream in(path);
+  std::string line, last_plan;
+  int plans = 0;
+  while (std::getline(in, line)) {
+    auto j = nlohmann::json::parse(line);
+    if (j["type"] != "plan") continue;
+    ++plans;
+    last_plan = j["plan"];
+  }
+  EXPECT_GE(plans, 2);
+  EXPECT_EQ(last_plan, run.final_plan.describe());
 }
 
 TEST(Engine, DeviceOutOfMemoryIsAnErrorNamingTheJobAndWhatToChange) {
