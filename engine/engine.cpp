@@ -44,6 +44,13 @@ namespace rondo::engine {
 //    the gradients. The next writes to those gradient buffers are step s+1's downloads, which come
 //    from jobs whose weights waited for the optimizer's bump of the same layers (2), i.e. after
 //    the optimizer read and zeroed them.
+// 4. One-step-stale mode. The optimizer's pass for step s first publishes, layer by layer in
+//    forward order, the master (θ_s) to the streaming copy — for each layer only once every
+//    upload of it in step s has completed (it waits for those jobs' weights_ready events) — and
+//    bumps versions_; then, once step s's gradients are in, AdamW updates masters and moments
+//    only. Step s+1 thus runs on θ_s while θ_{s+1} is computed. Gradients: a worker enqueues the
+//    download of layer l's gradients of step s only when grads_consumed_[l] >= s, i.e. after the
+//    optimizer has read step s-1's (in exact mode this already holds by (2)).
 // Device memory: a loader releases job k-2's buffers (after synchronising its events on the host)
 // before it allocates job k's, so a device holds the running job and at most one prefetched one,
 // and every byte the ledger counts as free is really idle. Ordering inside a device is stream
@@ -197,6 +204,9 @@ struct Engine::Impl {
   std::exception_ptr error_;
   std::int64_t total_jobs_ = 0;
   std::vector<std::int64_t> versions_;
+  std::vector<std::int64_t> grads_consumed_;  // per layer: optimizer passes that read its gradients
+  // One-step-stale mode: the jobs of each step with their uploads, for the optimizer to wait on.
+  std::map<std::int64_t, std::vector<std::pair<int, std::shared_ptr<JobRun>>>> loads_;
   std::map<std::int64_t, std::shared_ptr<StepData>> steps_;
   std::map<std::int64_t, std::shared_ptr<JobRun>> runs_;
   std::map<std::tuple<std::int64_t, int, int>, std::shared_ptr<Handoff>> outputs_, ckpts_;
@@ -371,6 +381,7 @@ struct Engine::Impl {
         dc.weight_up->record(*r->weights_ready);
         std::lock_guard<std::mutex> lock(mu_);
         r->loaded = true;
+        if (options.one_step_stale) loads_[s].push_back({static_cast<int>(g % J), r});
         cv_.notify_all();
       });
       if (failed()) return;
@@ -627,8 +638,16 @@ struct Engine::Impl {
         send(dc, *r, ckpts_, {s, l, m}, std::move(bt.first), act, false);
     }
 
-    // Gradients (and the tail's loss) down to the store, once per job.
+    // Gradients (and the tail's loss) down to the store, once per job — once the optimizer has
+    // read the previous step's (Note [Engine synchronisation], 4).
     if (backward) {
+      lock.lock();
+      wait(lock, [&] {
+        for (auto& [l, data] : grad_buffers)
+          if (grads_consumed_[l] < s) return false;
+        return true;
+      });
+      lock.unlock();
       auto ev = dc.dev->create_event();
       dc.compute->record(*ev);
       dc.down->wait(*ev);
@@ -751,6 +770,7 @@ struct Engine::Impl {
     const int F = static_cast<int>(plan.forward.size());
     for (std::int64_t s = 0; s < steps; ++s) {
       guarded("step " + std::to_string(steps_done + s + 1) + ", optimizer", [&] {
+        if (options.one_step_stale) publish_stale(s);
         std::shared_ptr<StepData> step;
         for (std::int64_t j = F; j < J; ++j) {
           std::shared_ptr<JobRun> r;
@@ -800,15 +820,18 @@ struct Engine::Impl {
           optimizer.discard_step();
           res.skipped = true;
           std::lock_guard<std::mutex> lock(mu_);
-          for (auto& v : versions_)
-            v = s + 1;
+          for (std::size_t l = 0; l < store.layers(); ++l) {
+            versions_[l] = s + 1;
+            grads_consumed_[l] = s + 1;
+          }
           cv_.notify_all();
         } else {
           if (options.lr) optimizer.set_lr(options.lr(step_no));
           for (std::size_t l = 0; l < store.layers(); ++l) {
-            optimizer.update_layer(l);
+            optimizer.update_layer(l, /*write_stream=*/!options.one_step_stale);
             std::lock_guard<std::mutex> lock(mu_);
             versions_[l] = s + 1;
+            grads_consumed_[l] = s + 1;
             cv_.notify_all();
           }
         }
@@ -823,6 +846,40 @@ struct Engine::Impl {
       });
       if (failed()) return;
     }
+  }
+
+  // One-step-stale mode, first half of the optimizer's pass for step s: each layer's master (θ_s)
+  // goes to its streaming copy as soon as step s has finished uploading that layer.
+  void publish_stale(std::int64_t s) {
+    for (std::size_t l = 0; l < store.layers(); ++l) {
+      std::vector<std::shared_ptr<JobRun>> uploads;
+      {
+        std::unique_lock<std::mutex> lock(mu_);
+        auto streams = [&](int j) {
+          const auto& st = jobs[j].streamed;
+          return std::find(st.begin(), st.end(), static_cast<int>(l)) != st.end();
+        };
+        std::size_t needed = 0;
+        for (std::size_t j = 0; j < jobs.size(); ++j)
+          needed += streams(static_cast<int>(j));
+        wait(lock, [&] {
+          std::size_t have = 0;
+          for (auto& [j, r] : loads_[s])
+            have += streams(j);
+          return have == needed;
+        });
+        for (auto& [j, r] : loads_[s])
+          if (streams(j)) uploads.push_back(r);
+      }
+      for (auto& r : uploads)
+        r->weights_ready->synchronize();
+      optimizer.publish_layer(l);
+      std::lock_guard<std::mutex> lock(mu_);
+      versions_[l] = s + 1;
+      cv_.notify_all();
+    }
+    std::lock_guard<std::mutex> lock(mu_);
+    loads_.erase(s);
   }
 
   void emit_device_events() {
@@ -979,6 +1036,8 @@ struct Engine::Impl {
       error_ = nullptr;
       total_jobs_ = steps * static_cast<std::int64_t>(jobs.size());
       versions_.assign(store.layers(), 0);
+      grads_consumed_.assign(store.layers(), 0);
+      loads_.clear();
       steps_.clear();
       runs_.clear();
       outputs_.clear();

@@ -56,6 +56,11 @@ struct EngineOptions {
   // Learning rate for a (1-based) step; empty = adamw.lr throughout.
   std::function<double(std::int64_t step)> lr;
   LossScaling loss_scaling;
+  // RoundPipe's asynchronous mode: step i runs on the weights before the previous step's update
+  // (w_i = θ_{i-1}, θ_{i+1} = θ_i + U(∇L(w_i))), so the optimizer's AdamW pass overlaps the next
+  // step instead of delaying it. Default: exact synchronous training. After train() the streaming
+  // copies then lag the masters by one update (checkpoints and exports use the masters).
+  bool one_step_stale = false;
   std::uint64_t seed = 0;  // run seed: dropout draws depend on it, the step and the microbatch
   std::int64_t head_chunk_tokens = 1024;  // rows of logits at a time in the fused tail
   std::uint64_t max_chunk_bytes = 256ull << 20;

@@ -90,7 +90,13 @@ double Optimizer::begin_step() {
   return norm;
 }
 
-void Optimizer::update_layer(std::size_t layer) {
+void Optimizer::publish_layer(std::size_t layer) {
+  for (const offload::TensorState& t : store_.layer(layer))
+    if (t.trainable && !t.tied)
+      kernels::cast_from_f32(t.master, t.stream, store_.stream_dtype(), t.numel);
+}
+
+void Optimizer::update_layer(std::size_t layer, bool write_stream) {
   RONDO_ASSERT_MSG(step_ > 0, "update_layer() before begin_step()");
   kernels::AdamWParams p = params_;
   p.step = step_;
@@ -107,7 +113,7 @@ void Optimizer::update_layer(std::size_t layer) {
                          .master = t.master,
                          .m = t.m,
                          .v = t.v,
-                         .stream = t.stream,
+                         .stream = write_stream ? t.stream : nullptr,
                          .stream_dtype = store_.stream_dtype()},
                         p);
   }

@@ -30,7 +30,11 @@ class Optimizer {
   double begin_step();
   // AdamW on the layer's own trainable tensors (a tied tensor is updated by its owner, with both
   // gradients), then the gradients of the layer are zeroed for the next step.
-  void update_layer(std::size_t layer);
+  // With write_stream = false only the master and moments change (one-step-stale training
+  // publishes the master to the streaming copy later, with publish_layer).
+  void update_layer(std::size_t layer, bool write_stream = true);
+  // The layer's streaming copies := its masters, rounded to the streaming dtype.
+  void publish_layer(std::size_t layer);
 
   // Undoes begin_step() for a step that will not be applied (fp16 overflow): the step count goes
   // back and every gradient is zeroed.

@@ -16,6 +16,7 @@ struct PlainLoop::State {
   std::vector<at::Tensor> order;             // parameters, for the optimizer
   std::unique_ptr<torch::optim::AdamW> adamw;
   double max_norm = 0;
+  std::vector<at::Tensor> stale;  // one-step-stale: the weights the next step runs on
 };
 
 PlainLoop::PlainLoop(const models::ModelConfig& config,
@@ -87,6 +88,33 @@ double PlainLoop::step(const std::vector<engine::Microbatch>& microbatches,
       (*grads)[name] = p.grad().clone();
   if (s.max_norm > 0) torch::nn::utils::clip_grad_norm_(s.order, s.max_norm);
   s.adamw->step();
+  return loss;
+}
+
+double PlainLoop::stale_step(const std::vector<engine::Microbatch>& microbatches,
+                             std::map<std::string, at::Tensor>* grads, std::int64_t step_no) {
+  State& s = *state_;
+  at::NoGradGuard no_grad_copy;
+  std::vector<at::Tensor> theta;
+  for (const at::Tensor& p : s.order)
+    theta.push_back(p.detach().clone());
+  if (s.stale.empty()) s.stale = theta;
+  for (std::size_t i = 0; i < s.order.size(); ++i)
+    s.order[i].detach().copy_(s.stale[i]);
+  s.adamw->zero_grad();
+  double loss;
+  {
+    at::AutoGradMode grad(true);
+    loss = forward_backward(microbatches, step_no, 0);
+  }
+  for (std::size_t i = 0; i < s.order.size(); ++i)
+    s.order[i].detach().copy_(theta[i]);
+  if (grads)
+    for (auto& [name, p] : s.params)
+      (*grads)[name] = p.grad().clone();
+  if (s.max_norm > 0) torch::nn::utils::clip_grad_norm_(s.order, s.max_norm);
+  s.adamw->step();
+  s.stale = theta;  // θ_i: what step i + 1 runs on
   return loss;
 }
 

@@ -41,6 +41,11 @@ class PlainLoop {
   double step(const std::vector<engine::Microbatch>& microbatches,
               std::map<std::string, at::Tensor>* grads = nullptr, std::int64_t step_no = 1,
               std::uint64_t seed = 0);
+  // RoundPipe's one-step-stale step: the gradients are taken at the weights from before the
+  // previous step's update (w_i = θ_{i-1}, w_0 = θ_0), then clipping and AdamW update θ.
+  double stale_step(const std::vector<engine::Microbatch>& microbatches,
+                    std::map<std::string, at::Tensor>* grads = nullptr, std::int64_t step_no = 1);
+
   // Forward and backward only (no optimizer step): the gradients, then zeroed.
   std::map<std::string, at::Tensor> gradients(const std::vector<engine::Microbatch>& microbatches);
 
