@@ -772,6 +772,9 @@ struct Engine::Impl {
       guarded("step " + std::to_string(steps_done + s + 1) + ", optimizer", [&] {
         if (options.one_step_stale) publish_stale(s);
         std::shared_ptr<StepData> step;
+        // The gradient norm's sums of squares, layer by layer as the gradients land: off the
+        // critical path except for the last job's layers.
+        std::vector<double> partial(store.layers(), 0.0);
         for (std::int64_t j = F; j < J; ++j) {
           std::shared_ptr<JobRun> r;
           {
@@ -782,6 +785,8 @@ struct Engine::Impl {
           }
           r->done_down->synchronize();
           if (failed()) throw Aborted{};
+          for (int l = jobs[j].range.begin; l < jobs[j].range.end; ++l)
+            partial[l] = optimizer.partial_sum_squares(l);
           std::lock_guard<std::mutex> lock(mu_);
           r->consumed = true;
           if (r->released) runs_.erase(s * J + j);
@@ -796,7 +801,7 @@ struct Engine::Impl {
             step->loss_sum[0] / static_cast<double>(std::max<std::int64_t>(step->targets, 1));
         res.loss_scale = step->loss_scale;
         optimizer.set_grad_unscale(1.0 / step->loss_scale);
-        const double norm = optimizer.begin_step();
+        const double norm = optimizer.begin_step(&partial);
         res.grad_norm = norm;
         const LossScaling& ls = options.loss_scaling;
         const bool finite = std::isfinite(norm);

@@ -72,13 +72,32 @@ const void* Optimizer::gradient(std::size_t layer, std::size_t index, kernels::F
   return scratch_.data();
 }
 
-double Optimizer::begin_step() {
+bool Optimizer::has_ties(std::size_t layer, std::size_t index) const {
+  for (const Tie& tie : ties_)
+    if (tie.owner_layer == layer && tie.owner_index == index) return true;
+  return false;
+}
+
+double Optimizer::partial_sum_squares(std::size_t layer) const {
+  double sum = 0;
+  const auto& tensors = store_.layer(layer);
+  for (std::size_t i = 0; i < tensors.size(); ++i) {
+    // A tie is counted with its owner, and an owner with ties in begin_step.
+    if (!tensors[i].trainable || tensors[i].tied || has_ties(layer, i)) continue;
+    sum += kernels::grad_sum_squares(tensors[i].grad, store_.grad_dtype(), tensors[i].numel);
+  }
+  return sum;
+}
+
+double Optimizer::begin_step(const std::vector<double>* partial) {
+  RONDO_ASSERT(!partial || partial->size() == store_.layers());
   ++step_;
   double sum = 0;
   for (std::size_t l = 0; l < store_.layers(); ++l) {
+    sum += partial ? (*partial)[l] : partial_sum_squares(l);
     const auto& tensors = store_.layer(l);
     for (std::size_t i = 0; i < tensors.size(); ++i) {
-      if (!tensors[i].trainable || tensors[i].tied) continue;  // a tie is counted with its owner
+      if (!tensors[i].trainable || tensors[i].tied || !has_ties(l, i)) continue;
       kernels::FloatDType dtype;
       const void* g = gradient(l, i, dtype);
       sum += kernels::grad_sum_squares(g, dtype, tensors[i].numel);

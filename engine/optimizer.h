@@ -27,7 +27,13 @@ class Optimizer {
   // Starts step t + 1: the global gradient norm (before clipping) over every trainable tensor.
   // Returns it; a NaN or Inf norm is returned as is (the caller skips the step, e.g. fp16
   // overflow) and update_layer must not be called for it.
-  double begin_step();
+  // `partial`, if given, holds partial_sum_squares(l) for every layer, computed as the gradients
+  // landed (so only tied tensors are read here).
+  double begin_step(const std::vector<double>* partial = nullptr);
+  // The sum of squares of layer l's gradients, except tensors with ties (an owner's and its tied
+  // copies' gradients are summed before squaring, in begin_step). Read-only: call it as soon as
+  // the layer's gradients of the step are in.
+  double partial_sum_squares(std::size_t layer) const;
   // AdamW on the layer's own trainable tensors (a tied tensor is updated by its owner, with both
   // gradients), then the gradients of the layer are zeroed for the next step.
   // With write_stream = false only the master and moments change (one-step-stale training
@@ -49,6 +55,7 @@ class Optimizer {
   void set_lr(double lr) { params_.lr = lr; }
 
  private:
+  bool has_ties(std::size_t layer, std::size_t index) const;
   // The gradient AdamW sees for an owned tensor: its own, plus the tied copies' (as f32).
   const void* gradient(std::size_t layer, std::size_t index, kernels::FloatDType& dtype);
 
