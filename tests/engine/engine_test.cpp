@@ -282,9 +282,8 @@ TEST(Engine, OneStepStaleEqualsThePlainLoopRunStale) {
   EXPECT_GT(layer_rel(exact.weights, ref.weights, s.specs[1]), 1e-5) << "stale = exact?";
 }
 
-// The same global batch split into 1, 2 or 5 microbatches: the engine's results differ between
-// splits by no more than twice what the plain loop's own results differ (summation order), with a
-// floor of a few fp32 ulps for tensors where the plain loop happens to agree exactly.
+// The same global batch split into 1, 2 or 5 microbatches: the engine's step-1 gradients differ
+// between splits by no more than twice what the plain loop's own differ (summation order).
 TEST(Engine, MicrobatchSplitsDifferOnlyAsThePlainLoopDoes) {
   const unsigned seed = std::random_device{}();
   std::printf("seed %u\n", seed);
@@ -300,15 +299,18 @@ TEST(Engine, MicrobatchSplitsDifferOnlyAsThePlainLoopDoes) {
     eng[M] = run_engine(
         s, random_plan(static_cast<int>(s.specs.size()), M, RecomputeGrain::kStage, rng), 3);
   }
-  for (auto [a, b] : {std::pair{1, 2}, std::pair{1, 5}, std::pair{2, 5}})
-    for (auto& [name, w] : ref[a].weights) {
-      const double plain = rel(ref[a].grads1[name], ref[b].grads1[name]);
-      const double ours = rel(eng[a].grads1[name], eng[b].grads1[name]);
-      std::printf("%s M=%d vs %d: grads plain %.3g ours %.3g; weights plain %.3g ours %.3g\n",
-                  name.c_str(), a, b, plain, ours, rel(ref[a].weights[name], ref[b].weights[name]),
-                  rel(eng[a].weights[name], eng[b].weights[name]));
-      EXPECT_LE(ours, std::max(2 * plain, 5e-7)) << name << " M=" << a << " vs M=" << b;
-    }
+  // The whole gradient as one vector, norm-wise (per tensor or per layer the differences are a few
+  // ulps of a handful of numbers, too few to compare).
+  models::LayerSpec all;
+  for (const models::LayerSpec& l : base.specs)
+    all.params.insert(all.params.end(), l.params.begin(), l.params.end());
+  for (auto [a, b] : {std::pair{1, 2}, std::pair{1, 5}, std::pair{2, 5}}) {
+    const double plain = layer_rel(ref[a].grads1, ref[b].grads1, all);
+    const double ours = layer_rel(eng[a].grads1, eng[b].grads1, all);
+    std::printf("M=%d vs %d: plain %.3g ours %.3g\n", a, b, plain, ours);
+    EXPECT_GT(plain, 0) << "the plain loop's splits agree exactly: nothing to compare";
+    EXPECT_LE(ours, 2 * plain) << "M=" << a << " vs M=" << b;
+  }
 }
 
 TEST(Engine, EmitsPlanSpanAndDeviceEvents) {
