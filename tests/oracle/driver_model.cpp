@@ -12,6 +12,7 @@
 #include <nlohmann/json.hpp>
 
 #include "driver.h"
+#include "driver_json.h"
 #include "kernels/error.h"
 #include "models/generate.h"
 #include "models/model.h"
@@ -19,18 +20,6 @@
 
 namespace rondo::oracle {
 namespace {
-
-at::Tensor int_matrix(const nlohmann::json& rows) {
-  const std::int64_t B = static_cast<std::int64_t>(rows.size());
-  const std::int64_t T = B ? static_cast<std::int64_t>(rows[0].size()) : 0;
-  at::Tensor t = at::empty({B, T}, at::kLong);
-  for (std::int64_t b = 0; b < B; ++b) {
-    if (static_cast<std::int64_t>(rows[b].size()) != T) throw Error("rows of different lengths");
-    for (std::int64_t i = 0; i < T; ++i)
-      t[b][i] = rows[b][i].get<std::int64_t>();
-  }
-  return t;
-}
 
 int forward(const std::vector<std::string>& args) {
   if (args.size() != 3) throw Error("usage: forward <model> <batch.json> <out.safetensors>");
