@@ -166,6 +166,23 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b)
   return b.defined() ? at::linear(x, w, b) : at::linear(x, w);
 }
 
+std::int64_t mix_seed(std::int64_t seed, std::int64_t a, std::int64_t b) {
+  std::uint64_t z = static_cast<std::uint64_t>(seed) * 1000003u + static_cast<std::uint64_t>(a);
+  z = z * 1000003u + static_cast<std::uint64_t>(b);
+  return static_cast<std::int64_t>(z >> 1);
+}
+
+// A projection of a block, with its LoRA adapter when it has one (as PEFT computes it).
+at::Tensor project(const BlockWeights& w, BlockWeights::Projection p, const at::Tensor& x,
+                   const at::Tensor& weight, const at::Tensor& bias, const AttentionContext& ctx) {
+  at::Tensor y = linear(x, weight, bias);
+  if (!w.lora_a[p].defined()) return y;
+  at::Tensor in = x;
+  if (w.lora_dropout > 0 && ctx.dropout_seed >= 0)
+    in = seeded_dropout(x, w.lora_dropout, mix_seed(ctx.dropout_seed, w.block, 16 + p));
+  return y + at::linear(at::linear(in, w.lora_a[p]), w.lora_b[p]) * w.lora_scaling;
+}
+
 }  // namespace
 
 AttentionContext make_attention_context(const ModelConfig& c, const TokenBatch& batch,
@@ -260,15 +277,34 @@ BlockWeights BlockWeights::bind(const LayerSpec& spec, const std::vector<at::Ten
       {"mlp.down_proj.weight", &BlockWeights::down},
       {"mlp.down_proj.bias", &BlockWeights::down_bias},
   };
+  static const std::map<std::string, BlockWeights::Projection> kProjections = {
+      {"self_attn.q_proj", BlockWeights::kQ}, {"self_attn.k_proj", BlockWeights::kK},
+      {"self_attn.v_proj", BlockWeights::kV}, {"self_attn.o_proj", BlockWeights::kO},
+      {"mlp.gate_proj", BlockWeights::kGate}, {"mlp.up_proj", BlockWeights::kUp},
+      {"mlp.down_proj", BlockWeights::kDown}};
   const std::string prefix = "model.layers." + std::to_string(spec.block) + ".";
+  const std::string lora_prefix = "base_model.model." + prefix;
   BlockWeights w;
   for (std::size_t i = 0; i < tensors.size(); ++i) {
-    std::string local = spec.params[i].name.substr(prefix.size());
+    const std::string& name = spec.params[i].name;
+    if (name.rfind(lora_prefix, 0) ==
+        0) {  // base_model.model.model.layers.3.mlp.up_proj.lora_A.weight
+      const std::string local = name.substr(lora_prefix.size());
+      const std::size_t cut = local.find(".lora_");
+      auto it =
+          cut == std::string::npos ? kProjections.end() : kProjections.find(local.substr(0, cut));
+      RONDO_ASSERT_MSG(it != kProjections.end(), "unknown LoRA parameter " + name);
+      (local.compare(cut, 8, ".lora_A.") == 0 ? w.lora_a : w.lora_b)[it->second] = tensors[i];
+      continue;
+    }
+    std::string local = name.substr(prefix.size());
     auto it = kFields.find(local);
     RONDO_ASSERT_MSG(it != kFields.end(), "unknown block parameter " + spec.params[i].name);
     w.*(it->second) = tensors[i];
   }
   w.block = spec.block;
+  w.lora_scaling = spec.lora_scaling;
+  w.lora_dropout = spec.lora_dropout;
   return w;
 }
 
@@ -317,9 +353,9 @@ at::Tensor block_forward(const ModelConfig& c, const BlockWeights& w, const at::
   const std::int64_t B = x.size(0), T = x.size(1), H = c.num_heads, KV = c.num_kv_heads,
                      D = c.head_dim;
   at::Tensor h = rms_norm(x, w.input_norm, c.rms_norm_eps);
-  at::Tensor q = linear(h, w.q, w.q_bias).view({B, T, H, D});
-  at::Tensor k = linear(h, w.k, w.k_bias).view({B, T, KV, D});
-  at::Tensor v = linear(h, w.v, w.v_bias).view({B, T, KV, D});
+  at::Tensor q = project(w, BlockWeights::kQ, h, w.q, w.q_bias, ctx).view({B, T, H, D});
+  at::Tensor k = project(w, BlockWeights::kK, h, w.k, w.k_bias, ctx).view({B, T, KV, D});
+  at::Tensor v = project(w, BlockWeights::kV, h, w.v, w.v_bias, ctx).view({B, T, KV, D});
   if (c.qk_norm) {
     q = rms_norm(q, w.q_norm, c.rms_norm_eps);
     k = rms_norm(k, w.k_norm, c.rms_norm_eps);
@@ -368,10 +404,11 @@ at::Tensor block_forward(const ModelConfig& c, const BlockWeights& w, const at::
                                          /*enable_gqa=*/H != KV);
   }
   a = a.transpose(1, 2).reshape({B, T, H * D});
-  at::Tensor out = x + linear(a, w.o, w.o_bias);
+  at::Tensor out = x + project(w, BlockWeights::kO, a, w.o, w.o_bias, ctx);
   h = rms_norm(out, w.post_norm, c.rms_norm_eps);
-  at::Tensor m = linear(at::silu(linear(h, w.gate, w.gate_bias)) * linear(h, w.up, w.up_bias),
-                        w.down, w.down_bias);
+  at::Tensor gated = at::silu(project(w, BlockWeights::kGate, h, w.gate, w.gate_bias, ctx)) *
+                     project(w, BlockWeights::kUp, h, w.up, w.up_bias, ctx);
+  at::Tensor m = project(w, BlockWeights::kDown, gated, w.down, w.down_bias, ctx);
   return out + m;
 }
 

@@ -50,6 +50,9 @@ struct LayerSpec {
   std::uint64_t activation_bytes_per_token(std::size_t act_bytes) const;
 
   ModelConfig config;  // the model this layer belongs to (dimensions for the costs)
+  // LoRA adapters among `params` (models/lora.h): their output is scaled by lora_scaling, their
+  // input goes through dropout lora_dropout in training. 0 / 0 without adapters.
+  double lora_scaling = 0, lora_dropout = 0;
 };
 
 std::vector<LayerSpec> layer_specs(const ModelConfig& config);
@@ -103,7 +106,12 @@ struct BlockWeights {
   at::Tensor post_norm;                       // (C)
   at::Tensor gate, up, down;                  // (I, C) (I, C) (C, I)
   at::Tensor gate_bias, up_bias, down_bias;   // optional (Llama mlp_bias)
-  int block = -1;                             // which block (seeds its dropout)
+  // LoRA adapters per projection (q, k, v, o, gate, up, down), undefined where there is none:
+  // y = x W^T + b + (dropout(x) A^T) B^T * lora_scaling.
+  enum Projection { kQ, kK, kV, kO, kGate, kUp, kDown, kProjections };
+  at::Tensor lora_a[kProjections], lora_b[kProjections];  // (r, in), (out, r)
+  double lora_scaling = 0, lora_dropout = 0;
+  int block = -1;  // which block (seeds its dropout)
 
   static BlockWeights bind(const LayerSpec& spec, const std::vector<at::Tensor>& tensors);
 };
