@@ -687,8 +687,8 @@ struct Engine::Impl {
                                  .cos = on_device(hctx.cos, dev),
                                  .sin = on_device(hctx.sin, dev),
                                  .mask = on_device(hctx.mask, dev)};
-    if (config.attention_dropout > 0)
-      ctx.dropout_seed = dropout_seed(options.seed, step.step_no, m);
+    // Training: attention and LoRA dropout (when the model has them) draw from this seed.
+    ctx.dropout_seed = dropout_seed(options.seed, step.step_no, m);
     const at::Tensor tokens = on_device(mb.batch.tokens, dev);
     const int head = static_cast<int>(specs.size()) - 1;
     auto grads_of = [&](int l) -> std::vector<at::Tensor>* {

@@ -21,18 +21,21 @@ struct PlainLoop::State {
 
 PlainLoop::PlainLoop(const models::ModelConfig& config,
                      const std::map<std::string, at::Tensor>& weights, const PlainAdamW& a,
-                     double max_grad_norm, at::ScalarType dtype)
+                     double max_grad_norm, at::ScalarType dtype,
+                     const std::vector<models::LayerSpec>* specs,
+                     const std::function<bool(const std::string&)>& trainable)
     : state_(std::make_unique<State>()) {
   State& s = *state_;
   s.config = config;
-  s.specs = models::layer_specs(config);
+  s.specs = specs ? *specs : models::layer_specs(config);
   s.max_norm = max_grad_norm;
   for (const models::LayerSpec& l : s.specs)
     for (const models::ParamSpec& p : l.params) {
       if (s.params.count(p.name)) continue;
-      at::Tensor t = weights.at(p.name).to(dtype).clone().requires_grad_(true);
+      const bool train = !trainable || trainable(p.name);
+      at::Tensor t = weights.at(p.name).to(dtype).clone().requires_grad_(train);
       s.params.emplace(p.name, t);
-      s.order.push_back(t);
+      if (train) s.order.push_back(t);
     }
   s.adamw = std::make_unique<torch::optim::AdamW>(s.order, torch::optim::AdamWOptions(a.lr)
                                                                .betas({a.beta1, a.beta2})
@@ -57,10 +60,9 @@ double PlainLoop::forward_backward(const std::vector<engine::Microbatch>& microb
   };
   for (std::size_t m = 0; m < microbatches.size(); ++m) {
     const engine::Microbatch& mb = microbatches[m];
-    const at::ScalarType dt = s.order[0].scalar_type();
+    const at::ScalarType dt = s.params.begin()->second.scalar_type();
     models::AttentionContext ctx = models::make_attention_context(s.config, mb.batch, dt);
-    if (s.config.attention_dropout > 0)
-      ctx.dropout_seed = engine::dropout_seed(seed, step_no, static_cast<int>(m));
+    ctx.dropout_seed = engine::dropout_seed(seed, step_no, static_cast<int>(m));
     at::Tensor x = models::embed(layer(0)[0], mb.batch.tokens);
     for (std::size_t l = 1; l + 1 < s.specs.size(); ++l)
       x = models::block_forward(s.config, models::BlockWeights::bind(s.specs[l], layer(l)), x, ctx);
@@ -85,7 +87,7 @@ double PlainLoop::step(const std::vector<engine::Microbatch>& microbatches,
   double loss = forward_backward(microbatches, step_no, seed);
   if (grads)
     for (auto& [name, p] : s.params)
-      (*grads)[name] = p.grad().clone();
+      if (p.grad().defined()) (*grads)[name] = p.grad().clone();
   if (s.max_norm > 0) torch::nn::utils::clip_grad_norm_(s.order, s.max_norm);
   s.adamw->step();
   return loss;
@@ -111,7 +113,7 @@ double PlainLoop::stale_step(const std::vector<engine::Microbatch>& microbatches
     s.order[i].detach().copy_(theta[i]);
   if (grads)
     for (auto& [name, p] : s.params)
-      (*grads)[name] = p.grad().clone();
+      if (p.grad().defined()) (*grads)[name] = p.grad().clone();
   if (s.max_norm > 0) torch::nn::utils::clip_grad_norm_(s.order, s.max_norm);
   s.adamw->step();
   s.stale = theta;  // θ_i: what step i + 1 runs on
@@ -125,7 +127,7 @@ std::map<std::string, at::Tensor> PlainLoop::gradients(
   forward_backward(microbatches, 1, 0);
   std::map<std::string, at::Tensor> out;
   for (auto& [name, p] : s.params)
-    out[name] = p.grad().clone();
+    if (p.grad().defined()) out[name] = p.grad().clone();
   s.adamw->zero_grad();
   return out;
 }

@@ -12,6 +12,7 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -29,8 +30,12 @@ struct PlainAdamW {
 class PlainLoop {
  public:
   // `weights` by Hugging Face name (any dtype; trained in `dtype`). Every parameter is trained.
+  // `specs` (default: the config's layers) may carry LoRA adapters; `trainable` (default: all)
+  // says which parameters train — the others get no gradient and no optimizer state.
   PlainLoop(const models::ModelConfig& config, const std::map<std::string, at::Tensor>& weights,
-            const PlainAdamW& adamw, double max_grad_norm, at::ScalarType dtype = at::kFloat);
+            const PlainAdamW& adamw, double max_grad_norm, at::ScalarType dtype = at::kFloat,
+            const std::vector<models::LayerSpec>* specs = nullptr,
+            const std::function<bool(const std::string&)>& trainable = {});
   ~PlainLoop();
 
   // Forward and backward of every microbatch, then clipping and one AdamW step. Returns the mean
