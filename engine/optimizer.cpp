@@ -49,7 +49,7 @@ const void* Optimizer::gradient(std::size_t layer, std::size_t index, kernels::F
   scratch_.assign(t.numel, 0.0f);
   auto add = [&](const void* g) {
     for (std::size_t k = 0; k < t.numel; ++k) {
-      float x;
+      float x = 0;
       switch (dtype) {
         case kernels::FloatDType::kF32:
           x = static_cast<const float*>(g)[k];
