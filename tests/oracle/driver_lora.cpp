@@ -3,13 +3,20 @@
 //     batch.json: {"tokens": [[...]]}; loads the base (f32) and the PEFT adapter
 //     (adapter_config.json, adapter_model.safetensors), runs the model's layer functions with the
 //     adapters bound (inference: no dropout) and writes "logits" (B, T, V) f32.
+//   lora-train-export <base_model_dir> <in.json> <out_dir>: see lora_train_export below.
 #include <ATen/ATen.h>
 
 #include <fstream>
+#include <functional>
+#include <map>
 #include <nlohmann/json.hpp>
 
 #include "driver.h"
 #include "driver_json.h"
+#include "engine/engine.h"
+#include "engine/export.h"
+#include "engine/state.h"
+#include "kernels/cpu/sim_device.h"
 #include "kernels/error.h"
 #include "models/lora.h"
 #include "models/mapped_file.h"
@@ -18,6 +25,23 @@
 
 namespace rondo::oracle {
 namespace {
+
+// The model's layer functions over `specs` (adapters bound; inference: no dropout): fp32 logits.
+at::Tensor forward(const models::ModelConfig& c, const std::vector<models::LayerSpec>& specs,
+                   const std::function<at::Tensor(const std::string&)>& tensor,
+                   const at::Tensor& tokens) {
+  models::TokenBatch batch{tokens, {}};
+  models::AttentionContext ctx = models::make_attention_context(c, batch, at::kFloat);
+  at::Tensor x = models::embed(tensor(specs[0].params[0].name), batch.tokens);
+  for (std::size_t l = 1; l + 1 < specs.size(); ++l) {
+    std::vector<at::Tensor> w;
+    for (const models::ParamSpec& p : specs[l].params)
+      w.push_back(tensor(p.name));
+    x = models::block_forward(c, models::BlockWeights::bind(specs[l], w), x, ctx);
+  }
+  const models::LayerSpec& head = specs.back();
+  return models::head_logits(c, tensor(head.params[0].name), tensor(head.params[1].name), x);
+}
 
 int lora_logits(const std::vector<std::string>& args) {
   if (args.size() != 4)
@@ -36,23 +60,82 @@ int lora_logits(const std::vector<std::string>& args) {
   };
   nlohmann::json j;
   std::ifstream(args[2]) >> j;
-  models::TokenBatch batch{int_matrix(j["tokens"]), {}};
-  const models::ModelConfig& c = model.config();
-  models::AttentionContext ctx = models::make_attention_context(c, batch, at::kFloat);
-  at::Tensor x = models::embed(tensor(specs[0].params[0].name), batch.tokens);
-  for (std::size_t l = 1; l + 1 < specs.size(); ++l) {
-    std::vector<at::Tensor> w;
-    for (const models::ParamSpec& p : specs[l].params)
-      w.push_back(tensor(p.name));
-    x = models::block_forward(c, models::BlockWeights::bind(specs[l], w), x, ctx);
-  }
-  const models::LayerSpec& head = specs.back();
-  at::Tensor logits =
-      models::head_logits(c, tensor(head.params[0].name), tensor(head.params[1].name), x);
+  at::Tensor logits = forward(model.config(), specs, tensor, int_matrix(j["tokens"]));
   models::write_safetensors(args[3], {{"logits", logits}});
   return 0;
 }
 
+// Trains LoRA adapters (PEFT init, seed given) with the engine on 2 simulated devices, exports them
+// (PEFT folder and merged checkpoint) and writes Rondo's logits with the trained adapters.
+//   in.json: {"lora": {r, alpha, targets, rslora}, "seed", "lr", "steps": [[tokens of microbatch,
+//   ...] per step], "eval_tokens": [[...]]}
+int lora_train_export(const std::vector<std::string>& args) {
+  if (args.size() != 3)
+    throw Error("usage: lora-train-export <base_model_dir> <in.json> <out_dir>");
+  models::Model model = models::Model::load_hf_folder(args[0], {.dtype = models::DType::kF32});
+  nlohmann::json j;
+  std::ifstream(args[1]) >> j;
+  models::LoraConfig lora{.rank = j["lora"]["r"],
+                          .alpha = j["lora"]["alpha"],
+                          .targets = j["lora"]["targets"].get<std::vector<std::string>>(),
+                          .rslora = j["lora"]["rslora"]};
+  std::vector<models::LayerSpec> specs = models::add_lora(model.layers(), lora);
+  std::map<std::string, at::Tensor> adapters = models::init_lora(specs, j["seed"]);
+  offload::HostArena arena({.pinning = offload::Pinning::kOff});
+  offload::LayerStore store(
+      arena,
+      engine::layer_descs(specs,
+                          [](const models::ParamSpec& p) { return models::is_lora_param(p.name); }),
+      kernels::FloatDType::kF32, kernels::FloatDType::kF32);
+  engine::load_weights(store, specs, [&](const std::string& n) {
+    return models::is_lora_param(n) ? adapters.at(n) : model.tensor(n);
+  });
+  std::vector<std::vector<engine::Microbatch>> steps;
+  for (const auto& step : j["steps"]) {
+    std::vector<engine::Microbatch> mbs;
+    for (const auto& mb : step) {
+      models::TokenBatch b{int_matrix(mb), {}};
+      mbs.push_back({b, models::next_token_targets(b)});
+    }
+    steps.push_back(std::move(mbs));
+  }
+  const int L = static_cast<int>(specs.size());
+  engine::Plan plan{{{0, L / 2}},
+                    {L / 2, L},
+                    {{0, L / 2}},
+                    static_cast<int>(steps[0].size()),
+                    engine::RecomputeGrain::kStage};
+  std::vector<std::unique_ptr<kernels::Device>> devs;
+  for (int d = 0; d < 2; ++d)
+    devs.push_back(
+        kernels::make_sim_device({.name = "sim" + std::to_string(d), .bytes_cap = 1ull << 30}));
+  engine::EngineOptions o;
+  o.adamw = {.lr = j["lr"], .weight_decay = 0.0};
+  {
+    engine::Engine eng(model.config(), specs, store, arena, {devs[0].get(), devs[1].get()}, plan,
+                       o);
+    eng.train(static_cast<std::int64_t>(steps.size()),
+              [&](std::int64_t s) { return steps.at(s - 1); });
+  }
+  const std::string out = args[2];
+  engine::export_peft_adapter(out + "/adapter", store, specs, lora, args[0]);
+  engine::export_merged(out + "/merged", store, specs, args[0], models::DType::kF32);
+  std::map<std::string, at::Tensor> trained;
+  for (std::size_t l = 0; l < specs.size(); ++l)
+    for (std::size_t i = 0; i < specs[l].params.size(); ++i)
+      if (!store.layer(l)[i].tied)
+        trained[specs[l].params[i].name] = engine::state_view(
+            store, specs, l, i,
+            store.layer(l)[i].trainable ? engine::StateView::kMaster : engine::StateView::kStream);
+  at::Tensor logits = forward(
+      model.config(), specs, [&](const std::string& n) { return trained.at(n); },
+      int_matrix(j["eval_tokens"]));
+  models::write_safetensors(out + "/logits.safetensors", {{"logits", logits}});
+  return 0;
+}
+
+RegisterCommand reg_lora_train_export("lora-train-export", "<base_model_dir> <in.json> <out_dir>",
+                                      lora_train_export);
 RegisterCommand reg_lora_logits("lora-logits",
                                 "<base_model_dir> <peft_adapter_dir> <batch.json> <out>",
                                 lora_logits);

@@ -88,3 +88,41 @@ def test_unsupported_adapter_configs_are_refused(field, value, message, tmp_path
         driver("lora-logits", tmp_path / "base", tmp_path / "adapter", tmp_path / "batch.json",
                tmp_path / "out.safetensors")
     assert "adapter_config.json" in str(e.value) and message in str(e.value), str(e.value)
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_trained_adapter_exports_load_in_peft_and_transformers(family, tmp_path):
+    """Rondo trains LoRA adapters (engine, 2 simulated devices, 3 steps) and exports them: the PEFT
+    folder loaded by peft onto the transformers base, and the merged checkpoint loaded by
+    transformers alone, both give Rondo's logits within 1e-4 (fp32)."""
+    seed = int.from_bytes(os.urandom(4), "little")
+    print("seed", seed)
+    make(tmp_path, family, "all_linear_r4", seed)
+    g = torch.Generator().manual_seed(seed)
+    steps = [[torch.randint(0, V, (2, 10), generator=g).tolist() for _ in range(2)]
+             for _ in range(3)]
+    eval_tokens = torch.randint(0, V, (2, 9), generator=g)
+    (tmp_path / "in.json").write_text(json.dumps({
+        "lora": {"r": 4, "alpha": 8, "targets": ["q_proj", "v_proj", "down_proj"],
+                 "rslora": True},
+        "seed": seed % 2**31, "lr": 1e-2, "steps": steps, "eval_tokens": eval_tokens.tolist()}))
+    out = tmp_path / "out"
+    driver("lora-train-export", tmp_path / "base", tmp_path / "in.json", out)
+    rondo = load_file(out / "logits.safetensors")["logits"]
+
+    model_cls = FAMILIES[family][0]
+    base = model_cls.from_pretrained(tmp_path / "base", attn_implementation="eager").eval()
+    with torch.no_grad():
+        base_logits = base(input_ids=eval_tokens).logits.float().numpy()
+    peft_model = peft.PeftModel.from_pretrained(base, out / "adapter").eval()
+    with torch.no_grad():
+        via_peft = peft_model(input_ids=eval_tokens).logits.float().numpy()
+    merged = model_cls.from_pretrained(out / "merged", attn_implementation="eager").eval()
+    with torch.no_grad():
+        via_merged = merged(input_ids=eval_tokens).logits.float().numpy()
+    scale = np.abs(via_peft).max()
+    assert np.abs(via_peft - base_logits).max() > 1e-3 * scale, "training did not move the adapter"
+    np.testing.assert_allclose(rondo, via_peft, rtol=0, atol=1e-4 * scale)
+    np.testing.assert_allclose(via_merged, via_peft, rtol=0, atol=1e-4 * scale)
+    config = json.loads((out / "adapter" / "adapter_config.json").read_text())
+    assert config["r"] == 4 and config["use_rslora"] is True
