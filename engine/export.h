@@ -1,11 +1,6 @@
 // Exports from the host state (offload::LayerStore): trained tensors as their fp32 masters, frozen
-// ones as loaded (their streaming copies).
-//  - A PEFT adapter folder: adapter_config.json and adapter_model.safetensors (f32, PEFT's names),
-//    which peft.PeftModel.from_pretrained loads onto the base model.
-//  - A merged checkpoint: the base weights with each adapter folded in (W + B A * scaling), in
-//    `dtype`, with config.json and the tokenizer files copied from the base folder — a plain
-//    Hugging Face folder transformers loads.
-// Every file is written under a temporary name, fsynced and renamed.
+// ones as loaded (their streaming copies), written by models/export.h as a PEFT adapter folder or a
+// merged Hugging Face checkpoint.
 //
 //   engine::export_peft_adapter(run_dir + "/adapter", store, specs, lora, "Qwen/Qwen3-0.6B");
 #pragma once

@@ -1,0 +1,114 @@
+#include "models/export.h"
+
+#include <ATen/ATen.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+
+#include "kernels/error.h"
+#include "models/safetensors.h"
+#include "models/tensor_view.h"
+
+namespace rondo::models {
+namespace fs = std::filesystem;
+namespace {
+
+void write_text_atomically(const fs::path& path, const std::string& text) {
+  const fs::path tmp = path.string() + ".tmp";
+  {
+    std::ofstream f(tmp, std::ios::binary | std::ios::trunc);
+    f << text;
+    f.flush();
+    if (!f) throw Error("cannot write " + tmp.string());
+  }
+  if (std::FILE* f = std::fopen(tmp.c_str(), "rb")) {  // fsync before the rename
+    fflush(f);
+    fsync(fileno(f));
+    std::fclose(f);
+  }
+  fs::rename(tmp, path);
+}
+
+void make_dir(const std::string& dir) {
+  std::error_code ec;
+  fs::create_directories(dir, ec);
+  if (ec) throw Error("cannot create the folder " + dir + ": " + ec.message());
+}
+
+}  // namespace
+
+void write_peft_adapter(const std::string& dir, const std::vector<LayerSpec>& specs,
+                        const std::map<std::string, at::Tensor>& all, const LoraConfig& lora,
+                        const std::string& base_model) {
+  make_dir(dir);
+  std::vector<std::pair<std::string, at::Tensor>> tensors;
+  for (const LayerSpec& spec : specs)
+    for (const ParamSpec& p : spec.params)
+      if (is_lora_param(p.name)) tensors.emplace_back(p.name, all.at(p.name).to(at::kFloat));
+  if (tensors.empty()) throw Error("export: the model has no LoRA adapters to export");
+  write_safetensors((fs::path(dir) / "adapter_model.safetensors").string(), tensors,
+                    {{"format", "pt"}});
+  nlohmann::json targets = nlohmann::json::array();
+  for (const std::string& t : lora.targets) {
+    if (t == "all-linear") {
+      targets = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"};
+      break;
+    }
+    targets.push_back(t);
+  }
+  nlohmann::json config = {{"peft_type", "LORA"},
+                           {"task_type", "CAUSAL_LM"},
+                           {"base_model_name_or_path", base_model},
+                           {"r", lora.rank},
+                           {"lora_alpha", lora.alpha},
+                           {"lora_dropout", lora.dropout},
+                           {"use_rslora", lora.rslora},
+                           {"target_modules", targets},
+                           {"bias", "none"},
+                           {"fan_in_fan_out", false},
+                           {"init_lora_weights", true},
+                           {"inference_mode", true},
+                           {"modules_to_save", nullptr}};
+  write_text_atomically(fs::path(dir) / "adapter_config.json", config.dump(2) + "\n");
+}
+
+void write_merged(const std::string& dir, const std::vector<LayerSpec>& specs,
+                  const std::map<std::string, at::Tensor>& all, const std::string& base_dir,
+                  DType dtype) {
+  make_dir(dir);
+  std::vector<std::pair<std::string, at::Tensor>> out;
+  for (const LayerSpec& spec : specs)
+    for (const ParamSpec& p : spec.params) {
+      if (p.tied || is_lora_param(p.name)) continue;
+      at::Tensor w = all.at(p.name).to(at::kFloat);
+      // W + B A * scaling, when this projection has an adapter.
+      const std::string stem = p.name.substr(0, p.name.size() - std::string(".weight").size());
+      auto a = all.find("base_model.model." + stem + ".lora_A.weight");
+      auto b = all.find("base_model.model." + stem + ".lora_B.weight");
+      if (a != all.end() && b != all.end())
+        w = w + at::matmul(b->second.to(at::kFloat), a->second.to(at::kFloat)) * spec.lora_scaling;
+      out.emplace_back(p.name, w.to(to_scalar_type(dtype)));
+    }
+  write_safetensors((fs::path(dir) / "model.safetensors").string(), out, {{"format", "pt"}});
+  for (const char* name : {"config.json", "generation_config.json", "tokenizer.json",
+                           "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                           "vocab.json", "merges.txt", "chat_template.jinja"}) {
+    const fs::path src = fs::path(base_dir) / name;
+    if (!fs::exists(src)) continue;
+    std::ifstream in(src, std::ios::binary);
+    std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    if (std::string(name) == "config.json") {  // the weights' dtype as written
+      nlohmann::json j = nlohmann::json::parse(text);
+      j["torch_dtype"] = dtype == DType::kBF16  ? "bfloat16"
+                         : dtype == DType::kF16 ? "float16"
+                                                : "float32";
+      text = j.dump(2) + "\n";
+    }
+    write_text_atomically(fs::path(dir) / name, text);
+  }
+}
+
+}  // namespace rondo::models
