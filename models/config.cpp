@@ -23,10 +23,6 @@ const char* to_string(Family family) {
 
 std::vector<std::string> ModelConfig::problems() const {
   std::vector<std::string> out;
-  auto positive = [&](std::int64_t v, const char* field) {
-    if (v <= 0)
-      out.push_back(std::string(field) + " must be positive (got " + std::to_string(v) + ")");
-  };
   // Upper bounds far above any real model keep products like H * D and V * C well inside int64
   // and stop a hostile file from making Rondo build billions of layer descriptions.
   auto bounded = [&](std::int64_t v, const char* field, std::int64_t most) {

@@ -54,10 +54,14 @@ TEST(LayerStore, RegionsAreAlignedDisjointAndAccounted) {
   for (std::size_t l = 0; l < store.layers(); ++l)
     for (const TensorState& t : store.layer(l)) {
       auto* s = static_cast<const std::uint8_t*>(t.stream);
-      if (!t.tied) EXPECT_EQ(s[t.numel * 2 - 1], tag) << t.name;
+      if (!t.tied) {
+        EXPECT_EQ(s[t.numel * 2 - 1], tag) << t.name;
+      }
       if (t.trainable) {
         EXPECT_EQ(static_cast<const std::uint8_t*>(t.grad)[t.numel * 4 - 1], tag + 100) << t.name;
-        if (!t.tied) EXPECT_EQ(t.master[t.numel - 1], static_cast<float>(tag)) << t.name;
+        if (!t.tied) {
+          EXPECT_EQ(t.master[t.numel - 1], static_cast<float>(tag)) << t.name;
+        }
       }
       ++tag;
     }
