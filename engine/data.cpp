@@ -1,0 +1,169 @@
+#include "engine/data.h"
+
+#include <algorithm>
+#include <fstream>
+#include <nlohmann/json.hpp>
+
+#include "kernels/error.h"
+
+namespace rondo::engine {
+namespace {
+
+using nlohmann::json;
+
+DataFormat detect(const json& j) {
+  if (j.contains("messages")) return DataFormat::kChat;
+  if (j.contains("instruction") || j.contains("output")) return DataFormat::kAlpaca;
+  if (j.contains("text")) return DataFormat::kText;
+  return DataFormat::kAuto;
+}
+
+std::string string_field(const json& j, const char* key, bool required) {
+  if (!j.contains(key) || j[key].is_null()) {
+    if (required) throw Error(std::string("no '") + key + "' field");
+    return "";
+  }
+  if (!j[key].is_string()) throw Error(std::string("'") + key + "' must be a string");
+  return j[key].get<std::string>();
+}
+
+Example to_example(const json& j, DataFormat format, const models::Tokenizer& tok,
+                   const models::ChatTemplate& tmpl, const DataOptions& o) {
+  Example e;
+  if (format == DataFormat::kText) {
+    const std::string text = string_field(j, "text", true);
+    e.ids = tok.encode(text);
+    if (o.add_eos && tok.eos_id()) e.ids.push_back(*tok.eos_id());
+    e.loss_mask.assign(e.ids.size(), 1);
+    return e;
+  }
+  std::vector<models::ChatMessage> messages;
+  if (format == DataFormat::kAlpaca) {
+    std::string user = string_field(j, "instruction", true);
+    const std::string input = string_field(j, "input", false);
+    if (!input.empty()) user += "\n\n" + input;
+    messages = {{"user", user}, {"assistant", string_field(j, "output", true)}};
+  } else {
+    if (!j.contains("messages") || !j["messages"].is_array())
+      throw Error("'messages' must be a list of {\"role\", \"content\"}");
+    for (std::size_t i = 0; i < j["messages"].size(); ++i) {
+      const json& m = j["messages"][i];
+      const std::string where = "messages[" + std::to_string(i) + "]";
+      if (!m.is_object() || !m.contains("role") || !m["role"].is_string() ||
+          !m.contains("content") || !m["content"].is_string())
+        throw Error(where + " must be {\"role\": string, \"content\": string}");
+      const std::string role = m["role"];
+      if (role != "system" && role != "user" && role != "assistant")
+        throw Error(where + ".role is '" + role + "' (system, user or assistant)");
+      messages.push_back({role, m["content"]});
+    }
+    if (std::none_of(messages.begin(), messages.end(),
+                     [](const models::ChatMessage& m) { return m.role == "assistant"; }) &&
+        !o.train_on_everything)
+      throw Error("no assistant message: nothing to train on");
+  }
+  models::RenderedChat r = models::render_chat(tok, tmpl, messages);
+  e.ids = std::move(r.ids);
+  e.loss_mask = o.train_on_everything ? std::vector<std::uint8_t>(e.ids.size(), 1) : r.loss_mask;
+  return e;
+}
+
+std::string with_commas(std::int64_t n) {
+  std::string s = std::to_string(n);
+  for (int i = static_cast<int>(s.size()) - 3; i > (n < 0 ? 1 : 0); i -= 3)
+    s.insert(i, ",");
+  return s;
+}
+
+}  // namespace
+
+const char* to_string(DataFormat format) {
+  switch (format) {
+    case DataFormat::kAuto:
+      return "auto";
+    case DataFormat::kText:
+      return "text";
+    case DataFormat::kAlpaca:
+      return "alpaca";
+    case DataFormat::kChat:
+      return "chat";
+  }
+  return "?";
+}
+
+std::int64_t Dataset::tokens() const {
+  std::int64_t n = 0;
+  for (const Example& e : examples)
+    n += static_cast<std::int64_t>(e.ids.size());
+  return n;
+}
+
+std::int64_t Dataset::trained_tokens() const {
+  std::int64_t n = 0;
+  for (const Example& e : examples)
+    n += std::count(e.loss_mask.begin(), e.loss_mask.end(), std::uint8_t{1});
+  return n;
+}
+
+std::string Dataset::stats_text() const {
+  std::size_t lo = SIZE_MAX, hi = 0;
+  for (const Example& e : examples) {
+    lo = std::min(lo, e.ids.size());
+    hi = std::max(hi, e.ids.size());
+  }
+  const std::int64_t n = static_cast<std::int64_t>(examples.size());
+  std::string s = with_commas(n) + " examples (" + to_string(format) + "), " +
+                  with_commas(tokens()) + " tokens, " + with_commas(trained_tokens()) + " trained";
+  if (n > 0)
+    s += "; length " + with_commas(static_cast<std::int64_t>(lo)) + ".." +
+         with_commas(static_cast<std::int64_t>(hi)) + ", mean " + with_commas(tokens() / n);
+  if (skipped > 0) s += "; " + with_commas(skipped) + " bad lines skipped";
+  return s;
+}
+
+Dataset load_jsonl(const std::string& path, const models::Tokenizer& tokenizer,
+                   const models::ChatTemplate& chat_template, const DataOptions& options) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw Error(path + ": cannot open the data file");
+  Dataset d;
+  d.path = path;
+  d.format = options.format;
+  std::string line;
+  for (std::int64_t number = 1; std::getline(in, line); ++number) {
+    if (!line.empty() && line.back() == '\r') line.pop_back();
+    if (line.find_first_not_of(" \t") == std::string::npos) continue;
+    ++d.lines;
+    try {
+      json j;
+      try {
+        j = json::parse(line);
+      } catch (const json::exception& e) {
+        throw Error(std::string("not valid JSON (") + e.what() + ")");
+      }
+      if (!j.is_object()) throw Error("not a JSON object");
+      if (d.format == DataFormat::kAuto) {
+        d.format = detect(j);
+        if (d.format == DataFormat::kAuto)
+          throw Error(
+              "no 'text', 'instruction'/'output' or 'messages' field: cannot tell the "
+              "format (choose one with the data format setting)");
+      }
+      Example e = to_example(j, d.format, tokenizer, chat_template, options);
+      if (e.ids.empty()) throw Error("no tokens");
+      d.examples.push_back(std::move(e));
+    } catch (const Error& e) {
+      const std::string what = path + ":" + std::to_string(number) + ": " + e.what();
+      if (!options.skip_bad_lines) throw Error(what);
+      ++d.skipped;
+      if (d.skipped_reasons.size() < 5) d.skipped_reasons.push_back(what);
+    }
+  }
+  if (d.examples.empty())
+    throw Error(path + ": no examples" +
+                (d.skipped ? " (" + std::to_string(d.skipped) +
+                                 " bad lines skipped; the first: " + d.skipped_reasons[0] + ")"
+                           : std::string(d.lines ? "" : " (the file is empty)")));
+  return d;
+}
+
+}  // namespace rondo::engine

@@ -1,0 +1,60 @@
+// Training data from JSONL: one example per line, in one of three formats, detected from the first
+// usable line or chosen:
+//   text    {"text": "..."}                                  loss on every token
+//   alpaca  {"instruction": "...", "input": "...", "output": "..."}   a user turn (instruction,
+//   then
+//           the input after a blank line when there is one) and the assistant's output
+//   chat    {"messages": [{"role": "system"|"user"|"assistant", "content": "..."}, ...]}
+// Alpaca and chat examples go through the model's chat template; the loss covers the assistant
+// replies only, unless train_on_everything. A bad line is an error naming the file and the line
+// (or, with skip_bad_lines, is skipped and counted).
+//
+//   engine::Dataset d = engine::load_jsonl("data/train.jsonl", tok, tmpl, {});
+//   std::printf("%s\n", d.stats_text().c_str());
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "models/chat_template.h"
+#include "models/tokenizer.h"
+
+namespace rondo::engine {
+
+enum class DataFormat { kAuto, kText, kAlpaca, kChat };
+const char* to_string(DataFormat format);  // "auto", "text", "alpaca", "chat"
+
+struct DataOptions {
+  DataFormat format = DataFormat::kAuto;
+  bool skip_bad_lines = false;       // count and skip them instead of stopping at the first
+  bool train_on_everything = false;  // chat/alpaca: loss on prompts too
+  bool add_eos = true;               // text: end each document with the tokenizer's EOS
+};
+
+struct Example {
+  std::vector<std::int32_t> ids;
+  std::vector<std::uint8_t> loss_mask;  // per token: 1 = its prediction is trained
+};
+
+struct Dataset {
+  std::string path;
+  DataFormat format = DataFormat::kAuto;  // as detected or chosen
+  std::vector<Example> examples;
+  std::int64_t lines = 0;                    // non-empty lines read
+  std::int64_t skipped = 0;                  // bad lines skipped (skip_bad_lines)
+  std::vector<std::string> skipped_reasons;  // the first few, "line 7: ..."
+
+  std::int64_t tokens() const;
+  std::int64_t trained_tokens() const;  // tokens under the loss mask
+  // "812 examples (alpaca), 91,204 tokens, 40,311 trained; length 12..1,024, mean 112; 3 bad
+  // lines skipped"
+  std::string stats_text() const;
+};
+
+// Throws Error "file:line: what" for a bad line (without skip_bad_lines), and when nothing usable
+// is left ("no examples in ...").
+Dataset load_jsonl(const std::string& path, const models::Tokenizer& tokenizer,
+                   const models::ChatTemplate& chat_template, const DataOptions& options);
+
+}  // namespace rondo::engine
