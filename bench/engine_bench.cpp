@@ -169,6 +169,7 @@ void bench_schedule(int steps) {
   for (bool ours : {false, true}) {
     engine::Plan plan = ours ? engine::plan_ours(in) : engine::plan_reference(in);
     engine::PlanPrediction p = engine::predict(plan, in);
+    o.partitioner = ours ? "ours" : "reference";
     Measured r = run_engine(m, plan, N, link, batch, steps, 2, o);
     std::printf("%-10s %-58s %9.4f %9.4f %9.3f %9.3f\n", ours ? "ours" : "reference",
                 plan.describe().c_str(), r.step_s, p.step_time_s, r.idle, p.idle_fraction);

@@ -992,18 +992,16 @@ struct Engine::Impl {
       }
     }
     bool moved = false;
+    // Moves a cost half-way to what was measured (sum / n times it).
+    auto update = [&](double& cost, double sum, double n) {
+      if (n == 0) return;
+      const double r = sum / n;
+      moved = moved || std::abs(r - 1) > options.replan_threshold;
+      cost *= 0.5 + 0.5 * r;
+    };
     for (std::size_t l = 0; l < L; ++l) {
-      LayerCosts& c = costs_.layers[l];
-      if (f_n[l] > 0) {
-        const double r = f_sum[l] / f_n[l];
-        moved = moved || std::abs(r - 1) > options.replan_threshold;
-        c.forward_s_per_token *= 0.5 + 0.5 * r;
-      }
-      if (b_n[l] > 0) {
-        const double r = b_sum[l] / b_n[l];
-        moved = moved || std::abs(r - 1) > options.replan_threshold;
-        c.backward_s_per_token *= 0.5 + 0.5 * r;
-      }
+      update(costs_.layers[l].forward_s_per_token, f_sum[l], f_n[l]);
+      update(costs_.layers[l].backward_s_per_token, b_sum[l], b_n[l]);
     }
     if (!moved) return;
     Plan next = plan_ours(costs_);
@@ -1018,7 +1016,7 @@ struct Engine::Impl {
   std::vector<StepResult> train(std::int64_t steps, const BatchSource& batches,
                                 const std::function<void(const StepResult&)>& on_step) {
     std::vector<StepResult> all;
-    if (steps_done == 0) emit_plan("ours");
+    if (steps_done == 0) emit_plan(options.partitioner.c_str());
     const bool replanning = options.replan_every > 0 && options.plan_inputs;
     while (steps > 0) {
       const std::int64_t n =

@@ -23,6 +23,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "engine/plan.h"
@@ -68,6 +69,7 @@ struct EngineOptions {
   // The costs the plan was made from: for the plan event's prediction and for re-planning. May
   // be null (then no prediction and no re-planning).
   const PlanInputs* plan_inputs = nullptr;
+  std::string partitioner = "ours";  // who made the plan, for the plan event ("reference", ...)
   // Re-planning from measured timings: every `replan_every` steps (0 = never) the engine folds the
   // jobs' measured compute times into the per-layer costs (smoothed: each update moves a cost
   // half-way to what was measured), and when some layer's cost moved by more than
