@@ -1,0 +1,435 @@
+#include "engine/checkpoint.h"
+
+#include <ATen/ATen.h>
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <charconv>
+#include <cstring>
+#include <filesystem>
+#include <map>
+#include <set>
+#include <string_view>
+#include <system_error>
+#include <utility>
+
+#include <nlohmann/json.hpp>
+
+#include "engine/state.h"
+#include "kernels/cpu/adamw.h"
+#include "kernels/error.h"
+#include "models/safetensors.h"
+
+namespace rondo::engine {
+namespace {
+
+namespace fs = std::filesystem;
+
+constexpr const char* kFormat = "rondo-checkpoint";
+constexpr int kVersion = 1;
+constexpr const char* kTensorsFile = "state.safetensors";
+constexpr const char* kStateFile = "state.json";
+constexpr const char* kExpAvg = ".exp_avg";
+constexpr const char* kExpAvgSq = ".exp_avg_sq";
+constexpr const char* kStream = ".stream";
+
+[[noreturn]] void fail(const std::string& what, const fs::path& path, int err) {
+  throw Error(what + " " + path.string() + ": " + std::strerror(err));
+}
+
+[[noreturn]] void fail(const std::string& what, const fs::path& path, const std::error_code& ec) {
+  throw Error(what + " " + path.string() + ": " + ec.message());
+}
+
+// The final name without a trailing slash ("run/ckpt/step-40/" names the folder step-40).
+fs::path folder_path(const std::string& dir) {
+  if (dir.empty()) throw Error("checkpoint folder: empty path");
+  fs::path p = fs::path(dir).lexically_normal();
+  if (!p.has_filename()) p = p.parent_path();
+  return p;
+}
+
+fs::path with_suffix(const fs::path& p, const char* suffix) {
+  fs::path out = p;
+  out += suffix;
+  return out;
+}
+
+fs::path parent_of(const fs::path& p) {
+  return p.has_parent_path() ? p.parent_path() : fs::path(".");
+}
+
+// fsync on a folder makes the entries created, renamed or removed in it durable.
+void fsync_dir(const fs::path& dir) {
+  int fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (fd < 0) fail("cannot open folder", dir, errno);
+  int rc = ::fsync(fd);
+  int err = errno;
+  if (::close(fd) != 0 && rc == 0) fail("cannot close folder", dir, errno);
+  if (rc != 0) fail("cannot fsync folder", dir, err);
+}
+
+void write_file_synced(const fs::path& path, const std::string& text) {
+  int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (fd < 0) fail("cannot create", path, errno);
+  std::size_t done = 0;
+  while (done < text.size()) {
+    ssize_t n = ::write(fd, text.data() + done, text.size() - done);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) {
+      int err = n < 0 ? errno : EIO;
+      ::close(fd);
+      fail("cannot write", path, err);
+    }
+    done += static_cast<std::size_t>(n);
+  }
+  if (::fsync(fd) != 0) {
+    int err = errno;
+    ::close(fd);
+    fail("cannot fsync", path, err);
+  }
+  if (::close(fd) != 0) fail("cannot close", path, errno);
+}
+
+void remove_tree(const fs::path& p) {
+  std::error_code ec;
+  fs::remove_all(p, ec);
+  if (ec) fail("cannot remove", p, ec);
+}
+
+bool path_exists(const fs::path& p) {
+  std::error_code ec;
+  bool yes = fs::exists(fs::symlink_status(p, ec));
+  if (ec && ec != std::errc::no_such_file_or_directory) fail("cannot stat", p, ec);
+  return yes;
+}
+
+void rename_path(const fs::path& from, const fs::path& to) {
+  if (::rename(from.c_str(), to.c_str()) != 0)
+    throw Error("cannot rename " + from.string() + " to " + to.string() + ": " +
+                std::strerror(errno));
+}
+
+std::uint64_t file_bytes(const fs::path& p) {
+  struct stat st {};
+  if (::stat(p.c_str(), &st) != 0) fail("cannot stat", p, errno);
+  return static_cast<std::uint64_t>(st.st_size);
+}
+
+models::DType model_dtype(kernels::FloatDType dtype) {
+  switch (dtype) {
+    case kernels::FloatDType::kF32:
+      return models::DType::kF32;
+    case kernels::FloatDType::kBF16:
+      return models::DType::kBF16;
+    case kernels::FloatDType::kF16:
+      return models::DType::kF16;
+  }
+  throw InternalError("unknown FloatDType");
+}
+
+// An owned trainable tensor of the store: what a checkpoint holds. Tied tensors view their
+// owner's master and stream, so the owner's entry covers them.
+struct Owned {
+  std::size_t layer, index;
+  const models::ParamSpec* spec;
+  const offload::TensorState* state;
+};
+
+std::vector<Owned> owned_trainable(const offload::LayerStore& store,
+                                   const std::vector<models::LayerSpec>& specs) {
+  RONDO_ASSERT_MSG(specs.size() == store.layers(), "the layer specs do not describe this store");
+  std::vector<Owned> out;
+  for (std::size_t l = 0; l < store.layers(); ++l) {
+    RONDO_ASSERT_MSG(specs[l].params.size() == store.layer(l).size(),
+                     "the layer specs do not describe this store");
+    for (std::size_t i = 0; i < store.layer(l).size(); ++i) {
+      const offload::TensorState& t = store.layer(l)[i];
+      if (t.trainable && !t.tied) out.push_back({l, i, &specs[l].params[i], &t});
+    }
+  }
+  return out;
+}
+
+}  // namespace
+
+std::uint64_t write_checkpoint(const std::string& dir, const offload::LayerStore& store,
+                               const std::vector<models::LayerSpec>& specs,
+                               const nlohmann::json& meta, bool include_stream) {
+  const fs::path target = folder_path(dir);
+  const fs::path tmp = with_suffix(target, ".tmp");
+  const fs::path old = with_suffix(target, ".old");
+  const fs::path parent = parent_of(target);
+
+  // Views of the store, no copies: write_safetensors writes straight from the arena. All f32
+  // state first, the streaming copies (2-byte types possibly of odd length) last, so every f32
+  // tensor starts 4-byte aligned in the file and can be read in place.
+  std::vector<std::pair<std::string, at::Tensor>> tensors;
+  std::vector<std::pair<std::string, at::Tensor>> streams;
+  for (const Owned& o : owned_trainable(store, specs)) {
+    const std::string& name = o.spec->name;
+    tensors.emplace_back(name, state_view(store, specs, o.layer, o.index, StateView::kMaster));
+    tensors.emplace_back(name + kExpAvg, state_view(store, specs, o.layer, o.index, StateView::kM));
+    tensors.emplace_back(name + kExpAvgSq,
+                         state_view(store, specs, o.layer, o.index, StateView::kV));
+    if (include_stream)
+      streams.emplace_back(name + kStream,
+                           state_view(store, specs, o.layer, o.index, StateView::kStream));
+  }
+  for (auto& s : streams)
+    tensors.push_back(std::move(s));
+
+  std::error_code ec;
+  fs::create_directories(parent, ec);
+  if (ec) fail("cannot create folder", parent, ec);
+  if (path_exists(tmp)) remove_tree(tmp);  // a crash mid-write left it: never a checkpoint
+  if (::mkdir(tmp.c_str(), 0755) != 0) fail("cannot create folder", tmp, errno);
+
+  std::uint64_t bytes = 0;
+  try {
+    const fs::path tensors_path = tmp / kTensorsFile;
+    // write_safetensors fsyncs the file and its folder (tmp) itself.
+    models::write_safetensors(tensors_path.string(), tensors, {{"format", kFormat}});
+    bytes += file_bytes(tensors_path);
+
+    // Last: its presence marks a complete checkpoint.
+    const nlohmann::json state = {{"format", kFormat}, {"version", kVersion}, {"meta", meta}};
+    const fs::path state_path = tmp / kStateFile;
+    std::string text;
+    try {
+      text = state.dump(2) + "\n";
+    } catch (const nlohmann::json::exception& e) {  // e.g. a string in meta that is not UTF-8
+      throw Error("checkpoint " + target.string() + ": cannot write meta as JSON: " + e.what());
+    }
+    write_file_synced(state_path, text);
+    bytes += file_bytes(state_path);
+    fsync_dir(tmp);
+  } catch (...) {
+    std::error_code ignored;  // already failing: the first error is the one to report
+    fs::remove_all(tmp, ignored);
+    throw;
+  }
+
+  // Crash windows: before the first rename the previous checkpoint is intact under `target`;
+  // between the two renames it is complete in "<dir>.old" and the new one in "<dir>.tmp"; after
+  // the second the new one is in place.
+  if (path_exists(target)) {
+    if (path_exists(old)) remove_tree(old);
+    rename_path(target, old);
+  }
+  rename_path(tmp, target);
+  fsync_dir(parent);
+  if (path_exists(old)) {
+    remove_tree(old);
+    fsync_dir(parent);
+  }
+  return bytes;
+}
+
+nlohmann::json read_checkpoint(const std::string& dir, offload::LayerStore& store,
+                               const std::vector<models::LayerSpec>& specs) {
+  const fs::path folder = folder_path(dir);
+  const std::string where = folder.string();
+  const fs::path state_path = folder / kStateFile;
+  const fs::path tensors_path = folder / kTensorsFile;
+
+  if (!path_exists(folder)) throw Error(where + ": no such checkpoint folder");
+  if (!path_exists(state_path))
+    throw Error(where + ": not a Rondo checkpoint (no " + kStateFile +
+                "; a folder without it is one whose writing did not finish)");
+  nlohmann::json state;
+  {
+    std::string text;
+    int fd = ::open(state_path.c_str(), O_RDONLY | O_CLOEXEC);
+    if (fd < 0) fail("cannot open", state_path, errno);
+    char buf[1 << 16];
+    for (;;) {
+      ssize_t n = ::read(fd, buf, sizeof buf);
+      if (n < 0 && errno == EINTR) continue;
+      if (n < 0) {
+        int err = errno;
+        ::close(fd);
+        fail("cannot read", state_path, err);
+      }
+      if (n == 0) break;
+      text.append(buf, static_cast<std::size_t>(n));
+    }
+    if (::close(fd) != 0) fail("cannot close", state_path, errno);
+    state = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
+  }
+  if (!state.is_object() || state.value("format", nlohmann::json()) != kFormat)
+    throw Error(state_path.string() + ": not a Rondo checkpoint (no \"format\": \"" + kFormat +
+                "\")");
+  if (state.value("version", nlohmann::json()) != kVersion)
+    throw Error(state_path.string() + ": checkpoint version " +
+                state.value("version", nlohmann::json()).dump() + ", this Rondo reads version " +
+                std::to_string(kVersion) + " — resume with the Rondo that wrote it");
+  if (!state.contains("meta")) throw Error(state_path.string() + ": no \"meta\"");
+  if (!path_exists(tensors_path))
+    throw Error(where + ": no " + kTensorsFile + " next to " + kStateFile +
+                " — the checkpoint is damaged");
+  const models::SafetensorsFile file(tensors_path.string());
+
+  // Validate everything before touching the store.
+  const std::vector<Owned> owned = owned_trainable(store, specs);
+  const models::DType stream_dtype = model_dtype(store.stream_dtype());
+  std::vector<std::pair<std::string, std::string>> problems;  // (kind, message)
+  std::set<std::string> expected;
+  struct Source {
+    const models::TensorEntry *master = nullptr, *m = nullptr, *v = nullptr, *stream = nullptr;
+  };
+  std::vector<Source> sources(owned.size());
+  std::size_t with_stream = 0;
+  // A problem of one entry: (kind, message), kind empty when the entry is fine.
+  using Problem = std::pair<std::string, std::string>;
+  auto check = [&](const std::string& name, models::DType dtype, const models::ParamSpec& spec,
+                   bool required, const models::TensorEntry*& out) -> Problem {
+    expected.insert(name);
+    const models::TensorEntry* e = file.find(name);
+    if (e == nullptr)
+      return {required ? "missing" : "", "no tensor " + name +
+                                             " — was this checkpoint written for another "
+                                             "model or LoRA setting?"};
+    if (e->shape != spec.shape)
+      return {"shape", "tensor " + name + " has shape " + models::shape_text(e->shape) +
+                           ", the model needs " + models::shape_text(spec.shape) +
+                           " — was this checkpoint written for another model or LoRA rank?"};
+    if (e->dtype != dtype)
+      return {"dtype", "tensor " + name + " is " + models::to_string(e->dtype) + ", expected " +
+                           models::to_string(dtype) +
+                           (required ? ""
+                                     : " (the streaming dtype of this run; resume with the "
+                                       "precision the checkpoint was written with)")};
+    RONDO_ASSERT(e->bytes == static_cast<std::uint64_t>(spec.numel()) * dtype_size(dtype));
+    out = e;
+    return {};
+  };
+  for (std::size_t k = 0; k < owned.size(); ++k) {
+    const models::ParamSpec& spec = *owned[k].spec;
+    Source& s = sources[k];
+    const Problem master = check(spec.name, models::DType::kF32, spec, true, s.master);
+    const Problem m = check(spec.name + kExpAvg, models::DType::kF32, spec, true, s.m);
+    const Problem v = check(spec.name + kExpAvgSq, models::DType::kF32, spec, true, s.v);
+    const Problem stream = check(spec.name + kStream, stream_dtype, spec, false, s.stream);
+    if (file.find(spec.name + kStream) != nullptr) ++with_stream;
+    // A tensor missing or misshapen with its moments is one problem, not three.
+    if (!master.first.empty() && master.first == m.first && master.first == v.first) {
+      problems.push_back(master);
+    } else {
+      for (const Problem* p : {&master, &m, &v})
+        if (!p->first.empty()) problems.push_back(*p);
+    }
+    if (!stream.first.empty()) problems.push_back(stream);
+  }
+  for (const models::TensorEntry& e : file.tensors()) {
+    if (expected.contains(e.name)) continue;
+    // "X.exp_avg" next to an unknown "X" is part of the same problem.
+    bool moment_of_unknown = false;
+    for (const char* suffix : {kExpAvg, kExpAvgSq, kStream}) {
+      const std::string_view sv(suffix);
+      if (e.name.ends_with(sv)) {
+        const std::string base = e.name.substr(0, e.name.size() - sv.size());
+        moment_of_unknown |= !expected.contains(base) && file.find(base) != nullptr;
+      }
+    }
+    if (moment_of_unknown) continue;
+    problems.emplace_back("unknown", "unknown tensor " + e.name +
+                                         " — this run does not train it (another model, LoRA "
+                                         "or freezing setting?)");
+  }
+  if (with_stream != 0 && with_stream != owned.size())
+    problems.emplace_back(
+        "stream", "streaming copies for " + std::to_string(with_stream) + " of " +
+                      std::to_string(owned.size()) +
+                      " trained tensors: a checkpoint has them for all or none — it is damaged");
+  if (!problems.empty()) {
+    // A checkpoint of another setting misses or adds hundreds of tensors: a few of each kind say
+    // what happened.
+    constexpr std::size_t kShownPerKind = 4;
+    std::vector<std::string> shown;
+    std::map<std::string, std::size_t> seen, hidden;
+    for (const auto& [kind, text] : problems) {
+      if (seen[kind]++ < kShownPerKind)
+        shown.push_back(text);
+      else
+        ++hidden[kind];
+    }
+    const std::map<std::string, std::string> phrase = {{"missing", "missing tensors"},
+                                                       {"unknown", "unknown tensors"},
+                                                       {"shape", "tensors of another shape"},
+                                                       {"dtype", "tensors of another dtype"},
+                                                       {"stream", "stream problems"}};
+    for (const auto& [kind, n] : hidden)
+      shown.push_back("... and " + std::to_string(n) + " more " + phrase.at(kind));
+    throw Error(join_problems(where + ": cannot resume from this checkpoint", shown));
+  }
+
+  for (std::size_t k = 0; k < owned.size(); ++k) {
+    const offload::TensorState& t = *owned[k].state;
+    const Source& s = sources[k];
+    const std::size_t f32_bytes = t.numel * sizeof(float);
+    std::memcpy(t.master, s.master->data, f32_bytes);
+    std::memcpy(t.m, s.m->data, f32_bytes);
+    std::memcpy(t.v, s.v->data, f32_bytes);
+    if (s.stream != nullptr)
+      std::memcpy(t.stream, s.stream->data, s.stream->bytes);
+    else  // the rounding Optimizer::publish_layer and the AdamW kernel apply
+      kernels::cast_from_f32(t.master, t.stream, store.stream_dtype(), t.numel);
+  }
+  for (std::size_t l = 0; l < store.layers(); ++l) {
+    const offload::ByteRange grads = store.grad_bytes(l);
+    if (grads.bytes != 0) std::memset(grads.data, 0, grads.bytes);
+  }
+  return state["meta"];
+}
+
+std::vector<CheckpointInfo> list_checkpoints(const std::string& run_dir) {
+  const fs::path folder = fs::path(run_dir) / "checkpoints";
+  std::vector<CheckpointInfo> out;
+  if (!path_exists(folder)) return out;
+  std::error_code list_ec;
+  fs::directory_iterator it(folder, list_ec);
+  if (list_ec) fail("cannot list", folder, list_ec);
+  for (; it != fs::directory_iterator(); it.increment(list_ec)) {
+    if (list_ec) fail("cannot list", folder, list_ec);
+    const std::string name = it->path().filename().string();
+    // Exactly "step-<decimal>", so "step-40.tmp", "step-40.old" and "step-040" are not listed.
+    if (!name.starts_with("step-")) continue;
+    const std::string digits = name.substr(5);
+    std::int64_t step = -1;
+    auto [end, err] = std::from_chars(digits.data(), digits.data() + digits.size(), step);
+    if (err != std::errc() || end != digits.data() + digits.size() || step < 0 ||
+        std::to_string(step) != digits)
+      continue;
+    // A folder that vanished or cannot be read meanwhile is not a checkpoint to offer.
+    std::error_code ec;
+    if (!it->is_directory(ec) || ec) continue;
+    if (!fs::is_regular_file(it->path() / kStateFile, ec) || ec) continue;
+    out.push_back({step, it->path().string()});
+  }
+  if (list_ec) fail("cannot list", folder, list_ec);
+  std::sort(out.begin(), out.end(),
+            [](const CheckpointInfo& a, const CheckpointInfo& b) { return a.step < b.step; });
+  return out;
+}
+
+void prune_checkpoints(const std::string& run_dir, int keep) {
+  if (keep <= 0) return;
+  const std::vector<CheckpointInfo> all = list_checkpoints(run_dir);
+  if (all.size() <= static_cast<std::size_t>(keep)) return;
+  for (std::size_t k = 0; k + static_cast<std::size_t>(keep) < all.size(); ++k) {
+    const fs::path folder(all[k].path);
+    const fs::path state = folder / kStateFile;
+    // state.json first and durably: from then on the folder is not a checkpoint, whatever part of
+    // the rest a crash leaves behind.
+    if (::unlink(state.c_str()) != 0) fail("cannot remove", state, errno);
+    fsync_dir(folder);
+    remove_tree(folder);
+  }
+  fsync_dir(fs::path(run_dir) / "checkpoints");
+}
+
+}  // namespace rondo::engine

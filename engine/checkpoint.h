@@ -1,0 +1,62 @@
+// Training checkpoints: the trainable host state of a run (fp32 masters, AdamW moments, and the
+// streaming copies where they lag the masters) plus the caller's JSON (step, RNG, data position,
+// scheduler, loss scale), so that a resume is bit-identical. A checkpoint is a folder
+// run/checkpoints/step-N holding state.safetensors and state.json; state.json is written last, so
+// a folder without it is never a checkpoint, and the folder appears under its final name only
+// once complete (written as "<dir>.tmp", fsynced, renamed). Used by the engine's driver and CLI.
+//
+//   engine::write_checkpoint(run + "/checkpoints/step-40", store, specs, {{"step", 40}});
+//   auto last = engine::list_checkpoints(run);  // by step ascending
+//   nlohmann::json meta = engine::read_checkpoint(last.back().path, store, specs);
+//   engine::prune_checkpoints(run, /*keep=*/3);
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json_fwd.hpp>
+
+#include "models/layers.h"
+#include "offload/layer_store.h"
+
+namespace rondo::engine {
+
+// Writes `dir` atomically: everything goes to a sibling "<dir>.tmp" (removed first if a crash left
+// one), each file and the folder fsynced, then renamed to `dir` (an existing `dir` is renamed to
+// "<dir>.old" first and removed after) and the parent folder fsynced. A crash at any point leaves
+// either the previous checkpoint or the new one complete, never a half one under the final name.
+// Contents: state.safetensors with, for every owned (not tied) trainable tensor, "<name>" = fp32
+// master, "<name>.exp_avg", "<name>.exp_avg_sq", and with `include_stream` "<name>.stream" = the
+// streaming copy (one-step-stale training, where it lags the master); state.json =
+// {"format": "rondo-checkpoint", "version": 1, "meta": meta}. Returns the bytes written. Throws
+// Error naming the path and the failed call.
+std::uint64_t write_checkpoint(const std::string& dir, const offload::LayerStore& store,
+                               const std::vector<models::LayerSpec>& specs,
+                               const nlohmann::json& meta, bool include_stream = false);
+
+// Reads a checkpoint written by write_checkpoint into `store`: masters, moments, the streaming
+// copies (from "<name>.stream" when the checkpoint has them, else the master rounded to the store's
+// streaming dtype exactly as the optimizer's update rounds it), gradients zeroed. Frozen tensors
+// are not touched. Everything is validated before the store is: every trainable tensor present with
+// its shape and dtype, no unknown tensor; the Error names the checkpoint and the tensors. Returns
+// the caller's meta.
+nlohmann::json read_checkpoint(const std::string& dir, offload::LayerStore& store,
+                               const std::vector<models::LayerSpec>& specs);
+
+struct CheckpointInfo {
+  std::int64_t step = 0;
+  std::string path;  // run_dir/checkpoints/step-N
+};
+
+// The complete checkpoints of a run folder (run_dir/checkpoints/step-N holding a state.json), by
+// step ascending. "*.tmp" and "*.old" folders (a crash mid-write) and folders without state.json
+// are not checkpoints. No checkpoints folder: none.
+std::vector<CheckpointInfo> list_checkpoints(const std::string& run_dir);
+
+// Removes all but the newest `keep` complete checkpoints (keep <= 0: keeps all). Each goes in two
+// moves: its state.json first (fsynced), so a crash mid-removal never leaves a half checkpoint
+// that list_checkpoints would offer.
+void prune_checkpoints(const std::string& run_dir, int keep);
+
+}  // namespace rondo::engine

@@ -1,0 +1,417 @@
+// Checkpoints: a write then a read into a fresh store gives back the training state bit for bit
+// (masters, moments, streaming copies: kept when stale, else rounded from the master as the
+// optimizer rounds them), for full fine-tuning with frozen tensors, tied embeddings and LoRA; the
+// folder protocol (leftover "*.tmp", folders without state.json, overwrite, prune); and reads that
+// refuse a checkpoint of another model or setting before touching the store.
+#include "engine/checkpoint.h"
+
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <map>
+#include <memory>
+#include <string>
+
+#include <nlohmann/json.hpp>
+
+#include "engine/state.h"
+#include "kernels/error.h"
+#include "models/lora.h"
+#include "models/safetensors.h"
+#include "tests/support/plain_loop.h"
+
+namespace rondo::engine {
+namespace {
+
+namespace fs = std::filesystem;
+using kernels::FloatDType;
+
+struct Model {
+  std::vector<models::LayerSpec> specs;
+  std::map<std::string, at::Tensor> weights;
+};
+
+Model llama() {
+  const models::ModelConfig config = test::tiny_llama(2);
+  return {models::layer_specs(config), test::random_weights(config)};
+}
+
+Model qwen2_tied() {
+  const models::ModelConfig config = test::tiny_qwen2(2);
+  return {models::layer_specs(config), test::random_weights(config)};
+}
+
+Model llama_lora(int rank) {
+  Model m = llama();
+  m.specs = models::add_lora(m.specs, {.rank = rank, .alpha = 2.0 * rank});
+  for (auto& [name, t] : models::init_lora(m.specs, /*seed=*/1))
+    m.weights[name] = t;
+  return m;
+}
+
+using Trainable = std::function<bool(const std::string&)>;
+bool all(const std::string&) {
+  return true;
+}
+bool mlp_and_norms(const std::string& n) {
+  return n.find(".mlp.") != std::string::npos || n.find("norm") != std::string::npos;
+}
+
+// A store holding a model's weights, as a run builds it before training or resuming.
+struct TestStore {
+  TestStore(const Model& m, const Trainable& trainable, FloatDType stream_dtype)
+      : specs(m.specs),
+        store(arena,
+              layer_descs(m.specs, [&](const models::ParamSpec& p) { return trainable(p.name); }),
+              stream_dtype, FloatDType::kF32) {
+    load_weights(store, specs, [&](const std::string& n) { return m.weights.at(n); });
+  }
+
+  at::Tensor view(std::size_t l, std::size_t i, StateView what) const {
+    return state_view(store, specs, l, i, what);
+  }
+
+  // Random state as training leaves it: masters, moments and gradients, and streaming copies
+  // that lag the masters (one-step-stale) when `stale`, else the masters rounded.
+  void fill_random(bool stale) {
+    for (std::size_t l = 0; l < store.layers(); ++l)
+      for (std::size_t i = 0; i < store.layer(l).size(); ++i) {
+        const offload::TensorState& t = store.layer(l)[i];
+        if (!t.trainable) continue;
+        view(l, i, StateView::kGrad).copy_(at::randn(view(l, i, StateView::kGrad).sizes()));
+        if (t.tied) continue;
+        at::Tensor master = view(l, i, StateView::kMaster);
+        master.copy_(at::randn(master.sizes()));
+        view(l, i, StateView::kM).copy_(1e-2 * at::randn(master.sizes()));
+        view(l, i, StateView::kV).copy_(1e-4 * at::rand(master.sizes()));
+        view(l, i, StateView::kStream)
+            .copy_(stale ? master + 1e-2 * at::randn(master.sizes()) : master);
+      }
+  }
+
+  // Every state the store has, by "<name>/<state>", copied.
+  std::map<std::string, at::Tensor> snapshot() const {
+    std::map<std::string, at::Tensor> out;
+    for (std::size_t l = 0; l < store.layers(); ++l)
+      for (std::size_t i = 0; i < store.layer(l).size(); ++i) {
+        const offload::TensorState& t = store.layer(l)[i];
+        const std::string& name = specs[l].params[i].name;
+        if (t.trainable)
+          out[name + "/grad@" + std::to_string(l)] = view(l, i, StateView::kGrad).clone();
+        if (t.tied) continue;
+        out[name + "/stream"] = view(l, i, StateView::kStream).clone();
+        if (!t.trainable) continue;
+        out[name + "/master"] = view(l, i, StateView::kMaster).clone();
+        out[name + "/m"] = view(l, i, StateView::kM).clone();
+        out[name + "/v"] = view(l, i, StateView::kV).clone();
+      }
+    return out;
+  }
+
+  std::vector<models::LayerSpec> specs;
+  offload::HostArena arena;  // before the store: it allocates from it
+  offload::LayerStore store;
+};
+
+// Bytes, not values: -0 vs +0 or a NaN payload would count.
+bool same_bytes(const at::Tensor& a, const at::Tensor& b) {
+  return a.scalar_type() == b.scalar_type() && a.sizes() == b.sizes() &&
+         at::equal(a.contiguous().view(-1).view(at::kByte),
+                   b.contiguous().view(-1).view(at::kByte));
+}
+
+// A fresh folder per test, removed after.
+class CheckpointTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
+    root_ = fs::path(::testing::TempDir()) /
+            ("rondo-ckpt-" + std::string(info->name()) + "-" + std::to_string(::getpid()));
+    fs::remove_all(root_);
+    fs::create_directories(root_);
+  }
+  void TearDown() override { fs::remove_all(root_); }
+
+  std::string step_dir(std::int64_t step) const {
+    return (root_ / "checkpoints" / ("step-" + std::to_string(step))).string();
+  }
+  std::vector<std::int64_t> steps() const {
+    std::vector<std::int64_t> out;
+    for (const CheckpointInfo& c : list_checkpoints(root_.string()))
+      out.push_back(c.step);
+    return out;
+  }
+
+  // Writes, reads into a fresh store holding different random state, and checks every byte.
+  void round_trip(const Model& m, const Trainable& trainable, FloatDType stream_dtype, bool stale,
+                  bool include_stream) {
+    TestStore src(m, trainable, stream_dtype);
+    src.fill_random(stale);
+    const auto before = src.snapshot();
+    const nlohmann::json meta = {{"step", 40},
+                                 {"rng", {{"seed", 7}, {"offset", 123456789012345LL}}},
+                                 {"data", {{"epoch", 1}, {"position", 8191}}},
+                                 {"loss_scale", 65536.0}};
+    const std::uint64_t bytes =
+        write_checkpoint(step_dir(40), src.store, src.specs, meta, include_stream);
+    EXPECT_EQ(bytes, fs::file_size(fs::path(step_dir(40)) / "state.safetensors") +
+                         fs::file_size(fs::path(step_dir(40)) / "state.json"));
+    EXPECT_FALSE(fs::exists(step_dir(40) + ".tmp"));
+
+    // The file holds exactly the owned trainable tensors, three (four with streams) each.
+    std::size_t owned = 0;
+    for (std::size_t l = 0; l < src.store.layers(); ++l)
+      for (const offload::TensorState& t : src.store.layer(l))
+        owned += t.trainable && !t.tied;
+    ASSERT_GT(owned, 0u);
+    models::SafetensorsFile file((fs::path(step_dir(40)) / "state.safetensors").string());
+    EXPECT_EQ(file.tensors().size(), owned * (include_stream ? 4 : 3));
+
+    TestStore dst(m, trainable, stream_dtype);
+    dst.fill_random(true);
+    EXPECT_EQ(read_checkpoint(step_dir(40), dst.store, dst.specs), meta);
+    const auto after = dst.snapshot();
+    ASSERT_EQ(after.size(), before.size());
+
+    std::size_t stale_differs = 0;
+    for (std::size_t l = 0; l < dst.store.layers(); ++l)
+      for (std::size_t i = 0; i < dst.store.layer(l).size(); ++i) {
+        const offload::TensorState& t = dst.store.layer(l)[i];
+        const std::string& name = dst.specs[l].params[i].name;
+        if (t.trainable) {
+          const at::Tensor g = after.at(name + "/grad@" + std::to_string(l));
+          EXPECT_EQ(g.count_nonzero().item<std::int64_t>(), 0) << name << " gradient not zeroed";
+        }
+        if (t.tied) continue;
+        const at::Tensor stream = after.at(name + "/stream");
+        if (!t.trainable) {  // frozen: the model's weights, never in a checkpoint
+          EXPECT_TRUE(same_bytes(stream, before.at(name + "/stream"))) << name;
+          continue;
+        }
+        for (const char* s : {"/master", "/m", "/v"})
+          EXPECT_TRUE(same_bytes(after.at(name + s), before.at(name + s))) << name << s;
+        if (include_stream) {
+          EXPECT_TRUE(same_bytes(stream, before.at(name + "/stream"))) << name << " stream";
+        } else {
+          // torch's round-to-nearest-even, independent of the kernel the reader uses.
+          const at::Tensor rounded = before.at(name + "/master").to(scalar_type(stream_dtype));
+          EXPECT_TRUE(same_bytes(stream, rounded)) << name << " stream not the rounded master";
+        }
+        stale_differs += !same_bytes(stream, before.at(name + "/stream"));
+      }
+    // The test can tell a kept stale stream from a re-rounded one.
+    if (stale && !include_stream) {
+      EXPECT_GT(stale_differs, 0u);
+    }
+    if (include_stream) {
+      EXPECT_EQ(stale_differs, 0u);
+    }
+  }
+
+  fs::path root_;
+};
+
+TEST_F(CheckpointTest, RoundTripBf16StreamRoundedFromMaster) {
+  round_trip(llama(), mlp_and_norms, FloatDType::kBF16, /*stale=*/true, /*include_stream=*/false);
+}
+
+TEST_F(CheckpointTest, RoundTripBf16StaleStreamKept) {
+  round_trip(llama(), mlp_and_norms, FloatDType::kBF16, /*stale=*/true, /*include_stream=*/true);
+}
+
+TEST_F(CheckpointTest, RoundTripTiedEmbeddingF16) {
+  round_trip(qwen2_tied(), all, FloatDType::kF16, /*stale=*/false, /*include_stream=*/false);
+}
+
+TEST_F(CheckpointTest, RoundTripTiedEmbeddingStaleStreamKept) {
+  round_trip(qwen2_tied(), all, FloatDType::kBF16, /*stale=*/true, /*include_stream=*/true);
+}
+
+TEST_F(CheckpointTest, RoundTripLoraF32) {
+  round_trip(llama_lora(4), models::is_lora_param, FloatDType::kF32, /*stale=*/false,
+             /*include_stream=*/false);
+}
+
+TEST_F(CheckpointTest, StateJsonMarksFormatAndMeta) {
+  const Model m = llama();
+  TestStore s(m, all, FloatDType::kF32);
+  s.fill_random(false);
+  write_checkpoint(step_dir(3), s.store, s.specs, {{"step", 3}});
+  std::ifstream in(fs::path(step_dir(3)) / "state.json");
+  const nlohmann::json state = nlohmann::json::parse(in);
+  EXPECT_EQ(state.at("format"), "rondo-checkpoint");
+  EXPECT_EQ(state.at("version"), 1);
+  EXPECT_EQ(state.at("meta"), nlohmann::json({{"step", 3}}));
+}
+
+TEST_F(CheckpointTest, LeftoverTmpAndIncompleteFoldersIgnoredThenReplaced) {
+  const Model m = llama();
+  // A crash mid-write: "step-10.tmp" with garbage (even a state.json), and a folder whose
+  // state.json was never written.
+  const fs::path tmp = step_dir(10) + ".tmp";
+  fs::create_directories(tmp);
+  std::ofstream(tmp / "state.json") << "{\"format\": \"rondo-checkpoint\"}";
+  std::ofstream(tmp / "garbage.bin") << "not a tensor";
+  fs::create_directories(step_dir(20));
+  std::ofstream(fs::path(step_dir(20)) / "state.safetensors") << "half";
+  fs::create_directories(root_ / "checkpoints" / "step-x");
+  std::ofstream(root_ / "checkpoints" / "step-x" / "state.json") << "{}";
+  EXPECT_TRUE(steps().empty());
+
+  TestStore s(m, all, FloatDType::kBF16);
+  s.fill_random(true);
+  write_checkpoint(step_dir(10), s.store, s.specs, {{"step", 10}});
+  EXPECT_EQ(steps(), std::vector<std::int64_t>{10});
+  EXPECT_FALSE(fs::exists(tmp));
+  EXPECT_FALSE(fs::exists(fs::path(step_dir(10)) / "garbage.bin"));
+  TestStore back(m, all, FloatDType::kBF16);
+  EXPECT_EQ(read_checkpoint(step_dir(10), back.store, back.specs).at("step"), 10);
+}
+
+TEST_F(CheckpointTest, OverwriteReplacesTheCheckpoint) {
+  const Model m = llama();
+  TestStore s(m, all, FloatDType::kBF16);
+  s.fill_random(true);
+  write_checkpoint(step_dir(10), s.store, s.specs, {{"version", "first"}}, true);
+  // A crash between the renames of an earlier overwrite left an "old" one behind.
+  fs::create_directories(step_dir(10) + ".old");
+  s.fill_random(true);
+  const auto second = s.snapshot();
+  write_checkpoint(step_dir(10), s.store, s.specs, {{"version", "second"}}, true);
+  EXPECT_FALSE(fs::exists(step_dir(10) + ".old"));
+  EXPECT_FALSE(fs::exists(step_dir(10) + ".tmp"));
+  EXPECT_EQ(steps(), std::vector<std::int64_t>{10});
+
+  TestStore back(m, all, FloatDType::kBF16);
+  EXPECT_EQ(read_checkpoint(step_dir(10), back.store, back.specs).at("version"), "second");
+  const auto got = back.snapshot();
+  for (const auto& [key, t] : second)
+    if (key.find("/grad@") == std::string::npos) {
+      EXPECT_TRUE(same_bytes(got.at(key), t)) << key;
+    }
+}
+
+TEST_F(CheckpointTest, ListSortsByStepAndPruneKeepsNewest) {
+  const Model m = llama_lora(2);
+  TestStore s(m, models::is_lora_param, FloatDType::kBF16);
+  s.fill_random(false);
+  for (std::int64_t step : {100, 5, 20, 9})
+    write_checkpoint(step_dir(step), s.store, s.specs, {{"step", step}});
+  fs::create_directories(step_dir(7) + ".tmp");
+  EXPECT_EQ(steps(), (std::vector<std::int64_t>{5, 9, 20, 100}));  // 100 after 20: numeric
+  EXPECT_EQ(list_checkpoints(root_.string()).back().path, step_dir(100));
+
+  prune_checkpoints(root_.string(), 0);
+  EXPECT_EQ(steps(), (std::vector<std::int64_t>{5, 9, 20, 100}));
+  prune_checkpoints(root_.string(), 2);
+  EXPECT_EQ(steps(), (std::vector<std::int64_t>{20, 100}));
+  EXPECT_FALSE(fs::exists(step_dir(5)));
+  EXPECT_FALSE(fs::exists(step_dir(9)));
+  EXPECT_TRUE(fs::exists(step_dir(7) + ".tmp"));  // not a checkpoint: not prune's business
+  prune_checkpoints(root_.string(), 5);
+  EXPECT_EQ(steps(), (std::vector<std::int64_t>{20, 100}));
+
+  EXPECT_TRUE(list_checkpoints((root_ / "no-such-run").string()).empty());
+}
+
+// Reads that must fail, each leaving the store as it was.
+void expect_read_error(const std::string& dir, TestStore& s,
+                       const std::vector<std::string>& needles) {
+  const auto before = s.snapshot();
+  try {
+    read_checkpoint(dir, s.store, s.specs);
+    ADD_FAILURE() << "read_checkpoint(" << dir << ") did not throw";
+  } catch (const Error& e) {
+    const std::string what = e.what();
+    EXPECT_NE(what.find(dir), std::string::npos) << what;
+    for (const std::string& n : needles)
+      EXPECT_NE(what.find(n), std::string::npos) << "no '" << n << "' in: " << what;
+  }
+  const auto after = s.snapshot();
+  for (const auto& [key, t] : before)
+    EXPECT_TRUE(same_bytes(after.at(key), t)) << key << " touched by a failed read";
+}
+
+TEST_F(CheckpointTest, ReadRefusesMissingTensor) {
+  const Model m = llama();
+  TestStore s(m, mlp_and_norms, FloatDType::kF32);
+  s.fill_random(false);
+  write_checkpoint(step_dir(1), s.store, s.specs, {});
+  TestStore full(m, all, FloatDType::kF32);
+  full.fill_random(false);
+  expect_read_error(
+      step_dir(1), full,
+      {"no tensor model.layers.0.self_attn.q_proj.weight", "another model or LoRA setting"});
+}
+
+TEST_F(CheckpointTest, ReadRefusesUnknownTensorAndFullFineTuneIntoLora) {
+  const Model m = llama();
+  TestStore s(m, all, FloatDType::kF32);
+  s.fill_random(false);
+  write_checkpoint(step_dir(1), s.store, s.specs, {});
+
+  TestStore part(m, mlp_and_norms, FloatDType::kF32);
+  part.fill_random(false);
+  expect_read_error(step_dir(1), part,
+                    {"unknown tensor model.embed_tokens.weight —", "more unknown tensors"});
+
+  const Model lora = llama_lora(4);
+  TestStore adapters(lora, models::is_lora_param, FloatDType::kF32);
+  adapters.fill_random(false);
+  expect_read_error(step_dir(1), adapters,
+                    {"no tensor base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight",
+                     "unknown tensor model."});
+}
+
+TEST_F(CheckpointTest, ReadRefusesWrongShape) {
+  TestStore rank4(llama_lora(4), models::is_lora_param, FloatDType::kF32);
+  rank4.fill_random(false);
+  write_checkpoint(step_dir(1), rank4.store, rank4.specs, {});
+  TestStore rank8(llama_lora(8), models::is_lora_param, FloatDType::kF32);
+  rank8.fill_random(false);
+  expect_read_error(step_dir(1), rank8,
+                    {"tensor base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight has "
+                     "shape [4, 16], the model needs [8, 16]"});
+}
+
+TEST_F(CheckpointTest, ReadRefusesStreamOfAnotherDtype) {
+  const Model m = llama();
+  TestStore bf16(m, mlp_and_norms, FloatDType::kBF16);
+  bf16.fill_random(true);
+  write_checkpoint(step_dir(1), bf16.store, bf16.specs, {}, /*include_stream=*/true);
+  TestStore f32(m, mlp_and_norms, FloatDType::kF32);
+  f32.fill_random(true);
+  expect_read_error(step_dir(1), f32, {"model.layers.0.mlp.up_proj.weight.stream is BF16"});
+}
+
+TEST_F(CheckpointTest, ReadRefusesWhatIsNotACheckpoint) {
+  const Model m = llama();
+  TestStore s(m, all, FloatDType::kF32);
+  s.fill_random(false);
+
+  // A Hugging Face model folder.
+  const fs::path hf = root_ / "hf-model";
+  fs::create_directories(hf);
+  std::vector<std::pair<std::string, at::Tensor>> weights(m.weights.begin(), m.weights.end());
+  models::write_safetensors((hf / "model.safetensors").string(), weights);
+  expect_read_error(hf.string(), s, {"not a Rondo checkpoint", "state.json"});
+
+  // A state.json of something else.
+  std::ofstream(hf / "state.json") << R"({"format": "something-else", "version": 1})";
+  expect_read_error(hf.string(), s, {"not a Rondo checkpoint"});
+
+  // A checkpoint of a newer format.
+  write_checkpoint(step_dir(2), s.store, s.specs, {});
+  std::ofstream(fs::path(step_dir(2)) / "state.json")
+      << R"({"format": "rondo-checkpoint", "version": 2, "meta": {}})";
+  expect_read_error(step_dir(2), s, {"version 2"});
+
+  expect_read_error((root_ / "nowhere").string(), s, {"no such checkpoint folder"});
+}
+
+}  // namespace
+}  // namespace rondo::engine
