@@ -1,0 +1,226 @@
+#include "engine/batching.h"
+
+#include <ATen/ATen.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <string>
+
+#include "kernels/error.h"
+#include "models/model.h"
+
+namespace rondo::engine {
+namespace {
+
+// Note [Portable permutations]
+// The row order of every epoch and the validation split must be the same on every machine and
+// standard library, or a run resumed elsewhere would train on different batches. std::shuffle and
+// std::uniform_int_distribution are implementation-defined, so the permutation here is our own:
+// splitmix64 as the generator, an unbiased bounded draw by rejection, and Fisher-Yates.
+std::uint64_t splitmix64(std::uint64_t& state) {
+  std::uint64_t z = (state += 0x9e3779b97f4a7c15ull);
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  return z ^ (z >> 31);
+}
+
+// Uniform in [0, n), n >= 1: rejects the draws below 2^64 mod n so every residue is equally likely.
+std::uint64_t bounded(std::uint64_t& state, std::uint64_t n) {
+  const std::uint64_t threshold = (0 - n) % n;
+  for (;;) {
+    const std::uint64_t x = splitmix64(state);
+    if (x >= threshold) return x % n;
+  }
+}
+
+// Purposes of a permutation, so that the validation split and epoch 0's order are unrelated.
+constexpr std::uint64_t kDomainEpoch = 0x45504f4348ull;  // "EPOCH"
+constexpr std::uint64_t kDomainSplit = 0x53504c4954ull;  // "SPLIT"
+
+// A permutation of 0..n-1, a pure function of (seed, domain, index). See Note [Portable
+// permutations].
+std::vector<std::int64_t> permutation(std::int64_t n, std::uint64_t seed, std::uint64_t domain,
+                                      std::uint64_t index) {
+  // Chained hashing, so no two (seed, domain, index) share a stream by a simple xor relation.
+  std::uint64_t mix = seed;
+  mix = splitmix64(mix) ^ domain;
+  mix = splitmix64(mix) ^ index;
+  std::uint64_t state = splitmix64(mix);
+  std::vector<std::int64_t> p(static_cast<std::size_t>(n));
+  for (std::int64_t i = 0; i < n; ++i)
+    p[i] = i;
+  for (std::int64_t i = n - 1; i > 0; --i) {
+    const auto j = static_cast<std::int64_t>(bounded(state, static_cast<std::uint64_t>(i) + 1));
+    std::swap(p[i], p[j]);
+  }
+  return p;
+}
+
+}  // namespace
+
+Dataset split_validation(Dataset& train, double fraction, std::uint64_t seed) {
+  if (!(fraction >= 0 && fraction <= 1))
+    throw Error("validation split: fraction is " + std::to_string(fraction) +
+                "; give a share of the examples between 0 and 1 (0.05 = 5%)");
+  const auto n = static_cast<std::int64_t>(train.examples.size());
+  std::int64_t k = std::llround(fraction * static_cast<double>(n));
+  if (fraction > 0 && n >= 2) k = std::max<std::int64_t>(k, 1);
+  if (fraction > 0 && n - k < 1)
+    throw Error("validation split: a fraction of " + std::to_string(fraction) + " of " +
+                std::to_string(n) + " example(s)" +
+                (train.path.empty() ? "" : " in " + train.path) +
+                " leaves nothing to train on; lower the fraction or add examples");
+
+  Dataset val;
+  val.path = train.path;
+  val.format = train.format;
+  if (k == 0) return val;
+  const std::vector<std::int64_t> p = permutation(n, seed, kDomainSplit, 0);
+  std::vector<std::uint8_t> in_val(static_cast<std::size_t>(n), 0);
+  for (std::int64_t i = 0; i < k; ++i)
+    in_val[p[i]] = 1;
+
+  std::vector<Example> kept;
+  kept.reserve(static_cast<std::size_t>(n - k));
+  val.examples.reserve(static_cast<std::size_t>(k));
+  for (std::int64_t i = 0; i < n; ++i)
+    (in_val[i] ? val.examples : kept).push_back(std::move(train.examples[i]));
+  train.examples = std::move(kept);
+  return val;
+}
+
+Batcher::Batcher(const Dataset& data, const BatchingOptions& options) : options_(options) {
+  std::vector<std::string> problems;
+  if (options.seq_len < 1) problems.push_back("seq_len must be at least 1 token");
+  if (options.rows < 1) problems.push_back("rows (per microbatch) must be at least 1");
+  if (options.microbatches < 1) problems.push_back("microbatches (per step) must be at least 1");
+  if (!problems.empty()) throw Error(join_problems("batching options:", problems));
+
+  // Truncate and copy, dropping empty examples (they hold nothing to train on).
+  example_begin_.push_back(0);
+  for (std::size_t i = 0; i < data.examples.size(); ++i) {
+    const Example& e = data.examples[i];
+    if (e.ids.size() != e.loss_mask.size())
+      throw Error("batching " + (data.path.empty() ? std::string("data") : data.path) +
+                  ": example " + std::to_string(i) + " has " + std::to_string(e.ids.size()) +
+                  " tokens but " + std::to_string(e.loss_mask.size()) +
+                  " loss-mask entries; they must match");
+    auto len = static_cast<std::int64_t>(e.ids.size());
+    if (len == 0) continue;
+    if (len > options.seq_len) {
+      len = options.seq_len;
+      ++truncated_;
+    }
+    tokens_.insert(tokens_.end(), e.ids.begin(), e.ids.begin() + len);
+    loss_mask_.insert(loss_mask_.end(), e.loss_mask.begin(), e.loss_mask.begin() + len);
+    example_begin_.push_back(static_cast<std::int64_t>(tokens_.size()));
+  }
+  const auto examples = static_cast<std::int64_t>(example_begin_.size()) - 1;
+  if (examples == 0)
+    throw Error("batching " + (data.path.empty() ? std::string("data") : data.path) +
+                ": no training rows (no example has a token); check the file and its format");
+
+  // Greedy packing in dataset order: an example that does not fit closes the row.
+  row_begin_.push_back(0);
+  std::int64_t used = 0;  // tokens in the open row
+  for (std::int64_t x = 0; x < examples; ++x) {
+    const std::int64_t len = example_begin_[x + 1] - example_begin_[x];
+    if (x > row_begin_.back() && (!options.pack || used + len > options.seq_len)) {
+      row_begin_.push_back(x);
+      used = 0;
+    }
+    used += len;
+  }
+  row_begin_.push_back(examples);
+}
+
+std::int64_t Batcher::steps_per_epoch() const {
+  return std::max<std::int64_t>(1, rows() / (options_.rows * options_.microbatches));
+}
+
+std::vector<std::int64_t> Batcher::epoch_order(std::int64_t epoch) const {
+  if (options_.shuffle)
+    return permutation(rows(), options_.seed, kDomainEpoch, static_cast<std::uint64_t>(epoch));
+  std::vector<std::int64_t> order(static_cast<std::size_t>(rows()));
+  for (std::int64_t r = 0; r < rows(); ++r)
+    order[r] = r;
+  return order;
+}
+
+Batcher::Position Batcher::position(std::int64_t step) const {
+  RONDO_ASSERT_MSG(step >= 1, "steps are 1-based");
+  const std::int64_t first = (step - 1) * options_.rows * options_.microbatches;
+  return {first / rows(), first % rows()};
+}
+
+double Batcher::epoch_progress(std::int64_t step) const {
+  RONDO_ASSERT(step >= 0);
+  const std::int64_t consumed = step * options_.rows * options_.microbatches;
+  return static_cast<double>(consumed / rows()) +
+         static_cast<double>(consumed % rows()) / static_cast<double>(rows());
+}
+
+std::vector<Microbatch> Batcher::step(std::int64_t step) const {
+  Position at = position(step);
+  std::vector<std::int64_t> order = epoch_order(at.epoch);
+  std::vector<Microbatch> out;
+  out.reserve(static_cast<std::size_t>(options_.microbatches));
+  for (int m = 0; m < options_.microbatches; ++m) {
+    std::vector<std::int64_t> ids;
+    ids.reserve(static_cast<std::size_t>(options_.rows));
+    for (std::int64_t b = 0; b < options_.rows; ++b) {
+      if (at.row == rows()) {  // into the next epoch's order
+        at = {at.epoch + 1, 0};
+        order = epoch_order(at.epoch);
+      }
+      ids.push_back(order[at.row++]);
+    }
+    out.push_back(make_microbatch(ids));
+  }
+  return out;
+}
+
+std::vector<Microbatch> Batcher::all_rows() const {
+  std::vector<Microbatch> out;
+  for (std::int64_t r = 0; r < rows(); r += options_.rows) {
+    std::vector<std::int64_t> ids;
+    for (std::int64_t i = r; i < std::min(rows(), r + options_.rows); ++i)
+      ids.push_back(i);
+    out.push_back(make_microbatch(ids));
+  }
+  return out;
+}
+
+Microbatch Batcher::make_microbatch(const std::vector<std::int64_t>& row_ids) const {
+  const auto B = static_cast<std::int64_t>(row_ids.size());
+  const std::int64_t T = options_.seq_len;
+  at::Tensor tokens = at::zeros({B, T}, at::kLong);  // pad token 0
+  at::Tensor mask = at::zeros({B, T}, at::kBool);    // pad: no loss
+  at::Tensor doc_ids;
+  if (options_.pack) doc_ids = at::empty({B, T}, at::kLong);
+  auto* tok = tokens.data_ptr<std::int64_t>();
+  auto* msk = mask.data_ptr<bool>();
+  std::int64_t* doc = options_.pack ? doc_ids.data_ptr<std::int64_t>() : nullptr;
+  for (std::int64_t b = 0; b < B; ++b) {
+    const std::int64_t r = row_ids[b];
+    std::int64_t t = 0, doc_id = 0;
+    for (std::int64_t x = row_begin_[r]; x < row_begin_[r + 1]; ++x, ++doc_id) {
+      for (std::int64_t i = example_begin_[x]; i < example_begin_[x + 1]; ++i, ++t) {
+        tok[b * T + t] = tokens_[i];
+        msk[b * T + t] = loss_mask_[i] != 0;
+        if (doc) doc[b * T + t] = doc_id;
+      }
+    }
+    RONDO_ASSERT(t <= T);
+    if (doc)
+      std::fill(doc + b * T + t, doc + (b + 1) * T, doc_id);  // padding: a document of its own
+  }
+  Microbatch mb;
+  mb.batch.tokens = tokens;
+  mb.batch.doc_ids = doc_ids;
+  mb.targets = models::next_token_targets(mb.batch, mask);
+  return mb;
+}
+
+}  // namespace rondo::engine
