@@ -4,9 +4,11 @@
 #include <c10/core/GradMode.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <condition_variable>
+#include <limits>
 #include <map>
 #include <mutex>
 #include <set>
@@ -51,6 +53,14 @@ namespace rondo::engine {
 //    only. Step s+1 thus runs on θ_s while θ_{s+1} is computed. Gradients: a worker enqueues the
 //    download of layer l's gradients of step s only when grads_consumed_[l] >= s, i.e. after the
 //    optimizer has read step s-1's (in exact mode this already holds by (2)).
+// 5. Stopping (request_stop). Steps are handed to the threads (steps_) two ahead of the newest
+//    result. On a stop, the main thread hands out no more and sets stop_steps_ to the number
+//    handed out; every wait for work of a later step (wait_step) then gives up with Stopped and
+//    its thread returns, while every step already handed out runs to its update, so the store is
+//    left exactly as after its last step. Uploads already made for a later step are freed with the
+//    segment's leftovers, after the devices are synchronised. In one-step-stale mode the
+//    optimizer publishes θ_s to the streaming copies only once step s is handed out, so a stop
+//    leaves them at θ_{s-1}, what the next step (after a resume) must read.
 // Device memory: a loader releases job k-2's buffers (after synchronising its events on the host)
 // before it allocates job k's, so a device holds the running job and at most one prefetched one,
 // and every byte the ledger counts as free is really idle. Ordering inside a device is stream
@@ -59,6 +69,7 @@ namespace rondo::engine {
 namespace {
 
 struct Aborted {};  // thrown inside waits once another thread has failed
+struct Stopped {};  // thrown inside waits for a step that will not run (request_stop)
 
 enum class JobKind { kForward, kTail, kBackward };
 
@@ -196,6 +207,7 @@ struct Engine::Impl {
   double scale = 1;  // fp16 loss scale
   int good_steps = 0;
   std::int64_t steps_done = 0;
+  bool plan_emitted = false;
 
   // Per train() call, under mu_.
   std::mutex mu_;
@@ -203,6 +215,12 @@ struct Engine::Impl {
   bool failed_ = false;
   std::exception_ptr error_;
   std::int64_t total_jobs_ = 0;
+  // Steps of the segment that run: all, until a stop is requested; then those already handed to
+  // the threads (Note [Engine synchronisation], 5).
+  std::int64_t stop_steps_ = std::numeric_limits<std::int64_t>::max();
+  std::atomic<bool> stop_requested_{false};
+  std::int64_t handed_out_ = 0;      // steps of the segment in steps_ so far (erased ones included)
+  std::int64_t scales_decided_ = 0;  // steps whose optimizer has set the next step's loss scale
   std::vector<std::int64_t> versions_;
   std::vector<std::int64_t> grads_consumed_;  // per layer: optimizer passes that read its gradients
   // One-step-stale mode: the jobs of each step with their uploads, for the optimizer to wait on.
@@ -254,12 +272,25 @@ struct Engine::Impl {
     cv_.wait(lock, [&] { return failed_ || pred(); });
     if (failed_) throw Aborted{};
   }
+  // The same for work of step s (0-based in the segment): throws Stopped when the run is stopping
+  // before step s (request_stop) and what it waits for has not happened.
+  template <typename Pred>
+  void wait_step(std::unique_lock<std::mutex>& lock, std::int64_t s, Pred pred) {
+    cv_.wait(lock, [&] { return failed_ || s >= stop_steps_ || pred(); });
+    if (failed_) throw Aborted{};
+    if (s >= stop_steps_ && !pred()) throw Stopped{};
+  }
+  bool stopped(std::int64_t s) {
+    std::lock_guard<std::mutex> lock(mu_);
+    return s >= stop_steps_;
+  }
   // Runs `body`, turning an exception into the engine's failure, with `where` prepended.
   template <typename F>
   void guarded(const std::string& where, F&& body) {
     try {
       body();
     } catch (const Aborted&) {
+    } catch (const Stopped&) {
     } catch (const kernels::OutOfMemory& e) {
       // The device's message already names the settings that lower memory; add the one that is
       // the engine's own.
@@ -333,7 +364,9 @@ struct Engine::Impl {
     std::shared_ptr<JobRun> r;
     {
       std::unique_lock<std::mutex> lock(mu_);
-      wait(lock, [&] { return runs_.count(g) && runs_[g]->enqueued; });
+      // A job of a step that will not run (stopping) is freed at the end of the segment.
+      wait_step(lock, g / static_cast<std::int64_t>(jobs.size()),
+                [&] { return runs_.count(g) && runs_[g]->enqueued; });
       r = runs_[g];
     }
     for (auto* e : {r->done_compute.get(), r->done_up.get(), r->done_down.get()})
@@ -360,7 +393,7 @@ struct Engine::Impl {
         std::shared_ptr<JobRun> r;
         {
           std::unique_lock<std::mutex> lock(mu_);
-          wait(lock, [&] {
+          wait_step(lock, s, [&] {
             for (int l : js.streamed)
               if (versions_[l] < s) return false;
             return true;
@@ -384,7 +417,7 @@ struct Engine::Impl {
         if (options.one_step_stale) loads_[s].push_back({static_cast<int>(g % J), r});
         cv_.notify_all();
       });
-      if (failed()) return;
+      if (failed() || stopped(g / J)) return;
     }
   }
 
@@ -474,9 +507,10 @@ struct Engine::Impl {
 
   void worker(int d) {
     const std::int64_t N = static_cast<std::int64_t>(devs.size());
+    const std::int64_t J = static_cast<std::int64_t>(jobs.size());
     for (std::int64_t g = d; g < total_jobs_; g += N) {
       guarded(job_where(g), [&] { run_job(d, g); });
-      if (failed()) return;
+      if (failed() || stopped(g / J)) return;
     }
   }
 
@@ -489,7 +523,7 @@ struct Engine::Impl {
     DeviceCtx& dc = *devs[d];
     const int M = plan.microbatches;
     std::unique_lock<std::mutex> lock(mu_);
-    wait(lock, [&] { return steps_.count(s) && runs_.count(g) && runs_[g]->loaded; });
+    wait_step(lock, s, [&] { return steps_.count(s) && runs_.count(g) && runs_[g]->loaded; });
     std::shared_ptr<StepData> step = steps_[s];
     std::shared_ptr<JobRun> r = runs_[g];
     lock.unlock();
@@ -561,10 +595,14 @@ struct Engine::Impl {
         for (int l : ckpt_layers)
           if (l >= js.range.begin && l < js.range.end)
             saved[l] = receive(dc, *r, ckpts_, {s, l, m}, lock);
-      // The fp16 loss scale of this step: fixed by the previous step's optimizer, which finished
-      // before this job's weights (or its input) could be ready.
+      // The fp16 loss scale of this step: the one the previous step's optimizer left. In exact
+      // mode it is decided before this job's weights can be ready; in one-step-stale mode the
+      // weights come earlier, so the tail waits for the decision (only the norm, not the update).
       if (m == 0) {
-        if (js.kind == JobKind::kTail) step->loss_scale = scale;
+        if (js.kind == JobKind::kTail) {
+          wait_step(lock, s, [&] { return scales_decided_ >= s; });
+          step->loss_scale = scale;
+        }
         loss_scale =
             step->loss_scale / static_cast<double>(std::max<std::int64_t>(step->targets, 1));
       }
@@ -779,7 +817,8 @@ struct Engine::Impl {
           std::shared_ptr<JobRun> r;
           {
             std::unique_lock<std::mutex> lock(mu_);
-            wait(lock, [&] { return runs_.count(s * J + j) && runs_[s * J + j]->enqueued; });
+            wait_step(lock, s,
+                      [&] { return runs_.count(s * J + j) && runs_[s * J + j]->enqueued; });
             r = runs_[s * J + j];
             step = steps_[s];
           }
@@ -820,6 +859,8 @@ struct Engine::Impl {
             scale *= 2;
             good_steps = 0;
           }
+          scales_decided_ = s + 1;
+          cv_.notify_all();
         }
         if (!finite) {
           optimizer.discard_step();
@@ -849,13 +890,19 @@ struct Engine::Impl {
         steps_.erase(s);
         cv_.notify_all();
       });
-      if (failed()) return;
+      if (failed() || stopped(s)) return;
     }
   }
 
   // One-step-stale mode, first half of the optimizer's pass for step s: each layer's master (θ_s)
   // goes to its streaming copy as soon as step s has finished uploading that layer.
   void publish_stale(std::int64_t s) {
+    {
+      // Only for a step that will run: loaders may upload a step before it is handed out, and a
+      // stop leaves the streaming copies as the next step must find them (θ_{s-1}).
+      std::unique_lock<std::mutex> lock(mu_);
+      wait_step(lock, s, [&] { return handed_out_ > s; });
+    }
     for (std::size_t l = 0; l < store.layers(); ++l) {
       std::vector<std::shared_ptr<JobRun>> uploads;
       {
@@ -867,7 +914,7 @@ struct Engine::Impl {
         std::size_t needed = 0;
         for (std::size_t j = 0; j < jobs.size(); ++j)
           needed += streams(static_cast<int>(j));
-        wait(lock, [&] {
+        wait_step(lock, s, [&] {
           std::size_t have = 0;
           for (auto& [j, r] : loads_[s])
             have += streams(j);
@@ -1016,7 +1063,9 @@ struct Engine::Impl {
   std::vector<StepResult> train(std::int64_t steps, const BatchSource& batches,
                                 const std::function<void(const StepResult&)>& on_step) {
     std::vector<StepResult> all;
-    if (steps_done == 0) emit_plan(options.partitioner.c_str());
+    if (stop_requested_) return all;
+    if (!plan_emitted) emit_plan(options.partitioner.c_str());
+    plan_emitted = true;
     const bool replanning = options.replan_every > 0 && options.plan_inputs;
     while (steps > 0) {
       const std::int64_t n =
@@ -1024,6 +1073,7 @@ struct Engine::Impl {
       std::vector<StepResult> r = run_segment(n, batches, on_step);
       all.insert(all.end(), r.begin(), r.end());
       steps -= n;
+      if (stop_requested_) break;
       if (steps > 0 && replanning) replan();
     }
     return all;
@@ -1038,6 +1088,9 @@ struct Engine::Impl {
       failed_ = false;
       error_ = nullptr;
       total_jobs_ = steps * static_cast<std::int64_t>(jobs.size());
+      stop_steps_ = std::numeric_limits<std::int64_t>::max();
+      handed_out_ = 0;
+      scales_decided_ = 0;
       versions_.assign(store.layers(), 0);
       grads_consumed_.assign(store.layers(), 0);
       loads_.clear();
@@ -1056,18 +1109,21 @@ struct Engine::Impl {
     threads.emplace_back([this, steps] { optimizer_thread(steps); });
 
     std::vector<StepResult> out;
+    std::int64_t published = 0;
     auto publish = [&](std::int64_t s) {
+      published = s + 1;
       guarded("step " + std::to_string(steps_done + s + 1) + ", reading the batch", [&] {
         auto step = make_step(steps_done + s + 1, batches(steps_done + s + 1));
         std::lock_guard<std::mutex> lock(mu_);
         step->loss_scale = scale;
         steps_[s] = std::move(step);
+        handed_out_ = s + 1;
         cv_.notify_all();
       });
     };
     publish(0);
     if (steps > 1) publish(1);
-    for (std::int64_t s = 0; s < steps && !failed(); ++s) {
+    for (std::int64_t s = 0; s < std::min(steps, published) && !failed(); ++s) {
       StepResult res;
       {
         std::unique_lock<std::mutex> lock(mu_);
@@ -1077,7 +1133,13 @@ struct Engine::Impl {
       }
       out.push_back(res);
       if (on_step) guarded("after step " + std::to_string(res.step), [&] { on_step(res); });
-      if (s + 2 < steps) publish(s + 2);
+      if (stop_requested_ && published < steps) {
+        std::lock_guard<std::mutex> lock(mu_);
+        stop_steps_ = published;
+        cv_.notify_all();
+      } else if (s + 2 < steps) {
+        publish(s + 2);
+      }
     }
     for (auto& t : threads)
       t.join();
@@ -1153,6 +1215,29 @@ Engine::~Engine() = default;
 std::vector<StepResult> Engine::train(std::int64_t steps, const BatchSource& batches,
                                       const std::function<void(const StepResult&)>& on_step) {
   return impl_->train(steps, batches, on_step);
+}
+
+EngineState Engine::state() const {
+  return {.steps_done = impl_->steps_done,
+          .optimizer_step = impl_->optimizer.step(),
+          .loss_scale = impl_->scale,
+          .good_steps = impl_->good_steps};
+}
+
+void Engine::restore(const EngineState& state) {
+  if (state.steps_done < 0 || state.optimizer_step < 0 || state.optimizer_step > state.steps_done ||
+      !(state.loss_scale > 0) || state.good_steps < 0)
+    throw Error("engine: cannot restore an inconsistent state (steps " +
+                std::to_string(state.steps_done) + ", optimizer step " +
+                std::to_string(state.optimizer_step) + ")");
+  impl_->steps_done = state.steps_done;
+  impl_->optimizer.set_step(state.optimizer_step);
+  impl_->scale = state.loss_scale;
+  impl_->good_steps = state.good_steps;
+}
+
+void Engine::request_stop() {
+  impl_->stop_requested_ = true;
 }
 
 const Plan& Engine::plan() const {

@@ -101,6 +101,14 @@ struct StepResult {
   double seconds = 0;  // wall time since the previous step ended (or train() began)
 };
 
+// What a checkpoint must hold beyond the store's tensors for a bit-identical resume.
+struct EngineState {
+  std::int64_t steps_done = 0;      // optimizer steps run, skipped fp16 steps included
+  std::int64_t optimizer_step = 0;  // AdamW's step count (bias correction): applied steps only
+  double loss_scale = 1;            // fp16 loss scaling: the scale of the next step
+  int good_steps = 0;               // finite steps since the scale last changed
+};
+
 class Engine {
  public:
   // `devices` are borrowed and must outlive the engine; `store` holds the weights (and, for
@@ -121,6 +129,17 @@ class Engine {
   // stays as it was after the last completed step's update of each layer.
   std::vector<StepResult> train(std::int64_t steps, const BatchSource& batches,
                                 const std::function<void(const StepResult&)>& on_step = {});
+
+  // Asks train() to return early: the steps already under way finish (and are returned; at most
+  // two beyond the one that just ended), no new one starts. Thread-safe, may be called from
+  // on_step or any other thread (not from a signal handler); sticky: later train() calls return
+  // at once.
+  void request_stop();
+
+  // Between train() calls: the counters a checkpoint saves, and setting them back on a fresh
+  // engine over a store read from that checkpoint (the next step is then steps_done + 1).
+  EngineState state() const;
+  void restore(const EngineState& state);
 
   const Plan& plan() const;  // the plan in use (it changes when the engine re-plans)
   double loss_scale() const;

@@ -51,6 +51,7 @@ class Optimizer {
   void set_grad_unscale(double unscale) { unscale_ = unscale; }
 
   std::int64_t step() const { return step_; }
+  void set_step(std::int64_t step) { step_ = step; }  // resuming from a checkpoint
   double clip_coefficient() const { return clip_; }
   void set_lr(double lr) { params_.lr = lr; }
 

@@ -34,12 +34,6 @@ namespace {
 // same steps and the comparison measures the engine, not the noise.
 constexpr double kLr = 1e-3, kWd = 0.1, kClip = 0.5, kEps = 1e-6;
 
-// max |a - b| / max |b|: the relative error of a tensor as a whole.
-double rel(const at::Tensor& a, const at::Tensor& b) {
-  const double scale = std::max(1e-30, b.abs().max().item<double>());
-  return (a.to(at::kDouble) - b.to(at::kDouble)).abs().max().item<double>() / scale;
-}
-
 // A random valid plan for `layers` layers: tail [k, layers), forward and backward cut at random.
 Plan random_plan(int layers, int M, RecomputeGrain grain, std::mt19937& rng) {
   Plan p;
@@ -153,9 +147,10 @@ EngineRun run_engine(const Case& s, const Plan& plan, int devices, EngineOptions
           state_view(store, s.specs, l, i, StateView::kMaster).clone();
       // The streaming copy the devices read is the master (fp32 here); in one-step-stale mode it
       // lags by the last update.
-      if (!options.one_step_stale)
+      if (!options.one_step_stale) {
         EXPECT_TRUE(state_view(store, s.specs, l, i, StateView::kStream)
                         .equal(state_view(store, s.specs, l, i, StateView::kMaster)));
+      }
     }
   return out;
 }
@@ -593,6 +588,106 @@ TEST(Engine, Fp16LossScalingSkipsOverflowsAndGrows) {
   // The reported norm is the unscaled one: the same as at a much smaller scale, up to fp16.
   const Run c = run(16.0, 1);
   EXPECT_NEAR(c.results[0].grad_norm, b.results[0].grad_norm, 0.02 * b.results[0].grad_norm);
+}
+
+}  // namespace
+}  // namespace rondo::engine
+
+namespace rondo::engine {
+namespace {
+
+// request_stop() from on_step: the steps already handed out finish, nothing else starts, and the
+// store is as after the last returned step. A fresh engine over a copy of that state (what a
+// checkpoint holds) with restore() then ends bit-identical to a run never stopped — also with
+// fp16 loss scaling (its scale and growth counter are part of the state) and one-step-stale
+// updates (where the streaming copies lag the masters and are copied too).
+TEST(Engine, StopFinishesTheStepsUnderWayAndRestoreContinuesExactly) {
+  for (const bool stale : {false, true}) {
+    SCOPED_TRACE(stale ? "one-step-stale" : "exact");
+    Case s = make_case(test::tiny_llama(2), 2, 21, /*steps=*/30);
+    Plan plan{{{0, 2}}, {2, 4}, {{0, 2}}, 2, RecomputeGrain::kStage};
+    const std::int64_t total = static_cast<std::int64_t>(s.steps.size());
+    EngineOptions o;
+    o.adamw = {.lr = kLr, .eps = kEps, .weight_decay = kWd};
+    o.max_grad_norm = kClip;
+    o.one_step_stale = stale;
+    // fp16 overflows at first: the skipped steps and the scale are part of the state.
+    o.loss_scaling = {.enabled = true, .initial_scale = std::ldexp(1.0, 20), .growth_interval = 2};
+    const kernels::FloatDType f16 = kernels::FloatDType::kF16;
+    auto batches = [&](std::int64_t step) { return s.steps.at(step - 1); };
+    auto descs = layer_descs(s.specs, [](const models::ParamSpec&) { return true; });
+    auto snapshot = [&](const offload::LayerStore& st) {
+      std::map<std::string, at::Tensor> out;
+      for (std::size_t l = 0; l < s.specs.size(); ++l)
+        for (std::size_t i = 0; i < s.specs[l].params.size(); ++i)
+          if (!st.layer(l)[i].tied)
+            for (StateView v :
+                 {StateView::kStream, StateView::kMaster, StateView::kM, StateView::kV})
+              out[s.specs[l].params[i].name + "/" + std::to_string(static_cast<int>(v))] =
+                  state_view(st, s.specs, l, i, v).clone();
+      return out;
+    };
+
+    offload::HostArena arena;
+    offload::LayerStore whole(arena, descs, f16, f16);
+    load_weights(whole, s.specs, [&](const std::string& n) { return s.weights.at(n); });
+    std::vector<StepResult> want;
+    {
+      auto devs = sim_devices(2);
+      Engine e(s.config, s.specs, whole, arena, raw(devs), plan, o);
+      want = e.train(total, batches);
+    }
+    std::int64_t skipped = 0;
+    while (skipped < total && want[skipped].skipped)
+      ++skipped;
+    ASSERT_GT(skipped, 0);
+    const std::int64_t stop_at = skipped + 3;
+    ASSERT_LT(stop_at + 4, total);
+
+    offload::LayerStore first(arena, descs, f16, f16);
+    load_weights(first, s.specs, [&](const std::string& n) { return s.weights.at(n); });
+    std::vector<StepResult> got;
+    EngineState state;
+    {
+      auto devs = sim_devices(2);
+      Engine e(s.config, s.specs, first, arena, raw(devs), plan, o);
+      got = e.train(total, batches, [&](const StepResult& r) {
+        if (r.step == stop_at) e.request_stop();
+      });
+      state = e.state();
+      EXPECT_TRUE(e.train(2, batches).empty());  // sticky
+    }
+    ASSERT_GE(static_cast<std::int64_t>(got.size()), stop_at);
+    ASSERT_LE(static_cast<std::int64_t>(got.size()), stop_at + 2);  // at most two under way
+    EXPECT_EQ(state.steps_done, static_cast<std::int64_t>(got.size()));
+
+    offload::LayerStore second(arena, descs, f16, f16);
+    for (auto& [key, t] : snapshot(first)) {
+      const std::string name = key.substr(0, key.find('/'));
+      const auto v = static_cast<StateView>(std::stoi(key.substr(key.find('/') + 1)));
+      for (std::size_t l = 0; l < s.specs.size(); ++l)
+        for (std::size_t i = 0; i < s.specs[l].params.size(); ++i)
+          if (!second.layer(l)[i].tied && s.specs[l].params[i].name == name)
+            state_view(second, s.specs, l, i, v).copy_(t);
+    }
+    {
+      auto devs = sim_devices(2);
+      Engine e(s.config, s.specs, second, arena, raw(devs), plan, o);
+      e.restore(state);
+      std::vector<StepResult> rest = e.train(total - state.steps_done, batches);
+      got.insert(got.end(), rest.begin(), rest.end());
+    }
+    ASSERT_EQ(got.size(), want.size());
+    for (std::size_t i = 0; i < want.size(); ++i) {
+      EXPECT_EQ(got[i].step, want[i].step);
+      EXPECT_EQ(got[i].loss, want[i].loss) << "step " << want[i].step;
+      EXPECT_EQ(got[i].loss_scale, want[i].loss_scale) << "step " << want[i].step;
+      EXPECT_EQ(got[i].skipped, want[i].skipped) << "step " << want[i].step;
+    }
+    std::map<std::string, at::Tensor> a = snapshot(whole), b = snapshot(second);
+    for (auto& [key, t] : a)
+      EXPECT_TRUE(t.equal(b.at(key))) << key;
+  }
 }
 
 }  // namespace
