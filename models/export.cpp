@@ -80,18 +80,12 @@ void write_merged(const std::string& dir, const std::vector<LayerSpec>& specs,
                   DType dtype) {
   make_dir(dir);
   std::vector<std::pair<std::string, at::Tensor>> out;
+  // In spec order (the safetensors header lists them so).
+  const std::map<std::string, at::Tensor> merged = merge_lora(specs, all);
   for (const LayerSpec& spec : specs)
-    for (const ParamSpec& p : spec.params) {
-      if (p.tied || is_lora_param(p.name)) continue;
-      at::Tensor w = all.at(p.name).to(at::kFloat);
-      // W + B A * scaling, when this projection has an adapter.
-      const std::string stem = p.name.substr(0, p.name.size() - std::string(".weight").size());
-      auto a = all.find("base_model.model." + stem + ".lora_A.weight");
-      auto b = all.find("base_model.model." + stem + ".lora_B.weight");
-      if (a != all.end() && b != all.end())
-        w = w + at::matmul(b->second.to(at::kFloat), a->second.to(at::kFloat)) * spec.lora_scaling;
-      out.emplace_back(p.name, w.to(to_scalar_type(dtype)));
-    }
+    for (const ParamSpec& p : spec.params)
+      if (!p.tied && !is_lora_param(p.name))
+        out.emplace_back(p.name, merged.at(p.name).to(to_scalar_type(dtype)));
   write_safetensors((fs::path(dir) / "model.safetensors").string(), out, {{"format", "pt"}});
   for (const char* name : {"config.json", "generation_config.json", "tokenizer.json",
                            "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",

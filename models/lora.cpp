@@ -147,6 +147,24 @@ bool is_lora_param(const std::string& name) {
   return name.find(".lora_A.") != std::string::npos || name.find(".lora_B.") != std::string::npos;
 }
 
+std::map<std::string, at::Tensor> merge_lora(const std::vector<LayerSpec>& specs,
+                                             const std::map<std::string, at::Tensor>& all) {
+  std::map<std::string, at::Tensor> out;
+  for (const LayerSpec& spec : specs)
+    for (const ParamSpec& p : spec.params) {
+      if (p.tied || is_lora_param(p.name)) continue;
+      at::Tensor w = all.at(p.name);
+      const std::string stem = p.name.substr(0, p.name.size() - std::string(".weight").size());
+      auto a = all.find("base_model.model." + stem + ".lora_A.weight");
+      auto b = all.find("base_model.model." + stem + ".lora_B.weight");
+      if (a != all.end() && b != all.end())
+        w = w.to(at::kFloat) +
+            at::matmul(b->second.to(at::kFloat), a->second.to(at::kFloat)) * spec.lora_scaling;
+      out.emplace(p.name, w);
+    }
+  return out;
+}
+
 std::map<std::string, at::Tensor> init_lora(const std::vector<LayerSpec>& specs,
                                             std::uint64_t seed) {
   at::Generator gen = at::detail::createCPUGenerator(seed);

@@ -45,6 +45,11 @@ bool is_lora_param(const std::string& name);
 
 // PEFT's initialisation for every adapter in `specs`: A ~ kaiming_uniform(a = sqrt(5)), which is
 // U(-1/sqrt(in), 1/sqrt(in)), and B = 0 (the adapted model starts equal to the base). f32.
+// The base weights with every adapter of `specs` folded in (W + B A * scaling, in fp32); the
+// adapters themselves left out. `tensors`: every owned parameter by name.
+std::map<std::string, at::Tensor> merge_lora(const std::vector<LayerSpec>& specs,
+                                             const std::map<std::string, at::Tensor>& tensors);
+
 std::map<std::string, at::Tensor> init_lora(const std::vector<LayerSpec>& specs,
                                             std::uint64_t seed);
 
