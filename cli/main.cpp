@@ -11,6 +11,7 @@
 #include "cli/devices_command.h"
 #include "cli/generate_command.h"
 #include "cli/inspect_command.h"
+#include "cli/train_command.h"
 #include "kernels/error.h"
 #include "models/tensor_view.h"
 
@@ -42,6 +43,27 @@ int main(int argc, char** argv) {
       app.add_subcommand("generate", "Generate text from a model (greedy or sampled)");
   rondo::cli::add_generate_options(*generate_cmd, generate);
 
+  rondo::cli::TrainOptions train;
+  CLI::App* train_cmd =
+      app.add_subcommand("train", "Fine-tune a model (LoRA or full) from a TOML config and flags");
+  rondo::cli::add_train_options(*train_cmd, train);
+
+  rondo::cli::TrainOptions plan;
+  CLI::App* plan_cmd = app.add_subcommand(
+      "plan", "Will a run fit? Device and host memory, disk, predicted speed and time");
+  rondo::cli::add_plan_options(*plan_cmd, plan);
+
+  rondo::cli::ExportOptions export_options;
+  CLI::App* export_cmd = app.add_subcommand(
+      "export", "Write a run's checkpoint as a PEFT adapter or a merged Hugging Face folder");
+  rondo::cli::add_export_options(*export_cmd, export_options);
+
+  rondo::cli::DemoOptions demo;
+  CLI::App* demo_cmd = app.add_subcommand(
+      "demo",
+      "Fine-tune the bundled small model on a small dataset, with samples before and after");
+  rondo::cli::add_demo_options(*demo_cmd, demo);
+
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -62,6 +84,10 @@ int main(int argc, char** argv) {
     if (devices_cmd->parsed()) return rondo::cli::run_devices(devices);
     if (inspect_cmd->parsed()) return rondo::cli::run_inspect(inspect);
     if (generate_cmd->parsed()) return rondo::cli::run_generate(generate);
+    if (train_cmd->parsed()) return rondo::cli::run_train(train);
+    if (plan_cmd->parsed()) return rondo::cli::run_plan(plan);
+    if (export_cmd->parsed()) return rondo::cli::run_export(export_options);
+    if (demo_cmd->parsed()) return rondo::cli::run_demo(demo);
     std::fputs(app.help().c_str(), stdout);
     return 0;
   } catch (const rondo::Error& e) {

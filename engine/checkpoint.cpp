@@ -158,7 +158,8 @@ std::vector<Owned> owned_trainable(const offload::LayerStore& store,
 
 std::uint64_t write_checkpoint(const std::string& dir, const offload::LayerStore& store,
                                const std::vector<models::LayerSpec>& specs,
-                               const nlohmann::json& meta, bool include_stream) {
+                               const nlohmann::json& meta, bool include_stream,
+                               const std::function<void()>& before_rename) {
   const fs::path target = folder_path(dir);
   const fs::path tmp = with_suffix(target, ".tmp");
   const fs::path old = with_suffix(target, ".old");
@@ -213,6 +214,7 @@ std::uint64_t write_checkpoint(const std::string& dir, const offload::LayerStore
     throw;
   }
 
+  if (before_rename) before_rename();
   // Crash windows: before the first rename the previous checkpoint is intact under `target`;
   // between the two renames it is complete in "<dir>.old" and the new one in "<dir>.tmp"; after
   // the second the new one is in place.

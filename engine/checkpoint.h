@@ -12,6 +12,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -30,10 +31,12 @@ namespace rondo::engine {
 // master, "<name>.exp_avg", "<name>.exp_avg_sq", and with `include_stream` "<name>.stream" = the
 // streaming copy (one-step-stale training, where it lags the master); state.json =
 // {"format": "rondo-checkpoint", "version": 1, "meta": meta}. Returns the bytes written. Throws
-// Error naming the path and the failed call.
+// Error naming the path and the failed call. `before_rename`, if set, runs once everything is
+// written and synced under the temporary name (fault-injection tests kill the process there).
 std::uint64_t write_checkpoint(const std::string& dir, const offload::LayerStore& store,
                                const std::vector<models::LayerSpec>& specs,
-                               const nlohmann::json& meta, bool include_stream = false);
+                               const nlohmann::json& meta, bool include_stream = false,
+                               const std::function<void()>& before_rename = {});
 
 // Reads a checkpoint written by write_checkpoint into `store`: masters, moments, the streaming
 // copies (from "<name>.stream" when the checkpoint has them, else the master rounded to the store's

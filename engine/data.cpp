@@ -117,7 +117,8 @@ std::string Dataset::stats_text() const {
   if (n > 0)
     s += "; length " + with_commas(static_cast<std::int64_t>(lo)) + ".." +
          with_commas(static_cast<std::int64_t>(hi)) + ", mean " + with_commas(tokens() / n);
-  if (skipped > 0) s += "; " + with_commas(skipped) + " bad lines skipped";
+  if (skipped > 0)
+    s += "; " + with_commas(skipped) + (skipped == 1 ? " bad line skipped" : " bad lines skipped");
   return s;
 }
 

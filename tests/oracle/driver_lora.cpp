@@ -11,8 +11,10 @@
 #include <map>
 #include <nlohmann/json.hpp>
 
+#include "cli/config_file.h"
 #include "driver.h"
 #include "driver_json.h"
+#include "engine/checkpoint.h"
 #include "engine/engine.h"
 #include "engine/export.h"
 #include "engine/state.h"
@@ -134,6 +136,32 @@ int lora_train_export(const std::vector<std::string>& args) {
   return 0;
 }
 
+// Rondo's logits for a finished `rondo train` run, from its own state: the run's config.toml (LoRA
+// settings) and the fp32 masters in its newest checkpoint, on the base model — nothing read back
+// from the exported folders.
+//   run-logits <run_dir> <batch.json> <out.safetensors>
+int run_logits(const std::vector<std::string>& args) {
+  if (args.size() != 3) throw Error("usage: run-logits <run_dir> <batch.json> <out>");
+  const engine::TrainConfig c = cli::read_config(args[0] + "/config.toml", {}).config;
+  std::vector<engine::CheckpointInfo> ckpts = engine::list_checkpoints(args[0]);
+  if (ckpts.empty()) throw Error(args[0] + ": no checkpoint");
+  models::SafetensorsFile state(ckpts.back().path + "/state.safetensors");
+  models::Model model = models::Model::load(c.model.path, {.dtype = models::DType::kF32});
+  std::vector<models::LayerSpec> specs = model.layers();
+  if (c.training.method == "lora") specs = models::add_lora(specs, c.lora_config());
+  auto tensor = [&](const std::string& name) -> at::Tensor {
+    if (const models::TensorEntry* e = state.find(name)) return e->view().to(at::kFloat);
+    if (models::is_lora_param(name)) throw Error(state.path() + ": no tensor " + name);
+    return model.tensor(name);
+  };
+  nlohmann::json j;
+  std::ifstream(args[1]) >> j;
+  at::Tensor logits = forward(model.config(), specs, tensor, int_matrix(j["tokens"]));
+  models::write_safetensors(args[2], {{"logits", logits}});
+  return 0;
+}
+
+RegisterCommand reg_run_logits("run-logits", "<run_dir> <batch.json> <out>", run_logits);
 RegisterCommand reg_lora_train_export("lora-train-export", "<base_model_dir> <in.json> <out_dir>",
                                       lora_train_export);
 RegisterCommand reg_lora_logits("lora-logits",

@@ -18,8 +18,9 @@ inline const std::vector<std::string> kAllMarkers = {
 // Byte-level tokenizer with single-character tokens for printable ASCII plus Ġ, Ċ, the bos token
 // <|begin_of_text|>, the eos token <|end_of_text|>, and `specials` as special added tokens;
 // `plain` are vocabulary entries only (not split out of text).
-inline models::Tokenizer tiny_tokenizer(const std::vector<std::string>& specials = kAllMarkers,
-                                        const std::vector<std::string>& plain = {}) {
+// Its tokenizer.json.
+inline nlohmann::json tiny_tokenizer_json(const std::vector<std::string>& specials = kAllMarkers,
+                                          const std::vector<std::string>& plain = {}) {
   using nlohmann::json;
   json vocab = json::object();
   int id = 0;
@@ -46,7 +47,12 @@ inline models::Tokenizer tiny_tokenizer(const std::vector<std::string>& specials
                               {{"Sequence", {{"id", "A"}}}},
                               {{"SpecialToken", {{"id", "<|end_of_text|>"}}}}})}};
   j["model"] = {{"type", "BPE"}, {"vocab", vocab}, {"merges", json::array()}};
-  return models::Tokenizer::from_json(j.dump(), "tiny");
+  return j;
+}
+
+inline models::Tokenizer tiny_tokenizer(const std::vector<std::string>& specials = kAllMarkers,
+                                        const std::vector<std::string>& plain = {}) {
+  return models::Tokenizer::from_json(tiny_tokenizer_json(specials, plain).dump(), "tiny");
 }
 
 }  // namespace rondo::test

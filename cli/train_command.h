@@ -1,0 +1,52 @@
+// `rondo train`, `rondo plan`, `rondo export` and `rondo demo`: a run from a TOML config plus flag
+// overrides (cli/config_file.h), through engine::Session. On a terminal a live status line,
+// plain lines otherwise; Ctrl-C finishes the steps under way, checkpoints and exits (130), a
+// second Ctrl-C exits at once.
+#pragma once
+
+#include <string>
+#include <vector>
+
+namespace CLI {
+class App;
+}
+
+namespace rondo::cli {
+
+struct TrainOptions {
+  std::string config;                  // TOML file ("" = flags only)
+  std::vector<std::string> overrides;  // --set section.key=value, and the shorthand flags
+  std::string resume;                  // run folder to continue
+  std::string events;                  // "" = <run>/events.jsonl, "-" = stdout
+  bool dry_run = false;
+  bool help_config = false;
+  // Shorthands, turned into overrides.
+  std::string model, data, run_dir;
+  long long steps = -1;
+  double lr = -1;
+};
+
+struct ExportOptions {
+  std::string run;         // run folder
+  std::string checkpoint;  // "" = the newest; "step-40" or a path
+  std::string format = "adapter";
+  std::string out;  // "" = <run>/export-<format>-step-N
+};
+
+struct DemoOptions {
+  std::string model;    // "" = the bundled SmolLM2-135M-Instruct GGUF
+  std::string run_dir;  // "" = a new folder under runs/
+  long long steps = 30;
+  std::string events;
+};
+
+void add_train_options(CLI::App& command, TrainOptions& options);
+void add_plan_options(CLI::App& command, TrainOptions& options);
+void add_export_options(CLI::App& command, ExportOptions& options);
+void add_demo_options(CLI::App& command, DemoOptions& options);
+int run_train(const TrainOptions& options);
+int run_plan(const TrainOptions& options);
+int run_export(const ExportOptions& options);
+int run_demo(const DemoOptions& options);
+
+}  // namespace rondo::cli

@@ -1,0 +1,68 @@
+// What a run will need and how fast it will go, before anything is allocated: host memory (by
+// purpose), disk (checkpoints and exports), the plan per device with its predicted peak memory,
+// tokens/s and time, and a verdict — "fits", "tight" or "does not fit" — with what to change.
+// `rondo plan` prints it, `rondo train` checks it before loading weights, the GUI's review page
+// shows it.
+//
+//   engine::RunEstimate e = engine::estimate_run(config, models::inspect_model(path), devices,
+//                                                steps, tokens_per_step, host_free, disk_free);
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "engine/devices.h"
+#include "engine/plan.h"
+#include "engine/train_config.h"
+#include "models/inspect.h"
+
+namespace rondo::engine {
+
+struct HostNeeds {
+  std::uint64_t weights = 0;  // streaming copies of every parameter, in model.dtype
+  std::uint64_t masters = 0;  // fp32 masters of the trained parameters
+  std::uint64_t moments = 0;  // AdamW m and v, fp32
+  std::uint64_t grads = 0;    // fp32 gradients of the trained parameters
+  std::uint64_t loading = 0;  // the checkpoint as loaded, until copied into the store
+  std::uint64_t staging = 0;  // activations, checkpoints and stage outputs in flight
+  std::uint64_t total() const { return weights + masters + moments + grads + loading + staging; }
+};
+
+struct RunEstimate {
+  std::int64_t params = 0, trained_params = 0;
+  HostNeeds host;
+  std::uint64_t host_available = 0;    // hardware.host_memory, or what the OS reports free
+  std::uint64_t checkpoint_bytes = 0;  // one checkpoint
+  std::uint64_t disk_needed = 0;       // checkpoints kept (plus one being written) and exports
+  std::uint64_t disk_free = 0;
+  DevicePlan devices;
+  PlanInputs inputs;
+  Plan plan;  // empty when nothing fits
+  PlanPrediction prediction;
+  std::int64_t steps = 0, tokens_per_step = 0;
+  double tokens_per_s = 0, seconds = 0;  // predicted (compute speeds are estimates)
+  std::string verdict;                   // "fits", "tight", "does not fit"
+  std::vector<std::string> problems;     // why it does not fit, each with what to change
+  std::vector<std::string> warnings;     // why it is tight
+
+  std::string text() const;  // the report `rondo plan` prints
+};
+
+// Compute speed a device is assumed to have (FLOP/s in the run's dtype): a table by GPU
+// generation; for the CPU a short matrix multiplication measured now.
+double device_flops(const kernels::DeviceInfo& device, DeviceMode mode, const std::string& dtype);
+
+// `host_free` / `disk_free`: 0 = ask the OS (MemAvailable; statvfs of output.run_dir or the
+// nearest existing parent).
+RunEstimate estimate_run(const TrainConfig& config, const models::ModelSummary& model,
+                         const DevicePlan& devices, std::int64_t steps,
+                         std::int64_t tokens_per_step, std::uint64_t host_free = 0,
+                         std::uint64_t disk_free = 0);
+
+std::uint64_t host_memory_available();                   // MemAvailable, bytes
+std::uint64_t disk_space_free(const std::string& path);  // nearest existing parent
+std::string format_bytes(std::uint64_t bytes);           // "1.50 GiB"
+std::string format_count(std::int64_t n);                // "812", "135.0 M", "7.24 B"
+
+}  // namespace rondo::engine

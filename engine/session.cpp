@@ -1,0 +1,570 @@
+#include "engine/session.h"
+
+#include <ATen/ATen.h>
+#include <c10/core/GradMode.h>
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cmath>
+#include <csignal>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <mutex>
+#include <nlohmann/json.hpp>
+#include <optional>
+#include <sstream>
+
+#include "engine/batching.h"
+#include "engine/checkpoint.h"
+#include "engine/data.h"
+#include "engine/devices.h"
+#include "engine/engine.h"
+#include "engine/estimate.h"
+#include "engine/export.h"
+#include "engine/schedule.h"
+#include "engine/state.h"
+#include "kernels/error.h"
+#include "models/chat_template.h"
+#include "models/generate.h"
+#include "models/inspect.h"
+#include "models/lora.h"
+#include "models/model.h"
+#include "models/model_files.h"
+#include "models/tokenizer.h"
+
+namespace fs = std::filesystem;
+
+// Note [Exact resume]
+// A resumed run must end bit-identical to one never interrupted. Everything a step computes is a
+// function of: the store's trained tensors (masters and moments; the streaming copies are the
+// masters rounded, or saved when one-step-stale training lets them lag), the engine's counters
+// (steps done, AdamW's step, the fp16 loss scale and its growth counter), the step's batches
+// (Batcher::step is a pure function of the data, the options and the step number — the
+// shuffling permutation of each epoch is drawn from (seed, epoch)), the learning rate (a pure
+// function of the step), and the dropout masks (drawn from (seed, step, microbatch) by a
+// counter-based hash, with no generator state). A checkpoint holds the first two; the rest is
+// recomputed from the config, which the run folder keeps, and a fingerprint of the tokenized data
+// guards against the data file changing in between. Checkpoints are only written between engine
+// segments, when no step is in flight.
+
+namespace rondo::engine {
+namespace {
+
+std::uint64_t fnv1a(std::uint64_t h, const void* data, std::size_t n) {
+  const auto* p = static_cast<const unsigned char*>(data);
+  for (std::size_t i = 0; i < n; ++i) {
+    h ^= p[i];
+    h *= 0x100000001b3ull;
+  }
+  return h;
+}
+
+std::string hex(std::uint64_t v) {
+  return fmt::format("{:016x}", v);
+}
+
+// Fault injection for the resume tests (tests/cli/train_test.cpp): SIGKILL this process right
+// after step N's event (RONDO_FAULT_KILL_AFTER_STEP=N), or inside the checkpoint write of step N,
+// once its files are complete under the temporary name (RONDO_FAULT_KILL_IN_CHECKPOINT=N).
+std::int64_t fault_step(const char* name) {
+  const char* v = std::getenv(name);
+  return v ? std::atoll(v) : -1;
+}
+
+void kill_self() {
+  std::fflush(nullptr);
+  ::raise(SIGKILL);
+}
+
+std::string data_fingerprint(const Dataset& d, const BatchingOptions& b) {
+  std::uint64_t h = 0xcbf29ce484222325ull;
+  for (const Example& e : d.examples) {
+    h = fnv1a(h, e.ids.data(), e.ids.size() * sizeof(e.ids[0]));
+    h = fnv1a(h, e.loss_mask.data(), e.loss_mask.size());
+    const std::uint64_t n = e.ids.size();
+    h = fnv1a(h, &n, sizeof(n));
+  }
+  for (std::int64_t v : {b.seq_len, b.rows, static_cast<std::int64_t>(b.microbatches),
+                         static_cast<std::int64_t>(b.pack), static_cast<std::int64_t>(b.shuffle),
+                         static_cast<std::int64_t>(b.seed)})
+    h = fnv1a(h, &v, sizeof(v));
+  return hex(h);
+}
+
+DataFormat data_format(const std::string& f) {
+  if (f == "text") return DataFormat::kText;
+  if (f == "alpaca") return DataFormat::kAlpaca;
+  if (f == "chat") return DataFormat::kChat;
+  return DataFormat::kAuto;
+}
+
+kernels::FloatDType stream_dtype(const std::string& d) {
+  return d == "fp32"   ? kernels::FloatDType::kF32
+         : d == "fp16" ? kernels::FloatDType::kF16
+                       : kernels::FloatDType::kBF16;
+}
+
+ScheduleKind schedule_kind(const std::string& s) {
+  return s == "constant" ? ScheduleKind::kConstant
+         : s == "linear" ? ScheduleKind::kLinear
+                         : ScheduleKind::kCosine;
+}
+
+void write_file_atomically(const fs::path& path, const std::string& text) {
+  const fs::path tmp = path.string() + ".tmp";
+  {
+    std::ofstream f(tmp, std::ios::binary | std::ios::trunc);
+    f << text;
+    f.flush();
+    if (!f) throw Error(tmp.string() + ": cannot write: " + std::strerror(errno));
+  }
+  std::error_code ec;
+  fs::rename(tmp, path, ec);
+  if (ec) throw Error(path.string() + ": cannot write: " + ec.message());
+}
+
+}  // namespace
+
+struct Session::Impl {
+  TrainConfig c;
+  SessionOptions o;
+  models::ModelSummary summary;
+  std::optional<models::Tokenizer> tok;
+  std::optional<models::ChatTemplate> tmpl;
+  Dataset train, val;
+  BatchingOptions batching;
+  std::unique_ptr<Batcher> batcher, val_batcher;
+  std::int64_t steps = 0;
+  DevicePlan devices;
+  RunEstimate est;
+  std::string fingerprint;
+  std::atomic<bool> stop{false};
+  std::mutex engine_mu;
+  Engine* engine = nullptr;  // while run() trains
+
+  void log(const std::string& line) const {
+    if (o.log) o.log(line);
+  }
+  fs::path run_dir() const { return fs::path(c.output.run_dir); }
+
+  void prepare() {
+    std::vector<std::string> problems = c.validate();
+    if (!problems.empty())
+      throw Error(join_problems(fmt::format("The config has {} problem{}:", problems.size(),
+                                            problems.size() == 1 ? "" : "s"),
+                                problems));
+    for (const std::string& e : c.output.exports)
+      if (e == "merged" && models::model_format(c.model.path) != models::ModelFormat::kHfFolder)
+        throw Error("output.exports: 'merged' needs a Hugging Face folder as model.path (" +
+                    c.model.path + " is a GGUF file); export the adapter instead");
+    summary = models::inspect_model(c.model.path, c.data.seq_len);
+    const std::int64_t max_pos = summary.config.max_position_embeddings;
+    if (max_pos > 0 && c.data.seq_len > max_pos)
+      throw Error(fmt::format(
+          "data.seq_len: {} is more than {} supports ({} positions, max_position_embeddings in "
+          "its config); lower data.seq_len",
+          c.data.seq_len, c.model.path, max_pos));
+    tok.emplace(models::load_tokenizer(c.model.path));
+    try {
+      tmpl.emplace(models::load_model_chat_template(c.model.path, c.data.chat_format));
+    } catch (const Error& e) {
+      if (c.data.format != "text")
+        throw Error(std::string(e.what()) +
+                    " (for plain-text data set data.format = text; for chat or alpaca data set "
+                    "data.chat_format)");
+      tmpl.emplace(models::chat_template_from_name("chatml"));  // unused for text data
+    }
+    DataOptions d{.format = data_format(c.data.format),
+                  .skip_bad_lines = c.data.skip_bad_lines,
+                  .train_on_everything = c.data.train_on_everything};
+    train = load_jsonl(c.data.train, *tok, *tmpl, d);
+    if (!c.data.validation.empty())
+      val = load_jsonl(c.data.validation, *tok, *tmpl, d);
+    else if (c.data.validation_split > 0)
+      val = split_validation(train, c.data.validation_split, c.training.seed);
+    if (train.trained_tokens() == 0)
+      throw Error(c.data.train +
+                  ": no token is trained on (every loss mask is empty); check "
+                  "that the examples have assistant replies, or set "
+                  "data.train_on_everything");
+    batching = {.seq_len = c.data.seq_len,
+                .rows = c.training.batch_rows,
+                .microbatches = c.training.grad_accum,
+                .pack = c.data.pack,
+                .shuffle = c.data.shuffle,
+                .seed = c.training.seed};
+    batcher = std::make_unique<Batcher>(train, batching);
+    if (!val.examples.empty()) {
+      BatchingOptions vb = batching;
+      vb.shuffle = false;
+      val_batcher = std::make_unique<Batcher>(val, vb);
+    }
+    steps = c.training.steps > 0
+                ? c.training.steps
+                : std::max<std::int64_t>(
+                      1, static_cast<std::int64_t>(std::ceil(
+                             c.training.epochs * static_cast<double>(batcher->steps_per_epoch()))));
+    fingerprint = data_fingerprint(train, batching);
+
+    DeviceSelection sel;
+    sel.sim_devices = c.hardware.sim_devices;
+    if (!c.hardware.memory_cap.empty())
+      sel.memory_cap = parse_bytes(c.hardware.memory_cap, "hardware.memory_cap");
+    devices = plan_devices(sel);
+    const std::int64_t tokens_per_step =
+        c.data.seq_len * c.training.batch_rows * c.training.grad_accum;
+    est = estimate_run(c, summary, devices, steps, tokens_per_step, o.host_free, o.disk_free);
+    if (!est.problems.empty() && !o.plan_only)
+      throw Error(join_problems("This run does not fit:", est.problems));
+  }
+
+  std::string describe() const {
+    std::ostringstream s;
+    s << "Model       " << c.model.path << " (" << summary.config.architecture << ", "
+      << fmt::format("{} parameters, {})\n", format_count(summary.params), summary.dtypes);
+    s << "Training    " << train.stats_text() << "\n";
+    if (batcher->truncated() > 0)
+      s << fmt::format("            {} examples truncated to {} tokens\n", batcher->truncated(),
+                       c.data.seq_len);
+    if (!val.examples.empty()) s << "Validation  " << val.stats_text() << "\n";
+    s << fmt::format(
+        "Steps       {} ({} rows of {} tokens per step; {} rows per epoch, {:.2f} "
+        "epochs)\n",
+        steps, c.training.batch_rows * c.training.grad_accum, c.data.seq_len, batcher->rows(),
+        batcher->epoch_progress(steps));
+    s << est.text();
+    return s.str();
+  }
+
+  // ---- evaluation and samples, from the weights in training (the streaming copies) ----
+
+  at::Tensor weight(const offload::LayerStore& store, const std::vector<models::LayerSpec>& specs,
+                    std::size_t l, std::size_t i) const {
+    const offload::TensorState& t = store.layer(l)[i];
+    if (!t.tied) return state_view(store, specs, l, i, StateView::kStream);
+    // A tied parameter: its owner's tensor, found by name.
+    const std::string& name = specs[l].params[i].name;
+    for (std::size_t ol = 0; ol < specs.size(); ++ol)
+      for (std::size_t oi = 0; oi < specs[ol].params.size(); ++oi)
+        if (!store.layer(ol)[oi].tied && specs[ol].params[oi].name == name)
+          return state_view(store, specs, ol, oi, StateView::kStream);
+    throw InternalError("session: no owner for the tied tensor " + name);
+  }
+
+  std::pair<double, std::int64_t> validation_loss(const offload::LayerStore& store,
+                                                  const std::vector<models::LayerSpec>& specs) {
+    c10::NoGradGuard no_grad;
+    const models::ModelConfig& mc = summary.config;
+    double sum = 0;
+    std::int64_t n = 0;
+    for (const Microbatch& mb : val_batcher->all_rows()) {
+      models::AttentionContext ctx =
+          models::make_attention_context(mc, mb.batch, scalar_type(store.stream_dtype()));
+      at::Tensor x = models::embed(weight(store, specs, 0, 0), mb.batch.tokens);
+      for (std::size_t l = 1; l + 1 < specs.size(); ++l) {
+        std::vector<at::Tensor> w;
+        for (std::size_t i = 0; i < specs[l].params.size(); ++i)
+          w.push_back(weight(store, specs, l, i));
+        x = models::block_forward(mc, models::BlockWeights::bind(specs[l], w), x, ctx);
+      }
+      const std::size_t h = specs.size() - 1;
+      sum += models::head_loss_sum(mc, weight(store, specs, h, 0), weight(store, specs, h, 1), x,
+                                   mb.targets)
+                 .item<double>();
+      n += mb.targets.ne(-100).sum().item<std::int64_t>();
+    }
+    return {sum / static_cast<double>(std::max<std::int64_t>(n, 1)), n};
+  }
+
+  std::vector<std::pair<std::string, std::string>> samples(
+      const offload::LayerStore& store, const std::vector<models::LayerSpec>& specs) {
+    c10::NoGradGuard no_grad;
+    std::map<std::string, at::Tensor> tensors;
+    for (std::size_t l = 0; l < specs.size(); ++l)
+      for (std::size_t i = 0; i < specs[l].params.size(); ++i)
+        if (!store.layer(l)[i].tied)
+          tensors[specs[l].params[i].name] = weight(store, specs, l, i).to(at::kFloat);
+    std::map<std::string, at::Tensor> merged = models::merge_lora(specs, tensors);
+    models::Model m = models::Model::from_tensors(summary.config, std::move(merged), "training");
+    std::vector<std::int64_t> stops(summary.config.eos_token_ids.begin(),
+                                    summary.config.eos_token_ids.end());
+    if (auto e = tok->eos_id()) stops.push_back(*e);
+    for (const char* end : {"<|im_end|>", "<|eot_id|>", "</s>"})
+      if (auto id = tok->token_to_id(end)) stops.push_back(*id);
+    const bool chat = train.format != DataFormat::kText;
+    std::vector<std::pair<std::string, std::string>> out;
+    for (const std::string& prompt : c.eval.prompts) {
+      std::vector<std::int32_t> ids =
+          chat ? models::render_chat(*tok, *tmpl, {{"user", prompt}}, true).ids
+               : tok->encode(prompt, /*add_special_tokens=*/true);
+      std::vector<std::int64_t> p(ids.begin(), ids.end());
+      std::vector<std::int64_t> gen =
+          models::generate(m, p, {.max_new_tokens = c.eval.sample_tokens, .stop_tokens = stops});
+      std::vector<std::int32_t> g(gen.begin(), gen.end());
+      out.emplace_back(prompt, tok->decode(g, /*skip_special_tokens=*/true));
+    }
+    return out;
+  }
+
+  // ---- the run ----
+
+  SessionResult run() {
+    const fs::path dir = run_dir();
+    if (o.resume) {
+      if (!fs::exists(dir / "config.toml"))
+        throw Error(dir.string() + ": not a run folder (no config.toml); nothing to resume");
+    } else if (fs::exists(dir / "events.jsonl") || fs::exists(dir / "checkpoints")) {
+      throw Error(dir.string() + ": already holds a run; continue it with `rondo train --resume " +
+                  dir.string() + "`, or choose another output.run_dir");
+    }
+    std::error_code ec;
+    fs::create_directories(dir / "checkpoints", ec);
+    if (ec) throw Error(dir.string() + ": cannot create the run folder: " + ec.message());
+    if (!o.resume) write_file_atomically(dir / "config.toml", o.config_toml);
+    std::unique_ptr<EventSink> sink =
+        EventSink::open(o.events.empty() ? (dir / "events.jsonl").string() : o.events);
+    sink->emit(RunStartEvent{.run_dir = dir.string(),
+                             .model = c.model.path,
+                             .method = c.training.method,
+                             .steps_total = steps,
+                             .config_toml = o.config_toml});
+    const auto t0 = std::chrono::steady_clock::now();
+    try {
+      SessionResult r = train_loop(*sink);
+      sink->emit(RunEndEvent{
+          .status = r.status,
+          .steps = r.steps,
+          .seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(),
+          .export_path = r.export_path});
+      return r;
+    } catch (const std::exception& e) {
+      sink->error(e.what());
+      sink->emit(RunEndEvent{
+          .status = "failed",
+          .seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count()});
+      throw;
+    }
+  }
+
+  SessionResult train_loop(EventSink& sink) {
+    const bool lora = c.training.method == "lora";
+    const kernels::FloatDType sd = stream_dtype(c.model.dtype);
+    log("Loading " + c.model.path);
+    auto model = std::make_unique<models::Model>(models::Model::load(
+        c.model.path,
+        {.dtype = sd == kernels::FloatDType::kBF16 ? models::DType::kBF16 : models::DType::kF32}));
+    std::vector<models::LayerSpec> specs = model->layers();
+    models::LoraConfig lc = c.lora_config();
+    std::map<std::string, at::Tensor> adapters;
+    if (lora) {
+      specs = models::add_lora(specs, lc);
+      adapters = models::init_lora(specs, c.training.seed);
+    }
+    auto trainable = [&](const models::ParamSpec& p) {
+      return !lora || models::is_lora_param(p.name);
+    };
+    offload::HostArena arena(offload::HostArenaOptions{});
+    offload::LayerStore store(arena, layer_descs(specs, trainable), sd, kernels::FloatDType::kF32);
+    load_weights(store, specs, [&](const std::string& n) {
+      return lora && models::is_lora_param(n) ? adapters.at(n) : model->tensor(n);
+    });
+    model.reset();  // the store holds its own copies now
+    adapters.clear();
+
+    EngineState state;
+    SessionResult result;
+    if (o.resume) {
+      std::vector<CheckpointInfo> ckpts = list_checkpoints(run_dir().string());
+      if (ckpts.empty())
+        throw Error(run_dir().string() +
+                    "/checkpoints: no complete checkpoint to resume from (the run stopped before "
+                    "its first one); start the run again without --resume");
+      const CheckpointInfo& last = ckpts.back();
+      nlohmann::json meta = read_checkpoint(last.path, store, specs);
+      if (meta.value("data_fingerprint", "") != fingerprint)
+        throw Error(last.path +
+                    ": the training data or its batching changed since this "
+                    "checkpoint (" +
+                    c.data.train + "); an exact resume needs the same data and settings");
+      state = {.steps_done = meta.at("step").get<std::int64_t>(),
+               .optimizer_step = meta.at("optimizer_step").get<std::int64_t>(),
+               .loss_scale = meta.at("loss_scale").get<double>(),
+               .good_steps = meta.at("good_steps").get<int>()};
+      result.checkpoint = last.path;
+      log(fmt::format("Resuming from {} (step {} of {})", last.path, state.steps_done, steps));
+    }
+
+    std::vector<std::unique_ptr<kernels::Device>> devs = open_devices(devices);
+    std::vector<kernels::Device*> raw;
+    for (auto& d : devs)
+      raw.push_back(d.get());
+    const LrSchedule schedule{.kind = schedule_kind(c.training.schedule),
+                              .lr = c.training.lr,
+                              .warmup_steps = c.training.warmup_steps,
+                              .total_steps = steps,
+                              .min_lr_ratio = c.training.min_lr_ratio};
+    EngineOptions eo;
+    eo.adamw = {.lr = c.training.lr,
+                .beta1 = c.training.beta1,
+                .beta2 = c.training.beta2,
+                .eps = c.training.eps,
+                .weight_decay = c.training.weight_decay};
+    eo.max_grad_norm = c.training.max_grad_norm;
+    eo.lr = [schedule](std::int64_t s) { return schedule.at(s); };
+    eo.loss_scaling.enabled = sd == kernels::FloatDType::kF16;
+    eo.one_step_stale = c.training.one_step_stale;
+    eo.seed = c.training.seed;
+    eo.events = &sink;
+    eo.plan_inputs = &est.inputs;
+    Engine eng(summary.config, specs, store, arena, raw, est.plan, eo);
+    if (o.resume) eng.restore(state);
+    {
+      std::lock_guard<std::mutex> lock(engine_mu);
+      engine = &eng;
+    }
+    struct Detach {
+      Impl* self;
+      ~Detach() {
+        std::lock_guard<std::mutex> lock(self->engine_mu);
+        self->engine = nullptr;
+      }
+    } detach{this};
+    if (stop) eng.request_stop();
+
+    auto checkpoint = [&](std::int64_t step) {
+      const EngineState st = eng.state();
+      const Batcher::Position pos = batcher->position(step + 1);
+      nlohmann::json meta = {
+          {"step", st.steps_done},
+          {"optimizer_step", st.optimizer_step},
+          {"loss_scale", st.loss_scale},
+          {"good_steps", st.good_steps},
+          {"steps_total", steps},
+          {"data_fingerprint", fingerprint},
+          {"data_position", {{"epoch", pos.epoch}, {"row", pos.row}}},
+          {"lr_next", step < steps ? schedule.at(step + 1) : 0.0},
+          {"rng",
+           {{"seed", c.training.seed},
+            {"dropout", "counter-based: (seed, step, microbatch)"},
+            {"shuffle", "per epoch: (seed, epoch)"},
+            {"lora_init", "(seed)"}}},
+      };
+      const std::string path =
+          (run_dir() / "checkpoints" / ("step-" + std::to_string(step))).string();
+      const std::uint64_t bytes =
+          write_checkpoint(path, store, specs, meta, c.training.one_step_stale, [&] {
+            if (step == fault_step("RONDO_FAULT_KILL_IN_CHECKPOINT")) kill_self();
+          });
+      prune_checkpoints(run_dir().string(), c.checkpoint.keep);
+      sink.emit(CheckpointEvent{.step = step, .path = path, .bytes = bytes});
+      log(fmt::format("Checkpoint {} ({})", path, format_bytes(bytes)));
+      result.checkpoint = path;
+    };
+    auto evaluate = [&](std::int64_t step) {
+      auto [loss, n] = validation_loss(store, specs);
+      sink.emit(EvalEvent{.step = step, .loss = loss, .tokens = n});
+      log(fmt::format("Validation loss {:.4f} at step {} ({} tokens)", loss, step, n));
+    };
+    auto sample = [&](std::int64_t step) {
+      for (auto& [prompt, text] : samples(store, specs)) {
+        sink.emit(SampleEvent{.step = step, .prompt = prompt, .text = text});
+        log(fmt::format("Sample at step {}:\n  > {}\n  {}", step, prompt, text));
+      }
+    };
+
+    std::int64_t s = state.steps_done;
+    if (!o.resume && c.eval.sample_every > 0) sample(0);
+    if (!o.resume && c.eval.every > 0 && val_batcher) evaluate(0);
+    double mean_step_s = 0;
+    std::int64_t timed = 0;
+    auto on_step = [&](const StepResult& r) {
+      mean_step_s = timed == 0 ? r.seconds : 0.9 * mean_step_s + 0.1 * r.seconds;
+      ++timed;
+      StepEvent e{.step = r.step,
+                  .steps_total = steps,
+                  .loss = r.loss,
+                  .lr = schedule.at(r.step),
+                  .grad_norm = r.grad_norm,
+                  .tokens_per_s = static_cast<double>(r.tokens) / std::max(r.seconds, 1e-9),
+                  .eta_s = mean_step_s * static_cast<double>(steps - r.step),
+                  .tokens = r.targets};
+      sink.emit(e);
+      if (r.step == fault_step("RONDO_FAULT_KILL_AFTER_STEP")) kill_self();
+      if (o.on_step) o.on_step(e);
+      result.last_loss = r.loss;
+    };
+    auto due = [](std::int64_t step, std::int64_t every) { return every > 0 && step % every == 0; };
+    bool stopped = false;
+    while (s < steps) {
+      std::int64_t next = steps;
+      for (std::int64_t every : {c.checkpoint.every, c.eval.every, c.eval.sample_every})
+        if (every > 0) next = std::min(next, (s / every + 1) * every);
+      std::vector<StepResult> done = eng.train(
+          next - s, [&](std::int64_t step) { return batcher->step(step); }, on_step);
+      s += static_cast<std::int64_t>(done.size());
+      stopped = s < next;
+      if (stopped) break;
+      if (due(s, c.eval.every) && val_batcher) evaluate(s);
+      if (due(s, c.eval.sample_every)) sample(s);
+      if (due(s, c.checkpoint.every) || s == steps) checkpoint(s);
+    }
+    if (s < steps) {
+      if (result.checkpoint.empty() || !result.checkpoint.ends_with("step-" + std::to_string(s)))
+        checkpoint(s);
+      result.status = "stopped";
+      result.steps = s;
+      log(fmt::format("Stopped at step {} of {}; continue with `rondo train --resume {}`", s, steps,
+                      run_dir().string()));
+      return result;
+    }
+    result.status = "completed";
+    result.steps = s;
+    for (const std::string& x : c.output.exports) {
+      const std::string path = (run_dir() / x).string();
+      if (x == "adapter")
+        export_peft_adapter(path, store, specs, lc, c.model.path);
+      else
+        export_merged(path, store, specs, c.model.path,
+                      sd == kernels::FloatDType::kF32 ? models::DType::kF32 : models::DType::kBF16);
+      log("Exported " + path);
+      if (result.export_path.empty()) result.export_path = path;
+    }
+    return result;
+  }
+};
+
+Session::Session(const TrainConfig& config, SessionOptions options)
+    : impl_(std::make_unique<Impl>()) {
+  impl_->c = config;
+  impl_->o = std::move(options);
+  impl_->prepare();
+}
+
+Session::~Session() = default;
+
+std::string Session::describe() const {
+  return impl_->describe();
+}
+
+bool Session::fits() const {
+  return impl_->est.problems.empty();
+}
+
+std::int64_t Session::steps_total() const {
+  return impl_->steps;
+}
+
+SessionResult Session::run() {
+  return impl_->run();
+}
+
+void Session::request_stop() {
+  impl_->stop = true;
+  std::lock_guard<std::mutex> lock(impl_->engine_mu);
+  if (impl_->engine) impl_->engine->request_stop();
+}
+
+}  // namespace rondo::engine

@@ -1,0 +1,69 @@
+// A training run from a TrainConfig, start to end: checks everything it can before allocating
+// (config, files, data, sequence length, host memory, disk, device memory), then loads the model
+// into the host store, trains with the engine, evaluates, samples, writes checkpoints and exports,
+// and reports through the event stream (run folder layout: ARCHITECTURE.md §6). A run stopped
+// (request_stop) or killed continues exactly with `resume`: everything after a checkpoint is a
+// pure function of what the checkpoint holds (see Note [Exact resume] in session.cpp).
+//
+//   engine::Session s(config, {.config_toml = text, .log = print_line});
+//   std::puts(s.describe().c_str());
+//   engine::SessionResult r = s.run();
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+
+#include "engine/events.h"
+#include "engine/train_config.h"
+
+namespace rondo::engine {
+
+struct SessionOptions {
+  std::string config_toml;  // the resolved config, written to <run_dir>/config.toml
+  bool resume = false;      // continue from the newest checkpoint of output.run_dir
+  std::string events;       // "" = <run_dir>/events.jsonl, "-" = stdout
+  std::function<void(const std::string&)> log;    // progress lines for a person
+  std::function<void(const StepEvent&)> on_step;  // after each step (status line)
+  // `rondo plan`: a run that does not fit is reported by describe() and fits(), not thrown.
+  bool plan_only = false;
+  // Tests: overrides what the OS reports (0 = ask).
+  std::uint64_t host_free = 0, disk_free = 0;
+};
+
+struct SessionResult {
+  std::string status;      // "completed" or "stopped"
+  std::int64_t steps = 0;  // the last step done
+  double last_loss = 0;
+  std::string export_path;  // the first export written ("" if none)
+  std::string checkpoint;   // the last checkpoint written
+};
+
+class Session {
+ public:
+  // Validates the config, opens the model's headers, tokenizer and data, picks the devices and
+  // the plan, and checks host memory and disk — allocates nothing large. Throws Error listing
+  // every config problem, or naming the file (and line) or field at fault.
+  Session(const TrainConfig& config, SessionOptions options);
+  ~Session();
+  Session(const Session&) = delete;
+  Session& operator=(const Session&) = delete;
+
+  // Data statistics, the plan and the estimate (for --dry-run and the start of a run).
+  std::string describe() const;
+  std::int64_t steps_total() const;
+  bool fits() const;  // the estimate's verdict is "fits" or "tight"
+
+  // Trains to the end, or until request_stop(); writes a checkpoint either way. On an error the
+  // run ends with an `error` event and `run_end` failed, and the error is rethrown.
+  SessionResult run();
+  // Thread-safe: finish the steps under way, checkpoint, return. Not from a signal handler.
+  void request_stop();
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace rondo::engine

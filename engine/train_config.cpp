@@ -1,0 +1,132 @@
+#include "engine/train_config.h"
+
+#include <algorithm>
+#include <cmath>
+#include <sstream>
+
+#include "engine/schedule.h"
+#include "kernels/error.h"
+
+namespace rondo::engine {
+namespace {
+
+template <typename T>
+std::string str(const T& v) {
+  std::ostringstream s;
+  s << v;
+  return s.str();
+}
+
+bool one_of(const std::string& v, std::initializer_list<const char*> allowed) {
+  return std::any_of(allowed.begin(), allowed.end(), [&](const char* a) { return v == a; });
+}
+
+}  // namespace
+
+models::LoraConfig TrainConfig::lora_config() const {
+  return {.rank = lora.rank,
+          .alpha = lora.alpha,
+          .dropout = lora.dropout,
+          .targets = lora.targets,
+          .rslora = lora.rslora};
+}
+
+std::vector<std::string> TrainConfig::validate() const {
+  std::vector<std::string> p;
+  auto add = [&](const std::string& field, const std::string& what) {
+    p.push_back(field + ": " + what);
+  };
+  if (model.path.empty()) add("model.path", "not set; give a Hugging Face folder or a .gguf file");
+  if (!one_of(model.dtype, {"bf16", "fp16", "fp32"}))
+    add("model.dtype", "must be bf16, fp16 or fp32 (got '" + model.dtype + "')");
+
+  if (data.train.empty()) add("data.train", "not set; give a JSONL file");
+  if (!one_of(data.format, {"auto", "text", "alpaca", "chat"}))
+    add("data.format", "must be auto, text, alpaca or chat (got '" + data.format + "')");
+  if (!(data.validation_split >= 0 && data.validation_split <= 0.5))
+    add("data.validation_split", "must be in [0, 0.5] (got " + str(data.validation_split) + ")");
+  if (!data.validation.empty() && data.validation_split > 0)
+    add("data.validation_split",
+        "set together with data.validation; use one of them (a file, or a share held out)");
+  if (data.seq_len < 2 || data.seq_len > (1 << 20))
+    add("data.seq_len", "must be in 2..1048576 (got " + str(data.seq_len) + ")");
+
+  if (!one_of(training.method, {"lora", "full"}))
+    add("training.method", "must be lora or full (got '" + training.method + "')");
+  if (training.method == "lora")
+    for (const std::string& problem : lora_config().problems()) {
+      // Each under the field it is about, so that the CLI can name the line.
+      const char* field = problem.find("rank") != std::string::npos      ? "lora.rank"
+                          : problem.find("alpha") != std::string::npos   ? "lora.alpha"
+                          : problem.find("dropout") != std::string::npos ? "lora.dropout"
+                                                                         : "lora.targets";
+      add(field, problem);
+    }
+  if (training.steps < 0) add("training.steps", "must be >= 0 (got " + str(training.steps) + ")");
+  if (training.steps == 0 && !(training.epochs > 0 && training.epochs <= 1e6))
+    add("training.epochs",
+        "must be positive when training.steps is 0 (got " + str(training.epochs) + ")");
+  if (training.batch_rows < 1 || training.batch_rows > 65536)
+    add("training.batch_rows", "must be in 1..65536 (got " + str(training.batch_rows) + ")");
+  if (training.grad_accum < 1 || training.grad_accum > 65536)
+    add("training.grad_accum", "must be in 1..65536 (got " + str(training.grad_accum) + ")");
+  if (!(training.lr > 0 && training.lr < 1))
+    add("training.lr", "must be in (0, 1) (got " + str(training.lr) + ")");
+  if (!one_of(training.schedule, {"constant", "linear", "cosine"}))
+    add("training.schedule",
+        "must be constant, linear or cosine (got '" + training.schedule + "')");
+  if (training.warmup_steps < 0)
+    add("training.warmup_steps", "must be >= 0 (got " + str(training.warmup_steps) + ")");
+  if (training.steps > 0 && training.warmup_steps > training.steps)
+    add("training.warmup_steps", "is more than training.steps (" + str(training.warmup_steps) +
+                                     " > " + str(training.steps) + ")");
+  if (!(training.min_lr_ratio >= 0 && training.min_lr_ratio <= 1))
+    add("training.min_lr_ratio", "must be in [0, 1] (got " + str(training.min_lr_ratio) + ")");
+  if (!(training.weight_decay >= 0 && training.weight_decay < 10))
+    add("training.weight_decay", "must be in [0, 10) (got " + str(training.weight_decay) + ")");
+  if (!(training.beta1 >= 0 && training.beta1 < 1))
+    add("training.beta1", "must be in [0, 1) (got " + str(training.beta1) + ")");
+  if (!(training.beta2 >= 0 && training.beta2 < 1))
+    add("training.beta2", "must be in [0, 1) (got " + str(training.beta2) + ")");
+  if (!(training.eps >= 0)) add("training.eps", "must be >= 0 (got " + str(training.eps) + ")");
+  if (!std::isfinite(training.max_grad_norm))
+    add("training.max_grad_norm", "must be a number (<= 0 turns clipping off)");
+
+  if (checkpoint.every < 0)
+    add("checkpoint.every", "must be >= 0 (got " + str(checkpoint.every) + "); 0 = at the end");
+  if (checkpoint.keep < 0)
+    add("checkpoint.keep", "must be >= 0 (got " + str(checkpoint.keep) + ")");
+
+  if (eval.every < 0) add("eval.every", "must be >= 0 (got " + str(eval.every) + ")");
+  if (eval.every > 0 && data.validation.empty() && data.validation_split == 0)
+    add("eval.every", "needs validation data: set data.validation or data.validation_split");
+  if (eval.sample_every < 0)
+    add("eval.sample_every", "must be >= 0 (got " + str(eval.sample_every) + ")");
+  if (eval.sample_every > 0 && eval.prompts.empty())
+    add("eval.prompts", "empty while eval.sample_every is set; give at least one prompt");
+  if (eval.sample_tokens < 1 || eval.sample_tokens > 4096)
+    add("eval.sample_tokens", "must be in 1..4096 (got " + str(eval.sample_tokens) + ")");
+
+  if (hardware.sim_devices < 0 || hardware.sim_devices > 64)
+    add("hardware.sim_devices", "must be in 0..64 (got " + str(hardware.sim_devices) + ")");
+  for (auto [field, value] : {std::pair{"hardware.memory_cap", &hardware.memory_cap},
+                              std::pair{"hardware.host_memory", &hardware.host_memory}}) {
+    if (value->empty()) continue;
+    try {
+      if (parse_bytes(*value, field) == 0) add(field, "must be more than 0 (or left out)");
+    } catch (const Error& e) {
+      p.push_back(e.what());
+    }
+  }
+
+  if (output.run_dir.empty()) add("output.run_dir", "not set; give the folder the run writes");
+  for (const std::string& e : output.exports) {
+    if (!one_of(e, {"adapter", "merged"}))
+      add("output.exports", "'" + e + "' is not adapter or merged");
+    else if (e == "adapter" && training.method == "full")
+      add("output.exports", "'adapter' needs training.method = lora; use merged");
+  }
+  return p;
+}
+
+}  // namespace rondo::engine

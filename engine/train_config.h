@@ -1,0 +1,103 @@
+// Everything a training run is set up from, one aggregate per section, as `config.toml` spells it
+// (cli/config_file.h reads and writes the TOML; the GUI's wizard fills the same fields). Defaults
+// are what a LoRA run on a small chat dataset wants. validate() lists every problem at once, each
+// naming its field ("training.lr: ...").
+//
+//   engine::TrainConfig c;
+//   c.model.path = "models/Qwen3-0.6B";
+//   c.data.train = "data/chat.jsonl";
+//   for (auto& p : c.validate()) std::puts(p.c_str());
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "models/lora.h"
+
+namespace rondo::engine {
+
+struct ModelSection {
+  std::string path;            // a Hugging Face folder or a .gguf file
+  std::string dtype = "bf16";  // weights streamed and computed in: "bf16", "fp16" (with dynamic
+                               // loss scaling) or "fp32"; masters and moments are always fp32
+};
+
+struct DataSection {
+  std::string train;                 // JSONL file
+  std::string validation;            // JSONL file; "" = split off `validation_split`
+  double validation_split = 0;       // share of the training examples held out, [0, 0.5]
+  std::string format = "auto";       // "auto", "text", "alpaca", "chat"
+  std::string chat_format;           // "" = the model's own chat template
+  bool train_on_everything = false;  // loss on prompts too, not only on assistant replies
+  bool skip_bad_lines = false;       // count and skip bad lines instead of stopping
+  std::int64_t seq_len = 1024;       // tokens per row; longer examples are truncated
+  bool pack = true;                  // several examples per row, attention kept apart
+  bool shuffle = true;               // a new order each epoch, from training.seed
+};
+
+struct LoraSection {
+  int rank = 16;
+  double alpha = 32;
+  double dropout = 0;
+  std::vector<std::string> targets = {"all-linear"};  // PEFT module names, or "all-linear"
+  bool rslora = false;                                // scaling alpha / sqrt(rank)
+};
+
+struct TrainingSection {
+  std::string method = "lora";      // "lora" or "full"
+  std::int64_t steps = 0;           // optimizer steps; 0 = from `epochs`
+  double epochs = 1;                // used when steps = 0
+  std::int64_t batch_rows = 1;      // rows (of seq_len tokens) per microbatch
+  int grad_accum = 1;               // microbatches per optimizer step
+  double lr = 2e-4;                 // peak learning rate
+  std::string schedule = "cosine";  // "constant", "linear", "cosine"
+  std::int64_t warmup_steps = 0;
+  double min_lr_ratio = 0;  // cosine floor, as a share of lr
+  double weight_decay = 0;
+  double beta1 = 0.9, beta2 = 0.999, eps = 1e-8;
+  double max_grad_norm = 1.0;   // <= 0: no clipping
+  std::uint64_t seed = 42;      // adapters' initialisation, shuffling, dropout
+  bool one_step_stale = false;  // RoundPipe's asynchronous update (see EngineOptions)
+};
+
+struct CheckpointSection {
+  std::int64_t every = 0;  // steps between checkpoints; 0 = only at the end
+  int keep = 2;            // newest checkpoints kept; 0 = all
+};
+
+struct EvalSection {
+  std::int64_t every = 0;            // steps between validation-loss evaluations; 0 = never
+  std::int64_t sample_every = 0;     // steps between sample generations; 0 = never
+  std::vector<std::string> prompts;  // user messages (chat) or text to continue
+  std::int64_t sample_tokens = 48;   // new tokens per sample (greedy)
+};
+
+struct HardwareSection {
+  int sim_devices = 0;      // > 0: this many simulated GPUs instead of CUDA ones
+  std::string memory_cap;   // per GPU, e.g. "24GB"; "" = whole device
+  std::string host_memory;  // host memory the run may use, e.g. "64GB"; "" = what is free
+};
+
+struct OutputSection {
+  std::string run_dir;                             // where the run folder goes
+  std::vector<std::string> exports = {"adapter"};  // at the end: "adapter" (LoRA), "merged"
+};
+
+struct TrainConfig {
+  ModelSection model;
+  DataSection data;
+  LoraSection lora;
+  TrainingSection training;
+  CheckpointSection checkpoint;
+  EvalSection eval;
+  HardwareSection hardware;
+  OutputSection output;
+
+  // Every problem, each "section.field: what is wrong (got X); what to do". Checks values only
+  // (files are checked when the run opens them).
+  std::vector<std::string> validate() const;
+  models::LoraConfig lora_config() const;
+};
+
+}  // namespace rondo::engine

@@ -1,0 +1,432 @@
+// `rondo train`, `plan`, `export` as a user runs them, on a tiny model folder written by the test:
+// errors that name the file, line or field; training that learns; exact resume after SIGKILL (at
+// a random step, and inside a checkpoint write), after Ctrl-C; export from a checkpoint.
+#include <gtest/gtest.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <array>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <random>
+#include <sstream>
+#include <string>
+#include <thread>
+
+#include "../support/tiny_model_folder.h"
+#include "models/chat_template.h"
+
+namespace fs = std::filesystem;
+using nlohmann::json;
+
+namespace {
+
+struct Result {
+  int code;
+  std::string out;  // stdout and stderr
+};
+
+Result run_rondo(const std::string& args, const std::string& env = "") {
+  std::string cmd = env + " " + std::string(RONDO_BIN) + " " + args + " 2>&1";
+  FILE* pipe = popen(cmd.c_str(), "r");
+  EXPECT_NE(pipe, nullptr);
+  Result r{-1, {}};
+  std::array<char, 4096> buf;
+  std::size_t n;
+  while ((n = std::fread(buf.data(), 1, buf.size(), pipe)) > 0)
+    r.out.append(buf.data(), n);
+  int status = pclose(pipe);
+  r.code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  return r;
+}
+
+bool contains(const std::string& s, const std::string& what) {
+  return s.find(what) != std::string::npos;
+}
+
+std::string slurp(const fs::path& p) {
+  std::ifstream f(p, std::ios::binary);
+  std::stringstream s;
+  s << f.rdbuf();
+  return s.str();
+}
+
+void write(const fs::path& p, const std::string& text) {
+  std::ofstream(p, std::ios::binary) << text;
+}
+
+std::vector<json> events(const fs::path& p) {
+  std::vector<json> out;
+  std::ifstream f(p);
+  std::string line;
+  while (std::getline(f, line))
+    if (!line.empty()) out.push_back(json::parse(line));
+  return out;
+}
+
+// The loss of each step, the last event for a step winning (a resumed run repeats the steps
+// after its checkpoint).
+std::map<std::int64_t, double> step_losses(const fs::path& events_path) {
+  std::map<std::int64_t, double> out;
+  for (const json& e : events(events_path))
+    if (e["type"] == "step") out[e["step"].get<std::int64_t>()] = e["loss"].get<double>();
+  return out;
+}
+
+const std::vector<std::pair<std::string, std::string>> kQa = {
+    {"hi", "hello there"}, {"2+2?", "four"},      {"sky?", "blue"},   {"grass?", "green"},
+    {"cat says?", "meow"}, {"dog says?", "woof"}, {"snow?", "white"}, {"night?", "dark"},
+    {"sun?", "hot"},       {"ice?", "cold"},      {"fire?", "warm"},  {"sea?", "salty"},
+};
+
+struct Fixture : ::testing::Test {
+  fs::path dir;
+  fs::path model, data;
+  void SetUp() override {
+    dir = fs::temp_directory_path() /
+          ("rondo-train-test-" + std::to_string(::getpid()) + "-" +
+           ::testing::UnitTest::GetInstance()->current_test_info()->name());
+    fs::remove_all(dir);
+    fs::create_directories(dir);
+    model = dir / "model";
+    rondo::test::write_tiny_model_folder(model.string());
+    data = dir / "train.jsonl";
+    std::string lines;
+    for (auto& [q, a] : kQa)
+      lines += json{{"messages",
+                     {{{"role", "user"}, {"content", q}}, {{"role", "assistant"}, {"content", a}}}}}
+                   .dump() +
+               "\n";
+    write(data, lines);
+  }
+  void TearDown() override {
+    if (!HasFailure()) fs::remove_all(dir);
+  }
+  // A config for a short LoRA run on two simulated devices.
+  std::string config(const std::string& run, const std::string& extra = "") const {
+    return "[model]\npath = \"" + model.string() + "\"\ndtype = \"fp32\"\n" + "[data]\ntrain = \"" +
+           data.string() + "\"\nseq_len = 64\n" + "[lora]\nrank = 4\nalpha = 8\n" +
+           "[training]\nsteps = 12\nbatch_rows = 2\ngrad_accum = 2\nlr = 1e-2\nseed = 3\n"
+           "warmup_steps = 2\n" +
+           "[checkpoint]\nevery = 3\nkeep = 0\n" + "[hardware]\nsim_devices = 2\n" +
+           "[output]\nrun_dir = \"" + (dir / run).string() + "\"\n" + extra;
+  }
+};
+
+using TrainCli = Fixture;
+
+TEST_F(TrainCli, ConfigProblemsAreListedAllAtOnceWithFileAndLine) {
+  const fs::path cfg = dir / "bad.toml";
+  write(cfg,
+        "[model]\n"  // 1
+        "path = \"" +
+            model.string() +
+            "\"\n"                      // 2
+            "[data]\n"                  // 3
+            "train = \"x.jsonl\"\n"     // 4
+            "seq_lenn = 64\n"           // 5: unknown key, near data.seq_len
+            "[training]\n"              // 6
+            "steps = \"ten\"\n"         // 7: wrong type
+            "lr = -1.0\n"               // 8: bad value (validate)
+            "schedule = \"cosin\"\n");  // 9: bad value (validate)
+  Result r = run_rondo("train " + cfg.string());
+  EXPECT_EQ(r.code, 1) << r.out;
+  // Reading: both problems of the file at once, each with its line.
+  EXPECT_TRUE(contains(r.out, cfg.string() + ":5: unknown key data.seq_lenn (did you mean "
+                                             "data.seq_len?)"))
+      << r.out;
+  EXPECT_TRUE(contains(r.out, cfg.string() + ":7: training.steps: expected an integer")) << r.out;
+
+  // Values: every problem at once, with the line each field was set on.
+  write(cfg, "[model]\npath = \"" + model.string() +
+                 "\"\n[data]\ntrain = \"x.jsonl\"\n[training]\nlr = -1.0\nschedule = "
+                 "\"cosin\"\n[lora]\nrank = 0\n");
+  r = run_rondo("train " + cfg.string() + " --set training.grad_accum=0");
+  EXPECT_EQ(r.code, 1) << r.out;
+  EXPECT_TRUE(contains(r.out, "4 problems")) << r.out;
+  EXPECT_TRUE(contains(r.out, cfg.string() + ":6: training.lr: must be in (0, 1)")) << r.out;
+  EXPECT_TRUE(contains(r.out, cfg.string() + ":7: training.schedule: must be constant, linear "
+                                             "or cosine (got 'cosin')"))
+      << r.out;
+  EXPECT_TRUE(contains(r.out, cfg.string() + ":9: lora.rank: LoRA rank must be in 1..4096"))
+      << r.out;
+  EXPECT_TRUE(contains(r.out, "--set training.grad_accum=0: training.grad_accum: must be in"))
+      << r.out;
+}
+
+TEST_F(TrainCli, TomlSyntaxErrorNamesLineAndColumn) {
+  const fs::path cfg = dir / "broken.toml";
+  write(cfg, "[model]\npath = \"m\"\n[data\ntrain = 1\n");
+  Result r = run_rondo("train " + cfg.string());
+  EXPECT_EQ(r.code, 1) << r.out;
+  EXPECT_TRUE(contains(r.out, cfg.string() + ":3:")) << r.out;
+  r = run_rondo("train " + (dir / "missing.toml").string());
+  EXPECT_EQ(r.code, 1) << r.out;
+  EXPECT_TRUE(contains(r.out, (dir / "missing.toml").string() + ": cannot read the config file"))
+      << r.out;
+}
+
+TEST_F(TrainCli, MissingFilesAreNamed) {
+  const fs::path cfg = dir / "c.toml";
+  write(cfg, config("run"));
+  Result r = run_rondo("train " + cfg.string() + " --model " + (dir / "nope").string());
+  EXPECT_EQ(r.code, 1) << r.out;
+  EXPECT_TRUE(contains(r.out, (dir / "nope").string())) << r.out;
+  r = run_rondo("train " + cfg.string() + " --data " + (dir / "nope.jsonl").string());
+  EXPECT_EQ(r.code, 1) << r.out;
+  EXPECT_TRUE(contains(r.out, (dir / "nope.jsonl").string())) << r.out;
+  EXPECT_FALSE(fs::exists(dir / "run" / "events.jsonl"));  // nothing started
+}
+
+TEST_F(TrainCli, BadDataLineNamesFileAndLineOrIsSkippedAndCounted) {
+  std::string text = slurp(data);
+  write(data, text + "{\"messages\": [{\"role\": \"user\", \"content\": \"x\"}\n");  // line 13
+  const fs::path cfg = dir / "c.toml";
+  write(cfg, config("run"));
+  Result r = run_rondo("train " + cfg.string() + " --dry-run");
+  EXPECT_EQ(r.code, 1) << r.out;
+  EXPECT_TRUE(contains(r.out, data.string() + ":13:")) << r.out;
+  r = run_rondo("train " + cfg.string() + " --dry-run --set data.skip_bad_lines=true");
+  EXPECT_EQ(r.code, 0) << r.out;
+  EXPECT_TRUE(contains(r.out, "1 bad line skipped")) << r.out;
+  EXPECT_TRUE(contains(r.out, "12 examples (chat)")) << r.out;
+}
+
+TEST_F(TrainCli, DatasetEmptyAfterFilteringIsAnError) {
+  write(data, "not json\n{\"text\": 3}\n");
+  const fs::path cfg = dir / "c.toml";
+  write(cfg, config("run"));
+  Result r = run_rondo("train " + cfg.string() + " --set data.skip_bad_lines=true");
+  EXPECT_EQ(r.code, 1) << r.out;
+  EXPECT_TRUE(contains(r.out, "no examples")) << r.out;
+  EXPECT_TRUE(contains(r.out, data.string())) << r.out;
+}
+
+TEST_F(TrainCli, SequenceLengthBeyondTheModelNamesTheField) {
+  const fs::path cfg = dir / "c.toml";
+  write(cfg, config("run"));
+  Result r = run_rondo("train " + cfg.string() + " --set data.seq_len=4096");
+  EXPECT_EQ(r.code, 1) << r.out;
+  EXPECT_TRUE(contains(r.out, "data.seq_len: 4096 is more than")) << r.out;
+  EXPECT_TRUE(contains(r.out, "512 positions")) << r.out;
+}
+
+TEST_F(TrainCli, NotEnoughHostMemoryIsFoundBeforeLoading) {
+  const fs::path cfg = dir / "c.toml";
+  write(cfg, config("run"));
+  Result r = run_rondo("train " + cfg.string() + " --set hardware.host_memory=64KB");
+  EXPECT_EQ(r.code, 1) << r.out;
+  EXPECT_TRUE(contains(r.out, "host memory: the run needs about")) << r.out;
+  EXPECT_TRUE(contains(r.out, "64.0 KiB is available")) << r.out;
+  EXPECT_FALSE(fs::exists(dir / "run" / "events.jsonl"));
+  // `rondo plan` reports the same as a verdict.
+  r = run_rondo("plan " + cfg.string() + " --set hardware.host_memory=64KB");
+  EXPECT_EQ(r.code, 3) << r.out;
+  EXPECT_TRUE(contains(r.out, "Verdict     does not fit")) << r.out;
+  r = run_rondo("plan " + cfg.string());
+  EXPECT_EQ(r.code, 0) << r.out;
+  EXPECT_TRUE(contains(r.out, "Verdict     fits")) << r.out;
+  EXPECT_TRUE(contains(r.out, "tokens/s")) << r.out;
+}
+
+TEST_F(TrainCli, DryRunPrintsTheResolvedConfigAndThePlanAndTrainsNothing) {
+  const fs::path cfg = dir / "c.toml";
+  write(cfg, config("run"));
+  Result r = run_rondo("train " + cfg.string() + " --dry-run --lr 0.003 --set lora.targets=q_proj");
+  EXPECT_EQ(r.code, 0) << r.out;
+  EXPECT_TRUE(contains(r.out, "lr = 0.003")) << r.out;
+  EXPECT_TRUE(contains(r.out, "targets = [\"q_proj\"]")) << r.out;
+  EXPECT_TRUE(contains(r.out, "Plan        ")) << r.out;
+  EXPECT_TRUE(contains(r.out, "12 examples (chat)")) << r.out;
+  EXPECT_FALSE(fs::exists(dir / "run"));
+}
+
+}  // namespace
+
+namespace {
+
+// Starts rondo in the background, its output to `log`.
+pid_t spawn(const std::vector<std::string>& args, const fs::path& log,
+            const std::vector<std::pair<std::string, std::string>>& env = {}) {
+  pid_t pid = ::fork();
+  if (pid == 0) {
+    FILE* f = std::freopen(log.c_str(), "w", stdout);
+    if (!f || ::dup2(::fileno(stdout), STDERR_FILENO) < 0) ::_exit(127);
+    for (auto& [k, v] : env)
+      ::setenv(k.c_str(), v.c_str(), 1);
+    std::vector<char*> argv;
+    std::string bin = RONDO_BIN;
+    argv.push_back(bin.data());
+    std::vector<std::string> copy = args;
+    for (auto& a : copy)
+      argv.push_back(a.data());
+    argv.push_back(nullptr);
+    ::execv(bin.c_str(), argv.data());
+    ::_exit(127);
+  }
+  return pid;
+}
+
+// Waits for the child; returns its exit code, or 128 + the signal that killed it.
+int wait_for(pid_t pid) {
+  int status = 0;
+  ::waitpid(pid, &status, 0);
+  return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+}
+
+}  // namespace
+
+TEST_F(TrainCli, SigkillAtARandomStepThenResumeIsBitIdentical) {
+  write(dir / "a.toml", config("a"));
+  Result r = run_rondo("train " + (dir / "a.toml").string());
+  ASSERT_EQ(r.code, 0) << r.out;
+  const std::map<std::int64_t, double> want = step_losses(dir / "a" / "events.jsonl");
+  ASSERT_EQ(want.size(), 12u);
+
+  // Killed after a random step past the first checkpoint (step 3): SIGKILL, from inside the
+  // process, as the step's event has been written.
+  std::mt19937 rng(std::random_device{}());
+  const int kill_at = std::uniform_int_distribution<int>(4, 11)(rng);
+  write(dir / "b.toml", config("b"));
+  pid_t pid = spawn({"train", (dir / "b.toml").string()}, dir / "b.log",
+                    {{"RONDO_FAULT_KILL_AFTER_STEP", std::to_string(kill_at)}});
+  ASSERT_EQ(wait_for(pid), 128 + SIGKILL) << slurp(dir / "b.log");
+  EXPECT_FALSE(fs::exists(dir / "b" / "adapter")) << "killed at step " << kill_at;
+  r = run_rondo("train --resume " + (dir / "b").string());
+  ASSERT_EQ(r.code, 0) << "killed at step " << kill_at << "\n" << r.out;
+  EXPECT_TRUE(contains(r.out, "Resuming from")) << r.out;
+
+  EXPECT_EQ(step_losses(dir / "b" / "events.jsonl"), want) << "killed at step " << kill_at;
+  const std::string a = slurp(dir / "a" / "adapter" / "adapter_model.safetensors");
+  ASSERT_FALSE(a.empty());
+  EXPECT_TRUE(a == slurp(dir / "b" / "adapter" / "adapter_model.safetensors"))
+      << "killed at step " << kill_at << ": the final adapters differ";
+}
+
+TEST_F(TrainCli, SigkillInsideACheckpointWriteLeavesThePreviousOneUsable) {
+  write(dir / "a.toml", config("a"));
+  Result r = run_rondo("train " + (dir / "a.toml").string());
+  ASSERT_EQ(r.code, 0) << r.out;
+  // Killed while writing the checkpoint of step 6: its files are written under the temporary
+  // name, not yet renamed.
+  write(dir / "b.toml", config("b"));
+  pid_t pid = spawn({"train", (dir / "b.toml").string()}, dir / "b.log",
+                    {{"RONDO_FAULT_KILL_IN_CHECKPOINT", "6"}});
+  ASSERT_EQ(wait_for(pid), 128 + SIGKILL) << slurp(dir / "b.log");
+  EXPECT_TRUE(fs::exists(dir / "b" / "checkpoints" / "step-6.tmp"));
+  EXPECT_FALSE(fs::exists(dir / "b" / "checkpoints" / "step-6"));
+  r = run_rondo("train --resume " + (dir / "b").string());
+  ASSERT_EQ(r.code, 0) << r.out;
+  EXPECT_TRUE(contains(r.out, "step-3")) << r.out;  // resumed from the previous one
+  EXPECT_EQ(step_losses(dir / "b" / "events.jsonl"), step_losses(dir / "a" / "events.jsonl"));
+  EXPECT_TRUE(slurp(dir / "a" / "adapter" / "adapter_model.safetensors") ==
+              slurp(dir / "b" / "adapter" / "adapter_model.safetensors"));
+}
+
+TEST_F(TrainCli, CtrlCFinishesTheStepCheckpointsAndResumesExactly) {
+  const std::string extra_steps = "--set training.steps=400 --set checkpoint.every=100";
+  write(dir / "a.toml", config("a"));
+  Result r = run_rondo("train " + (dir / "a.toml").string() + " " + extra_steps);
+  ASSERT_EQ(r.code, 0) << r.out;
+
+  write(dir / "b.toml", config("b"));
+  pid_t pid = spawn({"train", (dir / "b.toml").string(), "--set", "training.steps=400", "--set",
+                     "checkpoint.every=100"},
+                    dir / "b.log");
+  // SIGINT once the run is training.
+  const auto t0 = std::chrono::steady_clock::now();
+  while (step_losses(dir / "b" / "events.jsonl").empty() &&
+         std::chrono::steady_clock::now() - t0 < std::chrono::seconds(60))
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  ::kill(pid, SIGINT);
+  ASSERT_EQ(wait_for(pid), 130) << slurp(dir / "b.log");
+  std::vector<json> ev = events(dir / "b" / "events.jsonl");
+  ASSERT_FALSE(ev.empty());
+  EXPECT_EQ(ev.back()["type"], "run_end");
+  EXPECT_EQ(ev.back()["status"], "stopped");
+  const std::int64_t stopped_at = ev.back()["steps"];
+  EXPECT_LT(stopped_at, 400);
+  EXPECT_TRUE(fs::exists(dir / "b" / "checkpoints" / ("step-" + std::to_string(stopped_at))));
+  EXPECT_TRUE(contains(slurp(dir / "b.log"), "rondo train --resume")) << slurp(dir / "b.log");
+
+  r = run_rondo("train --resume " + (dir / "b").string());
+  ASSERT_EQ(r.code, 0) << r.out;
+  EXPECT_EQ(step_losses(dir / "b" / "events.jsonl"), step_losses(dir / "a" / "events.jsonl"));
+  EXPECT_TRUE(slurp(dir / "a" / "adapter" / "adapter_model.safetensors") ==
+              slurp(dir / "b" / "adapter" / "adapter_model.safetensors"));
+}
+
+TEST_F(TrainCli, ResumeAndExportNameWhatIsMissing) {
+  Result r = run_rondo("train --resume " + (dir / "nothing").string());
+  EXPECT_EQ(r.code, 1) << r.out;
+  EXPECT_TRUE(contains(r.out, (dir / "nothing").string() + ": not a run folder")) << r.out;
+  write(dir / "c.toml", config("run"));
+  r = run_rondo("train " + (dir / "c.toml").string() + " --set training.steps=4");
+  ASSERT_EQ(r.code, 0) << r.out;
+  // Starting again into the same folder would mix two runs.
+  r = run_rondo("train " + (dir / "c.toml").string());
+  EXPECT_EQ(r.code, 1) << r.out;
+  EXPECT_TRUE(contains(r.out, "already holds a run")) << r.out;
+  r = run_rondo("export " + (dir / "run").string() + " --checkpoint step-99");
+  EXPECT_EQ(r.code, 1) << r.out;
+  EXPECT_TRUE(contains(r.out, "no checkpoint step-99 (it has: step-3, step-4)")) << r.out;
+}
+
+TEST_F(TrainCli, ExportOfTheLastCheckpointIsTheRunsAdapter) {
+  write(dir / "c.toml", config("run"));
+  Result r = run_rondo("train " + (dir / "c.toml").string() +
+                       " --set 'output.exports=[\"adapter\",\"merged\"]'");
+  ASSERT_EQ(r.code, 0) << r.out;
+  r = run_rondo("export " + (dir / "run").string() + " --out " + (dir / "x").string());
+  ASSERT_EQ(r.code, 0) << r.out;
+  EXPECT_TRUE(slurp(dir / "run" / "adapter" / "adapter_model.safetensors") ==
+              slurp(dir / "x" / "adapter_model.safetensors"));
+  r = run_rondo("export " + (dir / "run").string() +
+                " --format merged --checkpoint step-12 --out " + (dir / "m").string());
+  ASSERT_EQ(r.code, 0) << r.out;
+  EXPECT_TRUE(slurp(dir / "run" / "merged" / "model.safetensors") ==
+              slurp(dir / "m" / "model.safetensors"));
+  EXPECT_TRUE(fs::exists(dir / "m" / "tokenizer.json"));
+}
+
+// LoRA on the tiny model memorises the 12 replies: the training loss ends far below the entropy
+// of the trained tokens' unigram distribution — the least loss any model that ignores context can
+// reach — computed here from the data through the same chat template and tokenizer.
+TEST_F(TrainCli, LoraMemorisesASmallDataset) {
+  rondo::models::Tokenizer tok = rondo::test::tiny_tokenizer();
+  rondo::models::ChatTemplate tmpl = rondo::models::chat_template_from_name("chatml");
+  std::map<std::int32_t, double> counts;
+  double n = 0;
+  for (auto& [q, a] : kQa) {
+    rondo::models::RenderedChat rc =
+        rondo::models::render_chat(tok, tmpl, {{"user", q}, {"assistant", a}});
+    for (std::size_t t = 1; t < rc.ids.size(); ++t)  // the first token is never a target
+      if (rc.loss_mask[t]) {
+        counts[rc.ids[t]] += 1;
+        n += 1;
+      }
+  }
+  double entropy = 0;
+  for (auto& [id, c] : counts)
+    entropy -= c / n * std::log(c / n);
+  ASSERT_GT(entropy, 1.5);
+
+  write(dir / "c.toml", config("run"));
+  Result r = run_rondo("train " + (dir / "c.toml").string() +
+                       " --set training.steps=150 --set lora.rank=8 --set training.grad_accum=1 "
+                       "--set checkpoint.every=0 --set training.lr=0.02");
+  ASSERT_EQ(r.code, 0) << r.out;
+  std::map<std::int64_t, double> losses = step_losses(dir / "run" / "events.jsonl");
+  ASSERT_EQ(losses.size(), 150u);
+  double last = 0;
+  for (std::int64_t s = 146; s <= 150; ++s)
+    last += losses.at(s) / 5;
+  EXPECT_GT(losses.at(1), entropy) << "an untrained model should do worse than the unigrams";
+  EXPECT_LT(last, entropy / 4) << "first loss " << losses.at(1) << ", unigram entropy " << entropy;
+}
