@@ -6,6 +6,7 @@
 
 #include <ATen/ATen.h>
 
+#include <cmath>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
@@ -19,9 +20,10 @@
 namespace rondo::test {
 
 // Writes the folder (created if missing) and returns its config. Weights from `seed`.
+// `hidden` and `intermediate` size it up for benchmarks.
 inline models::ModelConfig write_tiny_model_folder(const std::string& dir, int seed = 1,
-                                                   int layers = 2,
-                                                   std::int64_t max_positions = 512) {
+                                                   int layers = 2, std::int64_t max_positions = 512,
+                                                   int hidden = 32, int intermediate = 64) {
   namespace fs = std::filesystem;
   using nlohmann::json;
   fs::create_directories(dir);
@@ -31,8 +33,8 @@ inline models::ModelConfig write_tiny_model_folder(const std::string& dir, int s
   json config = {{"architectures", {"LlamaForCausalLM"}},
                  {"model_type", "llama"},
                  {"vocab_size", vocab},
-                 {"hidden_size", 32},
-                 {"intermediate_size", 64},
+                 {"hidden_size", hidden},
+                 {"intermediate_size", intermediate},
                  {"num_hidden_layers", layers},
                  {"num_attention_heads", 4},
                  {"num_key_value_heads", 2},
@@ -58,7 +60,10 @@ inline models::ModelConfig write_tiny_model_folder(const std::string& dir, int s
   for (const models::LayerSpec& l : models::layer_specs(mc))
     for (const models::ParamSpec& p : l.params) {
       if (p.tied) continue;
-      at::Tensor t = p.shape.size() == 1 ? 1 + 0.1 * at::randn(p.shape) : 0.2 * at::randn(p.shape);
+      // Matrices: std 0.2 at C = 32, shrinking as 1/sqrt(fan-in) for larger ones.
+      at::Tensor t = p.shape.size() == 1 ? 1 + 0.1 * at::randn(p.shape)
+                                         : 0.2 * std::sqrt(32.0 / static_cast<double>(p.shape[1])) *
+                                               at::randn(p.shape);
       tensors.emplace_back(p.name, t.to(at::kFloat).contiguous());
     }
   models::write_safetensors((fs::path(dir) / "model.safetensors").string(), tensors);

@@ -1,0 +1,66 @@
+// engine::Session's checks before it allocates: disk and host memory against the estimate, with
+// the OS's figures replaced by the test's (SessionOptions::disk_free / host_free).
+#include "engine/session.h"
+
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <filesystem>
+#include <fstream>
+
+#include "kernels/error.h"
+#include "tests/support/tiny_model_folder.h"
+
+namespace fs = std::filesystem;
+
+namespace rondo::engine {
+namespace {
+
+struct SessionChecks : ::testing::Test {
+  fs::path dir = fs::temp_directory_path() / ("rondo-session-test-" + std::to_string(::getpid()));
+  TrainConfig c;
+  void SetUp() override {
+    fs::create_directories(dir);
+    test::write_tiny_model_folder((dir / "model").string());
+    std::ofstream(dir / "d.jsonl") << "{\"text\": \"one two three\"}\n{\"text\": \"four five\"}\n";
+    c.model.path = (dir / "model").string();
+    c.model.dtype = "fp32";
+    c.data.train = (dir / "d.jsonl").string();
+    c.data.seq_len = 32;
+    c.training.steps = 4;
+    c.output.run_dir = (dir / "run").string();
+  }
+  void TearDown() override { fs::remove_all(dir); }
+  std::string error_of(const SessionOptions& o) {
+    try {
+      Session s(c, o);
+    } catch (const Error& e) {
+      return e.what();
+    }
+    return "";
+  }
+};
+
+TEST_F(SessionChecks, NotEnoughDiskNamesTheFolderAndWhatToChange) {
+  const std::string e = error_of({.disk_free = 1000});
+  EXPECT_NE(e.find("disk: checkpoints and exports need about"), std::string::npos) << e;
+  EXPECT_NE(e.find("1000 B is free under " + c.output.run_dir), std::string::npos) << e;
+  EXPECT_NE(e.find("checkpoint.keep"), std::string::npos) << e;
+  EXPECT_FALSE(fs::exists(dir / "run"));
+  EXPECT_EQ(error_of({.disk_free = 1ull << 40}), "");
+}
+
+TEST_F(SessionChecks, NotEnoughHostMemorySaysWhatToChangeForFullFineTuning) {
+  c.training.method = "full";
+  c.output.exports = {"merged"};
+  const std::string e = error_of({.host_free = 4096});
+  EXPECT_NE(e.find("host memory: the run needs about"), std::string::npos) << e;
+  EXPECT_NE(e.find("training.method = lora"), std::string::npos) << e;
+  // `rondo plan` reports it instead of throwing.
+  Session s(c, {.plan_only = true, .host_free = 4096});
+  EXPECT_FALSE(s.fits());
+  EXPECT_NE(s.describe().find("Verdict     does not fit"), std::string::npos) << s.describe();
+}
+
+}  // namespace
+}  // namespace rondo::engine
