@@ -1,0 +1,136 @@
+// Everything the monitor shows about one run, built from its event stream (docs/events.md) as
+// the bytes arrive. Every step is kept (charts decimate on read); spans and device events are
+// parsed only for what is kept, which is what lets a 100,000-step run load in a fraction of a
+// second. Fed by EventTail; read by the rondo-gui monitor.
+//
+//   RunState state;
+//   QObject::connect(&state, &RunState::changed, chart, &Chart::refresh);
+//   state.feed(bytes);  // any split, even mid-line
+#pragma once
+
+#include <QByteArray>
+#include <QByteArrayView>
+#include <QList>
+#include <QMap>
+#include <QObject>
+#include <QString>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+#include "gui/model/item_models.h"
+#include "gui/model/json_line.h"
+#include "gui/model/series.h"
+
+namespace rondo::gui {
+
+class RunState : public QObject {
+  Q_OBJECT
+ public:
+  explicit RunState(QObject* parent = nullptr);
+
+  void reset();  // forget everything
+
+  // Bytes of events.jsonl as they arrive; a partial last line waits for the rest. Lines that are
+  // not events of schema version 1 are skipped and counted (malformedLines, unknownVersionLines).
+  void feed(QByteArrayView bytes);
+  void finishInput();  // end of input: a final line without '\n' is parsed
+
+  // "empty" (nothing yet), "running" (run_start, no run_end), "completed", "stopped", "failed"
+  // (from run_end), "interrupted" (markInterrupted() on a running run: the process died, or a
+  // finished file has no run_end). A later run_start (a resume) makes it "running" again.
+  QString status() const { return m_status; }
+  void markInterrupted();
+
+  QString runDir() const { return m_runDir; }
+  QString model() const { return m_model; }
+  QString method() const { return m_method; }
+  QString configToml() const { return m_configToml; }
+  QString plan() const { return m_plan; }                  // the plan in use (latest plan event)
+  QString errorMessage() const { return m_errorMessage; }  // latest error event of this run
+  QString exportPath() const { return m_exportPath; }
+
+  qint64 stepsTotal() const { return m_stepsTotal; }
+  qint64 lastStep() const { return m_lastStep; }  // 0 before the first step
+  qint64 resumedFrom() const { return m_resumedFrom; }
+
+  // NaN when unknown. Elapsed adds up the segments of a resumed run.
+  double lastLoss() const { return m_lastLoss; }
+  double lastEvalLoss() const { return m_lastEvalLoss; }
+  double lastLr() const { return m_lastLr; }
+  double lastGradNorm() const { return m_lastGradNorm; }
+  double tokensPerSecond() const { return m_tokensPerSecond; }
+  double etaSeconds() const { return m_etaSeconds; }
+  double elapsedSeconds() const;
+
+  int malformedLines() const { return m_malformedLines; }
+  int unknownVersionLines() const { return m_unknownVersionLines; }
+  qint64 linesRead() const { return m_linesRead; }  // complete lines, blank and bad ones included
+
+  // x = step.
+  const Series& loss() const { return m_loss; }
+  const Series& evalLoss() const { return m_evalLoss; }
+  const Series& lr() const { return m_lr; }
+  const Series& gradNorm() const { return m_gradNorm; }
+  const Series& throughput() const { return m_throughput; }  // tokens per second
+
+  QList<DeviceStatus> devices() const { return m_devices.values(); }   // latest, by device index
+  QList<CheckpointItem> checkpoints() const { return m_checkpoints; }  // by arrival
+
+  TimelineModel* timeline() { return m_timeline; }
+  SamplesModel* samples() { return m_samples; }
+  LogModel* log() { return m_log; }
+
+ signals:
+  void changed();                        // after a feed() that changed something (once per feed)
+  void runEnded(const QString& status);  // a run_end event was read
+  void errorEvent(const QString& message);
+
+ private:
+  using Line = std::string_view;
+  void processLine(Line line);
+  void onRunStart();
+  void onPlan();
+  void onStep();
+  void onEval();
+  void onSample();
+  bool onDevice(Line line);
+  bool onSpan(Line line);
+  void onCheckpoint();
+  void onRunEnd();
+  void flushPending();
+  void emitPending();
+  bool validKinds(std::string_view type) const;
+
+  JsonLine m_line;
+  QByteArray m_partial;  // the start of a line whose '\n' has not arrived
+  // Lines whose bytes are not in the caller's buffer (a completed partial line); the pending views
+  // below may point into them until flushPending().
+  std::vector<QByteArray> m_ownedLines;
+  // Deferred within one feed(): spans and device events are parsed only for what is kept.
+  std::vector<Line> m_pendingSpans;
+  std::vector<std::pair<int, Line>> m_pendingDevices;  // the latest line per device
+  QList<SampleItem> m_pendingSamples;
+  QStringList m_pendingLog;
+  enum class Signal { RunEnded, Error };
+  std::vector<std::pair<Signal, QString>> m_pendingSignals;
+  bool m_changed = false;
+
+  QString m_status;
+  QString m_runDir, m_model, m_method, m_configToml, m_plan, m_errorMessage, m_exportPath;
+  qint64 m_stepsTotal = 0, m_lastStep = 0, m_resumedFrom = 0;
+  int m_runStarts = 0;
+  double m_lastLoss, m_lastEvalLoss, m_lastLr, m_lastGradNorm, m_tokensPerSecond, m_etaSeconds;
+  double m_lastT;        // "t" of the latest event: the clock restarts with each run_start
+  double m_elapsedBase;  // seconds of the segments before the latest run_start
+  int m_malformedLines = 0, m_unknownVersionLines = 0;
+  qint64 m_linesRead = 0;
+  Series m_loss, m_evalLoss, m_lr, m_gradNorm, m_throughput;
+  QMap<int, DeviceStatus> m_devices;
+  QList<CheckpointItem> m_checkpoints;
+  TimelineModel* m_timeline;
+  SamplesModel* m_samples;
+  LogModel* m_log;
+};
+
+}  // namespace rondo::gui
