@@ -8,6 +8,7 @@
 #include <exception>
 #include <string>
 
+#include "cli/data_command.h"
 #include "cli/devices_command.h"
 #include "cli/generate_command.h"
 #include "cli/inspect_command.h"
@@ -58,6 +59,11 @@ int main(int argc, char** argv) {
       "export", "Write a run's checkpoint as a PEFT adapter or a merged Hugging Face folder");
   rondo::cli::add_export_options(*export_cmd, export_options);
 
+  rondo::cli::DataOptions data;
+  CLI::App* data_cmd = app.add_subcommand(
+      "data", "What training sees of a JSONL file: format, token statistics, one example masked");
+  rondo::cli::add_data_options(*data_cmd, data);
+
   rondo::cli::DemoOptions demo;
   CLI::App* demo_cmd = app.add_subcommand(
       "demo",
@@ -88,6 +94,7 @@ int main(int argc, char** argv) {
     if (plan_cmd->parsed()) return rondo::cli::run_plan(plan);
     if (export_cmd->parsed()) return rondo::cli::run_export(export_options);
     if (demo_cmd->parsed()) return rondo::cli::run_demo(demo);
+    if (data_cmd->parsed()) return rondo::cli::run_data(data);
     std::fputs(app.help().c_str(), stdout);
     return 0;
   } catch (const rondo::Error& e) {

@@ -235,6 +235,7 @@ void add_plan_options(CLI::App& cmd, TrainOptions& o) {
   cmd.add_option("--model", o.model, "Shorthand for --set model.path=...");
   cmd.add_option("--data", o.data, "Shorthand for --set data.train=...");
   cmd.add_option("--steps", o.steps, "Shorthand for --set training.steps=...");
+  cmd.add_flag("--json", o.json, "Print the estimate as JSON");
 }
 
 void add_export_options(CLI::App& cmd, ExportOptions& o) {
@@ -285,7 +286,10 @@ int run_plan(const TrainOptions& o) {
   ConfigFile f = resolve(o);
   engine::SessionOptions so{.config_toml = to_toml(f.config), .plan_only = true};
   engine::Session session(f.config, so);
-  std::fputs(session.describe().c_str(), stdout);
+  if (o.json)
+    std::fputs((session.estimate().json() + "\n").c_str(), stdout);
+  else
+    std::fputs(session.describe().c_str(), stdout);
   return session.fits() ? 0 : 3;
 }
 

@@ -20,6 +20,7 @@ struct TrainOptions {
   std::string events;                  // "" = <run>/events.jsonl, "-" = stdout
   bool dry_run = false;
   bool help_config = false;
+  bool json = false;  // rondo plan --json
   // Shorthands, turned into overrides.
   std::string model, data, run_dir;
   long long steps = -1;

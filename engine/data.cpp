@@ -1,5 +1,7 @@
 #include "engine/data.h"
 
+#include "models/model_files.h"
+
 #include <algorithm>
 #include <fstream>
 #include <nlohmann/json.hpp>
@@ -165,6 +167,26 @@ Dataset load_jsonl(const std::string& path, const models::Tokenizer& tokenizer,
                                  " bad lines skipped; the first: " + d.skipped_reasons[0] + ")"
                            : std::string(d.lines ? "" : " (the file is empty)")));
   return d;
+}
+
+DataFormat data_format_from(const std::string& name) {
+  for (DataFormat f :
+       {DataFormat::kAuto, DataFormat::kText, DataFormat::kAlpaca, DataFormat::kChat})
+    if (name == to_string(f)) return f;
+  throw Error("data format '" + name + "' is not one of auto, text, alpaca, chat");
+}
+
+models::ChatTemplate training_chat_template(const std::string& model_path,
+                                            const std::string& chat_format, DataFormat format) {
+  try {
+    return models::load_model_chat_template(model_path, chat_format);
+  } catch (const Error& e) {
+    if (format != DataFormat::kText)
+      throw Error(std::string(e.what()) +
+                  " (for plain-text data set data.format = text; for chat or alpaca data set "
+                  "data.chat_format)");
+    return models::chat_template_from_name("chatml");  // never used for text
+  }
 }
 
 }  // namespace rondo::engine

@@ -23,7 +23,8 @@
 namespace rondo::engine {
 
 enum class DataFormat { kAuto, kText, kAlpaca, kChat };
-const char* to_string(DataFormat format);  // "auto", "text", "alpaca", "chat"
+const char* to_string(DataFormat format);              // "auto", "text", "alpaca", "chat"
+DataFormat data_format_from(const std::string& name);  // the reverse; throws Error for others
 
 struct DataOptions {
   DataFormat format = DataFormat::kAuto;
@@ -51,6 +52,12 @@ struct Dataset {
   // lines skipped"
   std::string stats_text() const;
 };
+
+// The chat template training data from `model_path` is rendered with: the model's own, or the
+// named `chat_format` ("chatml", "llama3", ...). Plain-text data (format kText) needs none, so a
+// model without a template is fine for it; for the others the error says what to set.
+models::ChatTemplate training_chat_template(const std::string& model_path,
+                                            const std::string& chat_format, DataFormat format);
 
 // Throws Error "file:line: what" for a bad line (without skip_bad_lines), and when nothing usable
 // is left ("no examples in ...").

@@ -8,6 +8,7 @@
 #include <chrono>
 #include <filesystem>
 #include <fstream>
+#include <nlohmann/json.hpp>
 #include <sstream>
 
 #include "kernels/error.h"
@@ -244,6 +245,39 @@ std::string RunEstimate::text() const {
   for (const std::string& w : warnings)
     o << "  - " << w << "\n";
   return o.str();
+}
+
+std::string RunEstimate::json() const {
+  nlohmann::json devs = nlohmann::json::array();
+  for (std::size_t d = 0; d < devices.devices.size(); ++d)
+    devs.push_back(
+        {{"name", devices.devices[d].name},
+         {"cap_bytes", devices.devices[d].bytes_cap},
+         {"peak_bytes", d < prediction.peak_bytes.size() ? prediction.peak_bytes[d] : 0}});
+  nlohmann::json j = {{"verdict", verdict},
+                      {"problems", problems},
+                      {"warnings", warnings},
+                      {"params", params},
+                      {"trained_params", trained_params},
+                      {"mode", to_string(devices.mode)},
+                      {"devices", devs},
+                      {"plan", plan.forward.empty() && plan.tail.end == 0 ? "" : plan.describe()},
+                      {"host",
+                       {{"needed_bytes", host.total()},
+                        {"available_bytes", host_available},
+                        {"weights", host.weights},
+                        {"masters", host.masters},
+                        {"moments", host.moments},
+                        {"grads", host.grads},
+                        {"loading", host.loading},
+                        {"staging", host.staging}}},
+                      {"disk", {{"needed_bytes", disk_needed}, {"free_bytes", disk_free}}},
+                      {"checkpoint_bytes", checkpoint_bytes},
+                      {"steps", steps},
+                      {"tokens_per_step", tokens_per_step},
+                      {"tokens_per_s", tokens_per_s},
+                      {"seconds", seconds}};
+  return j.dump(2);
 }
 
 }  // namespace rondo::engine

@@ -47,6 +47,7 @@ struct RunEstimate {
   std::vector<std::string> warnings;     // why it is tight
 
   std::string text() const;  // the report `rondo plan` prints
+  std::string json() const;  // the same as one JSON object (`rondo plan --json`, the GUI)
 };
 
 // Compute speed a device is assumed to have (FLOP/s in the run's dtype): a table by GPU

@@ -83,7 +83,8 @@ void EventSink::emit(const RunStartEvent& e) {
                           {"model", e.model},
                           {"method", e.method},
                           {"steps_total", e.steps_total},
-                          {"config", e.config_toml}}
+                          {"config", e.config_toml},
+                          {"resumed_from", e.resumed_from}}
                          .dump());
 }
 

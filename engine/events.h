@@ -25,7 +25,8 @@ struct RunStartEvent {
   std::string model;
   std::string method;  // "lora" or "full"
   std::int64_t steps_total = 0;
-  std::string config_toml;  // the resolved config, as written to config.toml
+  std::string config_toml;        // the resolved config, as written to config.toml
+  std::int64_t resumed_from = 0;  // resuming: the step of the checkpoint it continues from
 };
 
 struct PlanEvent {

@@ -94,13 +94,6 @@ std::string data_fingerprint(const Dataset& d, const BatchingOptions& b) {
   return hex(h);
 }
 
-DataFormat data_format(const std::string& f) {
-  if (f == "text") return DataFormat::kText;
-  if (f == "alpaca") return DataFormat::kAlpaca;
-  if (f == "chat") return DataFormat::kChat;
-  return DataFormat::kAuto;
-}
-
 kernels::FloatDType stream_dtype(const std::string& d) {
   return d == "fp32"   ? kernels::FloatDType::kF32
          : d == "fp16" ? kernels::FloatDType::kF16
@@ -168,16 +161,9 @@ struct Session::Impl {
           "its config); lower data.seq_len",
           c.data.seq_len, c.model.path, max_pos));
     tok.emplace(models::load_tokenizer(c.model.path));
-    try {
-      tmpl.emplace(models::load_model_chat_template(c.model.path, c.data.chat_format));
-    } catch (const Error& e) {
-      if (c.data.format != "text")
-        throw Error(std::string(e.what()) +
-                    " (for plain-text data set data.format = text; for chat or alpaca data set "
-                    "data.chat_format)");
-      tmpl.emplace(models::chat_template_from_name("chatml"));  // unused for text data
-    }
-    DataOptions d{.format = data_format(c.data.format),
+    tmpl.emplace(
+        training_chat_template(c.model.path, c.data.chat_format, data_format_from(c.data.format)));
+    DataOptions d{.format = data_format_from(c.data.format),
                   .skip_bad_lines = c.data.skip_bad_lines,
                   .train_on_everything = c.data.train_on_everything};
     train = load_jsonl(c.data.train, *tok, *tmpl, d);
@@ -320,6 +306,15 @@ struct Session::Impl {
       throw Error(dir.string() + ": already holds a run; continue it with `rondo train --resume " +
                   dir.string() + "`, or choose another output.run_dir");
     }
+    std::int64_t resumed_from = 0;
+    if (o.resume) {
+      std::vector<CheckpointInfo> ckpts = list_checkpoints(dir.string());
+      if (ckpts.empty())
+        throw Error(dir.string() +
+                    "/checkpoints: no complete checkpoint to resume from (the run stopped before "
+                    "its first one); start the run again without --resume");
+      resumed_from = ckpts.back().step;
+    }
     std::error_code ec;
     fs::create_directories(dir / "checkpoints", ec);
     if (ec) throw Error(dir.string() + ": cannot create the run folder: " + ec.message());
@@ -330,7 +325,8 @@ struct Session::Impl {
                              .model = c.model.path,
                              .method = c.training.method,
                              .steps_total = steps,
-                             .config_toml = o.config_toml});
+                             .config_toml = o.config_toml,
+                             .resumed_from = resumed_from});
     const auto t0 = std::chrono::steady_clock::now();
     try {
       SessionResult r = train_loop(*sink);
@@ -547,6 +543,10 @@ Session::~Session() = default;
 
 std::string Session::describe() const {
   return impl_->describe();
+}
+
+const RunEstimate& Session::estimate() const {
+  return impl_->est;
 }
 
 bool Session::fits() const {

@@ -15,6 +15,7 @@
 #include <memory>
 #include <string>
 
+#include "engine/estimate.h"
 #include "engine/events.h"
 #include "engine/train_config.h"
 
@@ -54,6 +55,7 @@ class Session {
   std::string describe() const;
   std::int64_t steps_total() const;
   bool fits() const;  // the estimate's verdict is "fits" or "tight"
+  const RunEstimate& estimate() const;
 
   // Trains to the end, or until request_stop(); writes a checkpoint either way. On an error the
   // run ends with an `error` event and `run_end` failed, and the error is rethrown.

@@ -109,8 +109,10 @@ struct Fixture : ::testing::Test {
     if (!HasFailure()) fs::remove_all(dir);
   }
   // A config for a short LoRA run on two simulated devices.
-  std::string config(const std::string& run, const std::string& extra = "") const {
-    return "[model]\npath = \"" + model.string() + "\"\ndtype = \"fp32\"\n" + "[data]\ntrain = \"" +
+  std::string config(const std::string& run, const std::string& extra = "",
+                     const std::string& dtype = "fp32") const {
+    return "[model]\npath = \"" + model.string() + "\"\ndtype = \"" + dtype + "\"\n" +
+           "[data]\ntrain = \"" +
            data.string() + "\"\nseq_len = 64\n" + "[lora]\nrank = 4\nalpha = 8\n" +
            "[training]\nsteps = 12\nbatch_rows = 2\ngrad_accum = 2\nlr = 1e-2\nseed = 3\n"
            "warmup_steps = 2\n" +
@@ -282,31 +284,38 @@ int wait_for(pid_t pid) {
 
 }  // namespace
 
+// In each dtype (bf16 and fp16 rebuild the streaming copies from the masters on resume; fp16 also
+// carries its loss scale), and with LoRA dropout (its masks are drawn again, from the step).
 TEST_F(TrainCli, SigkillAtARandomStepThenResumeIsBitIdentical) {
-  write(dir / "a.toml", config("a"));
-  Result r = run_rondo("train " + (dir / "a.toml").string());
-  ASSERT_EQ(r.code, 0) << r.out;
-  const std::map<std::int64_t, double> want = step_losses(dir / "a" / "events.jsonl");
-  ASSERT_EQ(want.size(), 12u);
-
-  // Killed after a random step past the first checkpoint (step 3): SIGKILL, from inside the
-  // process, as the step's event has been written.
   std::mt19937 rng(std::random_device{}());
-  const int kill_at = std::uniform_int_distribution<int>(4, 11)(rng);
-  write(dir / "b.toml", config("b"));
-  pid_t pid = spawn({"train", (dir / "b.toml").string()}, dir / "b.log",
-                    {{"RONDO_FAULT_KILL_AFTER_STEP", std::to_string(kill_at)}});
-  ASSERT_EQ(wait_for(pid), 128 + SIGKILL) << slurp(dir / "b.log");
-  EXPECT_FALSE(fs::exists(dir / "b" / "adapter")) << "killed at step " << kill_at;
-  r = run_rondo("train --resume " + (dir / "b").string());
-  ASSERT_EQ(r.code, 0) << "killed at step " << kill_at << "\n" << r.out;
-  EXPECT_TRUE(contains(r.out, "Resuming from")) << r.out;
+  for (const char* dtype : {"fp32", "bf16", "fp16"}) {
+    const std::string a_dir = std::string("a-") + dtype, b_dir = std::string("b-") + dtype;
+    const std::string extra;
+    write(dir / "a.toml", config(a_dir, extra, dtype));
+    Result r = run_rondo("train " + (dir / "a.toml").string() + " --set lora.dropout=0.1");
+    ASSERT_EQ(r.code, 0) << r.out;
+    const std::map<std::int64_t, double> want = step_losses(dir / a_dir / "events.jsonl");
+    ASSERT_EQ(want.size(), 12u);
 
-  EXPECT_EQ(step_losses(dir / "b" / "events.jsonl"), want) << "killed at step " << kill_at;
-  const std::string a = slurp(dir / "a" / "adapter" / "adapter_model.safetensors");
-  ASSERT_FALSE(a.empty());
-  EXPECT_TRUE(a == slurp(dir / "b" / "adapter" / "adapter_model.safetensors"))
-      << "killed at step " << kill_at << ": the final adapters differ";
+    // Killed after a random step past the first checkpoint (step 3): SIGKILL, from inside the
+    // process, as the step's event has been written.
+    const int kill_at = std::uniform_int_distribution<int>(4, 11)(rng);
+    SCOPED_TRACE(std::string(dtype) + ", killed after step " + std::to_string(kill_at));
+    write(dir / "b.toml", config(b_dir, extra, dtype));
+    pid_t pid = spawn({"train", (dir / "b.toml").string(), "--set", "lora.dropout=0.1"},
+                      dir / "b.log", {{"RONDO_FAULT_KILL_AFTER_STEP", std::to_string(kill_at)}});
+    ASSERT_EQ(wait_for(pid), 128 + SIGKILL) << slurp(dir / "b.log");
+    EXPECT_FALSE(fs::exists(dir / b_dir / "adapter"));
+    r = run_rondo("train --resume " + (dir / b_dir).string());
+    ASSERT_EQ(r.code, 0) << r.out;
+    EXPECT_TRUE(contains(r.out, "Resuming from")) << r.out;
+
+    EXPECT_EQ(step_losses(dir / b_dir / "events.jsonl"), want);
+    const std::string a = slurp(dir / a_dir / "adapter" / "adapter_model.safetensors");
+    ASSERT_FALSE(a.empty());
+    EXPECT_TRUE(a == slurp(dir / b_dir / "adapter" / "adapter_model.safetensors"))
+        << "the final adapters differ";
+  }
 }
 
 TEST_F(TrainCli, SigkillInsideACheckpointWriteLeavesThePreviousOneUsable) {
@@ -360,6 +369,23 @@ TEST_F(TrainCli, CtrlCFinishesTheStepCheckpointsAndResumesExactly) {
   EXPECT_EQ(step_losses(dir / "b" / "events.jsonl"), step_losses(dir / "a" / "events.jsonl"));
   EXPECT_TRUE(slurp(dir / "a" / "adapter" / "adapter_model.safetensors") ==
               slurp(dir / "b" / "adapter" / "adapter_model.safetensors"));
+}
+
+TEST_F(TrainCli, ASecondCtrlCExitsAtOnce) {
+  write(dir / "c.toml", config("run"));
+  pid_t pid = spawn({"train", (dir / "c.toml").string(), "--set", "training.steps=100000"},
+                    dir / "log");
+  const auto t0 = std::chrono::steady_clock::now();
+  while (step_losses(dir / "run" / "events.jsonl").empty() &&
+         std::chrono::steady_clock::now() - t0 < std::chrono::seconds(60))
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  ::kill(pid, SIGINT);
+  ::kill(pid, SIGINT);
+  ASSERT_EQ(wait_for(pid), 130) << slurp(dir / "log");
+  // It did not wait to finish a step and write the run's end.
+  std::vector<json> ev = events(dir / "run" / "events.jsonl");
+  ASSERT_FALSE(ev.empty());
+  EXPECT_NE(ev.back()["type"], "run_end");
 }
 
 TEST_F(TrainCli, ResumeAndExportNameWhatIsMissing) {
@@ -429,4 +455,43 @@ TEST_F(TrainCli, LoraMemorisesASmallDataset) {
     last += losses.at(s) / 5;
   EXPECT_GT(losses.at(1), entropy) << "an untrained model should do worse than the unigrams";
   EXPECT_LT(last, entropy / 4) << "first loss " << losses.at(1) << ", unigram entropy " << entropy;
+}
+
+TEST_F(TrainCli, DataShowsWhatTrainingSees) {
+  Result r = run_rondo("data " + data.string() + " --model " + model.string() + " --example 1");
+  ASSERT_EQ(r.code, 0) << r.out;
+  EXPECT_TRUE(contains(r.out, "12 examples (chat)")) << r.out;
+  // The reply (and its end-of-turn marker) is trained; the prompt is not.
+  EXPECT_TRUE(contains(r.out, "2+2?<|im_end|>")) << r.out;
+  EXPECT_TRUE(contains(r.out, "[[four<|im_end|>]]")) << r.out;
+  r = run_rondo("data " + data.string() + " --model " + model.string() + " --json");
+  ASSERT_EQ(r.code, 0) << r.out;
+  const json j = json::parse(r.out);
+  EXPECT_EQ(j["format"], "chat");
+  EXPECT_EQ(j["examples"], 12);
+  std::string trained;
+  for (const json& p : j["example"]["pieces"])
+    if (p["trained"]) trained += p["text"].get<std::string>();
+  EXPECT_EQ(trained, "hello there<|im_end|>");
+  r = run_rondo("data " + data.string() + " --model " + model.string() + " --example 12");
+  EXPECT_EQ(r.code, 1) << r.out;
+  EXPECT_TRUE(contains(r.out, "--example 12: " + data.string() + " has 12 examples")) << r.out;
+}
+
+TEST_F(TrainCli, PlanJsonGivesTheVerdictAndTheFigures) {
+  write(dir / "c.toml", config("run"));
+  Result r = run_rondo("plan " + (dir / "c.toml").string() + " --json");
+  ASSERT_EQ(r.code, 0) << r.out;
+  json j = json::parse(r.out);
+  EXPECT_EQ(j["verdict"], "fits");
+  EXPECT_EQ(j["devices"].size(), 2u);
+  EXPECT_EQ(j["steps"], 12);
+  EXPECT_EQ(j["tokens_per_step"], 64 * 2 * 2);
+  EXPECT_GT(j["tokens_per_s"].get<double>(), 0);
+  r = run_rondo("plan " + (dir / "c.toml").string() + " --json --set hardware.host_memory=64KB");
+  ASSERT_EQ(r.code, 3) << r.out;
+  j = json::parse(r.out);
+  EXPECT_EQ(j["verdict"], "does not fit");
+  ASSERT_EQ(j["problems"].size(), 1u);
+  EXPECT_TRUE(contains(j["problems"][0], "host memory")) << r.out;
 }

@@ -1,0 +1,83 @@
+#include "cli/data_command.h"
+
+#include <fmt/format.h>
+#include <unistd.h>
+#include <CLI/CLI.hpp>
+
+#include <nlohmann/json.hpp>
+
+#include "engine/data.h"
+#include "kernels/error.h"
+#include "models/model_files.h"
+
+namespace rondo::cli {
+
+void add_data_options(CLI::App& cmd, DataOptions& o) {
+  cmd.add_option("file", o.file, "JSONL training data")->required();
+  cmd.add_option("--model", o.model, "The model whose tokenizer and chat template to use")
+      ->required();
+  cmd.add_option("--format", o.format, "auto, text, alpaca or chat")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"auto", "text", "alpaca", "chat"}));
+  cmd.add_option("--chat-format", o.chat_format, "Instead of the model's own chat template");
+  cmd.add_flag("--train-on-everything", o.train_on_everything, "Loss on prompts too");
+  cmd.add_flag("--skip-bad-lines", o.skip_bad_lines, "Skip and count bad lines");
+  cmd.add_option("--example", o.example, "Which example to show (from 0)")
+      ->capture_default_str()
+      ->check(CLI::NonNegativeNumber);
+  cmd.add_flag("--json", o.json, "Print JSON (one object) instead of text");
+}
+
+int run_data(const DataOptions& o) {
+  const engine::DataFormat format = engine::data_format_from(o.format);
+  models::Tokenizer tok = models::load_tokenizer(o.model);
+  models::ChatTemplate tmpl = engine::training_chat_template(o.model, o.chat_format, format);
+  engine::Dataset d = engine::load_jsonl(o.file, tok, tmpl,
+                                         {.format = format,
+                                          .skip_bad_lines = o.skip_bad_lines,
+                                          .train_on_everything = o.train_on_everything});
+  if (o.example >= static_cast<long long>(d.examples.size()))
+    throw Error(
+        fmt::format("--example {}: {} has {} examples", o.example, o.file, d.examples.size()));
+  const engine::Example& e = d.examples[static_cast<std::size_t>(o.example)];
+  // Runs of tokens with the same mask, as text.
+  nlohmann::json pieces = nlohmann::json::array();
+  for (std::size_t i = 0; i < e.ids.size();) {
+    std::size_t j = i;
+    while (j < e.ids.size() && e.loss_mask[j] == e.loss_mask[i])
+      ++j;
+    pieces.push_back({{"text", tok.decode({e.ids.begin() + i, e.ids.begin() + j})},
+                      {"trained", e.loss_mask[i] == 1},
+                      {"tokens", j - i}});
+    i = j;
+  }
+  if (o.json) {
+    nlohmann::json j = {{"path", d.path},
+                        {"format", engine::to_string(d.format)},
+                        {"examples", d.examples.size()},
+                        {"lines", d.lines},
+                        {"skipped", d.skipped},
+                        {"skipped_reasons", d.skipped_reasons},
+                        {"tokens", d.tokens()},
+                        {"trained_tokens", d.trained_tokens()},
+                        {"stats", d.stats_text()},
+                        {"example", {{"index", o.example}, {"pieces", pieces}}}};
+    fmt::print("{}\n", j.dump(2));
+    return 0;
+  }
+  fmt::print("{}\n\nExample {} (trained text {}):\n", d.stats_text(), o.example,
+             ::isatty(STDOUT_FILENO) ? "in green" : "between [[ and ]]");
+  for (const auto& p : pieces) {
+    const std::string text = p["text"];
+    if (!p["trained"].get<bool>())
+      fmt::print("{}", text);
+    else if (::isatty(STDOUT_FILENO))
+      fmt::print("\x1b[32m{}\x1b[0m", text);
+    else
+      fmt::print("[[{}]]", text);
+  }
+  fmt::print("\n");
+  return 0;
+}
+
+}  // namespace rondo::cli
