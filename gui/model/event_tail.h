@@ -36,6 +36,7 @@ class EventTail : public QObject {
   void close();
 
   QString path() const { return m_file.fileName(); }
+  bool isOpen() const { return m_file.isOpen(); }
   qint64 bytesRead() const { return m_offset; }
 
  private:

@@ -1,0 +1,63 @@
+#include "gui/app/main_window.h"
+
+#include <QFileDialog>
+#include <QMenuBar>
+#include <QMessageBox>
+#include <QStackedWidget>
+#include <QStatusBar>
+
+#include "gui/app/monitor.h"
+#include "gui/app/wizard.h"
+#include "gui/model/run_state.h"
+
+namespace rondo::gui {
+
+MainWindow::MainWindow(QWidget* parent) : QMainWindow(parent) {
+  setWindowTitle("Rondo");
+  resize(1100, 860);
+  m_stack = new QStackedWidget;
+  m_wizard = new SetupWizard;
+  m_wizard->setWindowFlags(Qt::Widget);
+  m_monitor = new MonitorWidget;
+  m_stack->addWidget(m_wizard);
+  m_stack->addWidget(m_monitor);
+  setCentralWidget(m_stack);
+
+  QMenu* file = menuBar()->addMenu("&File");
+  file->addAction("&New run…", this, &MainWindow::showWizard);
+  file->addAction("&Open run folder…", this, [this] {
+    const QString dir = QFileDialog::getExistingDirectory(this, "Open a run folder");
+    if (dir.isEmpty()) return;
+    QString error;
+    if (!openRun(dir, &error)) QMessageBox::warning(this, "Not a run folder", error);
+  });
+  file->addSeparator();
+  file->addAction("&Quit", this, &QWidget::close);
+
+  connect(m_wizard, &SetupWizard::startRequested, this,
+          [this](const QString& config, const QString& runDir) {
+            m_stack->setCurrentWidget(m_monitor);
+            QString error;
+            if (!m_monitor->launch(config, runDir, &error))
+              QMessageBox::critical(this, "Cannot start the run", error);
+          });
+  connect(m_wizard, &QWizard::rejected, this, [this] {
+    if (m_monitor->childRunning() || !m_monitor->state()->runDir().isEmpty())
+      m_stack->setCurrentWidget(m_monitor);
+  });
+  connect(m_monitor, &MonitorWidget::finished, this,
+          [this](const QString& status) { statusBar()->showMessage("Run " + status); });
+}
+
+bool MainWindow::openRun(const QString& dir, QString* error) {
+  if (!m_monitor->attach(dir, error)) return false;
+  m_stack->setCurrentWidget(m_monitor);
+  return true;
+}
+
+void MainWindow::showWizard() {
+  m_wizard->restart();
+  m_stack->setCurrentWidget(m_wizard);
+}
+
+}  // namespace rondo::gui

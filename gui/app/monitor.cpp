@@ -1,0 +1,369 @@
+#include "gui/app/monitor.h"
+
+#include <QChart>
+#include <QChartView>
+#include <QDir>
+#include <QFileInfo>
+#include <QGridLayout>
+#include <QHBoxLayout>
+#include <QHeaderView>
+#include <QLabel>
+#include <QLineSeries>
+#include <QListView>
+#include <QPushButton>
+#include <QSplitter>
+#include <QTabWidget>
+#include <QTableWidget>
+#include <QTimer>
+#include <QVBoxLayout>
+#include <QValueAxis>
+#include <cmath>
+#include <csignal>
+
+#include "gui/app/rondo_cli.h"
+#include "gui/app/timeline_view.h"
+#include "gui/model/event_tail.h"
+#include "gui/model/run_folder.h"
+#include "gui/model/run_state.h"
+#include "gui/model/series.h"
+
+namespace rondo::gui {
+namespace {
+
+QString bytesText(double b) {
+  if (b >= 1024.0 * 1024 * 1024)
+    return QString::number(b / (1024.0 * 1024 * 1024), 'f', 2) + " GiB";
+  if (b >= 1024.0 * 1024) return QString::number(b / (1024.0 * 1024), 'f', 1) + " MiB";
+  return QString::number(b / 1024.0, 'f', 1) + " KiB";
+}
+
+QString num(double v, int prec = 4) {
+  return std::isfinite(v) ? QString::number(v, 'g', prec) : QStringLiteral("–");
+}
+
+QString eta(double s) {
+  if (!std::isfinite(s) || s < 0) return "–";
+  const qint64 t = static_cast<qint64>(s + 0.5);
+  return t >= 3600 ? QString("%1h%2m").arg(t / 3600).arg(t / 60 % 60, 2, 10, QChar('0'))
+                   : QString("%1m%2s").arg(t / 60).arg(t % 60, 2, 10, QChar('0'));
+}
+
+QChart* makeChart(const QString& title, std::initializer_list<QLineSeries*> series) {
+  auto* chart = new QChart;
+  chart->setTitle(title);
+  chart->legend()->setVisible(series.size() > 1);
+  chart->setMargins(QMargins(4, 4, 4, 4));
+  auto* x = new QValueAxis;
+  x->setTitleText("step");
+  x->setLabelFormat("%d");
+  auto* y = new QValueAxis;
+  chart->addAxis(x, Qt::AlignBottom);
+  chart->addAxis(y, Qt::AlignLeft);
+  for (QLineSeries* s : series) {
+    chart->addSeries(s);
+    s->attachAxis(x);
+    s->attachAxis(y);
+  }
+  return chart;
+}
+
+// Fills `line` from `series`, decimated to about the chart's width, and fits the axes to all of
+// `all` (series of one chart share axes).
+void fill(QChart* chart, std::initializer_list<std::pair<QLineSeries*, const Series*>> all) {
+  double x0 = INFINITY, x1 = -INFINITY, y0 = INFINITY, y1 = -INFINITY;
+  const int width = std::max(200, static_cast<int>(chart->plotArea().width()));
+  for (auto [line, s] : all) {
+    if (s->isEmpty()) {
+      line->clear();
+      continue;
+    }
+    x0 = std::min(x0, s->minX());
+    x1 = std::max(x1, s->maxX());
+    y0 = std::min(y0, s->minY());
+    y1 = std::max(y1, s->maxY());
+  }
+  if (!std::isfinite(x0)) return;
+  for (auto [line, s] : all)
+    if (!s->isEmpty()) line->replace(s->decimated(x0, x1, width));
+  auto axes = chart->axes();
+  for (QAbstractAxis* a : axes) {
+    auto* v = qobject_cast<QValueAxis*>(a);
+    if (!v) continue;
+    if (a->orientation() == Qt::Horizontal)
+      v->setRange(x0, x1 > x0 ? x1 : x0 + 1);
+    else if (std::isfinite(y0))
+      v->setRange(y0, y1 > y0 ? y1 + 0.05 * (y1 - y0) : y0 + 1);
+  }
+}
+
+}  // namespace
+
+MonitorWidget::MonitorWidget(QWidget* parent) : QWidget(parent) {
+  setObjectName("monitor");
+  m_state = new RunState(this);
+  m_tail = new EventTail(m_state, this);
+  m_openTimer = new QTimer(this);
+  m_openTimer->setInterval(200);
+  connect(m_openTimer, &QTimer::timeout, this, &MonitorWidget::tryOpenEvents);
+  m_refreshTimer = new QTimer(this);
+  m_refreshTimer->setSingleShot(true);
+  m_refreshTimer->setInterval(250);
+  connect(m_refreshTimer, &QTimer::timeout, this, &MonitorWidget::refresh);
+  connect(m_state, &RunState::changed, this, &MonitorWidget::scheduleRefresh);
+  connect(m_state, &RunState::runEnded, this, [this](const QString& status) {
+    refresh();
+    emit finished(status);
+  });
+
+  m_title = new QLabel("No run");
+  m_title->setObjectName("runTitle");
+  QFont f = m_title->font();
+  f.setBold(true);
+  m_title->setFont(f);
+  m_status = new QLabel;
+  m_status->setObjectName("runStatus");
+  m_status->setTextInteractionFlags(Qt::TextSelectableByMouse);
+  m_banner = new QLabel;
+  m_banner->setObjectName("errorBanner");
+  m_banner->setWordWrap(true);
+  m_banner->setStyleSheet("background:#fde7e9; color:#8a0012; padding:6px");
+  m_banner->hide();
+  m_stop = new QPushButton("Stop");
+  m_stop->setToolTip("End the run now, without a checkpoint");
+  m_stopSave = new QPushButton("Stop and save");
+  m_stopSave->setToolTip("Finish the step under way, write a checkpoint, then end (resumable)");
+  m_stop->setEnabled(false);
+  m_stopSave->setEnabled(false);
+  connect(m_stop, &QPushButton::clicked, this, &MonitorWidget::stop);
+  connect(m_stopSave, &QPushButton::clicked, this, &MonitorWidget::stopAndSave);
+
+  m_loss = new QLineSeries;
+  m_loss->setName("training loss");
+  m_eval = new QLineSeries;
+  m_eval->setName("validation loss");
+  m_eval->setPointsVisible(true);
+  m_lr = new QLineSeries;
+  m_norm = new QLineSeries;
+  m_speed = new QLineSeries;
+  m_lossChart = makeChart("Loss", {m_loss, m_eval});
+  m_lrChart = makeChart("Learning rate", {m_lr});
+  m_normChart = makeChart("Gradient norm (before clipping)", {m_norm});
+  m_speedChart = makeChart("Tokens/s", {m_speed});
+  auto* charts = new QGridLayout;
+  int i = 0;
+  for (QChart* c : {m_lossChart, m_lrChart, m_normChart, m_speedChart}) {
+    auto* view = new QChartView(c);
+    view->setRenderHint(QPainter::Antialiasing);
+    view->setMinimumHeight(170);
+    charts->addWidget(view, i / 2, i % 2);
+    ++i;
+  }
+
+  m_devices = new QTableWidget(0, 6);
+  m_devices->setObjectName("deviceTable");
+  m_devices->setHorizontalHeaderLabels(
+      {"Device", "Memory in use", "Peak", "Cap", "Busy", "Link (host→dev / dev→host)"});
+  m_devices->horizontalHeader()->setStretchLastSection(true);
+  m_devices->verticalHeader()->hide();
+  m_devices->setMaximumHeight(120);
+  m_timeline = new TimelineView;
+  m_timeline->setModel(m_state->timeline());
+  m_samples = new QListView;
+  m_samples->setObjectName("samples");
+  m_samples->setModel(m_state->samples());
+  m_samples->setWordWrap(true);
+  m_log = new QListView;
+  m_log->setObjectName("log");
+  m_log->setModel(m_state->log());
+  auto* tabs = new QTabWidget;
+  tabs->addTab(m_samples, "Samples");
+  tabs->addTab(m_log, "Log");
+
+  auto* top = new QHBoxLayout;
+  auto* labels = new QVBoxLayout;
+  labels->addWidget(m_title);
+  labels->addWidget(m_status);
+  top->addLayout(labels, 1);
+  top->addWidget(m_stopSave);
+  top->addWidget(m_stop);
+  auto* layout = new QVBoxLayout(this);
+  layout->addLayout(top);
+  layout->addWidget(m_banner);
+  layout->addLayout(charts, 3);
+  layout->addWidget(m_devices);
+  layout->addWidget(m_timeline, 1);
+  layout->addWidget(tabs, 1);
+}
+
+MonitorWidget::~MonitorWidget() {
+  if (m_child && m_child->state() != QProcess::NotRunning) {
+    m_child->disconnect(this);
+    ::kill(static_cast<pid_t>(m_child->processId()), SIGINT);  // let it checkpoint
+    m_child->waitForFinished(30000);
+  }
+}
+
+bool MonitorWidget::attach(const QString& runDir, QString* error) {
+  const RunFolderInfo info = inspectRunFolder(runDir);
+  if (!info.isRun) {
+    if (error) *error = info.why;
+    return false;
+  }
+  m_tail->close();
+  m_state->reset();
+  m_runDir = runDir;
+  m_eventsPath =
+      info.eventsPath.isEmpty() ? QDir(runDir).filePath("events.jsonl") : info.eventsPath;
+  m_title->setText(QDir::cleanPath(runDir));
+  m_banner->hide();
+  tryOpenEvents();
+  if (!m_tail->isOpen()) m_openTimer->start();
+  refresh();
+  return true;
+}
+
+bool MonitorWidget::launch(const QString& configPath, const QString& runDir, QString* error,
+                           const QStringList& extraArgs) {
+  if (childRunning()) {
+    if (error) *error = "a run is already going";
+    return false;
+  }
+  m_tail->close();
+  m_state->reset();
+  m_runDir = runDir;
+  m_eventsPath = QDir(runDir).filePath("events.jsonl");
+  m_title->setText(QDir::cleanPath(runDir));
+  m_banner->hide();
+  m_childFailed = false;
+  delete m_child;
+  m_child = new QProcess(this);
+  m_child->setProcessChannelMode(QProcess::MergedChannels);
+  connect(m_child, &QProcess::readyReadStandardOutput, this, [this] {
+    while (m_child->canReadLine()) {
+      QString line = QString::fromUtf8(m_child->readLine()).trimmed();
+      // The status line redraws itself with \r on a terminal; not here (not a terminal).
+      if (!line.isEmpty()) m_state->log()->appendLine(line);
+    }
+  });
+  connect(m_child, &QProcess::finished, this, &MonitorWidget::onChildFinished);
+  QStringList args = configPath.isEmpty() ? QStringList{"train", "--resume", runDir}
+                                          : QStringList{"train", configPath};
+  args << extraArgs;
+  m_state->log()->appendLine("$ " + RondoCli::program() + " " + args.join(' '));
+  m_child->start(RondoCli::program(), args);
+  if (!m_child->waitForStarted(10000)) {
+    if (error) *error = "cannot start " + RondoCli::program() + ": " + m_child->errorString();
+    return false;
+  }
+  m_stop->setEnabled(true);
+  m_stopSave->setEnabled(true);
+  m_openTimer->start();
+  refresh();
+  return true;
+}
+
+bool MonitorWidget::childRunning() const {
+  return m_child && m_child->state() != QProcess::NotRunning;
+}
+
+void MonitorWidget::tryOpenEvents() {
+  if (m_tail->isOpen()) {
+    m_openTimer->stop();
+    return;
+  }
+  if (!QFileInfo::exists(m_eventsPath)) return;
+  if (m_tail->open(m_eventsPath)) {
+    m_openTimer->stop();
+    m_tail->setFollowing(true);
+  }
+}
+
+void MonitorWidget::stop() {
+  if (childRunning()) m_child->kill();
+}
+
+void MonitorWidget::stopAndSave() {
+  if (childRunning()) {
+    ::kill(static_cast<pid_t>(m_child->processId()), SIGINT);
+    m_stopSave->setEnabled(false);
+    m_state->log()->appendLine("Stopping after the step under way; a checkpoint follows.");
+  }
+}
+
+void MonitorWidget::onChildFinished(int code, QProcess::ExitStatus status) {
+  if (m_child->bytesAvailable() > 0) {
+    for (const QByteArray& l : m_child->readAll().split('\n'))
+      if (!l.trimmed().isEmpty()) m_state->log()->appendLine(QString::fromUtf8(l).trimmed());
+  }
+  tryOpenEvents();
+  if (m_tail->isOpen()) m_tail->finish();  // everything it wrote before it ended
+  m_stop->setEnabled(false);
+  m_stopSave->setEnabled(false);
+  const QString s = m_state->status();
+  const bool ended = s == "completed" || s == "stopped" || s == "failed";
+  if (!ended) m_state->markInterrupted();
+  m_childFailed = status != QProcess::NormalExit || (code != 0 && code != 130);
+  if (m_childFailed) {
+    QString why = m_state->errorMessage();
+    if (why.isEmpty()) why = QString("rondo train exited with status %1").arg(code);
+    m_banner->setText("<b>The run failed:</b> " + why.toHtmlEscaped() + "<br><pre>" +
+                      m_state->log()->lastLines(8).join('\n').toHtmlEscaped() + "</pre>");
+    m_banner->show();
+  }
+  refresh();
+  if (!ended) emit finished(m_state->status());
+}
+
+void MonitorWidget::scheduleRefresh() {
+  if (!m_refreshTimer->isActive()) m_refreshTimer->start();
+}
+
+QString MonitorWidget::statusText() const {
+  return m_status->text();
+}
+
+void MonitorWidget::refresh() {
+  const RunState& s = *m_state;
+  // A child that failed before its run wrote `run_end` (or anything) has failed all the same.
+  QString status = s.status();
+  if (m_childFailed && (status == "empty" || status == "interrupted")) status = "failed";
+  QString line =
+      QString("%1 — step %2/%3, loss %4, validation %5, lr %6, grad norm %7, %8 tokens/s, ETA %9")
+          .arg(status)
+          .arg(s.lastStep())
+          .arg(s.stepsTotal())
+          .arg(num(s.lastLoss()), num(s.lastEvalLoss()), num(s.lastLr(), 3),
+               num(s.lastGradNorm(), 3), num(s.tokensPerSecond(), 5), eta(s.etaSeconds()));
+  if (s.malformedLines() > 0)
+    line += QString(" (%1 malformed event lines skipped)").arg(s.malformedLines());
+  m_status->setText(line);
+  if (!s.model().isEmpty())
+    m_title->setText(QString("%1 — %2 on %3")
+                         .arg(QDir::cleanPath(s.runDir().isEmpty() ? m_runDir : s.runDir()),
+                              s.method(), s.model()));
+  if (s.status() == "failed" && !s.errorMessage().isEmpty() && m_banner->isHidden()) {
+    m_banner->setText("<b>The run failed:</b> " + s.errorMessage().toHtmlEscaped());
+    m_banner->show();
+  }
+  fill(m_lossChart, {{m_loss, &s.loss()}, {m_eval, &s.evalLoss()}});
+  fill(m_lrChart, {{m_lr, &s.lr()}});
+  fill(m_normChart, {{m_norm, &s.gradNorm()}});
+  fill(m_speedChart, {{m_speed, &s.throughput()}});
+  const QList<DeviceStatus> devs = s.devices();
+  m_devices->setRowCount(static_cast<int>(devs.size()));
+  for (int r = 0; r < devs.size(); ++r) {
+    const DeviceStatus& d = devs[r];
+    const QStringList cells = {QString("%1 %2").arg(d.device).arg(d.name),
+                               bytesText(static_cast<double>(d.bytesInUse)),
+                               bytesText(static_cast<double>(d.bytesPeak)),
+                               bytesText(static_cast<double>(d.bytesCap)),
+                               QString::number(100 * d.busyFraction, 'f', 0) + "%",
+                               bytesText(static_cast<double>(d.bytesH2d)) + " / " +
+                                   bytesText(static_cast<double>(d.bytesD2h))};
+    for (int c = 0; c < cells.size(); ++c)
+      m_devices->setItem(r, c, new QTableWidgetItem(cells[c]));
+  }
+  m_timeline->update();
+}
+
+}  // namespace rondo::gui

@@ -1,0 +1,87 @@
+// The monitor: a run's loss and validation loss, learning rate, gradient norm and tokens/s charts,
+// ETA, per-device memory, busy share and link traffic, the pipeline timeline, sample generations
+// and a log — from the run's events.jsonl (gui/model), live or finished. It can also launch
+// `rondo train` as a child process and stop it (Stop: at once; Stop and save: the CLI finishes
+// the step and writes a checkpoint). A failed child shows the `error` event and the last log lines.
+#pragma once
+
+#include <QPointer>
+#include <QProcess>
+#include <QString>
+#include <QWidget>
+
+class QLabel;
+class QListView;
+class QPushButton;
+class QTableWidget;
+class QTimer;
+class QChart;
+class QChartView;
+class QLineSeries;
+
+namespace rondo::gui {
+
+class EventTail;
+class RunState;
+class TimelineView;
+
+class MonitorWidget : public QWidget {
+  Q_OBJECT
+ public:
+  explicit MonitorWidget(QWidget* parent = nullptr);
+  ~MonitorWidget() override;
+
+  // Follows a run folder (live or finished). False, with what is wrong, if it is not a run.
+  bool attach(const QString& runDir, QString* error = nullptr);
+  // Starts `rondo train <configPath>` and follows `runDir`. `extraArgs` are added to the command.
+  bool launch(const QString& configPath, const QString& runDir, QString* error = nullptr,
+              const QStringList& extraArgs = {});
+
+  RunState* state() const { return m_state; }
+  QLineSeries* lossSeries() const { return m_loss; }
+  QLineSeries* evalSeries() const { return m_eval; }
+  TimelineView* timelineView() const { return m_timeline; }
+  QString statusText() const;
+  bool childRunning() const;
+  void refresh();  // charts and labels now (normally at most every 250 ms)
+
+ public slots:
+  void stop();         // the child at once (no checkpoint)
+  void stopAndSave();  // SIGINT: the CLI finishes the step under way, checkpoints and exits
+
+ signals:
+  void finished(const QString& status);  // the run ended (run_end read, or the child exited)
+
+ private:
+  void onChildFinished(int code, QProcess::ExitStatus status);
+  void tryOpenEvents();
+  void scheduleRefresh();
+
+  RunState* m_state;
+  EventTail* m_tail;
+  QString m_runDir, m_eventsPath;
+  bool m_childFailed = false;  // the child exited with an error (maybe before any event)
+  QProcess* m_child = nullptr;
+  QTimer* m_openTimer;
+  QTimer* m_refreshTimer;
+  QLabel* m_title;
+  QLabel* m_status;
+  QLabel* m_banner;
+  QPushButton* m_stop;
+  QPushButton* m_stopSave;
+  QChart* m_lossChart;
+  QChart* m_lrChart;
+  QChart* m_normChart;
+  QChart* m_speedChart;
+  QLineSeries* m_loss;
+  QLineSeries* m_eval;
+  QLineSeries* m_lr;
+  QLineSeries* m_norm;
+  QLineSeries* m_speed;
+  QTableWidget* m_devices;
+  TimelineView* m_timeline;
+  QListView* m_samples;
+  QListView* m_log;
+};
+
+}  // namespace rondo::gui

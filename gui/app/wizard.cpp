@@ -1,0 +1,588 @@
+#include "gui/app/wizard.h"
+
+#include <QCheckBox>
+#include <QComboBox>
+#include <QDir>
+#include <QDoubleSpinBox>
+#include <QFile>
+#include <QFileDialog>
+#include <QFileInfo>
+#include <QFormLayout>
+#include <QHBoxLayout>
+#include <QHeaderView>
+#include <QJsonArray>
+#include <QLabel>
+#include <QLineEdit>
+#include <QListWidget>
+#include <QPlainTextEdit>
+#include <QPushButton>
+#include <QRadioButton>
+#include <QSaveFile>
+#include <QSpinBox>
+#include <QTableWidget>
+#include <QTemporaryDir>
+#include <QTextEdit>
+#include <QVBoxLayout>
+#include <functional>
+
+#include "gui/app/rondo_cli.h"
+
+namespace rondo::gui {
+namespace {
+
+// A page whose completeness and initialisation are the wizard's to decide.
+class HookPage : public QWizardPage {
+ public:
+  std::function<bool()> complete;
+  std::function<void()> init;
+  bool isComplete() const override { return complete ? complete() : true; }
+  void initializePage() override {
+    if (init) init();
+  }
+  void changed() { emit completeChanged(); }
+};
+
+QString quoted(const QString& s) {
+  QString o = "\"";
+  for (QChar c : s) {
+    if (c == '"' || c == '\\')
+      o += '\\', o += c;
+    else if (c == '\n')
+      o += "\\n";
+    else if (c == '\t')
+      o += "\\t";
+    else
+      o += c;
+  }
+  return o + "\"";
+}
+
+QString list(const QStringList& items) {
+  QStringList q;
+  for (const QString& s : items)
+    q << quoted(s);
+  return "[" + q.join(", ") + "]";
+}
+
+QString bytesText(double b) {
+  if (b >= 1024.0 * 1024 * 1024)
+    return QString::number(b / (1024.0 * 1024 * 1024), 'f', 2) + " GiB";
+  if (b >= 1024.0 * 1024) return QString::number(b / (1024.0 * 1024), 'f', 1) + " MiB";
+  return QString::number(b / 1024.0, 'f', 1) + " KiB";
+}
+
+QString durationText(double s) {
+  if (s < 90) return QString::number(s, 'f', 0) + " s";
+  if (s < 5400) return QString::number(s / 60, 'f', 0) + " min";
+  return QString::number(s / 3600, 'f', 1) + " h";
+}
+
+QString fmtNumber(double v) {
+  QString s = QString::number(v, 'g', 10);
+  if (!s.contains('.') && !s.contains('e') && !s.contains("inf") && !s.contains("nan")) s += ".0";
+  return s;
+}
+
+QSpinBox* spin(const char* name, int lo, int hi, int value) {
+  auto* s = new QSpinBox;
+  s->setObjectName(name);
+  s->setRange(lo, hi);
+  s->setValue(value);
+  return s;
+}
+
+}  // namespace
+
+QString WizardConfig::toToml() const {
+  QString t = "# Written by rondo-gui; run it with `rondo train <this file>`.\n";
+  t += "\n[model]\npath = " + quoted(modelPath) + "\ndtype = " + quoted(modelDtype) + "\n";
+  t += "\n[data]\ntrain = " + quoted(dataPath) + "\nformat = " + quoted(dataFormat) +
+       "\ntrain_on_everything = " + (trainOnEverything ? "true" : "false") +
+       "\nvalidation_split = " + fmtNumber(validationSplit) +
+       "\nseq_len = " + QString::number(seqLen) + "\n";
+  t += "\n[lora]\nrank = " + QString::number(loraRank) + "\nalpha = " + fmtNumber(loraAlpha) +
+       "\ntargets = " + list(loraTargets) + "\n";
+  t += "\n[training]\nmethod = " + quoted(method) + "\nsteps = " + QString::number(steps) +
+       "\nepochs = " + fmtNumber(epochs) + "\nbatch_rows = " + QString::number(batchRows) +
+       "\ngrad_accum = " + QString::number(gradAccum) + "\nlr = " + fmtNumber(lr) +
+       "\nschedule = " + quoted(schedule) + "\nwarmup_steps = " + QString::number(warmupSteps) +
+       "\n";
+  t += "\n[checkpoint]\nevery = " + QString::number(checkpointEvery) + "\n";
+  t += "\n[eval]\nevery = " + QString::number(evalEvery) +
+       "\nsample_every = " + QString::number(sampleEvery) + "\nprompts = " + list(prompts) + "\n";
+  t += "\n[hardware]\nsim_devices = " + QString::number(simDevices) +
+       "\nmemory_cap = " + quoted(memoryCap) + "\nhost_memory = " + quoted(hostMemory) + "\n";
+  t += "\n[output]\nrun_dir = " + quoted(runDir) +
+       "\nexports = " + list(method == "lora" ? QStringList{"adapter"} : QStringList{"merged"}) +
+       "\n";
+  return t;
+}
+
+SetupWizard::SetupWizard(QWidget* parent) : QWizard(parent) {
+  setWindowTitle("Rondo — new fine-tuning run");
+  setObjectName("setupWizard");
+  setWizardStyle(QWizard::ClassicStyle);
+  setOption(QWizard::NoBackButtonOnStartPage);
+  setButtonText(QWizard::FinishButton, "Start");
+  setMinimumSize(760, 560);
+
+  // ---- Model ----
+  auto* model = new HookPage;
+  model->setTitle("Model");
+  model->setSubTitle("A Hugging Face folder or a GGUF file on this machine.");
+  m_modelPath = new QLineEdit;
+  m_modelPath->setObjectName("modelPath");
+  auto* browseFolder = new QPushButton("Folder…");
+  auto* browseFile = new QPushButton("GGUF file…");
+  m_dtype = new QComboBox;
+  m_dtype->setObjectName("modelDtype");
+  m_dtype->addItems({"bf16", "fp16", "fp32"});
+  m_modelInfo = new QLabel("Pick a model to see its family, size and dtype.");
+  m_modelInfo->setObjectName("modelInfo");
+  m_modelInfo->setWordWrap(true);
+  m_modelInfo->setTextInteractionFlags(Qt::TextSelectableByMouse);
+  {
+    auto* row = new QHBoxLayout;
+    row->addWidget(m_modelPath, 1);
+    row->addWidget(browseFolder);
+    row->addWidget(browseFile);
+    auto* form = new QFormLayout(model);
+    form->addRow("Model", row);
+    form->addRow("Train in", m_dtype);
+    form->addRow(m_modelInfo);
+  }
+  connect(browseFolder, &QPushButton::clicked, this, [this] {
+    QString d = QFileDialog::getExistingDirectory(this, "Model folder");
+    if (!d.isEmpty()) m_modelPath->setText(d), refreshModel();
+  });
+  connect(browseFile, &QPushButton::clicked, this, [this] {
+    QString f = QFileDialog::getOpenFileName(this, "GGUF model", {}, "GGUF (*.gguf)");
+    if (!f.isEmpty()) m_modelPath->setText(f), refreshModel();
+  });
+  connect(m_modelPath, &QLineEdit::editingFinished, this, &SetupWizard::refreshModel);
+  model->complete = [this] { return m_modelOk; };
+  setPage(ModelPage, model);
+
+  // ---- Data ----
+  auto* data = new HookPage;
+  data->setTitle("Data");
+  data->setSubTitle("JSONL: text, alpaca (instruction/input/output) or chat (messages).");
+  m_dataPath = new QLineEdit;
+  m_dataPath->setObjectName("dataPath");
+  auto* browseData = new QPushButton("File…");
+  m_dataFormat = new QComboBox;
+  m_dataFormat->setObjectName("dataFormat");
+  m_dataFormat->addItems({"auto", "text", "alpaca", "chat"});
+  m_trainOnEverything = new QCheckBox("Train on prompts too, not only on the replies");
+  m_validationSplit = new QDoubleSpinBox;
+  m_validationSplit->setObjectName("validationSplit");
+  m_validationSplit->setRange(0, 0.5);
+  m_validationSplit->setSingleStep(0.05);
+  m_dataStats = new QLabel("Pick a file to see its format and token statistics.");
+  m_dataStats->setObjectName("dataStats");
+  m_dataStats->setWordWrap(true);
+  m_dataPreview = new QTextEdit;
+  m_dataPreview->setObjectName("dataPreview");
+  m_dataPreview->setReadOnly(true);
+  {
+    auto* row = new QHBoxLayout;
+    row->addWidget(m_dataPath, 1);
+    row->addWidget(browseData);
+    auto* form = new QFormLayout(data);
+    form->addRow("Training file", row);
+    form->addRow("Format", m_dataFormat);
+    form->addRow("", m_trainOnEverything);
+    form->addRow("Validation share", m_validationSplit);
+    form->addRow(m_dataStats);
+    form->addRow(new QLabel("First example — trained text in green, masked text in grey:"));
+    form->addRow(m_dataPreview);
+  }
+  connect(browseData, &QPushButton::clicked, this, [this] {
+    QString f = QFileDialog::getOpenFileName(this, "Training data", {}, "JSONL (*.jsonl *.json)");
+    if (!f.isEmpty()) m_dataPath->setText(f), refreshData();
+  });
+  connect(m_dataPath, &QLineEdit::editingFinished, this, &SetupWizard::refreshData);
+  connect(m_dataFormat, &QComboBox::currentTextChanged, this, &SetupWizard::refreshData);
+  connect(m_trainOnEverything, &QCheckBox::toggled, this, &SetupWizard::refreshData);
+  data->complete = [this] { return m_dataOk; };
+  data->init = [this] {
+    if (!m_dataPath->text().isEmpty()) refreshData();
+  };
+  setPage(DataPage, data);
+
+  // ---- Method ----
+  auto* method = new HookPage;
+  method->setTitle("Method");
+  method->setSubTitle("LoRA adapters on a frozen base, or every weight.");
+  m_lora = new QRadioButton("LoRA");
+  m_lora->setObjectName("methodLora");
+  m_lora->setChecked(true);
+  m_full = new QRadioButton("Full fine-tuning");
+  m_full->setObjectName("methodFull");
+  m_rank = spin("loraRank", 1, 4096, 16);
+  m_alpha = new QDoubleSpinBox;
+  m_alpha->setObjectName("loraAlpha");
+  m_alpha->setRange(0.01, 1e6);
+  m_alpha->setValue(32);
+  auto* targets = new QHBoxLayout;
+  for (const char* t : {"all-linear", "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                        "up_proj", "down_proj"}) {
+    auto* c = new QCheckBox(t);
+    c->setObjectName(QString("target_") + t);
+    c->setChecked(QString(t) == "all-linear");
+    targets->addWidget(c);
+    m_targets << c;
+  }
+  {
+    auto* form = new QFormLayout(method);
+    form->addRow(m_lora);
+    form->addRow(m_full);
+    form->addRow("Rank", m_rank);
+    form->addRow("Alpha", m_alpha);
+    form->addRow("Targets", targets);
+  }
+  auto loraOn = [this] {
+    for (QWidget* w : std::initializer_list<QWidget*>{m_rank, m_alpha})
+      w->setEnabled(m_lora->isChecked());
+    for (QCheckBox* c : m_targets)
+      c->setEnabled(m_lora->isChecked());
+  };
+  connect(m_lora, &QRadioButton::toggled, this, loraOn);
+  method->complete = [this] {
+    if (!m_lora->isChecked()) return true;
+    for (QCheckBox* c : m_targets)
+      if (c->isChecked()) return true;
+    return false;
+  };
+  for (QCheckBox* c : m_targets)
+    connect(c, &QCheckBox::toggled, method, &HookPage::changed);
+  setPage(MethodPage, method);
+
+  // ---- Hardware ----
+  auto* hw = new HookPage;
+  hw->setTitle("Hardware");
+  hw->setSubTitle("The devices Rondo found, and how much of them a run may use.");
+  m_devices = new QListWidget;
+  m_devices->setObjectName("devices");
+  m_simDevices = spin("simDevices", 0, 64, 0);
+  m_simDevices->setToolTip("Simulated GPUs on the CPU, to try a multi-GPU schedule without GPUs");
+  m_memoryCap = new QLineEdit;
+  m_memoryCap->setObjectName("memoryCap");
+  m_memoryCap->setPlaceholderText("whole device, or e.g. 24GB");
+  m_hostMemory = new QLineEdit;
+  m_hostMemory->setObjectName("hostMemory");
+  m_hostMemory->setPlaceholderText("what the OS reports free, or e.g. 64GB");
+  m_nvmeDir = new QLineEdit;
+  m_nvmeDir->setObjectName("nvmeDir");
+  m_nvmeDir->setEnabled(false);
+  m_nvmeDir->setPlaceholderText("not available yet: training state stays in host memory");
+  {
+    auto* form = new QFormLayout(hw);
+    form->addRow("Devices", m_devices);
+    form->addRow("Simulated GPUs", m_simDevices);
+    form->addRow("GPU memory cap", m_memoryCap);
+    form->addRow("Host memory budget", m_hostMemory);
+    form->addRow("NVMe folder", m_nvmeDir);
+  }
+  hw->init = [this] { refreshDevices(); };
+  setPage(HardwarePage, hw);
+
+  // ---- Training ----
+  auto* tr = new HookPage;
+  tr->setTitle("Training");
+  tr->setSubTitle("How long, how fast, and where the run folder goes.");
+  m_steps = spin("steps", 0, 10000000, 0);
+  m_steps->setToolTip("0: from the number of epochs");
+  m_epochs = new QDoubleSpinBox;
+  m_epochs->setObjectName("epochs");
+  m_epochs->setRange(0.01, 1e6);
+  m_epochs->setValue(1);
+  m_lr = new QLineEdit("2e-4");
+  m_lr->setObjectName("lr");
+  m_schedule = new QComboBox;
+  m_schedule->setObjectName("schedule");
+  m_schedule->addItems({"cosine", "linear", "constant"});
+  m_warmup = spin("warmupSteps", 0, 10000000, 0);
+  m_seqLen = spin("seqLen", 2, 1 << 20, 1024);
+  m_batchRows = spin("batchRows", 1, 65536, 1);
+  m_gradAccum = spin("gradAccum", 1, 65536, 1);
+  m_checkpointEvery = spin("checkpointEvery", 0, 10000000, 0);
+  m_evalEvery = spin("evalEvery", 0, 10000000, 0);
+  m_sampleEvery = spin("sampleEvery", 0, 10000000, 0);
+  m_prompts = new QPlainTextEdit;
+  m_prompts->setObjectName("prompts");
+  m_prompts->setPlaceholderText("One prompt per line, for sample generations");
+  m_prompts->setMaximumHeight(70);
+  m_runDir = new QLineEdit(QDir::current().filePath("runs/run-1"));
+  m_runDir->setObjectName("runDir");
+  {
+    auto* form = new QFormLayout(tr);
+    form->addRow("Steps", m_steps);
+    form->addRow("Epochs (when steps is 0)", m_epochs);
+    form->addRow("Learning rate", m_lr);
+    form->addRow("Schedule", m_schedule);
+    form->addRow("Warmup steps", m_warmup);
+    form->addRow("Sequence length", m_seqLen);
+    form->addRow("Rows per microbatch", m_batchRows);
+    form->addRow("Microbatches per step", m_gradAccum);
+    form->addRow("Checkpoint every (steps)", m_checkpointEvery);
+    form->addRow("Validation loss every", m_evalEvery);
+    form->addRow("Samples every", m_sampleEvery);
+    form->addRow("Sample prompts", m_prompts);
+    form->addRow("Run folder", m_runDir);
+  }
+  tr->complete = [this] {
+    bool ok = false;
+    const double lr = m_lr->text().toDouble(&ok);
+    return ok && lr > 0 && lr < 1 && !m_runDir->text().trimmed().isEmpty();
+  };
+  connect(m_lr, &QLineEdit::textChanged, tr, &HookPage::changed);
+  connect(m_runDir, &QLineEdit::textChanged, tr, &HookPage::changed);
+  setPage(TrainingPage, tr);
+
+  // ---- Review ----
+  auto* review = new HookPage;
+  review->setTitle("Review");
+  review->setSubTitle("What the run needs and how long it will take, before anything starts.");
+  m_verdict = new QLabel;
+  m_verdict->setObjectName("planVerdict");
+  QFont big = m_verdict->font();
+  big.setPointSize(big.pointSize() + 4);
+  big.setBold(true);
+  m_verdict->setFont(big);
+  m_planDevices = new QTableWidget(0, 4);
+  m_planDevices->setObjectName("planDevices");
+  m_planDevices->setHorizontalHeaderLabels({"Device", "Peak", "Capacity", "Use"});
+  m_planDevices->horizontalHeader()->setStretchLastSection(true);
+  m_planDevices->verticalHeader()->hide();
+  m_speed = new QLabel;
+  m_speed->setObjectName("planSpeed");
+  m_speed->setWordWrap(true);
+  m_problems = new QLabel;
+  m_problems->setObjectName("planProblems");
+  m_problems->setWordWrap(true);
+  m_command = new QLineEdit;
+  m_command->setObjectName("cliCommand");
+  m_command->setReadOnly(true);
+  auto* save = new QPushButton("Save config…");
+  {
+    auto* form = new QFormLayout(review);
+    form->addRow("Verdict", m_verdict);
+    form->addRow(m_planDevices);
+    form->addRow(m_speed);
+    form->addRow(m_problems);
+    form->addRow("Command", m_command);
+    form->addRow(save);
+  }
+  connect(save, &QPushButton::clicked, this, [this] {
+    const QString f =
+        QFileDialog::getSaveFileName(this, "Save config", configPath(), "TOML (*.toml)");
+    if (f.isEmpty()) return;
+    QSaveFile out(f);
+    if (out.open(QIODevice::WriteOnly)) {
+      out.write(config().toToml().toUtf8());
+      out.commit();
+    }
+  });
+  review->init = [this] { refreshReview(); };
+  setPage(ReviewPage, review);
+}
+
+WizardConfig SetupWizard::config() const {
+  WizardConfig c;
+  c.modelPath = m_modelPath->text().trimmed();
+  c.modelDtype = m_dtype->currentText();
+  c.dataPath = m_dataPath->text().trimmed();
+  c.dataFormat = m_dataFormat->currentText();
+  c.trainOnEverything = m_trainOnEverything->isChecked();
+  c.validationSplit = m_validationSplit->value();
+  c.seqLen = m_seqLen->value();
+  c.method = m_lora->isChecked() ? "lora" : "full";
+  c.loraRank = m_rank->value();
+  c.loraAlpha = m_alpha->value();
+  c.loraTargets.clear();
+  for (QCheckBox* t : m_targets)
+    if (t->isChecked()) c.loraTargets << t->text();
+  if (c.loraTargets.contains("all-linear")) c.loraTargets = {"all-linear"};
+  c.steps = m_steps->value();
+  c.epochs = m_epochs->value();
+  c.batchRows = m_batchRows->value();
+  c.gradAccum = m_gradAccum->value();
+  c.lr = m_lr->text().toDouble();
+  c.schedule = m_schedule->currentText();
+  c.warmupSteps = m_warmup->value();
+  c.checkpointEvery = m_checkpointEvery->value();
+  c.evalEvery = m_evalEvery->value();
+  c.sampleEvery = m_sampleEvery->value();
+  for (const QString& p : m_prompts->toPlainText().split('\n', Qt::SkipEmptyParts))
+    if (!p.trimmed().isEmpty()) c.prompts << p.trimmed();
+  c.simDevices = m_simDevices->value();
+  c.memoryCap = m_memoryCap->text().trimmed();
+  c.hostMemory = m_hostMemory->text().trimmed();
+  c.runDir = QDir::cleanPath(m_runDir->text().trimmed());
+  return c;
+}
+
+QString SetupWizard::configPath() const {
+  return QDir::cleanPath(m_runDir->text().trimmed()) + ".toml";
+}
+
+QString SetupWizard::commandLine() const {
+  return RondoCli::program() + " train " + configPath();
+}
+
+void SetupWizard::refreshModel() {
+  const QString path = m_modelPath->text().trimmed();
+  m_modelOk = false;
+  if (path.isEmpty()) {
+    m_modelInfo->setText("Pick a model to see its family, size and dtype.");
+  } else {
+    QString error;
+    QJsonObject j = RondoCli::runJson({"inspect", path, "--json"}, &error);
+    if (j.isEmpty()) {
+      m_modelInfo->setText("<span style='color:#b00020'>" + error.toHtmlEscaped() + "</span>");
+    } else {
+      m_modelOk = true;
+      const double params = j["params"].toDouble();
+      m_modelInfo->setText(
+          QString("<b>%1</b> (%2): %3 M parameters, %4 layers, hidden %5, vocabulary %6; stored "
+                  "as %7 (%8)")
+              .arg(j["family"].toString(), j["architecture"].toString())
+              .arg(params / 1e6, 0, 'f', 1)
+              .arg(j["num_layers"].toInt())
+              .arg(j["hidden_size"].toInt())
+              .arg(j["vocab_size"].toInt())
+              .arg(j["dtypes"].toString(), j["format"].toString()));
+    }
+  }
+  if (auto* p = static_cast<HookPage*>(page(ModelPage))) p->changed();
+}
+
+void SetupWizard::refreshData() {
+  const QString file = m_dataPath->text().trimmed();
+  m_dataOk = false;
+  m_dataPreview->clear();
+  if (file.isEmpty() || m_modelPath->text().trimmed().isEmpty()) {
+    m_dataStats->setText("Pick a file to see its format and token statistics.");
+  } else {
+    QStringList args = {"data",     file,
+                        "--model",  m_modelPath->text().trimmed(),
+                        "--format", m_dataFormat->currentText(),
+                        "--json"};
+    if (m_trainOnEverything->isChecked()) args << "--train-on-everything";
+    QString error;
+    QJsonObject j = RondoCli::runJson(args, &error);
+    if (j.isEmpty()) {
+      m_dataStats->setText("<span style='color:#b00020'>" + error.toHtmlEscaped() + "</span>");
+    } else {
+      m_dataOk = true;
+      m_dataStats->setText("<b>" + j["format"].toString() +
+                           "</b>: " + j["stats"].toString().toHtmlEscaped());
+      QString html = "<pre style='white-space:pre-wrap'>";
+      for (const QJsonValue& v : j["example"].toObject()["pieces"].toArray()) {
+        const QJsonObject p = v.toObject();
+        html += QString("<span style='color:%1'>%2</span>")
+                    .arg(p["trained"].toBool() ? "#1b7f3b" : "#8a8a8a",
+                         p["text"].toString().toHtmlEscaped());
+      }
+      m_dataPreview->setHtml(html + "</pre>");
+    }
+  }
+  if (auto* p = static_cast<HookPage*>(page(DataPage))) p->changed();
+}
+
+void SetupWizard::refreshDevices() {
+  m_devices->clear();
+  QString error;
+  QJsonObject j = RondoCli::runJson({"devices", "--json"}, &error);
+  if (j.isEmpty()) {
+    m_devices->addItem("Could not list devices: " + error);
+    return;
+  }
+  for (const QJsonValue& v : j["devices"].toArray()) {
+    const QJsonObject d = v.toObject();
+    m_devices->addItem(
+        QString("%1 — %2").arg(d["name"].toString(), bytesText(d["bytes_cap"].toDouble())));
+  }
+  if (j["mode"].toString() != "cuda")
+    m_devices->addItem("No CUDA GPU: " + j["why_no_gpu"].toString());
+}
+
+void SetupWizard::refreshReview() {
+  m_command->setText(commandLine());
+  m_planDevices->setRowCount(0);
+  QTemporaryDir tmp;
+  const QString cfg = tmp.filePath("review.toml");
+  QFile f(cfg);
+  if (!tmp.isValid() || !f.open(QIODevice::WriteOnly)) {
+    m_verdict->setText("cannot write a temporary config");
+    return;
+  }
+  f.write(config().toToml().toUtf8());
+  f.close();
+  QString error;
+  m_plan = RondoCli::runJson({"plan", cfg, "--json"}, &error);
+  if (m_plan.isEmpty()) {
+    m_verdict->setText("cannot plan");
+    m_problems->setText("<span style='color:#b00020'>" + error.toHtmlEscaped() + "</span>");
+    m_speed->clear();
+    return;
+  }
+  const QString verdict = m_plan["verdict"].toString();
+  m_verdict->setText(verdict);
+  m_verdict->setStyleSheet(verdict == "fits"    ? "color:#1b7f3b"
+                           : verdict == "tight" ? "color:#b26a00"
+                                                : "color:#b00020");
+  for (const QJsonValue& v : m_plan["devices"].toArray()) {
+    const QJsonObject d = v.toObject();
+    const double peak = d["peak_bytes"].toDouble(), cap = d["cap_bytes"].toDouble();
+    const int row = m_planDevices->rowCount();
+    m_planDevices->insertRow(row);
+    m_planDevices->setItem(row, 0, new QTableWidgetItem(d["name"].toString()));
+    m_planDevices->setItem(row, 1, new QTableWidgetItem(bytesText(peak)));
+    m_planDevices->setItem(row, 2, new QTableWidgetItem(bytesText(cap)));
+    m_planDevices->setItem(
+        row, 3,
+        new QTableWidgetItem(cap > 0 ? QString::number(100.0 * peak / cap, 'f', 1) + "%" : "?"));
+  }
+  const QJsonObject host = m_plan["host"].toObject();
+  m_speed->setText(QString("About %1 tokens/s (estimated); %2 steps of %3 tokens: about %4. Host "
+                           "memory %5 of %6 available; plan %7.")
+                       .arg(m_plan["tokens_per_s"].toDouble(), 0, 'f', 0)
+                       .arg(m_plan["steps"].toInteger())
+                       .arg(m_plan["tokens_per_step"].toInteger())
+                       .arg(durationText(m_plan["seconds"].toDouble()),
+                            bytesText(host["needed_bytes"].toDouble()),
+                            bytesText(host["available_bytes"].toDouble()),
+                            m_plan["plan"].toString()));
+  QStringList notes;
+  for (const QJsonValue& v : m_plan["problems"].toArray())
+    notes << "• " + v.toString();
+  for (const QJsonValue& v : m_plan["warnings"].toArray())
+    notes << "• " + v.toString();
+  m_problems->setText(notes.join("\n"));
+}
+
+bool SetupWizard::start(QString* error) {
+  const WizardConfig c = config();
+  const QString path = configPath();
+  QDir().mkpath(QFileInfo(path).absolutePath());
+  QSaveFile out(path);
+  if (!out.open(QIODevice::WriteOnly) || out.write(c.toToml().toUtf8()) < 0 || !out.commit()) {
+    if (error) *error = "cannot write " + path + ": " + out.errorString();
+    return false;
+  }
+  emit startRequested(path, c.runDir);
+  return true;
+}
+
+void SetupWizard::accept() {
+  QString error;
+  if (!start(&error)) {
+    m_problems->setText("<span style='color:#b00020'>" + error.toHtmlEscaped() + "</span>");
+    return;
+  }
+  QWizard::accept();
+}
+
+}  // namespace rondo::gui

@@ -1,0 +1,133 @@
+// The setup wizard: model, data, method, hardware, training, review. Each page asks the rondo CLI
+// what it needs (`inspect --json`, `data --json`, `devices --json`, `plan --json`); the review page
+// shows the plan's verdict per device, the predicted speed and time, and the equivalent command.
+// Start writes the config next to the run folder and emits startRequested. Widgets that tests fill
+// have object names (modelPath, dataPath, runDir, ...).
+#pragma once
+
+#include <QJsonObject>
+#include <QString>
+#include <QStringList>
+#include <QWizard>
+
+class QCheckBox;
+class QComboBox;
+class QDoubleSpinBox;
+class QLabel;
+class QLineEdit;
+class QListWidget;
+class QPlainTextEdit;
+class QRadioButton;
+class QSpinBox;
+class QTableWidget;
+class QTextEdit;
+
+namespace rondo::gui {
+
+// What the wizard sets, as config.toml spells it (docs/training.md).
+struct WizardConfig {
+  QString modelPath, modelDtype = "bf16";
+  QString dataPath, dataFormat = "auto";
+  bool trainOnEverything = false;
+  double validationSplit = 0;
+  qint64 seqLen = 1024;
+  QString method = "lora";
+  int loraRank = 16;
+  double loraAlpha = 32;
+  QStringList loraTargets = {"all-linear"};
+  qint64 steps = 0;
+  double epochs = 1;
+  qint64 batchRows = 1;
+  int gradAccum = 1;
+  double lr = 2e-4;
+  QString schedule = "cosine";
+  qint64 warmupSteps = 0;
+  qint64 checkpointEvery = 0, evalEvery = 0, sampleEvery = 0;
+  QStringList prompts;
+  int simDevices = 0;
+  QString memoryCap, hostMemory;
+  QString runDir;
+
+  QString toToml() const;
+};
+
+class SetupWizard : public QWizard {
+  Q_OBJECT
+ public:
+  enum Page { ModelPage, DataPage, MethodPage, HardwarePage, TrainingPage, ReviewPage };
+  explicit SetupWizard(QWidget* parent = nullptr);
+
+  WizardConfig config() const;
+  // Where start() writes the config: next to the run folder, "<run_dir>.toml".
+  QString configPath() const;
+  // The command that does what Start does.
+  QString commandLine() const;
+  // Writes the config and emits startRequested; false (with `error`) if it cannot be written.
+  bool start(QString* error = nullptr);
+  // The last review: `rondo plan --json` (empty before the review page was shown).
+  QJsonObject planResult() const { return m_plan; }
+
+  // Page refreshes (the pages call them when their fields change; tests call them directly).
+  void refreshModel();
+  void refreshData();
+  void refreshDevices();
+  void refreshReview();
+
+ signals:
+  void startRequested(const QString& configPath, const QString& runDir);
+
+ protected:
+  void accept() override;
+
+ private:
+  // Model
+  QLineEdit* m_modelPath;
+  QComboBox* m_dtype;
+  QLabel* m_modelInfo;
+  bool m_modelOk = false;
+  // Data
+  QLineEdit* m_dataPath;
+  QComboBox* m_dataFormat;
+  QCheckBox* m_trainOnEverything;
+  QDoubleSpinBox* m_validationSplit;
+  QLabel* m_dataStats;
+  QTextEdit* m_dataPreview;
+  bool m_dataOk = false;
+  // Method
+  QRadioButton* m_lora;
+  QRadioButton* m_full;
+  QSpinBox* m_rank;
+  QDoubleSpinBox* m_alpha;
+  QList<QCheckBox*> m_targets;
+  // Hardware
+  QListWidget* m_devices;
+  QSpinBox* m_simDevices;
+  QLineEdit* m_memoryCap;
+  QLineEdit* m_hostMemory;
+  QLineEdit* m_nvmeDir;
+  // Training
+  QSpinBox* m_steps;
+  QDoubleSpinBox* m_epochs;
+  QLineEdit* m_lr;
+  QComboBox* m_schedule;
+  QSpinBox* m_warmup;
+  QSpinBox* m_seqLen;
+  QSpinBox* m_batchRows;
+  QSpinBox* m_gradAccum;
+  QSpinBox* m_checkpointEvery;
+  QSpinBox* m_evalEvery;
+  QSpinBox* m_sampleEvery;
+  QPlainTextEdit* m_prompts;
+  QLineEdit* m_runDir;
+  // Review
+  QLabel* m_verdict;
+  QTableWidget* m_planDevices;
+  QLabel* m_speed;
+  QLabel* m_problems;
+  QLineEdit* m_command;
+  QJsonObject m_plan;
+
+  friend class WizardPageHook;
+};
+
+}  // namespace rondo::gui

@@ -1,0 +1,185 @@
+// Every wizard page and the monitor, rendered offscreen to PNG in the build folder (wizard_*.png,
+// monitor.png), with checks that they show something: labels filled from the real rondo CLI, the
+// chart has points, the timeline has bars. Also: a folder that is not a run, and a child that
+// fails before its run starts (its error and last log lines are shown).
+#include <QCheckBox>
+#include <QComboBox>
+#include <QLabel>
+#include <QLineEdit>
+#include <QLineSeries>
+#include <QListWidget>
+#include <QPlainTextEdit>
+#include <QProcess>
+#include <QSpinBox>
+#include <QTableWidget>
+#include <QTest>
+#include <QTextEdit>
+
+#include "gui/app/monitor.h"
+#include "gui/app/rondo_cli.h"
+#include "gui/app/timeline_view.h"
+#include "gui/app/wizard.h"
+#include "gui/model/run_state.h"
+#include "test_support.h"
+
+using namespace rondo::gui;
+
+class Screens : public QObject {
+  Q_OBJECT
+  QTemporaryDir m_tmp;
+  QString m_dir;
+
+ private slots:
+  void initTestCase() {
+    QVERIFY(m_tmp.isValid());
+    m_dir = m_tmp.path();
+    const QString error = test::writeFixture(m_dir);
+    QVERIFY2(error.isEmpty(), qPrintable(error));
+  }
+
+  void wizardPages() {
+    SetupWizard w;
+    w.resize(900, 720);
+    w.show();
+    QVERIFY(QTest::qWaitForWindowExposed(&w));
+
+    // Model: family, size and dtype from `rondo inspect --json`.
+    w.findChild<QLineEdit*>("modelPath")->setText(m_dir + "/model");
+    w.refreshModel();
+    const QString info = w.findChild<QLabel*>("modelInfo")->text();
+    QVERIFY2(info.contains("llama") && info.contains("2 layers") && info.contains("F32"),
+             qPrintable(info));
+    QVERIFY(w.currentPage()->isComplete());
+    QImage img = test::screenshot(&w, "wizard_1_model");
+    QVERIFY(test::colours(img) > 8);
+
+    // Data: the detected format, statistics, one example with trained and masked text.
+    w.next();
+    w.findChild<QLineEdit*>("dataPath")->setText(m_dir + "/chat.jsonl");
+    w.refreshData();
+    const QString stats = w.findChild<QLabel*>("dataStats")->text();
+    QVERIFY2(stats.contains("chat") && stats.contains("10 examples"), qPrintable(stats));
+    const QString preview = w.findChild<QTextEdit*>("dataPreview")->toHtml();
+    QVERIFY2(preview.contains("#1b7f3b") && preview.contains("#8a8a8a"), qPrintable(preview));
+    QVERIFY2(preview.contains("hello there"), qPrintable(preview));
+    QVERIFY(w.currentPage()->isComplete());
+    img = test::screenshot(&w, "wizard_2_data");
+    QVERIFY(test::colours(img) > 8);
+
+    // Method.
+    w.next();
+    w.findChild<QSpinBox*>("loraRank")->setValue(4);
+    img = test::screenshot(&w, "wizard_3_method");
+    QVERIFY(test::colours(img) > 8);
+
+    // Hardware: the devices rondo found (here the CPU, or simulated GPUs on request).
+    w.next();
+    QVERIFY(w.findChild<QListWidget*>("devices")->count() > 0);
+    w.findChild<QSpinBox*>("simDevices")->setValue(2);
+    img = test::screenshot(&w, "wizard_4_hardware");
+    QVERIFY(test::colours(img) > 8);
+
+    // Training.
+    w.next();
+    w.findChild<QSpinBox*>("steps")->setValue(6);
+    w.findChild<QSpinBox*>("seqLen")->setValue(64);
+    w.findChild<QLineEdit*>("lr")->setText("0.01");
+    w.findChild<QLineEdit*>("runDir")->setText(m_dir + "/wizard-run");
+    QVERIFY(w.currentPage()->isComplete());
+    img = test::screenshot(&w, "wizard_5_training");
+    QVERIFY(test::colours(img) > 8);
+
+    // Review: `rondo plan --json`'s verdict per device, speed and time, the command.
+    w.next();
+    QCOMPARE(w.findChild<QLabel*>("planVerdict")->text(), QString("fits"));
+    QCOMPARE(w.findChild<QTableWidget*>("planDevices")->rowCount(), 2);
+    QVERIFY(w.findChild<QLabel*>("planSpeed")->text().contains("tokens/s"));
+    QVERIFY(w.findChild<QLineEdit*>("cliCommand")
+                ->text()
+                .endsWith("train " + m_dir + "/wizard-run.toml"));
+    QCOMPARE(w.planResult()["steps"].toInt(), 6);
+    img = test::screenshot(&w, "wizard_6_review");
+    QVERIFY(test::colours(img) > 8);
+
+    // A run the plan cannot fit says so, with what to change.
+    w.back();
+    w.back();
+    w.findChild<QLineEdit*>("hostMemory")->setText("64KB");
+    w.next();
+    w.next();
+    QCOMPARE(w.findChild<QLabel*>("planVerdict")->text(), QString("does not fit"));
+    const QString problems = w.findChild<QLabel*>("planProblems")->text();
+    QVERIFY2(problems.contains("host memory: the run needs about"), qPrintable(problems));
+    test::screenshot(&w, "wizard_6_review_does_not_fit");
+  }
+
+  void monitorOfARecordedRun() {
+    // A real run, recorded: 2 simulated devices (spans on both), validation and samples.
+    const QString run = m_dir + "/recorded";
+    QFile cfg(m_dir + "/recorded.toml");
+    QVERIFY(cfg.open(QIODevice::WriteOnly));
+    cfg.write(QString("[model]\npath = \"%1/model\"\ndtype = \"fp32\"\n[data]\ntrain = "
+                      "\"%1/chat.jsonl\"\nseq_len = 64\nvalidation_split = 0.2\n[lora]\nrank = "
+                      "4\n[training]\nsteps = 12\nbatch_rows = 2\ngrad_accum = 2\nlr = 0.01\n"
+                      "[eval]\nevery = 4\nsample_every = 6\nprompts = [\"sky?\"]\n"
+                      "sample_tokens = 8\n[hardware]\nsim_devices = 2\n[output]\nrun_dir = "
+                      "\"%2\"\n")
+                  .arg(m_dir, run)
+                  .toUtf8());
+    cfg.close();
+    CliResult r = RondoCli::run({"train", cfg.fileName()});
+    QVERIFY2(r.ok(), qPrintable(r.error));
+
+    MonitorWidget m;
+    m.resize(1100, 860);
+    QString error;
+    QVERIFY2(m.attach(run, &error), qPrintable(error));
+    m.show();
+    QVERIFY(QTest::qWaitForWindowExposed(&m));
+    QTRY_COMPARE(m.state()->status(), QString("completed"));
+    m.refresh();
+    QImage img = test::screenshot(&m, "monitor");
+    QVERIFY(test::colours(img) > 30);
+    QCOMPARE(m.lossSeries()->count(), 12);
+    QVERIFY(m.evalSeries()->count() >= 3);  // steps 0, 4, 8, 12
+    QVERIFY(m.timelineView()->barsDrawn() > 0);
+    QCOMPARE(m.state()->timeline()->deviceCount(), 2);
+    QImage timeline = m.timelineView()->grab().toImage();
+    QVERIFY(test::colours(timeline) > 4);
+    QVERIFY2(m.statusText().contains("completed — step 12/12"), qPrintable(m.statusText()));
+    QVERIFY(m.state()->samples()->rowCount() >= 2);  // steps 0, 6, 12
+  }
+
+  void aFolderThatIsNotARunSaysSo() {
+    MonitorWidget m;
+    QString error;
+    QVERIFY(!m.attach(m_dir + "/model", &error));
+    QVERIFY2(error.contains(m_dir + "/model") && error.contains("not a Rondo run"),
+             qPrintable(error));
+  }
+
+  void aFailedChildShowsItsErrorAndLastLines() {
+    QFile cfg(m_dir + "/broken.toml");
+    QVERIFY(cfg.open(QIODevice::WriteOnly));
+    cfg.write(
+        QString("[model]\npath = \"%1/model\"\n[data]\nseq_len = 64\ntrain = \"%1/missing.jsonl\"\n"
+                "[output]\nrun_dir = \"%1/broken-run\"\n")
+            .arg(m_dir)
+            .toUtf8());
+    cfg.close();
+    MonitorWidget m;
+    m.resize(900, 700);
+    QString error;
+    QVERIFY2(m.launch(cfg.fileName(), m_dir + "/broken-run", &error), qPrintable(error));
+    QTRY_VERIFY_WITH_TIMEOUT(!m.childRunning(), 60000);
+    QLabel* banner = m.findChild<QLabel*>("errorBanner");
+    QTRY_VERIFY(!banner->isHidden());
+    QVERIFY2(banner->text().contains("missing.jsonl"), qPrintable(banner->text()));
+    QCOMPARE(m.state()->status(), QString("empty"));  // it failed before its run started
+    QVERIFY2(m.statusText().startsWith("failed"), qPrintable(m.statusText()));
+    test::screenshot(&m, "monitor_failed");
+  }
+};
+
+QTEST_MAIN(Screens)
+#include "screens_test.moc"
