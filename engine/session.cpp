@@ -136,7 +136,8 @@ struct Session::Impl {
   std::string fingerprint;
   std::atomic<bool> stop{false};
   std::mutex engine_mu;
-  Engine* engine = nullptr;  // while run() trains
+  Engine* engine = nullptr;     // while run() trains
+  std::string from_checkpoint;  // resuming: the checkpoint it continues from
 
   void log(const std::string& line) const {
     if (o.log) o.log(line);
@@ -193,6 +194,11 @@ struct Session::Impl {
                 : std::max<std::int64_t>(
                       1, static_cast<std::int64_t>(std::ceil(
                              c.training.epochs * static_cast<double>(batcher->steps_per_epoch()))));
+    if (c.training.warmup_steps > steps)
+      throw Error(
+          fmt::format("training.warmup_steps: {} is more than the run's {} steps (from "
+                      "training.epochs = {}); lower it",
+                      c.training.warmup_steps, steps, c.training.epochs));
     fingerprint = data_fingerprint(train, batching);
 
     DeviceSelection sel;
@@ -309,11 +315,13 @@ struct Session::Impl {
     std::int64_t resumed_from = 0;
     if (o.resume) {
       std::vector<CheckpointInfo> ckpts = list_checkpoints(dir.string());
-      if (ckpts.empty())
-        throw Error(dir.string() +
-                    "/checkpoints: no complete checkpoint to resume from (the run stopped before "
-                    "its first one); start the run again without --resume");
-      resumed_from = ckpts.back().step;
+      if (ckpts.empty()) {
+        log("No complete checkpoint in " + (dir / "checkpoints").string() +
+            " (the run stopped before its first one): starting again from step 0");
+      } else {
+        resumed_from = ckpts.back().step;
+        from_checkpoint = ckpts.back().path;
+      }
     }
     std::error_code ec;
     fs::create_directories(dir / "checkpoints", ec);
@@ -372,16 +380,11 @@ struct Session::Impl {
 
     EngineState state;
     SessionResult result;
-    if (o.resume) {
-      std::vector<CheckpointInfo> ckpts = list_checkpoints(run_dir().string());
-      if (ckpts.empty())
-        throw Error(run_dir().string() +
-                    "/checkpoints: no complete checkpoint to resume from (the run stopped before "
-                    "its first one); start the run again without --resume");
-      const CheckpointInfo& last = ckpts.back();
-      nlohmann::json meta = read_checkpoint(last.path, store, specs);
+    if (!from_checkpoint.empty()) {
+      const std::string& path = from_checkpoint;
+      nlohmann::json meta = read_checkpoint(path, store, specs);
       if (meta.value("data_fingerprint", "") != fingerprint)
-        throw Error(last.path +
+        throw Error(path +
                     ": the training data or its batching changed since this "
                     "checkpoint (" +
                     c.data.train + "); an exact resume needs the same data and settings");
@@ -389,8 +392,8 @@ struct Session::Impl {
                .optimizer_step = meta.at("optimizer_step").get<std::int64_t>(),
                .loss_scale = meta.at("loss_scale").get<double>(),
                .good_steps = meta.at("good_steps").get<int>()};
-      result.checkpoint = last.path;
-      log(fmt::format("Resuming from {} (step {} of {})", last.path, state.steps_done, steps));
+      result.checkpoint = path;
+      log(fmt::format("Resuming from {} (step {} of {})", path, state.steps_done, steps));
     }
 
     std::vector<std::unique_ptr<kernels::Device>> devs = open_devices(devices);
@@ -416,7 +419,7 @@ struct Session::Impl {
     eo.events = &sink;
     eo.plan_inputs = &est.inputs;
     Engine eng(summary.config, specs, store, arena, raw, est.plan, eo);
-    if (o.resume) eng.restore(state);
+    if (!from_checkpoint.empty()) eng.restore(state);
     {
       std::lock_guard<std::mutex> lock(engine_mu);
       engine = &eng;
@@ -464,7 +467,20 @@ struct Session::Impl {
       sink.emit(EvalEvent{.step = step, .loss = loss, .tokens = n});
       log(fmt::format("Validation loss {:.4f} at step {} ({} tokens)", loss, step, n));
     };
+    // Samples run on the CPU from an fp32 copy of the model with the adapters merged: fine for
+    // small models, not for one that would take a large share of host memory (then a warning).
+    const bool can_sample = static_cast<std::uint64_t>(est.params) * 4 <= est.host_available / 4;
+    bool warned_sampling = false;
     auto sample = [&](std::int64_t step) {
+      if (!can_sample) {
+        if (!warned_sampling)
+          sink.warning(fmt::format(
+              "samples skipped: generating them needs an fp32 copy of the model ({}), more than "
+              "a quarter of the host memory available; set eval.sample_every = 0",
+              format_bytes(static_cast<std::uint64_t>(est.params) * 4)));
+        warned_sampling = true;
+        return;
+      }
       for (auto& [prompt, text] : samples(store, specs)) {
         sink.emit(SampleEvent{.step = step, .prompt = prompt, .text = text});
         log(fmt::format("Sample at step {}:\n  > {}\n  {}", step, prompt, text));
@@ -472,8 +488,8 @@ struct Session::Impl {
     };
 
     std::int64_t s = state.steps_done;
-    if (!o.resume && c.eval.sample_every > 0) sample(0);
-    if (!o.resume && c.eval.every > 0 && val_batcher) evaluate(0);
+    if (s == 0 && c.eval.sample_every > 0) sample(0);
+    if (s == 0 && c.eval.every > 0 && val_batcher) evaluate(0);
     double mean_step_s = 0;
     std::int64_t timed = 0;
     auto on_step = [&](const StepResult& r) {

@@ -82,6 +82,9 @@ std::vector<std::string> TrainConfig::validate() const {
                                      " > " + str(training.steps) + ")");
   if (!(training.min_lr_ratio >= 0 && training.min_lr_ratio <= 1))
     add("training.min_lr_ratio", "must be in [0, 1] (got " + str(training.min_lr_ratio) + ")");
+  else if (training.min_lr_ratio > 0 && training.schedule != "cosine")
+    add("training.min_lr_ratio",
+        "applies to the cosine schedule only (training.schedule is '" + training.schedule + "')");
   if (!(training.weight_decay >= 0 && training.weight_decay < 10))
     add("training.weight_decay", "must be in [0, 10) (got " + str(training.weight_decay) + ")");
   if (!(training.beta1 >= 0 && training.beta1 < 1))

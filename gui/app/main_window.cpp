@@ -31,6 +31,13 @@ MainWindow::MainWindow(QWidget* parent) : QMainWindow(parent) {
     QString error;
     if (!openRun(dir, &error)) QMessageBox::warning(this, "Not a run folder", error);
   });
+  file->addAction("&Resume a stopped run…", this, [this] {
+    const QString dir = QFileDialog::getExistingDirectory(this, "Resume a run folder");
+    if (dir.isEmpty()) return;
+    m_stack->setCurrentWidget(m_monitor);
+    QString error;
+    if (!m_monitor->launch({}, dir, &error)) QMessageBox::critical(this, "Cannot resume", error);
+  });
   file->addSeparator();
   file->addAction("&Quit", this, &QWidget::close);
 

@@ -20,6 +20,7 @@
 #include <cmath>
 #include <csignal>
 
+#include "gui/app/format.h"
 #include "gui/app/rondo_cli.h"
 #include "gui/app/timeline_view.h"
 #include "gui/model/event_tail.h"
@@ -29,13 +30,6 @@
 
 namespace rondo::gui {
 namespace {
-
-QString bytesText(double b) {
-  if (b >= 1024.0 * 1024 * 1024)
-    return QString::number(b / (1024.0 * 1024 * 1024), 'f', 2) + " GiB";
-  if (b >= 1024.0 * 1024) return QString::number(b / (1024.0 * 1024), 'f', 1) + " MiB";
-  return QString::number(b / 1024.0, 'f', 1) + " KiB";
-}
 
 QString num(double v, int prec = 4) {
   return std::isfinite(v) ? QString::number(v, 'g', prec) : QStringLiteral("–");

@@ -25,6 +25,7 @@
 #include <QVBoxLayout>
 #include <functional>
 
+#include "gui/app/format.h"
 #include "gui/app/rondo_cli.h"
 
 namespace rondo::gui {
@@ -62,19 +63,6 @@ QString list(const QStringList& items) {
   for (const QString& s : items)
     q << quoted(s);
   return "[" + q.join(", ") + "]";
-}
-
-QString bytesText(double b) {
-  if (b >= 1024.0 * 1024 * 1024)
-    return QString::number(b / (1024.0 * 1024 * 1024), 'f', 2) + " GiB";
-  if (b >= 1024.0 * 1024) return QString::number(b / (1024.0 * 1024), 'f', 1) + " MiB";
-  return QString::number(b / 1024.0, 'f', 1) + " KiB";
-}
-
-QString durationText(double s) {
-  if (s < 90) return QString::number(s, 'f', 0) + " s";
-  if (s < 5400) return QString::number(s / 60, 'f', 0) + " min";
-  return QString::number(s / 3600, 'f', 1) + " h";
 }
 
 QString fmtNumber(double v) {

@@ -8,30 +8,15 @@
 #include <string>
 
 #include "kernels/cuda/cuda_device.h"
+#include "run_rondo.h"
 
 namespace {
 
-struct Result {
-  int code;
-  std::string out;  // stdout and stderr
-};
+using rondo::test::contains;
+using rondo::test::Result;
 
 Result run(const std::string& args) {
-  std::string cmd = std::string(RONDO_BIN) + " " + args + " 2>&1";
-  FILE* pipe = popen(cmd.c_str(), "r");
-  EXPECT_NE(pipe, nullptr);
-  Result r{-1, {}};
-  std::array<char, 4096> buf;
-  std::size_t n;
-  while ((n = std::fread(buf.data(), 1, buf.size(), pipe)) > 0)
-    r.out.append(buf.data(), n);
-  int status = pclose(pipe);
-  r.code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-  return r;
-}
-
-bool contains(const std::string& s, const std::string& what) {
-  return s.find(what) != std::string::npos;
+  return rondo::test::run_rondo(args);
 }
 
 TEST(Cli, VersionNamesRondoAndTorch) {

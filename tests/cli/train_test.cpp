@@ -6,6 +6,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <array>
 #include <chrono>
 #include <cmath>
@@ -21,34 +22,16 @@
 
 #include "../support/tiny_model_folder.h"
 #include "models/chat_template.h"
+#include "run_rondo.h"
 
 namespace fs = std::filesystem;
 using nlohmann::json;
 
 namespace {
 
-struct Result {
-  int code;
-  std::string out;  // stdout and stderr
-};
-
-Result run_rondo(const std::string& args, const std::string& env = "") {
-  std::string cmd = env + " " + std::string(RONDO_BIN) + " " + args + " 2>&1";
-  FILE* pipe = popen(cmd.c_str(), "r");
-  EXPECT_NE(pipe, nullptr);
-  Result r{-1, {}};
-  std::array<char, 4096> buf;
-  std::size_t n;
-  while ((n = std::fread(buf.data(), 1, buf.size(), pipe)) > 0)
-    r.out.append(buf.data(), n);
-  int status = pclose(pipe);
-  r.code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-  return r;
-}
-
-bool contains(const std::string& s, const std::string& what) {
-  return s.find(what) != std::string::npos;
-}
+using rondo::test::contains;
+using rondo::test::Result;
+using rondo::test::run_rondo;
 
 std::string slurp(const fs::path& p) {
   std::ifstream f(p, std::ios::binary);
@@ -112,8 +95,8 @@ struct Fixture : ::testing::Test {
   std::string config(const std::string& run, const std::string& extra = "",
                      const std::string& dtype = "fp32") const {
     return "[model]\npath = \"" + model.string() + "\"\ndtype = \"" + dtype + "\"\n" +
-           "[data]\ntrain = \"" +
-           data.string() + "\"\nseq_len = 64\n" + "[lora]\nrank = 4\nalpha = 8\n" +
+           "[data]\ntrain = \"" + data.string() + "\"\nseq_len = 64\n" +
+           "[lora]\nrank = 4\nalpha = 8\n" +
            "[training]\nsteps = 12\nbatch_rows = 2\ngrad_accum = 2\nlr = 1e-2\nseed = 3\n"
            "warmup_steps = 2\n" +
            "[checkpoint]\nevery = 3\nkeep = 0\n" + "[hardware]\nsim_devices = 2\n" +
@@ -371,21 +354,44 @@ TEST_F(TrainCli, CtrlCFinishesTheStepCheckpointsAndResumesExactly) {
               slurp(dir / "b" / "adapter" / "adapter_model.safetensors"));
 }
 
+TEST_F(TrainCli, AResumeBeforeTheFirstCheckpointStartsAgain) {
+  write(dir / "a.toml", config("a"));
+  Result r = run_rondo("train " + (dir / "a.toml").string());
+  ASSERT_EQ(r.code, 0) << r.out;
+  write(dir / "b.toml", config("b"));
+  pid_t pid = spawn({"train", (dir / "b.toml").string()}, dir / "b.log",
+                    {{"RONDO_FAULT_KILL_AFTER_STEP", "2"}});  // the first checkpoint is at 3
+  ASSERT_EQ(wait_for(pid), 128 + SIGKILL) << slurp(dir / "b.log");
+  r = run_rondo("train --resume " + (dir / "b").string());
+  ASSERT_EQ(r.code, 0) << r.out;
+  EXPECT_TRUE(contains(r.out, "starting again from step 0")) << r.out;
+  EXPECT_EQ(step_losses(dir / "b" / "events.jsonl"), step_losses(dir / "a" / "events.jsonl"));
+  EXPECT_TRUE(slurp(dir / "a" / "adapter" / "adapter_model.safetensors") ==
+              slurp(dir / "b" / "adapter" / "adapter_model.safetensors"));
+}
+
 TEST_F(TrainCli, ASecondCtrlCExitsAtOnce) {
+  // Long steps (64 rows of 512 tokens), so that the second Ctrl-C lands inside the step the first
+  // one lets finish. Two signals sent at once would merge into one: the second waits until the
+  // first was handled.
   write(dir / "c.toml", config("run"));
-  pid_t pid = spawn({"train", (dir / "c.toml").string(), "--set", "training.steps=100000"},
+  pid_t pid = spawn({"train", (dir / "c.toml").string(), "--set", "training.steps=100000", "--set",
+                     "data.seq_len=512", "--set", "training.batch_rows=64"},
                     dir / "log");
   const auto t0 = std::chrono::steady_clock::now();
   while (step_losses(dir / "run" / "events.jsonl").empty() &&
          std::chrono::steady_clock::now() - t0 < std::chrono::seconds(60))
     std::this_thread::sleep_for(std::chrono::milliseconds(2));
   ::kill(pid, SIGINT);
+  while (!contains(slurp(dir / "log"), "Ctrl-C again to exit at once") &&
+         std::chrono::steady_clock::now() - t0 < std::chrono::seconds(60))
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
   ::kill(pid, SIGINT);
   ASSERT_EQ(wait_for(pid), 130) << slurp(dir / "log");
-  // It did not wait to finish a step and write the run's end.
+  // It did not wait to finish the step and write the run's end.
   std::vector<json> ev = events(dir / "run" / "events.jsonl");
   ASSERT_FALSE(ev.empty());
-  EXPECT_NE(ev.back()["type"], "run_end");
+  EXPECT_NE(ev.back()["type"], "run_end") << slurp(dir / "log");
 }
 
 TEST_F(TrainCli, ResumeAndExportNameWhatIsMissing) {
@@ -494,4 +500,23 @@ TEST_F(TrainCli, PlanJsonGivesTheVerdictAndTheFigures) {
   EXPECT_EQ(j["verdict"], "does not fit");
   ASSERT_EQ(j["problems"].size(), 1u);
   EXPECT_TRUE(contains(j["problems"][0], "host memory")) << r.out;
+}
+
+TEST_F(TrainCli, EventsGoToStdoutWithEventsDash) {
+  write(dir / "c.toml", config("run"));
+  const Result r =
+      run_rondo("train " + (dir / "c.toml").string() + " --set training.steps=3 --events -",
+                /*with_stderr=*/false);
+  ASSERT_EQ(r.code, 0) << r.out;
+  const std::string out = r.out;
+  std::istringstream lines(out);
+  std::string line;
+  std::vector<std::string> types;
+  while (std::getline(lines, line))
+    types.push_back(json::parse(line)["type"]);  // every stdout line is an event
+  ASSERT_FALSE(types.empty());
+  EXPECT_EQ(types.front(), "run_start");
+  EXPECT_EQ(std::count(types.begin(), types.end(), "step"), 3);
+  EXPECT_EQ(types.back(), "run_end");
+  EXPECT_FALSE(fs::exists(dir / "run" / "events.jsonl"));
 }
