@@ -306,11 +306,17 @@ ConfigFile read_config_text(const std::string& text, const std::string& source,
       parsed = toml::table{{"v", value}};
     set(key, *parsed.get("v"), "--set " + o);
   }
-  if (!problems.empty())
-    throw Error(join_problems(fmt::format("{}: {} problem{}:", source.empty() ? "config" : source,
-                                          problems.size(), problems.size() == 1 ? "" : "s"),
-                              problems));
+  out.problems = std::move(problems);
   return out;
+}
+
+void ConfigFile::check() const {
+  std::vector<std::string> all = problems;
+  for (std::string& p : locate(config.validate()))
+    all.push_back(std::move(p));
+  if (!all.empty())
+    throw Error(join_problems(
+        fmt::format("The config has {} problem{}:", all.size(), all.size() == 1 ? "" : "s"), all));
 }
 
 ConfigFile read_config(const std::string& path, const std::vector<std::string>& overrides) {

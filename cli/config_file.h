@@ -5,7 +5,7 @@
 // keeps, every field spelled out, so a run can be repeated or resumed from it alone.
 //
 //   cli::ConfigFile f = cli::read_config("train.toml", {"training.steps=100"});
-//   for (auto& p : f.problems(f.config.validate())) std::puts(p.c_str());
+//   f.check();  // every problem at once, each with file:line
 #pragma once
 
 #include <map>
@@ -20,11 +20,16 @@ struct ConfigFile {
   engine::TrainConfig config;
   // Where each field set explicitly came from: "train.toml:12" or "--set training.lr=1e-4".
   std::map<std::string, std::string> where;
+  // What reading found wrong (unknown keys, wrong types), each with its file:line or flag.
+  std::vector<std::string> problems;
   // Prefixes each problem "field: ..." with where that field was set, when known.
   std::vector<std::string> locate(const std::vector<std::string>& problems) const;
+  // Throws Error listing every problem at once: reading's and config.validate()'s.
+  void check() const;
 };
 
-// `path` "" = no file (defaults and overrides only). Throws Error listing every problem.
+// `path` "" = no file (defaults and overrides only). Throws Error for a file that cannot be read
+// or is not TOML (file:line:column); other problems go to ConfigFile::problems (see check()).
 ConfigFile read_config(const std::string& path, const std::vector<std::string>& overrides);
 ConfigFile read_config_text(const std::string& text, const std::string& source,
                             const std::vector<std::string>& overrides);

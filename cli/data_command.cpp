@@ -25,6 +25,9 @@ void add_data_options(CLI::App& cmd, DataOptions& o) {
   cmd.add_option("--example", o.example, "Which example to show (from 0)")
       ->capture_default_str()
       ->check(CLI::NonNegativeNumber);
+  cmd.add_option("--max-lines", o.max_lines,
+                 "Read only the first N lines (a quick look at a large file)")
+      ->check(CLI::NonNegativeNumber);
   cmd.add_flag("--json", o.json, "Print JSON (one object) instead of text");
 }
 
@@ -35,7 +38,8 @@ int run_data(const DataOptions& o) {
   engine::Dataset d = engine::load_jsonl(o.file, tok, tmpl,
                                          {.format = format,
                                           .skip_bad_lines = o.skip_bad_lines,
-                                          .train_on_everything = o.train_on_everything});
+                                          .train_on_everything = o.train_on_everything,
+                                          .max_lines = o.max_lines});
   if (o.example >= static_cast<long long>(d.examples.size()))
     throw Error(
         fmt::format("--example {}: {} has {} examples", o.example, o.file, d.examples.size()));
@@ -61,11 +65,13 @@ int run_data(const DataOptions& o) {
                         {"tokens", d.tokens()},
                         {"trained_tokens", d.trained_tokens()},
                         {"stats", d.stats_text()},
+                        {"partial", d.partial},
                         {"example", {{"index", o.example}, {"pieces", pieces}}}};
     fmt::print("{}\n", j.dump(2));
     return 0;
   }
-  fmt::print("{}\n\nExample {} (trained text {}):\n", d.stats_text(), o.example,
+  fmt::print("{}{}\n\nExample {} (trained text {}):\n", d.stats_text(),
+             d.partial ? fmt::format(" (the first {} lines only)", o.max_lines) : "", o.example,
              ::isatty(STDOUT_FILENO) ? "in green" : "between [[ and ]]");
   for (const auto& p : pieces) {
     const std::string text = p["text"];

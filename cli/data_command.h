@@ -18,7 +18,8 @@ struct DataOptions {
   std::string chat_format;
   bool train_on_everything = false;
   bool skip_bad_lines = false;
-  long long example = 0;  // which example to show (0-based)
+  long long example = 0;    // which example to show (0-based)
+  long long max_lines = 0;  // > 0: read only this many lines (a quick preview of a large file)
   bool json = false;
 };
 

@@ -4,6 +4,7 @@
 #include <unistd.h>
 #include <CLI/CLI.hpp>
 
+#include <fcntl.h>
 #include <atomic>
 #include <cerrno>
 #include <csignal>
@@ -11,6 +12,7 @@
 #include <cstdlib>
 #include <ctime>
 #include <filesystem>
+#include <mutex>
 #include <thread>
 
 #include "cli/config_file.h"
@@ -41,45 +43,73 @@ int g_pipe[2] = {-1, -1};
 std::atomic<int> g_interrupts{0};
 
 extern "C" void on_sigint(int) {
+  const int saved = errno;
   if (g_interrupts.fetch_add(1) >= 1) _exit(130);
   const char b = 1;
   [[maybe_unused]] ssize_t n = ::write(g_pipe[1], &b, 1);
+  errno = saved;
 }
 
+// Installed before the session is built (so a Ctrl-C while data loads is a stop, not a kill);
+// the session is attached once it exists. A stop asked before that is remembered.
 class InterruptWatch {
  public:
-  explicit InterruptWatch(engine::Session& session) {
-    if (::pipe(g_pipe) != 0) throw Error(std::string("pipe: ") + std::strerror(errno));
-    struct sigaction sa {};
-    sa.sa_handler = on_sigint;
-    sigemptyset(&sa.sa_mask);
-    ::sigaction(SIGINT, &sa, &old_);
-    ::sigaction(SIGTERM, &sa, &old_term_);
-    thread_ = std::thread([&session] {
+  InterruptWatch() {
+    if (::pipe2(g_pipe, O_CLOEXEC) != 0) throw Error(std::string("pipe: ") + std::strerror(errno));
+    thread_ = std::thread([this] {
       char b = 0;
-      while (::read(g_pipe[0], &b, 1) == 1 && b == 1) {
+      for (;;) {
+        const ssize_t n = ::read(g_pipe[0], &b, 1);
+        if (n < 0 && errno == EINTR) continue;
+        if (n != 1 || b != 1) return;
         std::fputs(
             "\nrondo: stopping after the steps under way, then writing a checkpoint "
             "(Ctrl-C again to exit at once)\n",
             stderr);
-        session.request_stop();
+        std::lock_guard<std::mutex> lock(mu_);
+        requested_ = true;
+        if (session_) session_->request_stop();
       }
     });
+    struct sigaction sa {};
+    sa.sa_handler = on_sigint;
+    sa.sa_flags = SA_RESTART;
+    sigemptyset(&sa.sa_mask);
+    if (::sigaction(SIGINT, &sa, &old_) != 0 || ::sigaction(SIGTERM, &sa, &old_term_) != 0) {
+      const int e = errno;
+      stop_thread();
+      throw Error(std::string("sigaction: ") + std::strerror(e));
+    }
   }
   ~InterruptWatch() {
-    const char b = 0;
-    [[maybe_unused]] ssize_t n = ::write(g_pipe[1], &b, 1);
-    thread_.join();
     ::sigaction(SIGINT, &old_, nullptr);
     ::sigaction(SIGTERM, &old_term_, nullptr);
-    ::close(g_pipe[0]);
-    ::close(g_pipe[1]);
+    stop_thread();
+  }
+  void attach(engine::Session* session) {
+    std::lock_guard<std::mutex> lock(mu_);
+    session_ = session;
+    if (session_ && requested_) session_->request_stop();
+  }
+  bool requested() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return requested_;
   }
 
  private:
+  void stop_thread() {
+    const char b = 0;
+    [[maybe_unused]] ssize_t n = ::write(g_pipe[1], &b, 1);
+    thread_.join();
+    ::close(g_pipe[0]);
+    ::close(g_pipe[1]);
+  }
   struct sigaction old_ {
   }, old_term_{};
   std::thread thread_;
+  std::mutex mu_;
+  bool requested_ = false;
+  engine::Session* session_ = nullptr;
 };
 
 std::string eta_text(double s) {
@@ -148,11 +178,7 @@ ConfigFile resolve(const TrainOptions& o) {
   ConfigFile f = read_config(o.config, overrides_of(o));
   if (f.config.output.run_dir.empty() && !f.config.model.path.empty())
     f.config.output.run_dir = default_run_dir(f.config.model.path);
-  std::vector<std::string> problems = f.locate(f.config.validate());
-  if (!problems.empty())
-    throw Error(join_problems(fmt::format("The config has {} problem{}:", problems.size(),
-                                          problems.size() == 1 ? "" : "s"),
-                              problems));
+  f.check();
   return f;
 }
 
@@ -164,22 +190,27 @@ int train_with(const engine::TrainConfig& config, const std::string& config_toml
                             .events = events,
                             .log = [&](const std::string& l) { progress.log(l); },
                             .on_step = [&](const engine::StepEvent& e) { progress.step(e); }};
+  InterruptWatch watch;
   engine::Session session(config, so);
   progress.log(session.describe());
   if (dry_run) {
     std::fputs(config_toml.c_str(), stdout);
     return 0;
   }
-  engine::SessionResult r;
-  {
-    InterruptWatch watch(session);
-    try {
-      r = session.run();
-    } catch (...) {
-      progress.done();
-      throw;
-    }
+  if (watch.requested()) {
+    progress.log("Stopped before training started; nothing was written");
+    return 130;
   }
+  watch.attach(&session);
+  engine::SessionResult r;
+  try {
+    r = session.run();
+  } catch (...) {
+    progress.done();
+    watch.attach(nullptr);
+    throw;
+  }
+  watch.attach(nullptr);
   progress.done();
   if (r.status == "stopped") return 130;
   progress.log(fmt::format("Done: {} steps, last loss {:.4f}; run folder {}{}", r.steps,
@@ -273,8 +304,7 @@ int run_train(const TrainOptions& o) {
     if (!fs::exists(path))
       throw Error(o.resume + ": not a run folder (no config.toml); nothing to resume");
     ConfigFile f = read_config(path, {});
-    std::vector<std::string> problems = f.locate(f.config.validate());
-    if (!problems.empty()) throw Error(join_problems("The run's config has problems:", problems));
+    f.check();
     f.config.output.run_dir = o.resume;  // the folder may have moved
     return train_with(f.config, to_toml(f.config), true, o.events, o.dry_run);
   }
@@ -297,7 +327,9 @@ int run_export(const ExportOptions& o) {
   const fs::path run(o.run);
   const std::string cfg = (run / "config.toml").string();
   if (!fs::exists(cfg)) throw Error(o.run + ": not a run folder (no config.toml)");
-  const engine::TrainConfig c = read_config(cfg, {}).config;
+  const ConfigFile f = read_config(cfg, {});
+  f.check();
+  const engine::TrainConfig& c = f.config;
   std::vector<engine::CheckpointInfo> all = engine::list_checkpoints(o.run);
   std::string ckpt;
   std::int64_t step = -1;
@@ -341,13 +373,18 @@ int run_export(const ExportOptions& o) {
         models::add_lora(models::layer_specs(mc), c.lora_config());
     models::write_peft_adapter(out, specs, trained, c.lora_config(), c.model.path);
   } else {
-    models::Model base = models::Model::load(c.model.path, {});
+    // The base as the run streamed it (model.dtype), so that this equals the run's own export.
+    models::Model base = models::Model::load(
+        c.model.path,
+        {.dtype = c.model.dtype == "bf16" ? models::DType::kBF16 : models::DType::kF32});
     std::vector<models::LayerSpec> specs = base.layers();
     if (lora) specs = models::add_lora(specs, c.lora_config());
     std::map<std::string, at::Tensor> all = trained;
     for (const models::LayerSpec& l : specs)
       for (const models::ParamSpec& p : l.params)
-        if (!p.tied && !all.count(p.name)) all[p.name] = base.tensor(p.name);
+        if (!p.tied && !all.count(p.name))
+          all[p.name] =
+              c.model.dtype == "fp16" ? base.tensor(p.name).to(at::kHalf) : base.tensor(p.name);
     models::write_merged(out, specs, all, c.model.path,
                          c.model.dtype == "fp32" ? models::DType::kF32 : models::DType::kBF16);
   }

@@ -135,6 +135,10 @@ Dataset load_jsonl(const std::string& path, const models::Tokenizer& tokenizer,
   for (std::int64_t number = 1; std::getline(in, line); ++number) {
     if (!line.empty() && line.back() == '\r') line.pop_back();
     if (line.find_first_not_of(" \t") == std::string::npos) continue;
+    if (options.max_lines > 0 && d.lines == options.max_lines) {
+      d.partial = true;
+      break;
+    }
     ++d.lines;
     try {
       json j;

@@ -31,6 +31,7 @@ struct DataOptions {
   bool skip_bad_lines = false;       // count and skip them instead of stopping at the first
   bool train_on_everything = false;  // chat/alpaca: loss on prompts too
   bool add_eos = true;               // text: end each document with the tokenizer's EOS
+  std::int64_t max_lines = 0;        // > 0: stop after this many non-empty lines (a preview)
 };
 
 struct Example {
@@ -45,6 +46,7 @@ struct Dataset {
   std::int64_t lines = 0;                    // non-empty lines read
   std::int64_t skipped = 0;                  // bad lines skipped (skip_bad_lines)
   std::vector<std::string> skipped_reasons;  // the first few, "line 7: ..."
+  bool partial = false;                      // max_lines stopped the reading before the end
 
   std::int64_t tokens() const;
   std::int64_t trained_tokens() const;  // tokens under the loss mask

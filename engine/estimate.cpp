@@ -150,12 +150,23 @@ RunEstimate estimate_run(const TrainConfig& config, const models::ModelSummary& 
          .activation_bytes_per_token = specs[l].activation_bytes_per_token(wb),
          .output_bytes_per_token = C * wb});
   }
-  for (const kernels::DeviceInfo& d : devices.devices)
+  // Simulated GPUs and the CPU all compute on this machine's cores: one measurement for all, so
+  // that equal devices get equal speeds.
+  double cpu_flops = 0;
+  for (const kernels::DeviceInfo& d : devices.devices) {
+    double flops = 0;
+    if (devices.mode == DeviceMode::kCuda) {
+      flops = device_flops(d, devices.mode, config.model.dtype);
+    } else {
+      if (cpu_flops == 0) cpu_flops = device_flops(d, devices.mode, config.model.dtype);
+      flops = cpu_flops;
+    }
     e.inputs.devices.push_back(
-        {.speed = device_flops(d, devices.mode, config.model.dtype) / ref,
+        {.speed = flops / ref,
          .memory_cap = d.bytes_cap,
          .link_bytes_per_s = devices.mode == DeviceMode::kCuda ? 20e9 : d.link.bytes_per_s,
          .link_latency_s = devices.mode == DeviceMode::kCuda ? 10e-6 : d.link.latency_s});
+  }
   e.inputs.tokens_per_step = tokens_per_step;
   e.inputs.microbatches = M;
   e.inputs.one_step_stale = config.training.one_step_stale;

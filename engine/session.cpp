@@ -31,6 +31,7 @@
 #include "models/generate.h"
 #include "models/inspect.h"
 #include "models/lora.h"
+#include "models/mapped_file.h"
 #include "models/model.h"
 #include "models/model_files.h"
 #include "models/tokenizer.h"
@@ -45,10 +46,14 @@ namespace fs = std::filesystem;
 // (Batcher::step is a pure function of the data, the options and the step number — the
 // shuffling permutation of each epoch is drawn from (seed, epoch)), the learning rate (a pure
 // function of the step), and the dropout masks (drawn from (seed, step, microbatch) by a
-// counter-based hash, with no generator state). A checkpoint holds the first two; the rest is
-// recomputed from the config, which the run folder keeps, and a fingerprint of the tokenized data
-// guards against the data file changing in between. Checkpoints are only written between engine
-// segments, when no step is in flight.
+// counter-based hash, with no generator state) — and the plan: another partition or recompute
+// grain computes the same sums in another order (the fused tail runs under autograd, a separate
+// backward stage recomputes), so it rounds differently. A checkpoint holds the trained tensors,
+// the counters and the plan (the planner's inputs include a speed measured at start, so it is not
+// recomputed); the rest is recomputed from the config, which the run folder keeps, and a
+// fingerprint of the tokenized data guards against the data file changing in between. On other
+// hardware (another number of devices) the run goes on with a new plan and a warning. Checkpoints
+// are only written between engine segments, when no step is in flight.
 
 namespace rondo::engine {
 namespace {
@@ -79,6 +84,38 @@ void kill_self() {
   ::raise(SIGKILL);
 }
 
+nlohmann::json plan_json(const Plan& p, std::size_t devices) {
+  auto ranges = [](const std::vector<LayerRange>& rs) {
+    nlohmann::json a = nlohmann::json::array();
+    for (const LayerRange& r : rs)
+      a.push_back({r.begin, r.end});
+    return a;
+  };
+  return {{"forward", ranges(p.forward)},   {"tail", {p.tail.begin, p.tail.end}},
+          {"backward", ranges(p.backward)}, {"microbatches", p.microbatches},
+          {"grain", to_string(p.grain)},    {"devices", devices},
+          {"describe", p.describe()}};
+}
+
+// The plan a checkpoint was trained with; throws (nlohmann) on a malformed entry.
+Plan plan_from_json(const nlohmann::json& j) {
+  auto ranges = [](const nlohmann::json& a) {
+    std::vector<LayerRange> out;
+    for (const auto& r : a)
+      out.push_back({r.at(0).get<int>(), r.at(1).get<int>()});
+    return out;
+  };
+  Plan p;
+  p.forward = ranges(j.at("forward"));
+  p.tail = {j.at("tail").at(0).get<int>(), j.at("tail").at(1).get<int>()};
+  p.backward = ranges(j.at("backward"));
+  p.microbatches = j.at("microbatches").get<int>();
+  p.grain = j.at("grain").get<std::string>() == to_string(RecomputeGrain::kLayer)
+                ? RecomputeGrain::kLayer
+                : RecomputeGrain::kStage;
+  return p;
+}
+
 std::string data_fingerprint(const Dataset& d, const BatchingOptions& b) {
   std::uint64_t h = 0xcbf29ce484222325ull;
   for (const Example& e : d.examples) {
@@ -104,19 +141,6 @@ ScheduleKind schedule_kind(const std::string& s) {
   return s == "constant" ? ScheduleKind::kConstant
          : s == "linear" ? ScheduleKind::kLinear
                          : ScheduleKind::kCosine;
-}
-
-void write_file_atomically(const fs::path& path, const std::string& text) {
-  const fs::path tmp = path.string() + ".tmp";
-  {
-    std::ofstream f(tmp, std::ios::binary | std::ios::trunc);
-    f << text;
-    f.flush();
-    if (!f) throw Error(tmp.string() + ": cannot write: " + std::strerror(errno));
-  }
-  std::error_code ec;
-  fs::rename(tmp, path, ec);
-  if (ec) throw Error(path.string() + ": cannot write: " + ec.message());
 }
 
 }  // namespace
@@ -326,7 +350,7 @@ struct Session::Impl {
     std::error_code ec;
     fs::create_directories(dir / "checkpoints", ec);
     if (ec) throw Error(dir.string() + ": cannot create the run folder: " + ec.message());
-    if (!o.resume) write_file_atomically(dir / "config.toml", o.config_toml);
+    if (!o.resume) models::write_file_durably((dir / "config.toml").string(), o.config_toml);
     std::unique_ptr<EventSink> sink =
         EventSink::open(o.events.empty() ? (dir / "events.jsonl").string() : o.events);
     sink->emit(RunStartEvent{.run_dir = dir.string(),
@@ -380,18 +404,40 @@ struct Session::Impl {
 
     EngineState state;
     SessionResult result;
+    std::optional<Plan> resume_plan;
     if (!from_checkpoint.empty()) {
       const std::string& path = from_checkpoint;
       nlohmann::json meta = read_checkpoint(path, store, specs);
-      if (meta.value("data_fingerprint", "") != fingerprint)
-        throw Error(path +
-                    ": the training data or its batching changed since this "
-                    "checkpoint (" +
-                    c.data.train + "); an exact resume needs the same data and settings");
-      state = {.steps_done = meta.at("step").get<std::int64_t>(),
-               .optimizer_step = meta.at("optimizer_step").get<std::int64_t>(),
-               .loss_scale = meta.at("loss_scale").get<double>(),
-               .good_steps = meta.at("good_steps").get<int>()};
+      const std::string where = path + "/state.json";
+      try {
+        if (meta.value("data_fingerprint", "") != fingerprint)
+          throw Error(path + ": the training data or its batching changed since this checkpoint (" +
+                      c.data.train + "); an exact resume needs the same data and settings");
+        state = {.steps_done = meta.at("step").get<std::int64_t>(),
+                 .optimizer_step = meta.at("optimizer_step").get<std::int64_t>(),
+                 .loss_scale = meta.at("loss_scale").get<double>(),
+                 .good_steps = meta.at("good_steps").get<int>()};
+        // The plan it was trained with: another partition or recompute grain would round
+        // differently (Note [Exact resume]).
+        if (meta.contains("plan")) {
+          Plan saved = plan_from_json(meta.at("plan"));
+          const auto devices_then = meta.at("plan").at("devices").get<std::size_t>();
+          if (devices_then != devices.devices.size() ||
+              !saved.problems(static_cast<int>(specs.size())).empty()) {
+            const std::string why = fmt::format(
+                "{} was trained on {} devices with the plan {}; this machine has {} devices, so "
+                "the run goes on with a new plan ({}) and will not be bit-identical to an "
+                "uninterrupted one",
+                path, devices_then, saved.describe(), devices.devices.size(), est.plan.describe());
+            log("Warning: " + why);
+            sink.warning(why);
+          } else {
+            resume_plan = saved;
+          }
+        }
+      } catch (const nlohmann::json::exception& e) {
+        throw Error(where + ": " + e.what() + " — not a checkpoint this version of rondo wrote");
+      }
       result.checkpoint = path;
       log(fmt::format("Resuming from {} (step {} of {})", path, state.steps_done, steps));
     }
@@ -418,7 +464,7 @@ struct Session::Impl {
     eo.seed = c.training.seed;
     eo.events = &sink;
     eo.plan_inputs = &est.inputs;
-    Engine eng(summary.config, specs, store, arena, raw, est.plan, eo);
+    Engine eng(summary.config, specs, store, arena, raw, resume_plan ? *resume_plan : est.plan, eo);
     if (!from_checkpoint.empty()) eng.restore(state);
     {
       std::lock_guard<std::mutex> lock(engine_mu);
@@ -442,6 +488,7 @@ struct Session::Impl {
           {"loss_scale", st.loss_scale},
           {"good_steps", st.good_steps},
           {"steps_total", steps},
+          {"plan", plan_json(eng.plan(), devices.devices.size())},
           {"data_fingerprint", fingerprint},
           {"data_position", {{"epoch", pos.epoch}, {"row", pos.row}}},
           {"lr_next", step < steps ? schedule.at(step + 1) : 0.0},

@@ -9,28 +9,13 @@
 #include <nlohmann/json.hpp>
 
 #include "kernels/error.h"
+#include "models/mapped_file.h"
 #include "models/safetensors.h"
 #include "models/tensor_view.h"
 
 namespace rondo::models {
 namespace fs = std::filesystem;
 namespace {
-
-void write_text_atomically(const fs::path& path, const std::string& text) {
-  const fs::path tmp = path.string() + ".tmp";
-  {
-    std::ofstream f(tmp, std::ios::binary | std::ios::trunc);
-    f << text;
-    f.flush();
-    if (!f) throw Error("cannot write " + tmp.string());
-  }
-  if (std::FILE* f = std::fopen(tmp.c_str(), "rb")) {  // fsync before the rename
-    fflush(f);
-    fsync(fileno(f));
-    std::fclose(f);
-  }
-  fs::rename(tmp, path);
-}
 
 void make_dir(const std::string& dir) {
   std::error_code ec;
@@ -72,7 +57,7 @@ void write_peft_adapter(const std::string& dir, const std::vector<LayerSpec>& sp
                            {"init_lora_weights", true},
                            {"inference_mode", true},
                            {"modules_to_save", nullptr}};
-  write_text_atomically(fs::path(dir) / "adapter_config.json", config.dump(2) + "\n");
+  write_file_durably((fs::path(dir) / "adapter_config.json").string(), config.dump(2) + "\n");
 }
 
 void write_merged(const std::string& dir, const std::vector<LayerSpec>& specs,
@@ -101,7 +86,7 @@ void write_merged(const std::string& dir, const std::vector<LayerSpec>& specs,
                                                 : "float32";
       text = j.dump(2) + "\n";
     }
-    write_text_atomically(fs::path(dir) / name, text);
+    write_file_durably((fs::path(dir) / name).string(), text);
   }
 }
 

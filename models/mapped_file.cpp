@@ -15,6 +15,43 @@
 
 namespace rondo::models {
 
+void write_file_durably(const std::string& path, const std::string& text) {
+  const std::string tmp = path + ".tmp";
+  auto fail = [&](const std::string& what, const std::string& file) {
+    const int e = errno;
+    ::unlink(tmp.c_str());
+    throw Error("cannot write " + file + ": " + what + ": " + std::strerror(e));
+  };
+  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (fd < 0) fail("open", tmp);
+  for (std::size_t done = 0; done < text.size();) {
+    const ssize_t n = ::write(fd, text.data() + done, text.size() - done);
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) {
+      ::close(fd);
+      fail("write", tmp);
+    }
+    done += static_cast<std::size_t>(n);
+  }
+  if (::fsync(fd) != 0) {
+    ::close(fd);
+    fail("fsync", tmp);
+  }
+  if (::close(fd) != 0) fail("close", tmp);
+  if (::rename(tmp.c_str(), path.c_str()) != 0) fail("rename", path);
+  const std::size_t slash = path.rfind('/');
+  const std::string dir = slash == std::string::npos ? "."
+                          : slash == 0               ? "/"
+                                                     : path.substr(0, slash);
+  const int dfd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (dfd < 0 || ::fsync(dfd) != 0) {
+    const int e = errno;
+    if (dfd >= 0) ::close(dfd);
+    throw Error("cannot sync the folder " + dir + ": " + std::strerror(e));
+  }
+  ::close(dfd);
+}
+
 std::string read_text_file(const std::string& path, const std::string& what) {
   std::ifstream in(path, std::ios::binary);
   if (!in) throw Error("cannot read " + path + " (" + what + "): " + std::strerror(errno));

@@ -15,6 +15,11 @@ namespace rondo::models {
 // `what` it was wanted for when it cannot be read.
 std::string read_text_file(const std::string& path, const std::string& what);
 
+// Writes `text` to `path` so that a crash leaves the old file or the new one, never a part:
+// "<path>.tmp" written and fsynced, renamed over `path`, the folder fsynced. Throws Error naming
+// the path and the failed call.
+void write_file_durably(const std::string& path, const std::string& text);
+
 class MappedFile {
  public:
   // Throws Error naming the path if it cannot be opened or mapped. An empty file maps to size 0.

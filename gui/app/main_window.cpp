@@ -1,5 +1,6 @@
 #include "gui/app/main_window.h"
 
+#include <QCloseEvent>
 #include <QFileDialog>
 #include <QMenuBar>
 #include <QMessageBox>
@@ -60,6 +61,23 @@ bool MainWindow::openRun(const QString& dir, QString* error) {
   if (!m_monitor->attach(dir, error)) return false;
   m_stack->setCurrentWidget(m_monitor);
   return true;
+}
+
+void MainWindow::closeEvent(QCloseEvent* event) {
+  if (m_monitor->childRunning()) {
+    const auto answer = QMessageBox::question(
+        this, "A run is going",
+        "Stop the run and save a checkpoint before closing? (It can be resumed later from the "
+        "File menu or with rondo train --resume.)",
+        QMessageBox::Yes | QMessageBox::Cancel, QMessageBox::Yes);
+    if (answer != QMessageBox::Yes) {
+      event->ignore();
+      return;
+    }
+    statusBar()->showMessage("Stopping: finishing the steps under way and writing a checkpoint…");
+    m_monitor->stopAndSave();  // the monitor waits for it to end when it is destroyed
+  }
+  event->accept();
 }
 
 void MainWindow::showWizard() {

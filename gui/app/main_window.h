@@ -21,6 +21,9 @@ class MainWindow : public QMainWindow {
   bool openRun(const QString& dir, QString* error = nullptr);
   void showWizard();
 
+ protected:
+  void closeEvent(QCloseEvent* event) override;
+
  private:
   QStackedWidget* m_stack;
   SetupWizard* m_wizard;

@@ -104,9 +104,11 @@ MonitorWidget::MonitorWidget(QWidget* parent) : QWidget(parent) {
   m_refreshTimer->setInterval(250);
   connect(m_refreshTimer, &QTimer::timeout, this, &MonitorWidget::refresh);
   connect(m_state, &RunState::changed, this, &MonitorWidget::scheduleRefresh);
+  // A run this monitor launched ends when its process does (onChildFinished); a resumed run's file
+  // also holds the earlier run's run_end, read while the new one is still going.
   connect(m_state, &RunState::runEnded, this, [this](const QString& status) {
     refresh();
-    emit finished(status);
+    if (!childRunning()) emit finished(status);
   });
 
   m_title = new QLabel("No run");
@@ -125,7 +127,8 @@ MonitorWidget::MonitorWidget(QWidget* parent) : QWidget(parent) {
   m_stop = new QPushButton("Stop");
   m_stop->setToolTip("End the run now, without a checkpoint");
   m_stopSave = new QPushButton("Stop and save");
-  m_stopSave->setToolTip("Finish the step under way, write a checkpoint, then end (resumable)");
+  m_stopSave->setToolTip(
+      "Finish the steps under way, write a checkpoint, then end (resumable from the File menu)");
   m_stop->setEnabled(false);
   m_stopSave->setEnabled(false);
   connect(m_stop, &QPushButton::clicked, this, &MonitorWidget::stop);
@@ -192,8 +195,9 @@ MonitorWidget::MonitorWidget(QWidget* parent) : QWidget(parent) {
 MonitorWidget::~MonitorWidget() {
   if (m_child && m_child->state() != QProcess::NotRunning) {
     m_child->disconnect(this);
-    ::kill(static_cast<pid_t>(m_child->processId()), SIGINT);  // let it checkpoint
-    m_child->waitForFinished(30000);
+    // Let it finish its step and checkpoint, however long that takes: ~QProcess would kill it.
+    ::kill(static_cast<pid_t>(m_child->processId()), SIGINT);
+    m_child->waitForFinished(-1);
   }
 }
 
@@ -305,7 +309,7 @@ void MonitorWidget::onChildFinished(int code, QProcess::ExitStatus status) {
     m_banner->show();
   }
   refresh();
-  if (!ended) emit finished(m_state->status());
+  emit finished(m_childFailed ? QStringLiteral("failed") : m_state->status());
 }
 
 void MonitorWidget::scheduleRefresh() {

@@ -47,7 +47,7 @@ class MonitorWidget : public QWidget {
 
  public slots:
   void stop();         // the child at once (no checkpoint)
-  void stopAndSave();  // SIGINT: the CLI finishes the step under way, checkpoints and exits
+  void stopAndSave();  // SIGINT: the CLI finishes the steps under way, checkpoints and exits
 
  signals:
   void finished(const QString& status);  // the run ended (run_end read, or the child exited)

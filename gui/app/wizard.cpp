@@ -31,6 +31,8 @@
 namespace rondo::gui {
 namespace {
 
+constexpr int kPreviewLines = 2000;  // lines of a data file the data page reads
+
 // A page whose completeness and initialisation are the wizard's to decide.
 class HookPage : public QWizardPage {
  public:
@@ -453,9 +455,12 @@ void SetupWizard::refreshData() {
   if (file.isEmpty() || m_modelPath->text().trimmed().isEmpty()) {
     m_dataStats->setText("Pick a file to see its format and token statistics.");
   } else {
-    QStringList args = {"data",     file,
-                        "--model",  m_modelPath->text().trimmed(),
-                        "--format", m_dataFormat->currentText(),
+    // The first lines are enough to show the format and an example; a large file would keep
+    // the page waiting (the run itself reads them all).
+    QStringList args = {"data",        file,
+                        "--model",     m_modelPath->text().trimmed(),
+                        "--format",    m_dataFormat->currentText(),
+                        "--max-lines", QString::number(kPreviewLines),
                         "--json"};
     if (m_trainOnEverything->isChecked()) args << "--train-on-everything";
     QString error;
@@ -464,8 +469,11 @@ void SetupWizard::refreshData() {
       m_dataStats->setText("<span style='color:#b00020'>" + error.toHtmlEscaped() + "</span>");
     } else {
       m_dataOk = true;
-      m_dataStats->setText("<b>" + j["format"].toString() +
-                           "</b>: " + j["stats"].toString().toHtmlEscaped());
+      m_dataStats->setText(
+          "<b>" + j["format"].toString() + "</b>: " + j["stats"].toString().toHtmlEscaped() +
+          (j["partial"].toBool()
+               ? QString(" (the first %1 lines; the run reads them all)").arg(kPreviewLines)
+               : QString()));
       QString html = "<pre style='white-space:pre-wrap'>";
       for (const QJsonValue& v : j["example"].toObject()["pieces"].toArray()) {
         const QJsonObject p = v.toObject();

@@ -127,6 +127,10 @@ TEST_F(TrainCli, ConfigProblemsAreListedAllAtOnceWithFileAndLine) {
                                              "data.seq_len?)"))
       << r.out;
   EXPECT_TRUE(contains(r.out, cfg.string() + ":7: training.steps: expected an integer")) << r.out;
+  // ... and with them the values validate() rejects, each with its line.
+  EXPECT_TRUE(contains(r.out, "The config has 4 problems")) << r.out;
+  EXPECT_TRUE(contains(r.out, cfg.string() + ":8: training.lr: must be in (0, 1)")) << r.out;
+  EXPECT_TRUE(contains(r.out, cfg.string() + ":9: training.schedule: must be")) << r.out;
 
   // Values: every problem at once, with the line each field was set on.
   write(cfg, "[model]\npath = \"" + model.string() +
@@ -410,21 +414,28 @@ TEST_F(TrainCli, ResumeAndExportNameWhatIsMissing) {
   EXPECT_TRUE(contains(r.out, "no checkpoint step-99 (it has: step-3, step-4)")) << r.out;
 }
 
+// `rondo export` from the last checkpoint equals the run's own exports, byte for byte, in each
+// dtype (the merged base is the one the run streamed).
 TEST_F(TrainCli, ExportOfTheLastCheckpointIsTheRunsAdapter) {
-  write(dir / "c.toml", config("run"));
-  Result r = run_rondo("train " + (dir / "c.toml").string() +
-                       " --set 'output.exports=[\"adapter\",\"merged\"]'");
-  ASSERT_EQ(r.code, 0) << r.out;
-  r = run_rondo("export " + (dir / "run").string() + " --out " + (dir / "x").string());
-  ASSERT_EQ(r.code, 0) << r.out;
-  EXPECT_TRUE(slurp(dir / "run" / "adapter" / "adapter_model.safetensors") ==
-              slurp(dir / "x" / "adapter_model.safetensors"));
-  r = run_rondo("export " + (dir / "run").string() +
-                " --format merged --checkpoint step-12 --out " + (dir / "m").string());
-  ASSERT_EQ(r.code, 0) << r.out;
-  EXPECT_TRUE(slurp(dir / "run" / "merged" / "model.safetensors") ==
-              slurp(dir / "m" / "model.safetensors"));
-  EXPECT_TRUE(fs::exists(dir / "m" / "tokenizer.json"));
+  for (const char* dtype : {"fp32", "bf16", "fp16"}) {
+    SCOPED_TRACE(dtype);
+    const std::string run = std::string("run-") + dtype;
+    write(dir / "c.toml", config(run, "", dtype));
+    Result r = run_rondo("train " + (dir / "c.toml").string() +
+                         " --set 'output.exports=[\"adapter\",\"merged\"]'");
+    ASSERT_EQ(r.code, 0) << r.out;
+    r = run_rondo("export " + (dir / run).string() + " --out " + (dir / (run + "-x")).string());
+    ASSERT_EQ(r.code, 0) << r.out;
+    EXPECT_TRUE(slurp(dir / run / "adapter" / "adapter_model.safetensors") ==
+                slurp(dir / (run + "-x") / "adapter_model.safetensors"));
+    r = run_rondo("export " + (dir / run).string() +
+                  " --format merged --checkpoint step-12 --out " + (dir / (run + "-m")).string());
+    ASSERT_EQ(r.code, 0) << r.out;
+    const std::string merged = slurp(dir / run / "merged" / "model.safetensors");
+    ASSERT_FALSE(merged.empty());
+    EXPECT_TRUE(merged == slurp(dir / (run + "-m") / "model.safetensors"));
+    EXPECT_TRUE(fs::exists(dir / (run + "-m") / "tokenizer.json"));
+  }
 }
 
 // LoRA on the tiny model memorises the 12 replies: the training loss ends far below the entropy

@@ -142,7 +142,9 @@ int lora_train_export(const std::vector<std::string>& args) {
 //   run-logits <run_dir> <batch.json> <out.safetensors>
 int run_logits(const std::vector<std::string>& args) {
   if (args.size() != 3) throw Error("usage: run-logits <run_dir> <batch.json> <out>");
-  const engine::TrainConfig c = cli::read_config(args[0] + "/config.toml", {}).config;
+  const cli::ConfigFile f = cli::read_config(args[0] + "/config.toml", {});
+  f.check();
+  const engine::TrainConfig& c = f.config;
   std::vector<engine::CheckpointInfo> ckpts = engine::list_checkpoints(args[0]);
   if (ckpts.empty()) throw Error(args[0] + ": no checkpoint");
   models::SafetensorsFile state(ckpts.back().path + "/state.safetensors");
