@@ -16,6 +16,7 @@
 #include <map>
 #include <nlohmann/json.hpp>
 #include <random>
+#include <set>
 #include <sstream>
 #include <string>
 #include <thread>
@@ -298,6 +299,12 @@ TEST_F(TrainCli, SigkillAtARandomStepThenResumeIsBitIdentical) {
     EXPECT_TRUE(contains(r.out, "Resuming from")) << r.out;
 
     EXPECT_EQ(step_losses(dir / b_dir / "events.jsonl"), want);
+    // The resumed run trained with the checkpoint's plan (the one the uninterrupted run used).
+    std::set<std::string> plans;
+    for (const fs::path& run : {dir / a_dir, dir / b_dir})
+      for (const json& e : events(run / "events.jsonl"))
+        if (e["type"] == "plan") plans.insert(e["plan"].get<std::string>());
+    EXPECT_EQ(plans.size(), 1u);
     const std::string a = slurp(dir / a_dir / "adapter" / "adapter_model.safetensors");
     ASSERT_FALSE(a.empty());
     EXPECT_TRUE(a == slurp(dir / b_dir / "adapter" / "adapter_model.safetensors"))
@@ -530,4 +537,31 @@ TEST_F(TrainCli, EventsGoToStdoutWithEventsDash) {
   EXPECT_EQ(std::count(types.begin(), types.end(), "step"), 3);
   EXPECT_EQ(types.back(), "run_end");
   EXPECT_FALSE(fs::exists(dir / "run" / "events.jsonl"));
+}
+
+// A resume trains with the plan its checkpoint holds, not one the planner makes again (which
+// could differ and round differently): here the checkpoint's plan is replaced by another valid
+// one — the whole model in the fused tail — and the resumed run uses it.
+TEST_F(TrainCli, AResumeUsesTheCheckpointsPlan) {
+  write(dir / "c.toml", config("run"));
+  pid_t pid = spawn({"train", (dir / "c.toml").string()}, dir / "log",
+                    {{"RONDO_FAULT_KILL_AFTER_STEP", "4"}});
+  ASSERT_EQ(wait_for(pid), 128 + SIGKILL) << slurp(dir / "log");
+  const fs::path state = dir / "run" / "checkpoints" / "step-3" / "state.json";
+  json j = json::parse(slurp(state));
+  ASSERT_TRUE(j["meta"].contains("plan")) << j.dump();
+  const std::string planned = j["meta"]["plan"]["describe"];
+  j["meta"]["plan"]["forward"] = json::array();
+  j["meta"]["plan"]["backward"] = json::array();
+  j["meta"]["plan"]["tail"] = {0, 4};
+  ASSERT_NE(planned, "T[0,4) M=2 stage");
+  write(state, j.dump());
+  Result r = run_rondo("train --resume " + (dir / "run").string());
+  ASSERT_EQ(r.code, 0) << r.out;
+  std::vector<std::string> plans;
+  for (const json& e : events(dir / "run" / "events.jsonl"))
+    if (e["type"] == "plan") plans.push_back(e["plan"]);
+  ASSERT_EQ(plans.size(), 2u);
+  EXPECT_EQ(plans[0], planned);
+  EXPECT_EQ(plans[1], "T[0,4) M=2 stage");
 }
