@@ -1,10 +1,14 @@
 #include "gui/app/rondo_cli.h"
 
 #include <QCoreApplication>
+#include <QEventLoop>
 #include <QFileInfo>
+#include <QCursor>
+#include <QGuiApplication>
 #include <QJsonDocument>
 #include <QProcess>
 #include <QStandardPaths>
+#include <QTimer>
 
 namespace rondo::gui {
 
@@ -21,14 +25,31 @@ QString RondoCli::program() {
 CliResult RondoCli::run(const QStringList& args, int timeoutMs) {
   CliResult r;
   QProcess p;
+  // The window stays live while rondo works (an event loop, not a blocking wait), with a busy
+  // cursor; the caller guards against starting another call meanwhile.
+  QEventLoop loop;
+  QTimer timer;
+  timer.setSingleShot(true);
+  bool timedOut = false;
+  QObject::connect(&p, &QProcess::finished, &loop, &QEventLoop::quit);
+  QObject::connect(&p, &QProcess::errorOccurred, &loop, [&](QProcess::ProcessError e) {
+    if (e == QProcess::FailedToStart) loop.quit();
+  });
+  QObject::connect(&timer, &QTimer::timeout, &loop, [&] {
+    timedOut = true;
+    p.kill();
+  });
+  QGuiApplication::setOverrideCursor(QCursor(Qt::WaitCursor));
   p.start(program(), args);
-  if (!p.waitForStarted(10000)) {
+  timer.start(timeoutMs);
+  if (p.state() != QProcess::NotRunning || p.error() != QProcess::FailedToStart) loop.exec();
+  QGuiApplication::restoreOverrideCursor();
+  if (p.error() == QProcess::FailedToStart) {
     r.error = QStringLiteral("cannot run %1: %2").arg(program(), p.errorString());
     return r;
   }
-  if (!p.waitForFinished(timeoutMs)) {
-    p.kill();
-    p.waitForFinished(2000);
+  if (p.state() != QProcess::NotRunning) p.waitForFinished(5000);
+  if (timedOut) {
     r.error =
         QStringLiteral("rondo %1 took longer than %2 s").arg(args.value(0)).arg(timeoutMs / 1000);
     return r;

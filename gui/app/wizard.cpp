@@ -18,6 +18,7 @@
 #include <QPushButton>
 #include <QRadioButton>
 #include <QSaveFile>
+#include <QScopeGuard>
 #include <QSpinBox>
 #include <QTableWidget>
 #include <QTemporaryDir>
@@ -422,6 +423,9 @@ QString SetupWizard::commandLine() const {
 }
 
 void SetupWizard::refreshModel() {
+  if (m_busy) return;
+  m_busy = true;
+  const auto done = qScopeGuard([this] { m_busy = false; });
   const QString path = m_modelPath->text().trimmed();
   m_modelOk = false;
   if (path.isEmpty()) {
@@ -449,6 +453,9 @@ void SetupWizard::refreshModel() {
 }
 
 void SetupWizard::refreshData() {
+  if (m_busy) return;
+  m_busy = true;
+  const auto done = qScopeGuard([this] { m_busy = false; });
   const QString file = m_dataPath->text().trimmed();
   m_dataOk = false;
   m_dataPreview->clear();
@@ -488,6 +495,9 @@ void SetupWizard::refreshData() {
 }
 
 void SetupWizard::refreshDevices() {
+  if (m_busy) return;
+  m_busy = true;
+  const auto done = qScopeGuard([this] { m_busy = false; });
   m_devices->clear();
   QString error;
   QJsonObject j = RondoCli::runJson({"devices", "--json"}, &error);
@@ -505,6 +515,9 @@ void SetupWizard::refreshDevices() {
 }
 
 void SetupWizard::refreshReview() {
+  if (m_busy) return;
+  m_busy = true;
+  const auto done = qScopeGuard([this] { m_busy = false; });
   m_command->setText(commandLine());
   m_planDevices->setRowCount(0);
   QTemporaryDir tmp;

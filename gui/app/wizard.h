@@ -126,6 +126,7 @@ class SetupWizard : public QWizard {
   QLabel* m_problems;
   QLineEdit* m_command;
   QJsonObject m_plan;
+  bool m_busy = false;  // a CLI call is running (its event loop may deliver another trigger)
 
   friend class WizardPageHook;
 };
