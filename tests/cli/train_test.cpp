@@ -63,6 +63,15 @@ std::map<std::int64_t, double> step_losses(const fs::path& events_path) {
   return out;
 }
 
+// Two runs ended alike: the same loss at every step, and the same final adapter bytes.
+void expect_same_run(const fs::path& a, const fs::path& b) {
+  EXPECT_EQ(step_losses(b / "events.jsonl"), step_losses(a / "events.jsonl"));
+  const std::string adapter = slurp(a / "adapter" / "adapter_model.safetensors");
+  EXPECT_FALSE(adapter.empty());
+  EXPECT_TRUE(adapter == slurp(b / "adapter" / "adapter_model.safetensors"))
+      << "the final adapters differ";
+}
+
 const std::vector<std::pair<std::string, std::string>> kQa = {
     {"hi", "hello there"}, {"2+2?", "four"},      {"sky?", "blue"},   {"grass?", "green"},
     {"cat says?", "meow"}, {"dog says?", "woof"}, {"snow?", "white"}, {"night?", "dark"},
@@ -278,18 +287,16 @@ TEST_F(TrainCli, SigkillAtARandomStepThenResumeIsBitIdentical) {
   std::mt19937 rng(std::random_device{}());
   for (const char* dtype : {"fp32", "bf16", "fp16"}) {
     const std::string a_dir = std::string("a-") + dtype, b_dir = std::string("b-") + dtype;
-    const std::string extra;
-    write(dir / "a.toml", config(a_dir, extra, dtype));
+    write(dir / "a.toml", config(a_dir, "", dtype));
     Result r = run_rondo("train " + (dir / "a.toml").string() + " --set lora.dropout=0.1");
     ASSERT_EQ(r.code, 0) << r.out;
-    const std::map<std::int64_t, double> want = step_losses(dir / a_dir / "events.jsonl");
-    ASSERT_EQ(want.size(), 12u);
+    ASSERT_EQ(step_losses(dir / a_dir / "events.jsonl").size(), 12u);
 
     // Killed after a random step past the first checkpoint (step 3): SIGKILL, from inside the
     // process, as the step's event has been written.
     const int kill_at = std::uniform_int_distribution<int>(4, 11)(rng);
     SCOPED_TRACE(std::string(dtype) + ", killed after step " + std::to_string(kill_at));
-    write(dir / "b.toml", config(b_dir, extra, dtype));
+    write(dir / "b.toml", config(b_dir, "", dtype));
     pid_t pid = spawn({"train", (dir / "b.toml").string(), "--set", "lora.dropout=0.1"},
                       dir / "b.log", {{"RONDO_FAULT_KILL_AFTER_STEP", std::to_string(kill_at)}});
     ASSERT_EQ(wait_for(pid), 128 + SIGKILL) << slurp(dir / "b.log");
@@ -298,17 +305,13 @@ TEST_F(TrainCli, SigkillAtARandomStepThenResumeIsBitIdentical) {
     ASSERT_EQ(r.code, 0) << r.out;
     EXPECT_TRUE(contains(r.out, "Resuming from")) << r.out;
 
-    EXPECT_EQ(step_losses(dir / b_dir / "events.jsonl"), want);
+    expect_same_run(dir / a_dir, dir / b_dir);
     // The resumed run trained with the checkpoint's plan (the one the uninterrupted run used).
     std::set<std::string> plans;
     for (const fs::path& run : {dir / a_dir, dir / b_dir})
       for (const json& e : events(run / "events.jsonl"))
         if (e["type"] == "plan") plans.insert(e["plan"].get<std::string>());
     EXPECT_EQ(plans.size(), 1u);
-    const std::string a = slurp(dir / a_dir / "adapter" / "adapter_model.safetensors");
-    ASSERT_FALSE(a.empty());
-    EXPECT_TRUE(a == slurp(dir / b_dir / "adapter" / "adapter_model.safetensors"))
-        << "the final adapters differ";
   }
 }
 
@@ -327,9 +330,7 @@ TEST_F(TrainCli, SigkillInsideACheckpointWriteLeavesThePreviousOneUsable) {
   r = run_rondo("train --resume " + (dir / "b").string());
   ASSERT_EQ(r.code, 0) << r.out;
   EXPECT_TRUE(contains(r.out, "step-3")) << r.out;  // resumed from the previous one
-  EXPECT_EQ(step_losses(dir / "b" / "events.jsonl"), step_losses(dir / "a" / "events.jsonl"));
-  EXPECT_TRUE(slurp(dir / "a" / "adapter" / "adapter_model.safetensors") ==
-              slurp(dir / "b" / "adapter" / "adapter_model.safetensors"));
+  expect_same_run(dir / "a", dir / "b");
 }
 
 TEST_F(TrainCli, CtrlCFinishesTheStepCheckpointsAndResumesExactly) {
@@ -360,9 +361,7 @@ TEST_F(TrainCli, CtrlCFinishesTheStepCheckpointsAndResumesExactly) {
 
   r = run_rondo("train --resume " + (dir / "b").string());
   ASSERT_EQ(r.code, 0) << r.out;
-  EXPECT_EQ(step_losses(dir / "b" / "events.jsonl"), step_losses(dir / "a" / "events.jsonl"));
-  EXPECT_TRUE(slurp(dir / "a" / "adapter" / "adapter_model.safetensors") ==
-              slurp(dir / "b" / "adapter" / "adapter_model.safetensors"));
+  expect_same_run(dir / "a", dir / "b");
 }
 
 TEST_F(TrainCli, AResumeBeforeTheFirstCheckpointStartsAgain) {
@@ -376,9 +375,7 @@ TEST_F(TrainCli, AResumeBeforeTheFirstCheckpointStartsAgain) {
   r = run_rondo("train --resume " + (dir / "b").string());
   ASSERT_EQ(r.code, 0) << r.out;
   EXPECT_TRUE(contains(r.out, "starting again from step 0")) << r.out;
-  EXPECT_EQ(step_losses(dir / "b" / "events.jsonl"), step_losses(dir / "a" / "events.jsonl"));
-  EXPECT_TRUE(slurp(dir / "a" / "adapter" / "adapter_model.safetensors") ==
-              slurp(dir / "b" / "adapter" / "adapter_model.safetensors"));
+  expect_same_run(dir / "a", dir / "b");
 }
 
 TEST_F(TrainCli, ASecondCtrlCExitsAtOnce) {
