@@ -166,8 +166,11 @@ TEST(PlanOurs, ReturnsAValidPlanThatFits) {
     EXPECT_TRUE(ours.problems(static_cast<int>(in.layers.size())).empty());
     PlanPrediction po = predict(ours, in);
     EXPECT_TRUE(po.fits) << po.why_not;
-    for (std::size_t d = 0; d < in.devices.size(); ++d)
-      if (in.devices[d].memory_cap) EXPECT_LE(po.peak_bytes[d], in.devices[d].memory_cap);
+    for (std::size_t d = 0; d < in.devices.size(); ++d) {
+      if (in.devices[d].memory_cap) {
+        EXPECT_LE(po.peak_bytes[d], in.devices[d].memory_cap);
+      }
+    }
   }
 }
 

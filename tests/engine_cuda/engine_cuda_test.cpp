@@ -70,11 +70,12 @@ TEST(EngineCuda, TrainsLikeThePlainLoopOnOneGpu) {
     EXPECT_LE(rel(grads1.at(name), g), 1e-4) << name;
   for (std::size_t l = 0; l < specs.size(); ++l)
     for (std::size_t i = 0; i < specs[l].params.size(); ++i)
-      if (!store.layer(l)[i].tied)
+      if (!store.layer(l)[i].tied) {
         EXPECT_LE(rel(state_view(store, specs, l, i, StateView::kMaster),
                       ref.param(specs[l].params[i].name)),
                   1e-4)
             << specs[l].params[i].name;
+      }
 }
 
 }  // namespace

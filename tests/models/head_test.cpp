@@ -33,7 +33,7 @@ void expect_close(const at::Tensor& got, const at::Tensor& want, double tol, con
 TEST(HeadForwardBackward, EqualsAutogradOnTheUnchunkedHead) {
   std::mt19937 rng(std::random_device{}());
   const auto seed = rng();
-  std::printf("seed %u\n", seed);
+  std::printf("seed %lu\n", static_cast<unsigned long>(seed));
   at::manual_seed(seed);
   ModelConfig c = tiny();
   const std::int64_t B = 2, T = 11, C = c.hidden_size, V = c.vocab_size;
