@@ -1,9 +1,9 @@
 #include "gui/app/rondo_cli.h"
 
 #include <QCoreApplication>
+#include <QCursor>
 #include <QEventLoop>
 #include <QFileInfo>
-#include <QCursor>
 #include <QGuiApplication>
 #include <QJsonDocument>
 #include <QProcess>
