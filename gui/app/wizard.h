@@ -127,8 +127,6 @@ class SetupWizard : public QWizard {
   QLineEdit* m_command;
   QJsonObject m_plan;
   bool m_busy = false;  // a CLI call is running (its event loop may deliver another trigger)
-
-  friend class WizardPageHook;
 };
 
 }  // namespace rondo::gui
