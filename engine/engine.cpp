@@ -20,6 +20,7 @@
 #include "engine/state.h"
 #include "engine/torch_device.h"
 #include "kernels/error.h"
+#include "offload/transfer.h"
 
 namespace rondo::engine {
 
@@ -97,46 +98,13 @@ at::Tensor view(void* data, const std::vector<std::int64_t>& sizes, at::ScalarTy
   return at::from_blob(data, sizes, at::TensorOptions().dtype(t).device(device));
 }
 
-// Recycled host staging buffers (boundary activations, checkpoints): allocating from the arena
-// maps (and, with a GPU, pins) fresh pages, far too slow to do per microbatch.
-class StagingPool {
- public:
-  explicit StagingPool(offload::HostArena& arena) : arena_(arena) {}
-  offload::HostBuffer take(std::size_t bytes) {
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      auto it = free_.lower_bound(bytes);
-      if (it != free_.end() && it->first <= 2 * bytes + 4096) {
-        offload::HostBuffer b = std::move(it->second);
-        free_.erase(it);
-        return b;
-      }
-    }
-    return arena_.allocate(bytes, offload::Purpose::kActivations);
-  }
-  void give(offload::HostBuffer b) {
-    if (!b) return;
-    std::lock_guard<std::mutex> lock(mutex_);
-    free_.emplace(b.bytes(), std::move(b));
-  }
-  void clear() {
-    std::lock_guard<std::mutex> lock(mutex_);
-    free_.clear();
-  }
-
- private:
-  offload::HostArena& arena_;
-  std::mutex mutex_;
-  std::multimap<std::size_t, offload::HostBuffer> free_;
-};
-
 // A tensor handed from one job to the next (or a checkpoint from a forward job to a backward one).
 struct Handoff {
   bool ready = false;
-  kernels::Device* device = nullptr;  // where the data is; nullptr = host staging memory
-  std::unique_ptr<kernels::Event> event;
+  kernels::Device* device = nullptr;      // where the data is; nullptr = host staging memory
+  std::unique_ptr<kernels::Event> event;  // kept on the device: compute done
   kernels::DeviceBuffer dev;
-  offload::HostBuffer host;
+  offload::Staged host;  // went through the host
   std::vector<std::int64_t> sizes;
 };
 
@@ -151,7 +119,8 @@ struct StepData {
 
 struct DeviceCtx {
   kernels::Device* dev = nullptr;
-  kernels::Stream *compute = nullptr, *act_up = nullptr, *weight_up = nullptr, *down = nullptr;
+  int index = 0;
+  kernels::Stream* compute = nullptr;  // the copy streams are offload::Transfers'
   c10::Device torch = c10::Device(c10::DeviceType::CPU);
   std::mutex busy_mutex;
   double busy_s = 0, busy_reported_s = 0;
@@ -161,14 +130,8 @@ struct DeviceCtx {
 struct JobRun {
   // Loader -> worker.
   bool loaded = false;
-  std::unique_ptr<kernels::Event> weights_ready;
-  std::vector<kernels::DeviceBuffer> weights;
-  struct Mapping {
-    const std::uint8_t* host;
-    std::size_t bytes;
-    std::uint8_t* dev;
-  };
-  std::vector<Mapping> map;
+  std::unique_ptr<offload::DeviceWeights> weights;
+  std::shared_ptr<kernels::Event> weights_ready;  // outlives `weights` (one-step-stale waits)
   // Worker -> optimizer, loader.
   bool enqueued = false;
   // The JobRun is dropped once both are true: the loader has freed its buffers, and the optimizer
@@ -180,13 +143,6 @@ struct JobRun {
   // Written by the job's compute work (one stream, in order), read after done_compute.
   double t_start = -1, t_end = 0;
   double measured_s = 0;  // compute time of the job, all microbatches
-
-  void* device_ptr(const void* host) const {
-    auto* h = static_cast<const std::uint8_t*>(host);
-    for (const Mapping& m : map)
-      if (h >= m.host && h < m.host + m.bytes) return m.dev + (h - m.host);
-    throw InternalError("engine: a tensor of the job was not uploaded");
-  }
 };
 
 }  // namespace
@@ -202,7 +158,7 @@ struct Engine::Impl {
   std::vector<JobSpec> jobs;
   std::set<int> ckpt_layers;  // blocks whose inputs the forward saves for the backward
   Optimizer optimizer;
-  StagingPool staging;
+  std::unique_ptr<offload::Transfers> transfers;
   at::ScalarType act_dtype;
   double scale = 1;  // fp16 loss scale
   int good_steps = 0;
@@ -249,7 +205,6 @@ struct Engine::Impl {
         plan(std::move(p)),
         options(std::move(o)),
         optimizer(st, options.adamw, options.max_grad_norm),
-        staging(a),
         act_dtype(scalar_type(st.stream_dtype())),
         scale(options.loss_scaling.enabled ? options.loss_scaling.initial_scale : 1.0) {}
 
@@ -371,10 +326,10 @@ struct Engine::Impl {
     }
     for (auto* e : {r->done_compute.get(), r->done_up.get(), r->done_down.get()})
       if (e) e->synchronize();
-    r->weights.clear();
+    r->weights.reset();
     r->buffers.clear();
     for (auto& h : r->staging)
-      staging.give(std::move(h));
+      transfers->recycle(std::move(h));
     r->staging.clear();
     std::lock_guard<std::mutex> lock(mu_);
     r->released = true;
@@ -384,7 +339,6 @@ struct Engine::Impl {
   void loader(int d) {
     const std::int64_t N = static_cast<std::int64_t>(devs.size()),
                        J = static_cast<std::int64_t>(jobs.size());
-    DeviceCtx& dc = *devs[d];
     for (std::int64_t g = d; g < total_jobs_; g += N) {
       guarded(job_where(g), [&] {
         if (g - 2 * N >= 0) release(g - 2 * N);  // at most one stage prefetched behind the running
@@ -400,18 +354,8 @@ struct Engine::Impl {
           });
           r = run_locked(g);
         }
-        for (int l : js.streamed) {
-          const offload::ByteRange range = store.stream_bytes(l);
-          if (range.bytes == 0) continue;
-          kernels::DeviceBuffer buf = dc.dev->allocate(range.bytes, dc.weight_up);
-          for (std::size_t off = 0; off < range.bytes; off += options.max_chunk_bytes)
-            dc.weight_up->upload(static_cast<std::uint8_t*>(buf.data()) + off, range.data + off,
-                                 std::min<std::size_t>(options.max_chunk_bytes, range.bytes - off));
-          r->map.push_back({range.data, range.bytes, static_cast<std::uint8_t*>(buf.data())});
-          r->weights.push_back(std::move(buf));
-        }
-        r->weights_ready = dc.dev->create_event();
-        dc.weight_up->record(*r->weights_ready);
+        r->weights = transfers->load_weights(d, js.streamed);
+        r->weights_ready = r->weights->ready();
         std::lock_guard<std::mutex> lock(mu_);
         r->loaded = true;
         if (options.one_step_stale) loads_[s].push_back({static_cast<int>(g % J), r});
@@ -427,8 +371,7 @@ struct Engine::Impl {
   std::vector<at::Tensor> layer_weights(const JobRun& r, int l, c10::Device dev) const {
     std::vector<at::Tensor> out;
     for (std::size_t i = 0; i < store.layer(l).size(); ++i)
-      out.push_back(
-          view(r.device_ptr(store.layer(l)[i].stream), specs[l].params[i].shape, act_dtype, dev));
+      out.push_back(view(r.weights->tensor(l, i), specs[l].params[i].shape, act_dtype, dev));
     return out;
   }
 
@@ -446,16 +389,11 @@ struct Engine::Impl {
       t = view(h->dev.data(), h->sizes, act_dtype, dc.torch);
       r.buffers.push_back(std::move(h->dev));
     } else {
-      const std::size_t bytes = nbytes(h->sizes, act_dtype);
-      kernels::DeviceBuffer buf = dc.dev->allocate(bytes, dc.act_up);
-      dc.act_up->wait(*h->event);
-      dc.act_up->upload(buf.data(), h->host.data(), bytes);
-      auto ev = dc.dev->create_event();
-      dc.act_up->record(*ev);
-      dc.compute->wait(*ev);
-      t = view(buf.data(), h->sizes, act_dtype, dc.torch);
-      r.buffers.push_back(std::move(buf));
-      r.staging.push_back(std::move(h->host));
+      offload::Uploaded up = transfers->upload(dc.index, h->host, nbytes(h->sizes, act_dtype));
+      dc.compute->wait(*up.ready);
+      t = view(up.buffer.data(), h->sizes, act_dtype, dc.torch);
+      r.buffers.push_back(std::move(up.buffer));
+      r.staging.push_back(std::move(h->host.host));
     }
     lock.lock();
     return t;
@@ -477,15 +415,8 @@ struct Engine::Impl {
       h->event = std::move(ev);
       h->dev = std::move(dev_buf);
     } else {
-      const std::size_t bytes = nbytes(sizes, act_dtype);
-      offload::HostBuffer host = staging.take(bytes);
-      dc.down->wait(*ev);
-      dc.down->download(host.data(), dev_buf.data(), bytes);
-      auto done = dc.dev->create_event();
-      dc.down->record(*done);
       h->device = nullptr;
-      h->event = std::move(done);
-      h->host = std::move(host);
+      h->host = transfers->download(dc.index, dev_buf.data(), nbytes(sizes, act_dtype), *ev);
       r.buffers.push_back(std::move(dev_buf));
     }
     h->sizes = std::move(sizes);
@@ -688,19 +619,16 @@ struct Engine::Impl {
       lock.unlock();
       auto ev = dc.dev->create_event();
       dc.compute->record(*ev);
-      dc.down->wait(*ev);
-      for (auto& [l, data] : grad_buffers) {
-        const offload::ByteRange gr = store.grad_bytes(l);
-        dc.down->download(gr.data, data, gr.bytes);
-      }
-      if (loss_dev) dc.down->download(&step->loss_sum[0], loss_dev, sizeof(float));
+      for (auto& [l, data] : grad_buffers)
+        transfers->download_gradients(d, l, data, *ev);
+      if (loss_dev) transfers->download_value(d, &step->loss_sum[0], loss_dev, sizeof(float), *ev);
     }
     r->done_compute = dc.dev->create_event();
     r->done_up = dc.dev->create_event();
     r->done_down = dc.dev->create_event();
     dc.compute->record(*r->done_compute);
-    dc.act_up->record(*r->done_up);
-    dc.down->record(*r->done_down);
+    transfers->activation_upload_stream(d).record(*r->done_up);
+    transfers->download_stream(d).record(*r->done_down);
     lock.lock();
     r->enqueued = true;
     r->consumed = !backward;
@@ -1153,7 +1081,7 @@ struct Engine::Impl {
       ckpts_.clear();
       steps_.clear();
     }
-    staging.clear();
+    transfers->clear_staging();
     for (auto& dc : devs)
       dc->dev->synchronize();  // stream-ordered releases done
     steps_done += static_cast<std::int64_t>(out.size());
@@ -1187,13 +1115,14 @@ Engine::Engine(const models::ModelConfig& config, const std::vector<models::Laye
     problems.push_back("emulate_speeds must have one entry per device");
   if (!problems.empty()) throw Error(join_problems("The engine cannot run this plan:", problems));
   impl_ = std::make_unique<Impl>(config, specs, store, arena, std::move(plan), std::move(options));
+  impl_->transfers = std::make_unique<offload::Transfers>(
+      store, arena, devices,
+      offload::TransferOptions{.max_chunk_bytes = impl_->options.max_chunk_bytes});
   for (std::size_t d = 0; d < devices.size(); ++d) {
     auto dc = std::make_unique<DeviceCtx>();
     dc->dev = devices[d];
+    dc->index = static_cast<int>(d);
     dc->compute = &dc->dev->create_stream("compute");
-    dc->act_up = &dc->dev->create_stream("activation-upload", kernels::StreamPriority::kHigh);
-    dc->weight_up = &dc->dev->create_stream("weight-upload");
-    dc->down = &dc->dev->create_stream("download");
     dc->torch = torch_device(*dc->dev);
     if (!impl_->options.emulate_speeds.empty()) dc->speed = impl_->options.emulate_speeds[d];
     impl_->devs.push_back(std::move(dc));

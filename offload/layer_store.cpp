@@ -78,8 +78,12 @@ LayerStore::LayerStore(HostArena& arena, const std::vector<LayerDesc>& layers,
       s.trainable = t.trainable;
       if (t.tied_to_layer >= 0) {
         const TensorState* owner = nullptr;
-        for (const TensorState& o : layers_[t.tied_to_layer])
-          if (o.name == t.name) owner = &o;
+        for (std::size_t oi = 0; oi < layers_[t.tied_to_layer].size(); ++oi)
+          if (layers_[t.tied_to_layer][oi].name == t.name) {
+            owner = &layers_[t.tied_to_layer][oi];
+            s.owner_layer = t.tied_to_layer;
+            s.owner_index = static_cast<int>(oi);
+          }
         if (owner == nullptr || owner->tied || owner->numel != s.numel ||
             owner->trainable != s.trainable)
           throw Error("layer " + std::to_string(l) + ": tensor '" + t.name + "' is tied to layer " +
@@ -92,6 +96,7 @@ LayerStore::LayerStore(HostArena& arena, const std::vector<LayerDesc>& layers,
         s.v = owner->v;
       } else {
         s.stream = wbase + at[l][i].stream;
+        s.stream_offset = at[l][i].stream - stream_span[l].first;
         if (t.trainable) {
           s.master = master + at[l][i].opt;
           s.m = m + at[l][i].opt;

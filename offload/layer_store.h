@@ -40,12 +40,15 @@ struct TensorState {
   std::string name;
   std::size_t numel = 0;
   bool trainable = false;
-  bool tied = false;        // viewing another layer's streaming copy and master
-  void* stream = nullptr;   // (numel) streaming dtype: what devices upload
-  void* grad = nullptr;     // (numel) gradient dtype, trainable only: what devices download
-  float* master = nullptr;  // (numel) f32, trainable only
-  float* m = nullptr;       // (numel) f32 AdamW first moment, trainable only
-  float* v = nullptr;       // (numel) f32 AdamW second moment, trainable only
+  bool tied = false;     // viewing another layer's streaming copy and master
+  int owner_layer = -1;  // tied: the layer and index of the tensor it views
+  int owner_index = -1;
+  std::size_t stream_offset = 0;  // owned: offset of its streaming copy in the layer's region
+  void* stream = nullptr;         // (numel) streaming dtype: what devices upload
+  void* grad = nullptr;           // (numel) gradient dtype, trainable only: what devices download
+  float* master = nullptr;        // (numel) f32, trainable only
+  float* m = nullptr;             // (numel) f32 AdamW first moment, trainable only
+  float* v = nullptr;             // (numel) f32 AdamW second moment, trainable only
 };
 
 struct ByteRange {

@@ -1,0 +1,149 @@
+// The transfer engine: every byte that crosses a device's host link is issued here
+// (ARCHITECTURE.md §2 step 7). The engine keeps the schedule — which job runs where, and when —
+// and asks for "these layers' weights on device d, ready by an event", "this activation down to
+// the host", "this one up to device d", "these gradients down to the store"; this class decides
+// where the bytes come from (the host store, the NVMe tier, a quantised copy dequantised on the
+// device), how they are staged and chunked, and on which stream, so that activations go first.
+//
+// Per device three copy streams besides the engine's compute stream: activation upload (high
+// priority), weight upload (weights cut into chunks of at most max_chunk_bytes so that activation
+// uploads slot in between them on the shared link) and download. Host staging buffers for
+// activations are recycled (mapping and pinning fresh pages per microbatch is far too slow).
+// Thread-safe: the engine's loaders, workers and optimizer call it concurrently.
+//
+//   offload::Transfers xfer(store, arena, devices);
+//   auto w = xfer.load_weights(d, {3, 4});             // uploads enqueued
+//   compute.wait(w->ready());
+//   at::Tensor q = view(w->tensor(3, 0), ...);          // streaming dtype, on the device
+//   offload::Staged s = xfer.download(d, dev_ptr, bytes, after_compute);
+//   auto up = xfer.upload(e, dst_ptr, s, bytes);        // on device e, after s.done
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <utility>
+#include <vector>
+
+#include "kernels/device.h"
+#include "offload/host_arena.h"
+#include "offload/layer_store.h"
+
+namespace rondo::offload {
+
+struct TransferOptions {
+  // Weight uploads are cut into pieces of at most this size, so that an activation upload waits
+  // for one piece at most (RoundPipe's priority rule, roundpipe.md §3).
+  std::uint64_t max_chunk_bytes = 256ull << 20;
+};
+
+// Bytes moved, by direction and kind, since the engine was made (for events and benchmarks).
+struct TransferStats {
+  std::uint64_t weights_up = 0;           // as sent over the link (quantised where stored so)
+  std::uint64_t weights_dequantised = 0;  // bytes written on the devices by dequantisation
+  std::uint64_t activations_up = 0, activations_down = 0;
+  std::uint64_t gradients_down = 0;
+  std::uint64_t nvme_read = 0;  // weights read from the NVMe tier for uploads
+};
+
+// Some layers' weights on one device. Move-only; destroying it frees the device memory in stream
+// order and gives its host staging back once the uploads are done.
+class DeviceWeights {
+ public:
+  DeviceWeights() = default;
+  ~DeviceWeights();
+  DeviceWeights(const DeviceWeights&) = delete;
+  DeviceWeights& operator=(const DeviceWeights&) = delete;
+
+  // Tensor `index` of `layer` on the device, in the store's streaming dtype (dequantised if the
+  // store keeps it quantised); a tied tensor resolves to its owner. Throws InternalError when the
+  // layer was not loaded.
+  void* tensor(int layer, std::size_t index) const;
+  // Recorded on the weight-upload stream behind every copy and dequantisation. Shared, so that
+  // a waiter may keep it after the weights are freed.
+  const std::shared_ptr<kernels::Event>& ready() const { return ready_; }
+
+ private:
+  friend class Transfers;
+  const LayerStore* store_ = nullptr;
+  std::map<std::pair<int, std::size_t>, void*> tensors_;
+  std::vector<kernels::DeviceBuffer> buffers_;
+  std::vector<HostBuffer> staging_;
+  std::function<void(HostBuffer)> give_back_;
+  std::shared_ptr<kernels::Event> ready_;
+};
+
+// An activation in host staging memory, complete once `done` has (download stream).
+struct Staged {
+  HostBuffer host;
+  std::unique_ptr<kernels::Event> done;
+};
+
+// An activation uploaded to a fresh device buffer, there once `ready` has.
+struct Uploaded {
+  kernels::DeviceBuffer buffer;
+  std::unique_ptr<kernels::Event> ready;
+};
+
+class Transfers {
+ public:
+  // Creates the three copy streams on each device. `devices` are borrowed and must outlive this.
+  Transfers(LayerStore& store, HostArena& arena, std::vector<kernels::Device*> devices,
+            TransferOptions options = {});
+  ~Transfers();
+  Transfers(const Transfers&) = delete;
+  Transfers& operator=(const Transfers&) = delete;
+
+  std::size_t devices() const { return devs_.size(); }
+  kernels::Stream& activation_upload_stream(int d) const { return *devs_.at(d).act_up; }
+  kernels::Stream& weight_upload_stream(int d) const { return *devs_.at(d).weight_up; }
+  kernels::Stream& download_stream(int d) const { return *devs_.at(d).down; }
+
+  // The streaming copies of `layers` (tied owners included by the caller) to device d. Returns
+  // once every copy is enqueued; ready() completes when they have landed. Allocates device memory
+  // (kernels::OutOfMemory past the cap).
+  std::unique_ptr<DeviceWeights> load_weights(int d, const std::vector<int>& layers);
+
+  // `bytes` of device memory on d down to a recycled host staging buffer, after `after`.
+  Staged download(int d, const void* src, std::size_t bytes, kernels::Event& after);
+  // A staged activation up to a new buffer on device d (after its download), on the
+  // high-priority activation stream. The staging buffer stays owned by `staged` (give it back
+  // with recycle() once `ready` has completed).
+  Uploaded upload(int d, const Staged& staged, std::size_t bytes);
+  // Staging memory back to the pool, for later downloads.
+  void recycle(HostBuffer buffer);
+  // Frees the pooled staging memory (between segments, when nothing is in flight).
+  void clear_staging();
+
+  // Layer `layer`'s gradients, laid out as the store's gradient region, from `src` on device d
+  // into the store, after `after`; returns the event behind the copy.
+  std::unique_ptr<kernels::Event> download_gradients(int d, int layer, const void* src,
+                                                     kernels::Event& after);
+  // The same for any small device value (the tail's loss) into caller-owned host memory.
+  std::unique_ptr<kernels::Event> download_value(int d, void* dst, const void* src,
+                                                 std::size_t bytes, kernels::Event& after);
+
+  TransferStats stats() const;
+
+ private:
+  struct DeviceLinks {
+    kernels::Device* dev = nullptr;
+    kernels::Stream *act_up = nullptr, *weight_up = nullptr, *down = nullptr;
+  };
+  HostBuffer take_staging(std::size_t bytes);
+  std::unique_ptr<kernels::Event> enqueue_download(int d, void* dst, const void* src,
+                                                   std::size_t bytes, kernels::Event& after);
+
+  LayerStore& store_;
+  HostArena& arena_;
+  TransferOptions options_;
+  std::vector<DeviceLinks> devs_;
+  mutable std::mutex mutex_;
+  std::multimap<std::size_t, HostBuffer> free_;  // recycled staging, by size
+  TransferStats stats_;
+};
+
+}  // namespace rondo::offload
