@@ -8,7 +8,7 @@ ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 DEST="$ROOT/.gpu-debs"
 PACKAGES=(
   libhwloc-dev libhwloc15 libudev1 libnuma-dev libnuma1 libltdl-dev libltdl7
-  liburing-dev liburing2
+  liburing-dev liburing2 libxxhash-dev libxxhash0
   libtbb-dev libtbb12 libtbbmalloc2 libtbbbind-2-5
   libgtest-dev libgmock-dev googletest
   nlohmann-json3-dev libcli11-dev libpcre2-dev libpcre2-8-0

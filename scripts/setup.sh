@@ -27,7 +27,7 @@ trap 'echo "scripts/setup.sh: FAILED in step: $STEP (see the output above)" >&2'
 # --- Debian packages ---------------------------------------------------------------------------
 PACKAGES=(
   build-essential cmake ninja-build ccache pkg-config git python3 python3-venv
-  libtbb-dev libhwloc-dev liburing-dev nlohmann-json3-dev libpcre2-dev libcli11-dev
+  libtbb-dev libhwloc-dev liburing-dev libxxhash-dev nlohmann-json3-dev libpcre2-dev libcli11-dev
   libtomlplusplus-dev libspdlog-dev libfmt-dev libgtest-dev libgmock-dev libbenchmark-dev
   qt6-base-dev qt6-charts-dev libqt6opengl6-dev libgl-dev xvfb
 )

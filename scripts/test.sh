@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # The test command (README, .ci/run): every test that runs without a GPU — labels cpu, oracle and
-# gui — in the main build; then the device layer, host arena and engine tests again in a
-# ThreadSanitizer build (our code instrumented; the torch wheel is not, so races inside torch are
-# out of its sight; torch on one thread so that its OpenMP pool stays out of it); then the models tests
-# (the checkpoint readers' malformed-input tests among them) under AddressSanitizer + UBSan.
+# gui — in the main build; then the device layer, offload (host arena, NVMe store) and engine tests
+# again in a ThreadSanitizer build (our code instrumented; the torch wheel is not, so races inside
+# torch are out of its sight; torch on one thread so that its OpenMP pool stays out of it); then the
+# models tests (the checkpoint readers' malformed-input tests among them) under AddressSanitizer +
+# UBSan.
 # Needs scripts/setup.sh first. Extra arguments go to the main ctest run (e.g. -R SimDevice).
 set -uo pipefail
 
