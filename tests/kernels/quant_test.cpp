@@ -6,6 +6,7 @@
 //    defines a float32 result, then to BF16/F16 by its own nearest-by-distance rule;
 //  - every quantiser round-trips within its format's bound, element by element, against the
 //    float64 input; and keeps its RMS error under the figure docs/quantisation.md states;
+//  - SimDevice's Stream::dequantize gives what the CPU function gives, in stream order.
 // Bit-equality with bitsandbytes and gguf-py is tests/oracle/test_quant.py; the CUDA kernels are
 // tests/kernels/quant_cuda_test.cpp.
 //
@@ -27,6 +28,7 @@
 #include <string>
 #include <vector>
 
+#include "kernels/cpu/sim_device.h"
 #include "kernels/error.h"
 
 namespace rondo::kernels {
@@ -747,6 +749,50 @@ TEST(QuantRoundTrip, ZerosStayZero) {
     for (std::int64_t i = 0; i < 2 * cols; ++i)
       ASSERT_EQ(y[i], 0.0f) << to_string(f) << " element " << i;
   }
+}
+
+// --- The simulated device ------------------------------------------------------------------------
+
+TEST(QuantSimDevice, DequantizeRunsInStreamOrderAfterTheUpload) {
+  auto rng = rng_for_test();
+  // A slow link: the upload takes a while, and a dequantisation that did not wait for it would
+  // read the zeros the buffer was filled with.
+  auto dev =
+      make_sim_device({.bytes_cap = 64 << 20, .link = {.bytes_per_s = 2e8, .latency_s = 2e-3}});
+  Stream& s = dev->create_stream("weights");
+  for (const QuantFormat& f : all_formats())
+    for (FloatDType out : {FloatDType::kF32, FloatDType::kBF16}) {
+      const std::int64_t rows = 67, cols = f.type == QuantType::kQ4_K || f.type == QuantType::kQ6_K
+                                               ? 512
+                                               : 288;
+      std::vector<double> values;
+      const auto x = random_weights(rng, rows, cols, FloatDType::kBF16, &values);
+      std::vector<std::uint8_t> blob(quant_bytes(f, rows, cols));
+      quantize(f, x.data(), FloatDType::kBF16, rows, cols, blob.data());
+      const std::size_t out_bytes = rows * cols * dtype_size(out);
+      std::vector<std::uint8_t> want(out_bytes), got(out_bytes);
+      dequantize(f, blob.data(), rows, cols, out, want.data());
+      DeviceBuffer q = dev->allocate(blob.size(), &s), w = dev->allocate(out_bytes, &s);
+      s.fill(q.data(), 0, blob.size());
+      s.upload(q.data(), blob.data(), blob.size());
+      s.dequantize(f, q.data(), rows, cols, out, w.data());
+      s.download(got.data(), w.data(), out_bytes);
+      s.synchronize();
+      EXPECT_EQ(got, want) << to_string(f) << " to " << to_string(out);
+    }
+}
+
+TEST(QuantSimDevice, ABadCallThrowsAtOnceAndEnqueuesNothing) {
+  auto dev = make_sim_device({});
+  Stream& s = dev->create_stream("weights");
+  DeviceBuffer q = dev->allocate(4096, &s), w = dev->allocate(4096, &s);
+  EXPECT_THROW(
+      s.dequantize({.type = QuantType::kQ6_K}, q.data(), 1, 96, FloatDType::kF32, w.data()), Error);
+  EXPECT_THROW(s.dequantize({.type = QuantType::kQ8_0}, q.data(), 1, 32, FloatDType::kF32,
+                            static_cast<char*>(w.data()) + 2),
+               Error);
+  s.synchronize();  // nothing failed on the stream
+  EXPECT_TRUE(s.query());
 }
 
 }  // namespace
