@@ -18,6 +18,7 @@
 //   up.record(*done);
 //   compute.wait(*done);          // any stream, of this or another device
 //   done->synchronize();          // or block the host
+//   up.dequantize(nf4, q.data(), rows, cols, kernels::FloatDType::kBF16, w.data());  // quant.h
 #pragma once
 
 #include <cstddef>
@@ -27,6 +28,7 @@
 #include <string>
 
 #include "kernels/error.h"
+#include "kernels/quant.h"
 
 namespace rondo::kernels {
 
@@ -133,6 +135,12 @@ class Stream {
   // From this stream's device to `dst_device` (PCIe peer or through the host).
   virtual void copy_to_peer(void* dst, Device& dst_device, const void* src, std::size_t bytes) = 0;
   virtual void fill(void* dst_device, std::uint8_t value, std::size_t bytes) = 0;
+  // Dequantises a quantised (rows, cols) tensor (kernels/quant.h) into `out` values, both in this
+  // device's memory, ordered in this stream like a copy: a frozen base travels quantised and is
+  // expanded here just before use. The result equals kernels::dequantize() on the CPU bit for bit.
+  // Bad arguments throw Error at once (check_dequantize), before anything is enqueued.
+  virtual void dequantize(const QuantFormat& format, const void* src_device, std::int64_t rows,
+                          std::int64_t cols, FloatDType out, void* dst_device) = 0;
 
   // Issues computation in stream order. SimDevice: `work` runs later on the stream's own thread.
   // CudaDevice: `work` runs now on the caller's thread, with this device current, and must only

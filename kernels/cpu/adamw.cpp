@@ -3,9 +3,6 @@
 // adamw_avx2.cpp and adamw_avx512.cpp (one body, adamw_simd_body.h).
 #include "kernels/cpu/adamw.h"
 
-#include <tbb/blocked_range.h>
-#include <tbb/parallel_for.h>
-
 #include <algorithm>
 #include <cmath>
 #include <string>
@@ -13,6 +10,7 @@
 
 #include "kernels/cpu/adamw_internal.h"
 #include "kernels/cpu/float_convert.h"
+#include "kernels/cpu/parallel.h"
 #include "kernels/error.h"
 
 // Note [One ISA per translation unit]
@@ -47,50 +45,12 @@
 // off for about 0.6% of elements); ours is IEEE sqrt. That moves an update by at most ~1e-7 of its
 // size, far inside the 1e-6 the oracle test allows.
 
-// Note [ThreadSanitizer and oneTBB]
-// Debian's libtbb is not instrumented, so ThreadSanitizer does not see the synchronisation inside
-// it: neither the hand-off of our chunks to TBB's threads and back, nor that of TBB's own task
-// and partitioner objects, which its header code (instrumented) allocates on one thread, uses on
-// another and recycles through a pool (or on the caller's stack) after an atomic count drops.
-//  - Our chunks: the caller releases one object before parallel_for, which each chunk acquires on
-//    entry; each chunk releases another on exit, which the caller acquires after parallel_for.
-//    Chunks stay unordered among themselves, so a real race between chunks (two writing one
-//    element) or with the caller is still reported (checked by injecting one).
-//  - TBB's objects: suppressed below are reports whose innermost frame is in TBB's headers
-//    (race_top: our accesses are never innermost there), and reports in which either access comes
-//    through one of TBB's task-tree and stealing functions (these catch TBB's objects recycled
-//    into memory that our code or the C++ library then touches). Our chunks never run under those
-//    frames (their stacks are run_body / work_balance / execute), so none of this can hide a race
-//    in our code. Names are those of oneTBB 2021 (Debian 12).
-// Nothing of this exists outside a ThreadSanitizer build.
-#if defined(__SANITIZE_THREAD__)
-extern "C" void __tsan_acquire(void* addr);
-extern "C" void __tsan_release(void* addr);
-extern "C" const char* __tsan_default_suppressions() {
-  return "race_top:/oneapi/tbb/\n"
-         "race:tbb::detail::d1::fold_tree\n"
-         "race:tbb::detail::d1::node::node\n"
-         "race:tbb::detail::d1::tree_node\n"
-         "race:tbb::detail::d1::wait_node\n"
-         "race:tbb::detail::d1::wait_context\n"
-         "race:tbb::detail::d1::small_object_allocator\n"
-         "race:tbb::detail::d1::task_group_context\n"
-         "race:check_being_stolen\n"
-         "race:mark_task_stolen\n"
-         "race:offer_work\n";
-}
-#define RONDO_TSAN_ACQUIRE(addr) __tsan_acquire(addr)
-#define RONDO_TSAN_RELEASE(addr) __tsan_release(addr)
-#else
-#define RONDO_TSAN_ACQUIRE(addr) ((void)(addr))
-#define RONDO_TSAN_RELEASE(addr) ((void)(addr))
-#endif
-
 namespace rondo::kernels {
 namespace {
 
 using detail::AdamWArrays;
 using detail::AdamWConstants;
+using detail::parallel_for_tiles;
 
 // Elements per tile. A tile touches at most 20 bytes per element (f32 gradient, master, m, v and
 // stream copy): 160 KiB, which stays in the L2 of any x86 core of the last decade (256 KiB and
@@ -169,23 +129,6 @@ Loops loops_for(SimdPath requested) {
     default:
       return {};
   }
-}
-
-// tbb::parallel_for over tiles [0, tiles), annotated for ThreadSanitizer (Note [ThreadSanitizer
-// and oneTBB]). The caller's task arena decides how many threads join.
-template <class Body>
-void parallel_for_tiles(std::size_t tiles, const Body& body) {
-  // Only their addresses matter: the synchronisation objects TSan tracks. Two of them, so that
-  // no chunk acquires what another released: chunks stay unordered among themselves.
-  int start = 0, done = 0;
-  RONDO_TSAN_RELEASE(&start);
-  tbb::parallel_for(tbb::blocked_range<std::size_t>(0, tiles),
-                    [&](const tbb::blocked_range<std::size_t>& r) {
-                      RONDO_TSAN_ACQUIRE(&start);
-                      body(r.begin(), r.end());
-                      RONDO_TSAN_RELEASE(&done);
-                    });
-  RONDO_TSAN_ACQUIRE(&done);
 }
 
 // Calls body(begin, end) over [0, n): inline for small n, else in whole tiles spread over oneTBB

@@ -88,6 +88,8 @@ class SimStream final : public Stream {
   void download(void* dst, const void* src, std::size_t bytes) override;
   void copy_to_peer(void* dst, Device& dst_device, const void* src, std::size_t bytes) override;
   void fill(void* dst, std::uint8_t value, std::size_t bytes) override;
+  void dequantize(const QuantFormat& format, const void* src, std::int64_t rows, std::int64_t cols,
+                  FloatDType out, void* dst) override;
   void enqueue(std::function<void()> work) override { push(std::move(work), false); }
   void record(Event& event) override;
   void wait(Event& event) override;
@@ -355,6 +357,13 @@ void SimStream::copy_to_peer(void* dst, Device& dst_device, const void* src, std
 void SimStream::fill(void* dst, std::uint8_t value, std::size_t bytes) {
   if (bytes == 0) return;
   push([=] { std::memset(dst, value, bytes); }, false);
+}
+
+void SimStream::dequantize(const QuantFormat& format, const void* src, std::int64_t rows,
+                           std::int64_t cols, FloatDType out, void* dst) {
+  check_dequantize(format, rows, cols, out, dst);
+  // The CPU kernel itself: it spreads over oneTBB's threads, as a GPU would over its cores.
+  push([=] { kernels::dequantize(format, src, rows, cols, out, dst); }, false);
 }
 
 void SimStream::record(Event& event) {

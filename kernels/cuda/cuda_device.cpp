@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "kernels/cuda/cuda_check.h"
+#include "kernels/cuda/dequant.h"
 #include "kernels/host_memory.h"
 #include "kernels/memory_ledger.h"
 #include "kernels/pci.h"
@@ -136,6 +137,12 @@ class CudaStream final : public Stream {
     if (bytes == 0) return;
     DeviceGuard guard(index_);
     RONDO_CUDA_CHECK(cudaMemsetAsync(dst, value, bytes, stream_), index_);
+  }
+  void dequantize(const QuantFormat& format, const void* src, std::int64_t rows, std::int64_t cols,
+                  FloatDType out, void* dst) override {
+    check_dequantize(format, rows, cols, out, dst);
+    DeviceGuard guard(index_);
+    RONDO_CUDA_CHECK(launch_dequantize(format, src, rows, cols, out, dst, stream_), index_);
   }
   void enqueue(std::function<void()> work) override {
     DeviceGuard guard(index_);
