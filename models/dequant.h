@@ -1,8 +1,8 @@
 // ggml tensor element types (as GGUF files store them) and their dequantisation to float32 and to
-// bf16, Rondo's streaming dtype. Plain scalar loops over blocks: the reference that faster paths
-// are checked against. Results equal gguf-py's `gguf.quants.dequantize` bit for bit in float32
-// (same operations in the same order; see Note [No FMA in dequant] in dequant.cpp).
-// Used by gguf.cpp (load_tensor) and by tests.
+// bf16, Rondo's streaming dtype. Quantised types go through kernels::dequantize (kernels/quant.h),
+// the implementation the devices share. Results equal gguf-py's `gguf.quants.dequantize` bit for
+// bit in float32 (same operations in the same order; see Note [No FMA in dequantisation] in
+// kernels/cpu/quant.cpp). Used by gguf.cpp (load_tensor) and by tests.
 //
 //   const GgmlTypeInfo* info = ggml_type_info(GgmlType::kQ4_K);   // 256 elements in 144 bytes
 //   dequantize_to_f32(GgmlType::kQ4_K, src, dst, n);              // n a multiple of 256
@@ -78,7 +78,7 @@ std::uint16_t f32_to_bf16(float value);
 
 // Dequantise `n` elements (a multiple of the type's block size) from `src`, which holds
 // n / block_size * type_size bytes, into dst. The caller has checked sizes (RONDO_ASSERT here);
-// a type that is not dequantizable throws Error.
+// a type that is not dequantizable throws Error. Quantised types spread over oneTBB threads.
 void dequantize_to_f32(GgmlType type, const std::uint8_t* src, float* dst, std::int64_t n);
 // To bf16 bits: BF16 is copied as is; every other type goes through float32 and f32_to_bf16.
 void dequantize_to_bf16(GgmlType type, const std::uint8_t* src, std::uint16_t* dst, std::int64_t n);

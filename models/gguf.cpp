@@ -558,6 +558,16 @@ at::Tensor load_tensor(const GgufFile& file, std::string_view name, DType target
                 to_string(target) + " (F32 or BF16 only)");
   at::Tensor out = at::empty(t.shape(), at::TensorOptions().dtype(to_scalar_type(target)));
   const std::uint8_t* src = file.tensor_data(t);
+  if (type.block_size > 1) {
+    // Quantised: one call, which spreads the blocks over oneTBB threads itself.
+    const auto n = static_cast<std::int64_t>(t.n_elements);
+    if (target == DType::kF32)
+      dequantize_to_f32(t.type, src, out.data_ptr<float>(), n);
+    else
+      dequantize_to_bf16(t.type, src,
+                         reinterpret_cast<std::uint16_t*>(out.data_ptr<at::BFloat16>()), n);
+    return out;
+  }
   const auto blocks = static_cast<std::int64_t>(t.n_elements / type.block_size);
   const std::int64_t bs = type.block_size, ts = type.type_size;
   // About 64 Ki elements per task: large enough that the threads' start-up cost is negligible.
