@@ -121,7 +121,8 @@ engine::PlanInputs costs_for(const Model& m, const Store& st, int devices, doubl
     in.layers.push_back(
         {.forward_s_per_token = weight * f_tok,
          .backward_s_per_token = 2 * weight * f_tok,
-         .param_bytes = st.store->stream_bytes(l).bytes,
+         .param_bytes = st.store->stream_bytes(l, offload::kBasePart).bytes +
+                        st.store->stream_bytes(l, offload::kStreamPart).bytes,
          .grad_bytes = st.store->grad_bytes(l).bytes,
          .activation_bytes_per_token = m.specs[l].activation_bytes_per_token(4),
          .output_bytes_per_token = static_cast<std::uint64_t>(m.config.hidden_size * 4)});
@@ -152,7 +153,9 @@ void bench_schedule(int steps) {
   // recompute); the link moves one block's weights in the time of its recompute and backward
   // over the M microbatches: transfers about equal compute.
   const double f_tok = 2e-3 / (2 * 32);
-  const double block_bytes = static_cast<double>(st.store->stream_bytes(1).bytes);
+  const double block_bytes =
+      static_cast<double>(st.store->stream_bytes(1, offload::kBasePart).bytes +
+                          st.store->stream_bytes(1, offload::kStreamPart).bytes);
   const double link_bps = block_bytes / (M * 6e-3);
   engine::PlanInputs in = costs_for(m, st, N, f_tok, link_bps, tokens, M);
   kernels::LinkSpec link{.bytes_per_s = link_bps, .latency_s = 0};

@@ -26,6 +26,8 @@ std::vector<Field> fields(engine::TrainConfig& c) {
   return {
       {"model.path", &c.model.path, "Hugging Face folder or .gguf file"},
       {"model.dtype", &c.model.dtype, "bf16, fp16 (loss scaling) or fp32: weights streamed in"},
+      {"model.quantize", &c.model.quantize, "frozen LoRA base: auto, none, nf4, int8, gguf"},
+      {"model.double_quant", &c.model.double_quant, "nf4: quantise the block scales too"},
       {"data.train", &c.data.train, "JSONL training file"},
       {"data.validation", &c.data.validation, "JSONL validation file"},
       {"data.validation_split", &c.data.validation_split, "share of training held out, 0..0.5"},
@@ -66,6 +68,12 @@ std::vector<Field> fields(engine::TrainConfig& c) {
       {"hardware.sim_devices", &c.hardware.sim_devices, "simulated GPUs instead of CUDA ones"},
       {"hardware.memory_cap", &c.hardware.memory_cap, "per GPU, e.g. \"24GB\""},
       {"hardware.host_memory", &c.hardware.host_memory, "host memory budget, e.g. \"64GB\""},
+      {"hardware.offload_dir", &c.hardware.offload_dir,
+       "NVMe folder for what host memory cannot hold"},
+      {"hardware.offload_io", &c.hardware.offload_io, "auto, io_uring, threads"},
+      {"hardware.disk_speed", &c.hardware.disk_speed, "offload_dir read speed per second, \"3GB\""},
+      {"hardware.gpu", &c.hardware.gpu, "plan for this card: \"RTX 4090\", \"A100\", ..."},
+      {"hardware.gpu_count", &c.hardware.gpu_count, "how many of hardware.gpu"},
       {"output.run_dir", &c.output.run_dir, "the run folder"},
       {"output.exports", &c.output.exports, "at the end: adapter, merged"},
   };
@@ -310,9 +318,9 @@ ConfigFile read_config_text(const std::string& text, const std::string& source,
   return out;
 }
 
-void ConfigFile::check() const {
+void ConfigFile::check(bool planning) const {
   std::vector<std::string> all = problems;
-  for (std::string& p : locate(config.validate()))
+  for (std::string& p : locate(config.validate(planning)))
     all.push_back(std::move(p));
   if (!all.empty())
     throw Error(join_problems(

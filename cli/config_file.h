@@ -25,7 +25,7 @@ struct ConfigFile {
   // Prefixes each problem "field: ..." with where that field was set, when known.
   std::vector<std::string> locate(const std::vector<std::string>& problems) const;
   // Throws Error listing every problem at once: reading's and config.validate()'s.
-  void check() const;
+  void check(bool planning = false) const;  // planning: TrainConfig::validate(true)
 };
 
 // `path` "" = no file (defaults and overrides only). Throws Error for a file that cannot be read

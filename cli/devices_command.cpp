@@ -5,6 +5,7 @@
 #include <nlohmann/json.hpp>
 
 #include "engine/devices.h"
+#include "offload/disk_speed.h"
 
 namespace rondo::cli {
 
@@ -20,6 +21,11 @@ void add_devices_options(CLI::App& command, DevicesOptions& options) {
       ->capture_default_str();
   command.add_option("--memory-cap", options.memory_cap,
                      "Use at most this much of each GPU's memory, e.g. 24GB");
+  command.add_option("--disk", options.disk,
+                     "Also measure this folder's sequential O_DIRECT read and write speed "
+                     "(hardware.offload_dir) and say which I/O backend works there");
+  command.add_option("--disk-bytes", options.disk_bytes, "Bytes --disk writes and reads")
+      ->capture_default_str();
 }
 
 namespace {
@@ -87,6 +93,9 @@ void print_text(const engine::DevicePlan& plan) {
                    format_bytes(d.bytes_total), format_bytes(d.bytes_cap), d.link.bytes_per_s / 1e9,
                    d.link.latency_s * 1e6);
       break;
+    case engine::DeviceMode::kPlanned:
+      fmt::print("{}\n", plan.why_no_gpu);
+      break;
     case engine::DeviceMode::kCpu:
       fmt::print("No CUDA GPU is present ({}).\n", plan.why_no_gpu);
       fmt::print(
@@ -108,10 +117,34 @@ int run_devices(const DevicesOptions& options) {
   if (!options.memory_cap.empty())
     selection.memory_cap = parse_bytes(options.memory_cap, "--memory-cap");
   engine::DevicePlan plan = engine::plan_devices(selection);
-  if (options.json)
-    fmt::print("{}\n", to_json(plan).dump(2));
-  else
-    print_text(plan);
+  nlohmann::json j = to_json(plan);
+  if (!options.json) print_text(plan);
+  if (!options.disk.empty()) {
+    const std::uint64_t bytes = parse_bytes(options.disk_bytes, "--disk-bytes");
+    if (!options.json)
+      fmt::print("Measuring {} (writing and reading {})...\n", options.disk, format_bytes(bytes));
+    const offload::DiskSpeed d = offload::measure_disk(options.disk, bytes);
+    j["disk"] = {{"dir", options.disk},
+                 {"read_bytes_per_s", d.read_bytes_per_s},
+                 {"write_bytes_per_s", d.write_bytes_per_s},
+                 {"backend", d.backend},
+                 {"backend_note", d.backend_note},
+                 {"direct", d.direct},
+                 {"direct_note", d.direct_note},
+                 {"bytes", d.bytes}};
+    if (!options.json) {
+      fmt::print(
+          "Offload folder {}: read {:.2f} GB/s, write {:.2f} GB/s (sequential, {} of {} "
+          "requests, {} in flight)\n",
+          options.disk, d.read_bytes_per_s / 1e9, d.write_bytes_per_s / 1e9, format_bytes(d.bytes),
+          format_bytes(d.request_bytes), d.queue_depth);
+      fmt::print("  I/O backend: {}{}\n", d.backend,
+                 d.backend_note.empty() ? "" : " (" + d.backend_note + ")");
+      fmt::print("  O_DIRECT: {}\n", d.direct ? "yes" : "no (" + d.direct_note + ")");
+      fmt::print("  For planning: hardware.disk_speed = \"{:.1f}GB\"\n", d.read_bytes_per_s / 1e9);
+    }
+  }
+  if (options.json) fmt::print("{}\n", j.dump(2));
   return 0;
 }
 

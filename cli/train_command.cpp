@@ -174,11 +174,11 @@ std::vector<std::string> overrides_of(const TrainOptions& o) {
 
 // The config a command runs with: file + overrides, a default run folder, every problem listed
 // with where it was set.
-ConfigFile resolve(const TrainOptions& o) {
+ConfigFile resolve(const TrainOptions& o, bool planning = false) {
   ConfigFile f = read_config(o.config, overrides_of(o));
   if (f.config.output.run_dir.empty() && !f.config.model.path.empty())
     f.config.output.run_dir = default_run_dir(f.config.model.path);
-  f.check();
+  f.check(planning);
   return f;
 }
 
@@ -313,7 +313,7 @@ int run_train(const TrainOptions& o) {
 }
 
 int run_plan(const TrainOptions& o) {
-  ConfigFile f = resolve(o);
+  ConfigFile f = resolve(o, /*planning=*/true);
   engine::SessionOptions so{.config_toml = to_toml(f.config), .plan_only = true};
   engine::Session session(f.config, so);
   if (o.json)

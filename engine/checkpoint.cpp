@@ -11,6 +11,7 @@
 #include <cstring>
 #include <filesystem>
 #include <map>
+#include <optional>
 #include <set>
 #include <string_view>
 #include <system_error>
@@ -22,6 +23,7 @@
 #include "kernels/cpu/adamw.h"
 #include "kernels/error.h"
 #include "models/safetensors.h"
+#include "offload/layer_store.h"
 
 namespace rondo::engine {
 namespace {
@@ -156,7 +158,7 @@ std::vector<Owned> owned_trainable(const offload::LayerStore& store,
 
 }  // namespace
 
-std::uint64_t write_checkpoint(const std::string& dir, const offload::LayerStore& store,
+std::uint64_t write_checkpoint(const std::string& dir, offload::LayerStore& store,
                                const std::vector<models::LayerSpec>& specs,
                                const nlohmann::json& meta, bool include_stream,
                                const std::function<void()>& before_rename) {
@@ -165,23 +167,44 @@ std::uint64_t write_checkpoint(const std::string& dir, const offload::LayerStore
   const fs::path old = with_suffix(target, ".old");
   const fs::path parent = parent_of(target);
 
-  // Views of the store, no copies: write_safetensors writes straight from the arena. All f32
-  // state first, the streaming copies (2-byte types possibly of odd length) last, so every f32
-  // tensor starts 4-byte aligned in the file and can be read in place.
-  std::vector<std::pair<std::string, at::Tensor>> tensors;
-  std::vector<std::pair<std::string, at::Tensor>> streams;
-  for (const Owned& o : owned_trainable(store, specs)) {
+  // The store's state streamed into the file layer by layer (one layer of NVMe-resident state in
+  // host memory at a time; host-resident state is written straight from the arena). All f32 state
+  // first, the streaming copies (2-byte types possibly of odd length) last, so every f32 tensor
+  // starts 4-byte aligned in the file and can be read in place.
+  struct Item {
+    const Owned* owned;
+    StateView what;
+  };
+  const std::vector<Owned> owned = owned_trainable(store, specs);
+  std::vector<models::SafetensorsEntry> entries;
+  std::vector<Item> items;
+  for (const Owned& o : owned) {
     const std::string& name = o.spec->name;
-    tensors.emplace_back(name, state_view(store, specs, o.layer, o.index, StateView::kMaster));
-    tensors.emplace_back(name + kExpAvg, state_view(store, specs, o.layer, o.index, StateView::kM));
-    tensors.emplace_back(name + kExpAvgSq,
-                         state_view(store, specs, o.layer, o.index, StateView::kV));
-    if (include_stream)
-      streams.emplace_back(name + kStream,
-                           state_view(store, specs, o.layer, o.index, StateView::kStream));
+    for (auto [suffix, what] :
+         {std::pair{"", StateView::kMaster}, std::pair{kExpAvg, StateView::kM},
+          std::pair{kExpAvgSq, StateView::kV}}) {
+      entries.push_back({name + suffix, models::DType::kF32, o.spec->shape});
+      items.push_back({&o, what});
+    }
   }
-  for (auto& s : streams)
-    tensors.push_back(std::move(s));
+  if (include_stream)
+    for (const Owned& o : owned) {
+      entries.push_back({o.spec->name + kStream, model_dtype(store.stream_dtype()), o.spec->shape});
+      items.push_back({&o, StateView::kStream});
+    }
+  std::optional<offload::LayerAccess> open;  // the layer being written
+  std::size_t open_layer = 0;
+  auto produce = [&](std::size_t k, const models::SafetensorsSink& sink) {
+    const Item& it = items[k];
+    if (!open || open_layer != it.owned->layer) {
+      open.reset();
+      open = store.access(it.owned->layer, offload::kStreamPart | offload::kOptimizerPart,
+                          offload::AccessMode::kRead);
+      open_layer = it.owned->layer;
+    }
+    const at::Tensor t = state_view(*open, store, specs, it.owned->layer, it.owned->index, it.what);
+    sink(t.data_ptr(), t.nbytes());
+  };
 
   std::error_code ec;
   fs::create_directories(parent, ec);
@@ -193,7 +216,8 @@ std::uint64_t write_checkpoint(const std::string& dir, const offload::LayerStore
   try {
     const fs::path tensors_path = tmp / kTensorsFile;
     // write_safetensors fsyncs the file and its folder (tmp) itself.
-    models::write_safetensors(tensors_path.string(), tensors, {{"format", kFormat}});
+    models::write_safetensors(tensors_path.string(), entries, {{"format", kFormat}}, produce);
+    open.reset();
     bytes += file_bytes(tensors_path);
 
     // Last: its presence marks a complete checkpoint.
@@ -369,8 +393,16 @@ nlohmann::json read_checkpoint(const std::string& dir, offload::LayerStore& stor
     throw Error(join_problems(where + ": cannot resume from this checkpoint", shown));
   }
 
+  // Layer by layer, wherever the store keeps it. Every owned trained tensor is in the file, so the
+  // trained streaming copies and the optimizer state are overwritten whole.
+  std::optional<offload::LayerAccess> open;
   for (std::size_t k = 0; k < owned.size(); ++k) {
-    const offload::TensorState& t = *owned[k].state;
+    if (!open || (k > 0 && owned[k - 1].layer != owned[k].layer)) {
+      open.reset();
+      open = store.access(owned[k].layer, offload::kStreamPart | offload::kOptimizerPart,
+                          offload::AccessMode::kOverwrite);
+    }
+    const offload::TensorState& t = (*open)[owned[k].index];
     const Source& s = sources[k];
     const std::size_t f32_bytes = t.numel * sizeof(float);
     std::memcpy(t.master, s.master->data, f32_bytes);
@@ -381,6 +413,8 @@ nlohmann::json read_checkpoint(const std::string& dir, offload::LayerStore& stor
     else  // the rounding Optimizer::publish_layer and the AdamW kernel apply
       kernels::cast_from_f32(t.master, t.stream, store.stream_dtype(), t.numel);
   }
+  open.reset();
+  store.flush();
   for (std::size_t l = 0; l < store.layers(); ++l) {
     const offload::ByteRange grads = store.grad_bytes(l);
     if (grads.bytes != 0) std::memset(grads.data, 0, grads.bytes);

@@ -33,7 +33,7 @@ namespace rondo::engine {
 // {"format": "rondo-checkpoint", "version": 1, "meta": meta}. Returns the bytes written. Throws
 // Error naming the path and the failed call. `before_rename`, if set, runs once everything is
 // written and synced under the temporary name (fault-injection tests kill the process there).
-std::uint64_t write_checkpoint(const std::string& dir, const offload::LayerStore& store,
+std::uint64_t write_checkpoint(const std::string& dir, offload::LayerStore& store,
                                const std::vector<models::LayerSpec>& specs,
                                const nlohmann::json& meta, bool include_stream = false,
                                const std::function<void()>& before_rename = {});

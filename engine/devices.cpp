@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <thread>
 
+#include "engine/gpus.h"
 #include "kernels/cpu/sim_device.h"
 #include "kernels/cuda/cuda_device.h"
 
@@ -18,6 +19,8 @@ const char* to_string(DeviceMode mode) {
       return "sim";
     case DeviceMode::kCpu:
       return "cpu";
+    case DeviceMode::kPlanned:
+      return "planned";
   }
   return "?";
 }
@@ -30,6 +33,9 @@ std::vector<std::string> DeviceSelection::validate() const {
   if (sim_devices > 0 && sim_bytes == 0) problems.push_back("sim_bytes must be above 0");
   if (sim_link.bytes_per_s < 0) problems.push_back("sim link bandwidth must not be negative");
   if (sim_link.latency_s < 0) problems.push_back("sim link latency must not be negative");
+  if (gpu_count < 1 || gpu_count > 64)
+    problems.push_back("gpu_count must be between 1 and 64 (got " + std::to_string(gpu_count) +
+                       ")");
   if (memory_cap != 0 && memory_cap < (256ull << 20))
     problems.push_back("memory_cap of " + format_bytes(memory_cap) +
                        " is too small to hold a stage; use at least 256MiB, or 0 for the whole "
@@ -55,7 +61,28 @@ DevicePlan plan_devices(const DeviceSelection& selection) {
   plan.cuda_runtime_version = probe.runtime_version;
   if (!probe.error.empty() || probe.devices.empty()) plan.why_no_gpu = probe.error;
 
-  if (selection.sim_devices > 0) {
+  if (!selection.gpu.empty()) {
+    const GpuSpec* g = find_gpu(selection.gpu);
+    if (g == nullptr)
+      throw Error("hardware.gpu: '" + selection.gpu + "' is not in Rondo's table of cards (" +
+                  gpu_names() + "); choose the nearest one");
+    plan.mode = DeviceMode::kPlanned;
+    for (int i = 0; i < selection.gpu_count; ++i) {
+      kernels::DeviceInfo d;
+      d.kind = kernels::DeviceKind::kCuda;
+      d.index = i;
+      d.name = g->name;
+      d.bytes_total = g->memory_bytes;
+      d.bytes_cap =
+          selection.memory_cap ? std::min(selection.memory_cap, g->memory_bytes) : g->memory_bytes;
+      d.compute_major = g->compute_major;
+      d.compute_minor = g->compute_minor;
+      d.pcie_gen = d.pcie_gen_max = g->pcie_gen;
+      d.pcie_width = d.pcie_width_max = g->pcie_width;
+      plan.devices.push_back(d);
+    }
+    plan.why_no_gpu = std::to_string(selection.gpu_count) + " x " + g->name + ", hardware.gpu";
+  } else if (selection.sim_devices > 0) {
     plan.mode = DeviceMode::kSim;
     for (int i = 0; i < selection.sim_devices; ++i) {
       kernels::DeviceInfo d;
@@ -89,6 +116,10 @@ DevicePlan plan_devices(const DeviceSelection& selection) {
 
 std::vector<std::unique_ptr<kernels::Device>> open_devices(const DevicePlan& plan) {
   std::vector<std::unique_ptr<kernels::Device>> devices;
+  if (plan.mode == DeviceMode::kPlanned)
+    throw Error("hardware.gpu plans for cards this machine need not have (" + plan.why_no_gpu +
+                "); `rondo plan` answers for them, `rondo train` runs on this machine's devices: "
+                "remove hardware.gpu");
   for (const kernels::DeviceInfo& d : plan.devices) {
     if (plan.mode == DeviceMode::kCuda)
       devices.push_back(kernels::open_cuda_device({.index = d.index, .bytes_cap = d.bytes_cap}));

@@ -18,13 +18,16 @@ struct DeviceSelection {
   kernels::LinkSpec sim_link{.bytes_per_s = 25e9, .latency_s = 10e-6};  // PCIe 4.0 x16, measured
   std::uint64_t memory_cap = 0;  // per-GPU cap in bytes (24GB makes an H100 act like a 4090);
                                  // 0 = whole device
+  std::string gpu;  // plan for `gpu_count` of this card from engine/gpus.h instead (not opened)
+  int gpu_count = 1;
   std::vector<std::string> validate() const;  // every problem, for the CLI to print at once
 };
 
 enum class DeviceMode {
-  kCuda,  // CUDA GPUs
-  kSim,   // simulated GPUs (asked for)
-  kCpu,   // no GPU: the CPU is the one device
+  kCuda,     // CUDA GPUs
+  kSim,      // simulated GPUs (asked for)
+  kCpu,      // no GPU: the CPU is the one device
+  kPlanned,  // cards from the GPU table that this machine need not have: for planning only
 };
 const char* to_string(DeviceMode mode);
 
@@ -41,7 +44,7 @@ struct DevicePlan {
 // Looks, opens nothing. Throws Error when the selection is invalid.
 DevicePlan plan_devices(const DeviceSelection& selection);
 
-// Opens the devices of a plan, in order.
+// Opens the devices of a plan, in order. Throws Error for planned (DeviceMode::kPlanned) ones.
 std::vector<std::unique_ptr<kernels::Device>> open_devices(const DevicePlan& plan);
 
 }  // namespace rondo::engine

@@ -287,10 +287,7 @@ struct Engine::Impl {
       for (int l = r.begin; l < r.end; ++l) {
         streamed.insert(l);
         for (const offload::TensorState& t : store.layer(l))
-          if (t.tied)
-            for (std::size_t o = 0; o < store.layers(); ++o)
-              for (const offload::TensorState& u : store.layer(o))
-                if (!u.tied && u.stream == t.stream) streamed.insert(static_cast<int>(o));
+          if (t.tied) streamed.insert(t.owner_layer);
       }
       js.streamed.assign(streamed.begin(), streamed.end());
       jobs.push_back(std::move(js));
@@ -341,8 +338,11 @@ struct Engine::Impl {
                        J = static_cast<std::int64_t>(jobs.size());
     for (std::int64_t g = d; g < total_jobs_; g += N) {
       guarded(job_where(g), [&] {
-        if (g - 2 * N >= 0) release(g - 2 * N);  // at most one stage prefetched behind the running
         const JobSpec& js = jobs[g % J];
+        // NVMe reads of the frozen weights can start before device memory frees up (the trained
+        // ones only once the optimizer has written them, below).
+        transfers->prefetch_weights(js.streamed, /*frozen_only=*/true);
+        if (g - 2 * N >= 0) release(g - 2 * N);  // at most one stage prefetched behind the running
         const std::int64_t s = g / J;
         std::shared_ptr<JobRun> r;
         {
@@ -356,6 +356,15 @@ struct Engine::Impl {
         }
         r->weights = transfers->load_weights(d, js.streamed);
         r->weights_ready = r->weights->ready();
+        // The previous job's host staging (NVMe reads) is not needed once its weights landed.
+        if (g - N >= 0) {
+          std::shared_ptr<JobRun> prev;
+          {
+            std::lock_guard<std::mutex> lock(mu_);
+            if (auto it = runs_.find(g - N); it != runs_.end()) prev = it->second;
+          }
+          if (prev && prev->weights) prev->weights->release_staging();
+        }
         std::lock_guard<std::mutex> lock(mu_);
         r->loaded = true;
         if (options.one_step_stale) loads_[s].push_back({static_cast<int>(g % J), r});
@@ -932,7 +941,12 @@ struct Engine::Impl {
                                    .predicted_step_s = p.step_time_s,
                                    .predicted_idle_fraction = p.idle_fraction,
                                    .predicted_peak_bytes = p.peak_bytes,
-                                   .partitioner = partitioner});
+                                   .partitioner = partitioner,
+                                   .predicted_bytes_up = p.bytes_up,
+                                   .predicted_bytes_down = p.bytes_down,
+                                   .predicted_nvme_read = p.bytes_nvme_read,
+                                   .predicted_nvme_write = p.bytes_nvme_write,
+                                   .placement_json = options.placement_json});
   }
 
   // Folds the measured job times into the per-layer costs; re-plans when a cost moved enough.
@@ -1084,6 +1098,13 @@ struct Engine::Impl {
     transfers->clear_staging();
     for (auto& dc : devs)
       dc->dev->synchronize();  // stream-ordered releases done
+    // NVMe write-backs done (and reads nobody took dropped): the store is as the last step left
+    // it, for checkpoints and exports.
+    try {
+      store.flush();
+    } catch (...) {
+      if (!error_) error_ = std::current_exception();
+    }
     steps_done += static_cast<std::int64_t>(out.size());
     if (error_) std::rethrow_exception(error_);
     return out;

@@ -70,6 +70,7 @@ struct EngineOptions {
   // be null (then no prediction and no re-planning).
   const PlanInputs* plan_inputs = nullptr;
   std::string partitioner = "ours";  // who made the plan, for the plan event ("reference", ...)
+  std::string placement_json;        // for the plan event: where the state lives (a JSON object)
   // Re-planning from measured timings: every `replan_every` steps (0 = never) the engine folds the
   // jobs' measured compute times into the per-layer costs (smoothed: each update moves a cost
   // half-way to what was measured), and when some layer's cost moved by more than

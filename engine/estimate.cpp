@@ -5,13 +5,20 @@
 #include <sys/statvfs.h>
 
 #include <algorithm>
+#include <array>
 #include <chrono>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <sstream>
 
+#include "engine/gpus.h"
+#include "engine/state.h"
 #include "kernels/error.h"
+#include "kernels/quant.h"
 #include "models/lora.h"
 
 namespace fs = std::filesystem;
@@ -67,15 +74,22 @@ std::uint64_t disk_space_free(const std::string& path) {
 }
 
 double device_flops(const kernels::DeviceInfo& device, DeviceMode mode, const std::string& dtype) {
-  if (mode == DeviceMode::kCuda) {
-    // Dense tensor-core throughput one can reach in training (about half the datasheet peak).
-    const int cc = device.compute_major * 10 + device.compute_minor;
-    double tf = cc >= 100  ? 500
-                : cc >= 90 ? 400
-                : cc == 89 ? 80
-                : cc >= 86 ? 35
-                : cc >= 80 ? 150
-                           : 15;
+  if (mode == DeviceMode::kCuda || mode == DeviceMode::kPlanned) {
+    // Dense tensor-core throughput one can reach in training: about half the datasheet's dense
+    // bf16 peak (engine/gpus.h), by name, else by compute capability.
+    double tf = 0;
+    if (const GpuSpec* g = find_gpu(device.name)) {
+      tf = g->bf16_dense_tflops / 2;
+    } else {
+      const int cc = device.compute_major * 10 + device.compute_minor;
+      tf = cc >= 120   ? 105  // consumer Blackwell (RTX 5090: 209 dense)
+           : cc >= 100 ? 560  // B200
+           : cc >= 90  ? 400  // H100 / H200 (PCIe 756, SXM 989 dense)
+           : cc == 89  ? 82   // RTX 4090 / L40S class
+           : cc >= 86  ? 35   // RTX 3090 / A6000 class
+           : cc >= 80  ? 156  // A100
+                       : 15;
+    }
     if (dtype == "fp32") tf /= 8;
     return tf * 1e12;
   }
@@ -95,6 +109,103 @@ double device_flops(const kernels::DeviceInfo& device, DeviceMode mode, const st
   return flops;
 }
 
+// Note [Host budget]
+// hardware.host_memory bounds what the run keeps in host memory: the host arena (offload/) holds
+// the store (weights, gradients, optimizer state), activation staging and NVMe staging, and
+// refuses to pass its limit with a named error (HostOutOfMemory), never an OOM kill. What the
+// arena cannot see is the process itself: code and libraries (torch is ~0.3 GB resident), the
+// tokenizer and the tokenized data, heaps, and the tensors torch allocates while computing on
+// the CPU (and a simulated GPU's memory, which is host memory under the device's own cap). That
+// is the stated overhead: host_fixed_overhead() is the process's resident size when the run is
+// planned (everything loaded but the weights) plus a margin for compute temporaries. One tensor
+// is converted at a time while loading (HostNeeds::loading) outside the arena, so the arena's
+// limit is the budget minus that. When no budget is given, the budget is what the OS reports
+// available minus the overhead.
+
+std::uint64_t host_fixed_overhead() {
+  std::ifstream f("/proc/self/status");
+  std::string key;
+  std::uint64_t rss_kib = 0;
+  for (std::string line; std::getline(f, line);)
+    if (line.rfind("VmRSS:", 0) == 0) rss_kib = std::strtoull(line.c_str() + 6, nullptr, 10);
+  return rss_kib * 1024 + (256ull << 20);
+}
+
+namespace {
+
+constexpr int kBase = 0, kTrained = 1, kOptimizer = 2;  // LayerDesc parts, in this order
+const char* const kPartNames[3] = {"frozen weights", "trained weights", "optimizer state"};
+
+// The GGUF block types Rondo streams as stored (and dequantises on the device).
+std::optional<kernels::QuantType> gguf_kept_type(const std::string& name) {
+  static const std::map<std::string, kernels::QuantType> kept = {
+      {"Q4_0", kernels::QuantType::kQ4_0},
+      {"Q4_1", kernels::QuantType::kQ4_1},
+      {"Q8_0", kernels::QuantType::kQ8_0},
+      {"Q4_K", kernels::QuantType::kQ4_K},
+      {"Q6_K", kernels::QuantType::kQ6_K}};
+  auto it = kept.find(name);
+  if (it == kept.end()) return std::nullopt;
+  return it->second;
+}
+
+bool is_projection(const std::string& name) {
+  for (const char* p : {"q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight",
+                        "gate_proj.weight", "up_proj.weight", "down_proj.weight"})
+    if (name.ends_with(p)) return true;
+  return false;
+}
+
+// Tier of part p of a layer.
+offload::Tier& tier_of(offload::LayerDesc& d, int p) {
+  return p == kBase ? d.base : p == kTrained ? d.weights : d.optimizer;
+}
+offload::Tier tier_of(const offload::LayerDesc& d, int p) {
+  return p == kBase ? d.base : p == kTrained ? d.weights : d.optimizer;
+}
+
+bool layer_has_ties(const std::vector<offload::LayerDesc>& layers, std::size_t l) {
+  for (const offload::TensorDesc& t : layers[l].tensors)
+    if (t.tied_to_layer >= 0) return true;
+  for (const offload::LayerDesc& o : layers)
+    for (const offload::TensorDesc& t : o.tensors)
+      if (t.tied_to_layer == static_cast<int>(l)) return true;
+  return false;
+}
+
+std::string percent_mix(const std::map<std::string, std::uint64_t>& bytes) {
+  std::uint64_t total = 0;
+  for (auto& [k, b] : bytes)
+    total += b;
+  std::vector<std::pair<std::uint64_t, std::string>> order;
+  for (auto& [k, b] : bytes)
+    order.push_back({b, k});
+  std::sort(order.rbegin(), order.rend());
+  std::string out;
+  for (auto& [b, k] : order)
+    out += (out.empty() ? "" : ", ") + k + " " +
+           std::to_string(total ? static_cast<int>(100.0 * b / total + 0.5) : 0) + "%";
+  return out;
+}
+
+}  // namespace
+
+std::string Placement::lines() const {
+  std::string out;
+  for (int p = 0; p < 3; ++p) {
+    if (host_part[p] + nvme_part[p] == 0) continue;
+    out += fmt::format("  {:<16} {}", kPartNames[p],
+                       nvme_part[p] == 0 ? fmt::format("host {}", format_bytes(host_part[p]))
+                       : host_part[p] == 0
+                           ? fmt::format("NVMe {}", format_bytes(nvme_part[p]))
+                           : fmt::format("host {}, NVMe {} ({} layers)", format_bytes(host_part[p]),
+                                         format_bytes(nvme_part[p]), nvme_layers[p]));
+    if (p == kBase && !formats.empty()) out += " as " + formats;
+    out += "\n";
+  }
+  return out;
+}
+
 RunEstimate estimate_run(const TrainConfig& config, const models::ModelSummary& model,
                          const DevicePlan& devices, std::int64_t steps,
                          std::int64_t tokens_per_step, std::uint64_t host_free,
@@ -104,49 +215,123 @@ RunEstimate estimate_run(const TrainConfig& config, const models::ModelSummary& 
   e.steps = steps;
   e.tokens_per_step = tokens_per_step;
   const bool lora = config.training.method == "lora";
+  const bool gguf = model.format == "gguf";
   std::vector<models::LayerSpec> specs = models::layer_specs(model.config);
   if (lora) specs = models::add_lora(specs, config.lora_config());
   const std::uint64_t wb = dtype_bytes(config.model.dtype);
-  std::vector<std::int64_t> trained_per_layer;
-  for (const models::LayerSpec& l : specs) {
-    std::int64_t trained = 0;
-    for (const models::ParamSpec& p : l.params) {
+  const kernels::FloatDType sd = config.model.dtype == "fp32"   ? kernels::FloatDType::kF32
+                                 : config.model.dtype == "fp16" ? kernels::FloatDType::kF16
+                                                                : kernels::FloatDType::kBF16;
+  auto trainable = [&](const models::ParamSpec& p) {
+    return !lora || models::is_lora_param(p.name);
+  };
+
+  // --- What the frozen base is kept as ---------------------------------------------------------
+  Placement& pl = e.placement;
+  e.host_overhead = host_fixed_overhead();
+  e.host_available = host_free;
+  if (!config.hardware.host_memory.empty())
+    e.host_available = parse_bytes(config.hardware.host_memory, "hardware.host_memory");
+  if (e.host_available == 0) {
+    const std::uint64_t avail = host_memory_available();
+    e.host_available = avail > e.host_overhead ? avail - e.host_overhead : 0;
+  }
+  pl.quantize = config.model.quantize;
+  if (pl.quantize == "auto") {
+    // A GGUF base keeps its block types where they pay: over a GPU's link, and wherever memory is
+    // short. On the CPU there is no link to save, and dequantising every layer for every job
+    // costs compute, so a base that fits easily is dequantised once, at load.
+    const bool roomy = devices.mode == DeviceMode::kCpu &&
+                       static_cast<std::uint64_t>(model.params) * wb <= e.host_available / 2;
+    pl.quantize = lora && gguf && !roomy ? "gguf" : "none";
+  }
+  if (pl.quantize == "gguf" && !gguf) {
+    e.problems.push_back("model.quantize: 'gguf' keeps a GGUF file's own block types; " +
+                         config.model.path +
+                         " is a Hugging Face folder: use nf4 or int8 to quantise it at load");
+    pl.quantize = "none";
+  }
+  pl.layers = layer_descs(specs, trainable);
+  std::map<std::string, std::uint64_t> format_bytes_of;  // frozen base bytes by kept format
+  std::uint64_t largest_tensor = 0;
+  for (std::size_t l = 0; l < specs.size(); ++l)
+    for (std::size_t i = 0; i < specs[l].params.size(); ++i) {
+      const models::ParamSpec& p = specs[l].params[i];
+      offload::TensorDesc& t = pl.layers[l].tensors[i];
       if (p.tied) continue;
       e.params += p.numel();
-      if (!lora || models::is_lora_param(p.name)) trained += p.numel();
+      if (t.trainable) e.trained_params += p.numel();
+      largest_tensor = std::max<std::uint64_t>(largest_tensor, p.numel());
+      if (t.trainable) continue;
+      if (p.shape.size() == 2) {
+        kernels::QuantFormat f;
+        if (pl.quantize == "nf4" && is_projection(p.name))
+          f = {.type = kernels::QuantType::kNF4, .double_quant = config.model.double_quant};
+        else if (pl.quantize == "int8" && is_projection(p.name))
+          f = {.type = kernels::QuantType::kInt8};
+        else if (pl.quantize == "gguf")
+          if (auto it = model.stored_types.find(p.name); it != model.stored_types.end())
+            if (auto q = gguf_kept_type(it->second)) f = {.type = *q};
+        if (f.type != kernels::QuantType::kNone) {
+          t.quant = f;
+          t.rows = p.shape[0];
+          t.cols = p.shape[1];
+        }
+      }
+      const std::string name = t.quant.type == kernels::QuantType::kNone
+                                   ? std::string(config.model.dtype == "fp32"   ? "F32"
+                                                 : config.model.dtype == "fp16" ? "F16"
+                                                                                : "BF16")
+                                   : std::string(kernels::to_string(t.quant.type));
+      format_bytes_of[name] += t.quant.type == kernels::QuantType::kNone
+                                   ? static_cast<std::uint64_t>(p.numel()) * wb
+                                   : kernels::quant_bytes(t.quant, t.rows, t.cols);
     }
-    trained_per_layer.push_back(trained);
-    e.trained_params += trained;
+  if (lora && pl.quantize != "none") {
+    pl.formats = percent_mix(format_bytes_of);
+    if (pl.quantize == "nf4")
+      pl.formats +=
+          config.model.double_quant ? " (NF4: block 64, double quant)" : " (NF4: block 64)";
   }
-  const auto P = static_cast<std::uint64_t>(e.params),
-             TP = static_cast<std::uint64_t>(e.trained_params);
-  e.host.weights = P * wb;
-  e.host.masters = TP * 4;
-  e.host.moments = TP * 8;
-  e.host.grads = TP * 4;
-  const std::string stored = model.dtypes;
-  const bool mapped =
-      model.format == "safetensors" &&
-      ((wb == 2 && (stored == "BF16" || stored == "F16")) || (wb == 4 && stored == "F32"));
-  e.host.loading = mapped ? 0 : P * wb;
+  // Loading holds one tensor at a time outside the store: its file pages while it is read
+  // (dropped after, models::WeightReader::release) and, unless the file already holds the
+  // streaming dtype, the converted (or dequantised) copy.
+  {
+    std::uint64_t stored_bytes = wb;
+    for (const auto& [name, type] : model.stored_types)
+      if (type == "F32") stored_bytes = 4;
+    const bool same = !gguf && stored_bytes == wb;
+    e.host.loading = largest_tensor * (stored_bytes + (same ? 0 : wb));
+  }
   const std::uint64_t C = static_cast<std::uint64_t>(model.config.hidden_size);
 
-  // The plan, from FLOP counts and the devices' assumed speeds (speed 1 = 1 TFLOP/s).
+  // --- Costs and the plan (speed 1 = 1 TFLOP/s) -----------------------------------------------
   const double ref = 1e12;
   const int M = config.training.grad_accum;
+  std::vector<std::array<std::uint64_t, 3>> parts;
   for (std::size_t l = 0; l < specs.size(); ++l) {
+    parts.push_back(offload::LayerStore::part_bytes(pl.layers, l, sd));
     const double f = specs[l].flops_forward_per_token(config.data.seq_len) / ref;
     // The backward of a frozen weight computes only the input gradient: about one forward.
     const double b =
         specs[l].flops_backward_per_token(config.data.seq_len) / ref * (lora ? 0.5 : 1.0);
-    std::uint64_t pb = 0;
-    for (const models::ParamSpec& p : specs[l].params)
-      if (!p.tied) pb += static_cast<std::uint64_t>(p.numel()) * wb;
+    std::uint64_t stored = 0, dequantised = 0, trained = 0;
+    for (std::size_t i = 0; i < specs[l].params.size(); ++i) {
+      const offload::TensorDesc& t = pl.layers[l].tensors[i];
+      if (t.tied_to_layer >= 0) continue;
+      const auto n = static_cast<std::uint64_t>(t.numel);
+      dequantised += n * wb;
+      stored += t.quant.type == kernels::QuantType::kNone
+                    ? n * wb
+                    : kernels::quant_bytes(t.quant, t.rows, t.cols);
+      if (t.trainable) trained += n;
+    }
     e.inputs.layers.push_back(
         {.forward_s_per_token = f,
          .backward_s_per_token = b,
-         .param_bytes = pb,
-         .grad_bytes = static_cast<std::uint64_t>(trained_per_layer[l]) * 4,
+         .param_bytes = stored,
+         .device_param_bytes = stored != dequantised ? dequantised : 0,
+         .grad_bytes = trained * 4,
          .activation_bytes_per_token = specs[l].activation_bytes_per_token(wb),
          .output_bytes_per_token = C * wb});
   }
@@ -155,26 +340,153 @@ RunEstimate estimate_run(const TrainConfig& config, const models::ModelSummary& 
   double cpu_flops = 0;
   for (const kernels::DeviceInfo& d : devices.devices) {
     double flops = 0;
-    if (devices.mode == DeviceMode::kCuda) {
+    double link = d.link.bytes_per_s, latency = d.link.latency_s;
+    if (devices.mode == DeviceMode::kCuda || devices.mode == DeviceMode::kPlanned) {
       flops = device_flops(d, devices.mode, config.model.dtype);
+      // The link the card can run at (it drops to a lower generation when idle).
+      link = pcie_bytes_per_s(d.pcie_gen_max ? d.pcie_gen_max : d.pcie_gen,
+                              d.pcie_width_max ? d.pcie_width_max : d.pcie_width);
+      if (link == 0) link = 20e9;  // unknown: a PCIe 4.0 x16 slot
+      latency = 10e-6;
     } else {
       if (cpu_flops == 0) cpu_flops = device_flops(d, devices.mode, config.model.dtype);
       flops = cpu_flops;
     }
-    e.inputs.devices.push_back(
-        {.speed = flops / ref,
-         .memory_cap = d.bytes_cap,
-         .link_bytes_per_s = devices.mode == DeviceMode::kCuda ? 20e9 : d.link.bytes_per_s,
-         .link_latency_s = devices.mode == DeviceMode::kCuda ? 10e-6 : d.link.latency_s});
+    e.inputs.devices.push_back({.speed = flops / ref,
+                                .memory_cap = d.bytes_cap,
+                                .link_bytes_per_s = link,
+                                .link_latency_s = latency});
   }
   e.inputs.tokens_per_step = tokens_per_step;
   e.inputs.microbatches = M;
   e.inputs.one_step_stale = config.training.one_step_stale;
+  bool planned = false;
   try {
     e.plan = plan_ours(e.inputs);
+    planned = true;
+  } catch (const Error& err) {
+    e.problems.push_back(std::string("device memory: ") + err.what());
+  }
+  const std::size_t N = std::max<std::size_t>(devices.devices.size(), 1);
+  // Host staging for activations, two steps in flight: the checkpoints each backward stage (or,
+  // in layer grain, each block) waits for, and the outputs handed between jobs on different
+  // devices (two per device at most: one being written, one being read).
+  {
+    std::uint64_t ckpts = 0;
+    if (planned) {
+      if (e.plan.grain == RecomputeGrain::kLayer)
+        ckpts = static_cast<std::uint64_t>(std::max(e.plan.tail.begin - 1, 0));
+      else
+        for (const LayerRange& r : e.plan.backward)
+          ckpts += r.begin >= 1 ? 1 : 0;
+    }
+    e.host.staging = (2 * ckpts + 2 * N + 2) * static_cast<std::uint64_t>(tokens_per_step) * C * wb;
+  }
+
+  // --- Host memory and the NVMe tier ----------------------------------------------------------
+  pl.disk_bytes_per_s =
+      config.hardware.disk_speed.empty()
+          ? 3e9
+          : static_cast<double>(parse_bytes(config.hardware.disk_speed, "hardware.disk_speed"));
+  auto needs = [&](const std::vector<offload::LayerDesc>& layers) {
+    HostNeeds h = e.host;
+    const offload::LayerStore::HostBytes hb =
+        offload::LayerStore::host_bytes(layers, sd, kernels::FloatDType::kF32);
+    h.weights = hb.weights;
+    h.masters = hb.optimizer / 3;
+    h.moments = hb.optimizer - h.masters;
+    h.grads = hb.gradients;
+    std::uint64_t layer_read = 0, layer_update = 0;
+    for (std::size_t l = 0; l < layers.size(); ++l) {
+      std::uint64_t r = 0, u = 0;
+      for (int p : {kBase, kTrained})
+        if (tier_of(layers[l], p) == offload::Tier::kNvme) r += parts[l][p];
+      for (int p : {kTrained, kOptimizer})
+        if (tier_of(layers[l], p) == offload::Tier::kNvme) u += parts[l][p];
+      layer_read = std::max(layer_read, r);
+      layer_update = std::max(layer_update, u);
+    }
+    // Per device, a window of layers being uploaded and as many read ahead (offload::Transfers,
+    // nvme_window 2); the optimizer's layer, the next one prefetched, and write-backs in flight
+    // (LayerStore: 4 parts at most, about two layers).
+    h.nvme_staging = 2 * 2 * N * layer_read + 4 * layer_update;
+    return h;
+  };
+  e.host = needs(pl.layers);
+  const std::string& offload_dir = config.hardware.offload_dir;
+  // With an NVMe tier, state moves there until the host keeps 15% headroom (a run at the edge of
+  // its budget fails on the first allocation the plan did not foresee; "tight" starts there).
+  const std::uint64_t target = e.host_available / 100 * 85;
+  if (e.host.total() > target && !offload_dir.empty()) {
+    // Move state to NVMe, the cheapest per byte first: optimizer state (touched once per step),
+    // then the frozen base (read by two jobs per step), then trained weights (written and read
+    // every step); the last layers first (the first stage's layers are needed first after an
+    // update). Layers with tied tensors stay (their owner and the tying layer share a copy).
+    for (int p : {kOptimizer, kBase, kTrained}) {
+      for (std::size_t l = pl.layers.size(); l-- > 0;) {
+        if (e.host.total() <= target) break;
+        if (parts[l][p] == 0 || layer_has_ties(pl.layers, l)) continue;
+        tier_of(pl.layers[l], p) = offload::Tier::kNvme;
+        e.host = needs(pl.layers);
+      }
+    }
+  }
+  for (std::size_t l = 0; l < pl.layers.size(); ++l)
+    for (int p = 0; p < 3; ++p) {
+      if (tier_of(pl.layers[l], p) == offload::Tier::kNvme) {
+        pl.nvme_part[p] += parts[l][p];
+        ++pl.nvme_layers[p];
+      } else {
+        pl.host_part[p] += parts[l][p];
+      }
+    }
+  pl.nvme_bytes = offload::LayerStore::nvme_bytes(pl.layers, sd);
+  if (pl.nvme_bytes > 0) {
+    // The NVMe tier's traffic in the plan: reads before uploads, and the optimizer's
+    // read-modify-writes; then plan again with it.
+    for (std::size_t l = 0; l < pl.layers.size(); ++l) {
+      LayerCosts& c = e.inputs.layers[l];
+      c.nvme_read_bytes = 0;
+      c.nvme_update_bytes = 0;
+      for (int p : {kBase, kTrained})
+        if (tier_of(pl.layers[l], p) == offload::Tier::kNvme) c.nvme_read_bytes += parts[l][p];
+      for (int p : {kTrained, kOptimizer})
+        if (tier_of(pl.layers[l], p) == offload::Tier::kNvme) c.nvme_update_bytes += parts[l][p];
+    }
+    e.inputs.nvme_bytes_per_s = pl.disk_bytes_per_s;
+    if (planned) {
+      try {
+        e.plan = plan_ours(e.inputs);
+      } catch (const Error&) {
+        // Unchanged device memory: the earlier plan stands.
+      }
+    }
+    pl.offload_free = disk_space_free(offload_dir);
+    if (pl.nvme_bytes > pl.offload_free)
+      e.problems.push_back(fmt::format(
+          "hardware.offload_dir: {} must go to the NVMe tier but {} is free in {}; free space "
+          "there or choose a larger drive",
+          format_bytes(pl.nvme_bytes), format_bytes(pl.offload_free), offload_dir));
+  }
+
+  if (planned) {
     e.prediction = predict(e.plan, e.inputs);
     e.tokens_per_s = tokens_per_step / std::max(e.prediction.step_time_s, 1e-12);
     e.seconds = e.prediction.step_time_s * static_cast<double>(steps);
+    // The same step's weights at full width (no quantisation).
+    e.weights_up_unquantised = e.prediction.bytes_weights_up;
+    for (std::size_t l = 0; l < e.inputs.layers.size(); ++l) {
+      const LayerCosts& c = e.inputs.layers[l];
+      if (c.device_param_bytes == 0) continue;
+      int jobs_with_l = 0;
+      for (const LayerRange& r : e.plan.forward)
+        jobs_with_l += r.begin <= static_cast<int>(l) && static_cast<int>(l) < r.end;
+      for (const LayerRange& r : e.plan.backward)
+        jobs_with_l += r.begin <= static_cast<int>(l) && static_cast<int>(l) < r.end;
+      jobs_with_l += e.plan.tail.begin <= static_cast<int>(l);
+      e.weights_up_unquantised +=
+          jobs_with_l * (static_cast<double>(c.device_param_bytes) - c.param_bytes);
+    }
     for (std::size_t d = 0; d < e.prediction.peak_bytes.size(); ++d) {
       const std::uint64_t cap = e.inputs.devices[d].memory_cap;
       if (cap > 0 && e.prediction.peak_bytes[d] > cap * 9 / 10)
@@ -184,33 +496,53 @@ RunEstimate estimate_run(const TrainConfig& config, const models::ModelSummary& 
             d, devices.devices[d].name, format_bytes(e.prediction.peak_bytes[d]),
             format_bytes(cap)));
     }
-  } catch (const Error& err) {
-    e.problems.push_back(std::string("device memory: ") + err.what());
   }
-  // Host staging: every job's output and checkpoint of a step, two steps in flight.
-  e.host.staging = 2 * static_cast<std::uint64_t>(tokens_per_step) * C * wb *
-                   static_cast<std::uint64_t>(std::max(e.plan.jobs(), 1));
 
-  e.host_available = host_free;
-  if (!config.hardware.host_memory.empty())
-    e.host_available = parse_bytes(config.hardware.host_memory, "hardware.host_memory");
-  if (e.host_available == 0) e.host_available = host_memory_available();
   const std::uint64_t need = e.host.total();
   const std::string breakdown = fmt::format(
-      "weights {}, masters {}, moments {}, gradients {}, loading {}, staging {}",
+      "weights {}, masters {}, moments {}, gradients {}, loading {}, staging {}{}",
       format_bytes(e.host.weights), format_bytes(e.host.masters), format_bytes(e.host.moments),
-      format_bytes(e.host.grads), format_bytes(e.host.loading), format_bytes(e.host.staging));
-  if (need > e.host_available)
-    e.problems.push_back(fmt::format(
-        "host memory: the run needs about {} ({}) but {} is available; {}", format_bytes(need),
-        breakdown, format_bytes(e.host_available),
-        lora ? "use model.dtype = bf16, a smaller model, or a machine with more memory"
-             : "use training.method = lora (no masters or moments for the base), or a machine "
-               "with more memory"));
-  else if (need > e.host_available / 100 * 85)
+      format_bytes(e.host.grads), format_bytes(e.host.loading), format_bytes(e.host.staging),
+      e.host.nvme_staging ? ", NVMe staging " + format_bytes(e.host.nvme_staging) : "");
+  if (need > e.host_available) {
+    // What would make it fit, only what applies to this run.
+    std::vector<std::string> fixes;
+    if (offload_dir.empty()) {
+      TrainConfig with = config;
+      with.hardware.offload_dir = "/nonexistent-offload-probe";
+      const RunEstimate probe = estimate_run(with, model, devices, steps, tokens_per_step,
+                                             e.host_available, disk_free ? disk_free : 1);
+      fixes.push_back(probe.host.total() <= e.host_available
+                          ? fmt::format("set hardware.offload_dir to a folder on an NVMe drive ({} "
+                                        "would go there)",
+                                        format_bytes(probe.placement.nvme_bytes))
+                          : "set hardware.offload_dir to a folder on an NVMe drive (not enough "
+                            "alone)");
+    }
+    if (lora && pl.quantize == "none")
+      fixes.push_back(gguf ? "model.quantize = gguf (keep the file's block types)"
+                           : "model.quantize = nf4 (the frozen base in about 0.56 bytes per "
+                             "parameter)");
+    if (lora && config.model.dtype == "fp32") fixes.push_back("model.dtype = bf16");
+    if (!lora) fixes.push_back("training.method = lora (no masters or moments for the base)");
+    if (!config.hardware.host_memory.empty())
+      fixes.push_back("a larger hardware.host_memory, if the machine has it");
+    else
+      fixes.push_back("a machine with more memory");
+    std::string what;
+    for (std::size_t i = 0; i < fixes.size(); ++i)
+      what += (i == 0 ? "" : i + 1 == fixes.size() ? ", or " : ", ") + fixes[i];
+    e.problems.push_back(
+        fmt::format("host memory: the run needs about {} ({}) but {} is "
+                    "available; {}",
+                    format_bytes(need), breakdown, format_bytes(e.host_available), what));
+  } else if (need > e.host_available / 100 * 85) {
     e.warnings.push_back(fmt::format("host memory: the run needs about {} of the {} available",
                                      format_bytes(need), format_bytes(e.host_available)));
+  }
 
+  const auto TP = static_cast<std::uint64_t>(e.trained_params);
+  const auto P = static_cast<std::uint64_t>(e.params);
   e.checkpoint_bytes = TP * 12 + (config.training.one_step_stale ? TP * wb : 0) + 4096;
   const std::int64_t every = config.checkpoint.every > 0 ? config.checkpoint.every : steps;
   const std::int64_t written = steps / std::max<std::int64_t>(every, 1) + 1;
@@ -234,7 +566,8 @@ std::string RunEstimate::text() const {
   std::ostringstream o;
   o << fmt::format("Parameters  {}, {} trained\n", format_count(params),
                    format_count(trained_params));
-  o << fmt::format("Devices     {} ({})\n", devices.devices.size(), to_string(devices.mode));
+  o << fmt::format("Devices     {} ({}{})\n", devices.devices.size(), to_string(devices.mode),
+                   devices.mode == DeviceMode::kPlanned ? ": " + devices.why_no_gpu : "");
   if (!plan.forward.empty() || plan.tail.end > 0) {
     o << fmt::format("Plan        {}\n", plan.describe());
     for (std::size_t d = 0; d < devices.devices.size() && d < prediction.peak_bytes.size(); ++d)
@@ -242,14 +575,41 @@ std::string RunEstimate::text() const {
                        format_bytes(prediction.peak_bytes[d]),
                        format_bytes(devices.devices[d].bytes_cap));
   }
-  o << fmt::format("Host memory {} needed, {} available\n", format_bytes(host.total()),
-                   format_bytes(host_available));
+  o << fmt::format("Host memory {} needed, {} available (plus {} for the process itself)\n",
+                   format_bytes(host.total()), format_bytes(host_available),
+                   format_bytes(host_overhead));
+  o << placement.lines();
+  if (placement.nvme_bytes > 0)
+    o << fmt::format(
+        "NVMe tier   {} in the offload folder ({} free), read at {:.1f} GB/s "
+        "(hardware.disk_speed)\n",
+        format_bytes(placement.nvme_bytes), format_bytes(placement.offload_free),
+        placement.disk_bytes_per_s / 1e9);
   o << fmt::format("Disk        {} needed, {} free\n", format_bytes(disk_needed),
                    format_bytes(disk_free));
-  if (tokens_per_s > 0)
-    o << fmt::format(
-        "Speed       about {:.0f} tokens/s (estimated); {} steps of {} tokens: about {}\n",
-        tokens_per_s, steps, tokens_per_step, duration_text(seconds));
+  if (prediction.step_time_s > 0) {
+    o << fmt::format("Per step    {:.3g} s; links {} up ({} of it weights", prediction.step_time_s,
+                     format_bytes(static_cast<std::uint64_t>(prediction.bytes_up)),
+                     format_bytes(static_cast<std::uint64_t>(prediction.bytes_weights_up)));
+    if (weights_up_unquantised > prediction.bytes_weights_up)
+      o << fmt::format(", {} unquantised",
+                       format_bytes(static_cast<std::uint64_t>(weights_up_unquantised)));
+    o << fmt::format("), {} down", format_bytes(static_cast<std::uint64_t>(prediction.bytes_down)));
+    if (prediction.bytes_nvme_read + prediction.bytes_nvme_write > 0)
+      o << fmt::format("; NVMe {} read, {} written",
+                       format_bytes(static_cast<std::uint64_t>(prediction.bytes_nvme_read)),
+                       format_bytes(static_cast<std::uint64_t>(prediction.bytes_nvme_write)));
+    o << "\n";
+  }
+  if (tokens_per_s > 0) {
+    if (steps > 0)
+      o << fmt::format(
+          "Speed       about {:.0f} tokens/s (estimated); {} steps of {} tokens: about {}\n",
+          tokens_per_s, steps, tokens_per_step, duration_text(seconds));
+    else
+      o << fmt::format("Speed       about {:.0f} tokens/s (estimated), {} tokens per step\n",
+                       tokens_per_s, tokens_per_step);
+  }
   o << fmt::format("Verdict     {}\n", verdict);
   for (const std::string& p : problems)
     o << "  - " << p << "\n";
@@ -281,8 +641,36 @@ std::string RunEstimate::json() const {
                         {"moments", host.moments},
                         {"grads", host.grads},
                         {"loading", host.loading},
-                        {"staging", host.staging}}},
+                        {"staging", host.staging},
+                        {"nvme_staging", host.nvme_staging}}},
                       {"disk", {{"needed_bytes", disk_needed}, {"free_bytes", disk_free}}},
+                      {"placement",
+                       {{"quantize", placement.quantize},
+                        {"formats", placement.formats},
+                        {"nvme_bytes", placement.nvme_bytes},
+                        {"offload_free_bytes", placement.offload_free},
+                        {"disk_bytes_per_s", placement.disk_bytes_per_s},
+                        {"frozen_weights",
+                         {{"host_bytes", placement.host_part[0]},
+                          {"nvme_bytes", placement.nvme_part[0]},
+                          {"nvme_layers", placement.nvme_layers[0]}}},
+                        {"trained_weights",
+                         {{"host_bytes", placement.host_part[1]},
+                          {"nvme_bytes", placement.nvme_part[1]},
+                          {"nvme_layers", placement.nvme_layers[1]}}},
+                        {"optimizer_state",
+                         {{"host_bytes", placement.host_part[2]},
+                          {"nvme_bytes", placement.nvme_part[2]},
+                          {"nvme_layers", placement.nvme_layers[2]}}}}},
+                      {"traffic_per_step",
+                       {{"up_bytes", prediction.bytes_up},
+                        {"weights_up_bytes", prediction.bytes_weights_up},
+                        {"weights_up_unquantised_bytes", weights_up_unquantised},
+                        {"down_bytes", prediction.bytes_down},
+                        {"nvme_read_bytes", prediction.bytes_nvme_read},
+                        {"nvme_write_bytes", prediction.bytes_nvme_write}}},
+                      {"step_seconds", prediction.step_time_s},
+                      {"host_overhead_bytes", host_overhead},
                       {"checkpoint_bytes", checkpoint_bytes},
                       {"steps", steps},
                       {"tokens_per_step", tokens_per_step},

@@ -1,6 +1,8 @@
-// What a run will need and how fast it will go, before anything is allocated: host memory (by
-// purpose), disk (checkpoints and exports), the plan per device with its predicted peak memory,
-// tokens/s and time, and a verdict — "fits", "tight" or "does not fit" — with what to change.
+// What a run will need and how fast it will go, before anything is allocated: where each class of
+// state lives (host memory or the NVMe tier, quantised or not: the placement the run builds its
+// store from), host memory (by purpose), disk (checkpoints and exports), the plan per device with
+// its predicted peak memory, traffic per step over the links and the NVMe tier, tokens/s and time,
+// and a verdict — "fits", "tight" or "does not fit" — with what to change.
 // `rondo plan` prints it, `rondo train` checks it before loading weights, the GUI's review page
 // shows it.
 //
@@ -16,23 +18,46 @@
 #include "engine/plan.h"
 #include "engine/train_config.h"
 #include "models/inspect.h"
+#include "offload/layer_store.h"
 
 namespace rondo::engine {
 
 struct HostNeeds {
-  std::uint64_t weights = 0;  // streaming copies of every parameter, in model.dtype
-  std::uint64_t masters = 0;  // fp32 masters of the trained parameters
-  std::uint64_t moments = 0;  // AdamW m and v, fp32
-  std::uint64_t grads = 0;    // fp32 gradients of the trained parameters
-  std::uint64_t loading = 0;  // the checkpoint as loaded, until copied into the store
+  std::uint64_t weights = 0;  // streaming copies kept in host memory (as stored: quantised ones
+                              // at their quantised size)
+  std::uint64_t masters = 0;  // fp32 masters of the trained parameters kept in host memory
+  std::uint64_t moments = 0;  // AdamW m and v, fp32, kept in host memory
+  std::uint64_t grads = 0;    // fp32 gradients of the trained parameters (always host memory)
+  std::uint64_t loading = 0;  // the largest tensor converted while loading (one at a time)
   std::uint64_t staging = 0;  // activations, checkpoints and stage outputs in flight
-  std::uint64_t total() const { return weights + masters + moments + grads + loading + staging; }
+  std::uint64_t nvme_staging = 0;  // NVMe reads ahead of uploads and write-backs in flight
+  std::uint64_t total() const {
+    return weights + masters + moments + grads + loading + staging + nvme_staging;
+  }
+};
+
+// Where the planner put each class of state (ARCHITECTURE.md §2 step 8).
+struct Placement {
+  // The store as planned: every layer's tensors (frozen ones with the format they are kept in)
+  // and each part's tier. The run builds its LayerStore from exactly this.
+  std::vector<offload::LayerDesc> layers;
+  std::string quantize;  // resolved model.quantize: "none", "nf4", "int8" or "gguf"
+  std::string formats;   // what the frozen base is kept as: "NF4 (block 64)", "Q4_1 98%, F32 2%"
+  std::uint64_t nvme_bytes = 0;    // on the NVMe tier
+  std::uint64_t offload_free = 0;  // free space in hardware.offload_dir
+  // Bytes of each class in host memory and on NVMe: frozen base, trained weights, optimizer.
+  std::uint64_t host_part[3] = {0, 0, 0}, nvme_part[3] = {0, 0, 0};
+  int nvme_layers[3] = {0, 0, 0};  // layers with that part on NVMe
+  double disk_bytes_per_s = 0;     // read speed assumed for offload_dir
+  std::string lines() const;       // one line per class for `rondo plan`
 };
 
 struct RunEstimate {
   std::int64_t params = 0, trained_params = 0;
   HostNeeds host;
-  std::uint64_t host_available = 0;    // hardware.host_memory, or what the OS reports free
+  std::uint64_t host_available = 0;  // hardware.host_memory, or what the OS reports free
+  std::uint64_t host_overhead = 0;   // outside the budget: the process itself (Note [Host budget])
+  Placement placement;
   std::uint64_t checkpoint_bytes = 0;  // one checkpoint
   std::uint64_t disk_needed = 0;       // checkpoints kept (plus one being written) and exports
   std::uint64_t disk_free = 0;
@@ -40,6 +65,7 @@ struct RunEstimate {
   PlanInputs inputs;
   Plan plan;  // empty when nothing fits
   PlanPrediction prediction;
+  double weights_up_unquantised = 0;  // bytes of weights a step would upload without quantisation
   std::int64_t steps = 0, tokens_per_step = 0;
   double tokens_per_s = 0, seconds = 0;  // predicted (compute speeds are estimates)
   std::string verdict;                   // "fits", "tight", "does not fit"
@@ -55,13 +81,16 @@ struct RunEstimate {
 double device_flops(const kernels::DeviceInfo& device, DeviceMode mode, const std::string& dtype);
 
 // `host_free` / `disk_free`: 0 = ask the OS (MemAvailable; statvfs of output.run_dir or the
-// nearest existing parent).
+// nearest existing parent). For a run that does not plan steps (steps = 0), time is per step.
 RunEstimate estimate_run(const TrainConfig& config, const models::ModelSummary& model,
                          const DevicePlan& devices, std::int64_t steps,
                          std::int64_t tokens_per_step, std::uint64_t host_free = 0,
                          std::uint64_t disk_free = 0);
 
-std::uint64_t host_memory_available();                   // MemAvailable, bytes
+std::uint64_t host_memory_available();  // MemAvailable, bytes
+// What the process needs outside its host budget: the runtime (torch, code, heaps), measured as
+// a baseline. See Note [Host budget] in estimate.cpp.
+std::uint64_t host_fixed_overhead();
 std::uint64_t disk_space_free(const std::string& path);  // nearest existing parent
 std::string format_bytes(std::uint64_t bytes);           // "1.50 GiB"
 std::string format_count(std::int64_t n);                // "812", "135.0 M", "7.24 B"

@@ -89,14 +89,19 @@ void EventSink::emit(const RunStartEvent& e) {
 }
 
 void EventSink::emit(const PlanEvent& e) {
-  write("plan", json{{"plan", e.plan},
-                     {"devices", e.devices},
-                     {"microbatches", e.microbatches},
-                     {"predicted_step_s", e.predicted_step_s},
-                     {"predicted_idle_fraction", e.predicted_idle_fraction},
-                     {"predicted_peak_bytes", e.predicted_peak_bytes},
-                     {"partitioner", e.partitioner}}
-                    .dump());
+  json j{{"plan", e.plan},
+         {"devices", e.devices},
+         {"microbatches", e.microbatches},
+         {"predicted_step_s", e.predicted_step_s},
+         {"predicted_idle_fraction", e.predicted_idle_fraction},
+         {"predicted_peak_bytes", e.predicted_peak_bytes},
+         {"predicted_bytes_up", e.predicted_bytes_up},
+         {"predicted_bytes_down", e.predicted_bytes_down},
+         {"predicted_nvme_read", e.predicted_nvme_read},
+         {"predicted_nvme_write", e.predicted_nvme_write},
+         {"partitioner", e.partitioner}};
+  if (!e.placement_json.empty()) j["placement"] = json::parse(e.placement_json);
+  write("plan", j.dump());
 }
 
 void EventSink::emit(const StepEvent& e) {
@@ -159,7 +164,14 @@ void EventSink::emit(const RunEndEvent& e) {
   write("run_end", json{{"status", e.status},
                         {"steps", e.steps},
                         {"seconds", e.seconds},
-                        {"export_path", e.export_path}}
+                        {"export_path", e.export_path},
+                        {"host_peak_bytes", e.host_peak_bytes},
+                        {"host_budget_bytes", e.host_budget_bytes},
+                        {"host_arena_peak_bytes", e.host_arena_peak_bytes},
+                        {"host_overhead_bytes", e.host_overhead_bytes},
+                        {"nvme_backend", e.nvme_backend},
+                        {"nvme_read_bytes", e.nvme_read_bytes},
+                        {"nvme_written_bytes", e.nvme_written_bytes}}
                        .dump());
 }
 

@@ -37,6 +37,11 @@ struct PlanEvent {
   double predicted_idle_fraction = 0;
   std::vector<std::uint64_t> predicted_peak_bytes;  // per device
   std::string partitioner;                          // "ours" or "reference"
+  // Predicted bytes per step: over the links (weights as stored, activations, gradients) and
+  // the NVMe tier.
+  double predicted_bytes_up = 0, predicted_bytes_down = 0;
+  double predicted_nvme_read = 0, predicted_nvme_write = 0;
+  std::string placement_json;  // where state lives and how it is kept (a JSON object), or ""
 };
 
 struct StepEvent {
@@ -97,6 +102,14 @@ struct RunEndEvent {
   std::int64_t steps = 0;
   double seconds = 0;
   std::string export_path;  // "" when nothing was exported
+  // Host memory: the process's peak resident size (the kernel's VmHWM), the budget the arena
+  // kept to and the most it held, and the process's own overhead outside the budget
+  // (Note [Host budget]); 0 when unknown.
+  std::uint64_t host_peak_bytes = 0, host_budget_bytes = 0, host_arena_peak_bytes = 0,
+                host_overhead_bytes = 0;
+  // The NVMe tier, when the run had one: its I/O backend and the bytes it moved.
+  std::string nvme_backend;
+  std::uint64_t nvme_read_bytes = 0, nvme_written_bytes = 0;
 };
 
 class EventSink {

@@ -15,13 +15,13 @@
 
 namespace rondo::engine {
 
-void export_peft_adapter(const std::string& dir, const offload::LayerStore& store,
+void export_peft_adapter(const std::string& dir, offload::LayerStore& store,
                          const std::vector<models::LayerSpec>& specs,
                          const models::LoraConfig& lora, const std::string& base_model);
 
 // `base_dir`: the Hugging Face folder the base came from (config and tokenizer files are copied);
 // adapters in `specs` (if any) are merged.
-void export_merged(const std::string& dir, const offload::LayerStore& store,
+void export_merged(const std::string& dir, offload::LayerStore& store,
                    const std::vector<models::LayerSpec>& specs, const std::string& base_dir,
                    models::DType dtype);
 

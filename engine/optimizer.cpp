@@ -25,15 +25,10 @@ Optimizer::Optimizer(offload::LayerStore& store, const kernels::AdamWParams& par
     const auto& tensors = store_.layer(l);
     for (std::size_t i = 0; i < tensors.size(); ++i) {
       if (!tensors[i].tied || !tensors[i].trainable) continue;
-      bool found = false;
-      for (std::size_t ol = 0; ol < l && !found; ++ol)
-        for (std::size_t oi = 0; oi < store_.layer(ol).size(); ++oi)
-          if (!store_.layer(ol)[oi].tied && store_.layer(ol)[oi].master == tensors[i].master) {
-            ties_.push_back({ol, oi, l, i});
-            found = true;
-            break;
-          }
-      RONDO_ASSERT_MSG(found, "tied tensor " + tensors[i].name + " has no owner");
+      RONDO_ASSERT_MSG(tensors[i].owner_layer >= 0,
+                       "tied tensor " + tensors[i].name + " has no owner");
+      ties_.push_back({static_cast<std::size_t>(tensors[i].owner_layer),
+                       static_cast<std::size_t>(tensors[i].owner_index), l, i});
     }
   }
 }
@@ -110,9 +105,14 @@ double Optimizer::begin_step(const std::vector<double>* partial) {
 }
 
 void Optimizer::publish_layer(std::size_t layer) {
-  for (const offload::TensorState& t : store_.layer(layer))
-    if (t.trainable && !t.tied)
-      kernels::cast_from_f32(t.master, t.stream, store_.stream_dtype(), t.numel);
+  const offload::LayerAccess opt =
+      store_.access(layer, offload::kOptimizerPart, offload::AccessMode::kRead);
+  // Every trained tensor's streaming copy is rewritten: nothing to read first.
+  const offload::LayerAccess out =
+      store_.access(layer, offload::kStreamPart, offload::AccessMode::kOverwrite);
+  for (std::size_t i = 0; i < opt.size(); ++i)
+    if (opt[i].trainable && !opt[i].tied)
+      kernels::cast_from_f32(opt[i].master, out[i].stream, store_.stream_dtype(), opt[i].numel);
 }
 
 void Optimizer::update_layer(std::size_t layer, bool write_stream) {
@@ -120,9 +120,16 @@ void Optimizer::update_layer(std::size_t layer, bool write_stream) {
   kernels::AdamWParams p = params_;
   p.step = step_;
   p.grad_scale = clip_ * unscale_;
-  const auto& tensors = store_.layer(layer);
-  for (std::size_t i = 0; i < tensors.size(); ++i) {
-    const offload::TensorState& t = tensors[i];
+  // Masters and moments wherever they live (on NVMe: read, prefetched one layer ahead, and
+  // written back); the streaming copies are all rewritten, so not read first.
+  if (layer + 1 < store_.layers()) store_.prefetch(layer + 1, offload::kOptimizerPart);
+  const offload::LayerAccess opt =
+      store_.access(layer, offload::kOptimizerPart, offload::AccessMode::kReadWrite);
+  offload::LayerAccess out;
+  if (write_stream)
+    out = store_.access(layer, offload::kStreamPart, offload::AccessMode::kOverwrite);
+  for (std::size_t i = 0; i < opt.size(); ++i) {
+    const offload::TensorState& t = opt[i];
     if (!t.trainable || t.tied) continue;
     kernels::FloatDType dtype;
     const void* g = gradient(layer, i, dtype);
@@ -132,7 +139,7 @@ void Optimizer::update_layer(std::size_t layer, bool write_stream) {
                          .master = t.master,
                          .m = t.m,
                          .v = t.v,
-                         .stream = write_stream ? t.stream : nullptr,
+                         .stream = write_stream ? out[i].stream : nullptr,
                          .stream_dtype = store_.stream_dtype()},
                         p);
   }

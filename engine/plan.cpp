@@ -170,6 +170,8 @@ std::vector<Job> jobs_of(const Plan& plan) {
 struct RangeSums {
   double forward_s = 0, backward_s = 0;  // per token
   double params = 0, grads = 0;
+  double device_params = 0;  // the weights as they sit on the device (dequantised)
+  double nvme = 0, nvme_update = 0;
   double activation_sum = 0, activation_max = 0;  // per token
 };
 
@@ -181,6 +183,11 @@ RangeSums sums(const PlanInputs& in, LayerRange r) {
     s.backward_s += c.backward_s_per_token;
     s.params += static_cast<double>(c.param_bytes);
     s.grads += static_cast<double>(c.grad_bytes);
+    // A quantised layer holds its dequantised weights and, while they land, the quantised ones.
+    s.device_params += static_cast<double>(
+        c.device_param_bytes ? c.device_param_bytes + c.param_bytes : c.param_bytes);
+    s.nvme += static_cast<double>(c.nvme_read_bytes);
+    s.nvme_update += static_cast<double>(c.nvme_update_bytes);
     s.activation_sum += static_cast<double>(c.activation_bytes_per_token);
     s.activation_max =
         std::max(s.activation_max, static_cast<double>(c.activation_bytes_per_token));
@@ -212,7 +219,7 @@ double job_memory(const PlanInputs& in, const Job& job, double tokens_mb, Recomp
   double io = 2 * input_bytes(in, job.range.begin) +
               static_cast<double>(in.layers[job.range.end - 1].output_bytes_per_token);
   double grads = job.kind == JobKind::kForward ? 0 : s.grads;
-  return s.params + grads + tokens_mb * (act + io);
+  return s.device_params + grads + tokens_mb * (act + io);
 }
 
 double job_compute(const PlanInputs& in, const Job& job, double tokens_mb) {
@@ -240,6 +247,10 @@ PlanPrediction predict(const Plan& plan, const PlanInputs& in) {
     up.emplace_back(d.link_bytes_per_s, d.link_latency_s);
     down.emplace_back(d.link_bytes_per_s, d.link_latency_s);
   }
+  // The NVMe tier: one drive for every device's reads and the optimizer's read-modify-writes.
+  Channel nvme(in.nvme_bytes_per_s, 0);
+  PlanPrediction p;
+  constexpr int kCounted = 2;                    // the step whose bytes are reported
   std::vector<double> device_free(N, 0.0);       // last compute end
   std::vector<double> device_job_start(N, 0.0);  // compute start of its current job
   std::vector<std::vector<std::pair<double, double>>> busy(N);
@@ -263,8 +274,17 @@ PlanPrediction predict(const Plan& plan, const PlanInputs& in) {
   std::vector<std::vector<double>> checkpoint_home(in.layers.size(), std::vector<double>(M, 0.0));
   std::vector<double> peak(N, 0.0);
 
+  int step = 0;
+  auto send_up = [&](int d, double earliest, double bytes, bool split) {
+    if (step == kCounted) p.bytes_up += bytes;
+    return up[d].send(earliest, bytes, split);
+  };
+  auto send_down = [&](int d, double earliest, double bytes, bool split) {
+    if (step == kCounted) p.bytes_down += bytes;
+    return down[d].send(earliest, bytes, split);
+  };
   long long pointer = 0;  // the global round-robin pointer
-  for (int step = 0; step < kSteps; ++step) {
+  for (step = 0; step < kSteps; ++step) {
     for (int j = 0; j < J; ++j) {
       const Job& job = jobs[j];
       const int d = static_cast<int>(pointer++ % N);
@@ -277,6 +297,15 @@ PlanPrediction predict(const Plan& plan, const PlanInputs& in) {
           if (in.layers[l].grad_bytes > 0)
             weights_earliest = std::max(weights_earliest, grads_home[step - lag][l]);
       double weights_ready = up[d].send(weights_earliest, s.params, /*splittable=*/true);
+      // Layers on NVMe are read into host memory first; reads and uploads overlap (layer by
+      // layer), so the later of the two decides.
+      if (s.nvme > 0)
+        weights_ready = std::max(weights_ready, nvme.send(weights_earliest, s.nvme, true));
+      if (step == kCounted) {
+        p.bytes_up += s.params;
+        p.bytes_weights_up += s.params;
+        p.bytes_nvme_read += s.nvme;
+      }
       const double compute_mb = job_compute(in, job, tokens_mb) / in.devices[d].speed;
       const bool first_job = (j == 0);
       double t = device_free[d];
@@ -288,7 +317,7 @@ PlanPrediction predict(const Plan& plan, const PlanInputs& in) {
         double input_ready;
         if (first_job) {
           input_on_host = device_job_start[d];
-          input_ready = up[d].send(input_on_host, tokens_mb * input_bytes(in, 0), false);
+          input_ready = send_up(d, input_on_host, tokens_mb * input_bytes(in, 0), false);
         } else if (handoff_device == d) {
           input_ready = handoff_device_time[m];  // stayed on the device
         } else {
@@ -298,14 +327,14 @@ PlanPrediction predict(const Plan& plan, const PlanInputs& in) {
               (job.kind == JobKind::kForward || job.kind == JobKind::kTail
                    ? input_bytes(in, job.range.begin)
                    : static_cast<double>(in.layers[job.range.end - 1].output_bytes_per_token));
-          input_ready = up[d].send(input_on_host, bytes, false);
+          input_ready = send_up(d, input_on_host, bytes, false);
         }
         if (job.kind == JobKind::kBackward) {
           // The saved inputs (checkpoints) come back, each once it has reached the host.
           for (int l = job.range.begin; l < job.range.end; ++l) {
             if (plan.grain == RecomputeGrain::kStage && l != job.range.begin) continue;
-            input_ready = std::max(input_ready, up[d].send(checkpoint_home[l][m],
-                                                           tokens_mb * input_bytes(in, l), false));
+            input_ready = std::max(input_ready, send_up(d, checkpoint_home[l][m],
+                                                        tokens_mb * input_bytes(in, l), false));
           }
         }
         double start = std::max({t, weights_ready, input_ready});
@@ -323,8 +352,8 @@ PlanPrediction predict(const Plan& plan, const PlanInputs& in) {
             if (l == job.range.begin && input_on_host >= 0)
               checkpoint_home[l][m] = input_on_host;
             else
-              checkpoint_home[l][m] = down[d].send(l == job.range.begin ? start : end,
-                                                   tokens_mb * input_bytes(in, l), false);
+              checkpoint_home[l][m] = send_down(d, l == job.range.begin ? start : end,
+                                                tokens_mb * input_bytes(in, l), false);
           }
         }
         // Output (forward) or input gradient (tail, backward) goes down for the next job,
@@ -337,7 +366,7 @@ PlanPrediction predict(const Plan& plan, const PlanInputs& in) {
               (job.kind == JobKind::kForward
                    ? static_cast<double>(in.layers[job.range.end - 1].output_bytes_per_token)
                    : input_bytes(in, job.range.begin));
-          handoff_host[m] = down[d].send(end, bytes, false);
+          handoff_host[m] = send_down(d, end, bytes, false);
         } else {
           handoff_host[m] = end;
         }
@@ -346,18 +375,25 @@ PlanPrediction predict(const Plan& plan, const PlanInputs& in) {
       device_job_start[d] = job_start;
       device_free[d] = t;
       if (job.kind != JobKind::kForward && s.grads > 0) {
-        double home = down[d].send(t, s.grads, true);
+        double home = send_down(d, t, s.grads, true);
+        // Masters and moments on NVMe: read, updated, written back before the new weights exist.
+        if (s.nvme_update > 0) {
+          home = nvme.send(home, 2 * s.nvme_update, true);
+          if (step == kCounted) {
+            p.bytes_nvme_read += s.nvme_update;
+            p.bytes_nvme_write += s.nvme_update;
+          }
+        }
         for (int l = job.range.begin; l < job.range.end; ++l)
           grads_home[step][l] = home;
         step_end[step] = std::max(step_end[step], home);
       }
       step_end[step] = std::max(step_end[step], t);
       // While this job runs, the device also holds the weights of its next job (prefetched).
-      const double next_params = sums(in, jobs[(j + N) % J].range).params;
+      const double next_params = sums(in, jobs[(j + N) % J].range).device_params;
       peak[d] = std::max(peak[d], job_memory(in, job, tokens_mb, plan.grain) + next_params);
     }
   }
-  PlanPrediction p;
   const double window_start = step_end[1], window_end = step_end[2];
   p.step_time_s = window_end - window_start;
   double busy_in_window = 0;
@@ -487,12 +523,14 @@ Packer reference_packer(const PlanInputs& in) {
   double half = smallest_cap(in) / 2.0;
   double largest = 0;
   for (const LayerCosts& c : in.layers)
-    largest = std::max(largest, double(c.param_bytes + c.grad_bytes));
+    largest = std::max(
+        largest,
+        double((c.device_param_bytes ? c.device_param_bytes : c.param_bytes) + c.grad_bytes));
   if (half > 0 && largest > half) half = largest;  // the reference raises its limit (and warns)
   p.fits = [&in, half](JobKind kind, LayerRange r) {
     if (half <= 0) return true;
     RangeSums s = sums(in, r);
-    return (kind == JobKind::kForward ? s.params : s.params + s.grads) <= half;
+    return (kind == JobKind::kForward ? s.device_params : s.device_params + s.grads) <= half;
   };
   return p;
 }
@@ -538,14 +576,20 @@ Plan plan_ours(const PlanInputs& in) {
                      M * tokens_mb *
                          (input_bytes(inputs, r.begin) +
                           static_cast<double>(inputs.layers[r.end - 1].output_bytes_per_token));
-      return std::max(compute, std::isinf(bw) ? 0.0 : bytes / bw);
+      // The NVMe tier is shared: with every device loading, each gets a share of it.
+      const double nvme =
+          inputs.nvme_bytes_per_s > 0
+              ? s.nvme * static_cast<double>(inputs.devices.size()) / inputs.nvme_bytes_per_s
+              : 0.0;
+      return std::max({compute, std::isinf(bw) ? 0.0 : bytes / bw, nvme});
     };
     const double cap = static_cast<double>(smallest_cap(inputs));
     p.fits = [&inputs, tokens_mb, cap](JobKind kind, LayerRange r) {
       if (cap <= 0) return true;
       // Twice the weights: this stage and the prefetched one (assume a stage of the same size).
       Job job{kind, r, 0};
-      return job_memory(inputs, job, tokens_mb, inputs.grain) + sums(inputs, r).params <= cap;
+      return job_memory(inputs, job, tokens_mb, inputs.grain) + sums(inputs, r).device_params <=
+             cap;
     };
     std::vector<Plan> candidates;
     double W = p.heaviest();

@@ -52,10 +52,15 @@ struct Plan {
 // What one layer costs, as the planner sees it. Compute times are per token on a device of speed
 // 1; bytes are what crosses the link or sits in device memory.
 struct LayerCosts {
-  double forward_s_per_token = 0;   // forward (= recompute)
-  double backward_s_per_token = 0;  // backward alone (without the recompute)
-  std::uint64_t param_bytes = 0;    // streamed to the device for every job holding the layer
-  std::uint64_t grad_bytes = 0;     // trainable part: gradients held on the device and downloaded
+  double forward_s_per_token = 0;        // forward (= recompute)
+  double backward_s_per_token = 0;       // backward alone (without the recompute)
+  std::uint64_t param_bytes = 0;         // streamed to the device for every job holding the layer
+                                         // (as stored: quantised where the base is kept so)
+  std::uint64_t device_param_bytes = 0;  // the weights once on the device (dequantised);
+                                         // 0 = param_bytes
+  std::uint64_t nvme_read_bytes = 0;     // of param_bytes, read from the NVMe tier first
+  std::uint64_t nvme_update_bytes = 0;   // optimizer state on NVMe: read and written per step
+  std::uint64_t grad_bytes = 0;  // trainable part: gradients held on the device and downloaded
   std::uint64_t activation_bytes_per_token = 0;  // what autograd keeps while running the layer
   std::uint64_t output_bytes_per_token = 0;      // its output: a stage boundary or a checkpoint
 };
@@ -73,6 +78,7 @@ struct PlanInputs {
   std::int64_t tokens_per_step = 0;  // global batch in tokens (split over the microbatches)
   int microbatches = 0;              // M; 0 = devices + 1
   RecomputeGrain grain = RecomputeGrain::kStage;
+  double nvme_bytes_per_s = 0;   // the NVMe tier, shared by every device; 0 = none in use
   double upper_threshold = 1.1;  // candidate stage budgets in [W, threshold * W]
   int min_stages = 0;            // 0 = number of devices
   bool one_step_stale = false;   // RoundPipe's default: weights lag the gradients by a step
@@ -87,6 +93,11 @@ struct PlanPrediction {
   std::vector<std::uint64_t> peak_bytes;  // per device
   bool fits = true;                       // every device's peak within its cap
   std::string why_not;                    // the first device over its cap, and by how much
+  // Bytes one step moves, steady state.
+  double bytes_up = 0;          // host -> devices: weights (as stored) and activations
+  double bytes_weights_up = 0;  // of bytes_up, the weights
+  double bytes_down = 0;        // devices -> host: activations, checkpoints and gradients
+  double bytes_nvme_read = 0, bytes_nvme_write = 0;  // the NVMe tier
 };
 
 // Simulates four steps of the round-robin schedule (no global barrier between steps) and

@@ -10,6 +10,7 @@
 #include <cmath>
 #include <csignal>
 #include <cstdlib>
+#include <deque>
 #include <filesystem>
 #include <fstream>
 #include <mutex>
@@ -35,6 +36,8 @@
 #include "models/model.h"
 #include "models/model_files.h"
 #include "models/tokenizer.h"
+#include "models/weight_reader.h"
+#include "offload/nvme_store.h"
 
 namespace fs = std::filesystem;
 
@@ -77,6 +80,14 @@ std::string hex(std::uint64_t v) {
 std::int64_t fault_step(const char* name) {
   const char* v = std::getenv(name);
   return v ? std::atoll(v) : -1;
+}
+
+// The process's peak resident size so far (VmHWM), 0 when /proc says nothing.
+std::uint64_t host_peak_bytes() {
+  std::ifstream f("/proc/self/status");
+  for (std::string line; std::getline(f, line);)
+    if (line.rfind("VmHWM:", 0) == 0) return std::strtoull(line.c_str() + 6, nullptr, 10) * 1024;
+  return 0;
 }
 
 void kill_self() {
@@ -160,8 +171,10 @@ struct Session::Impl {
   std::string fingerprint;
   std::atomic<bool> stop{false};
   std::mutex engine_mu;
-  Engine* engine = nullptr;     // while run() trains
-  std::string from_checkpoint;  // resuming: the checkpoint it continues from
+  Engine* engine = nullptr;          // while run() trains
+  std::string from_checkpoint;       // resuming: the checkpoint it continues from
+  std::uint64_t arena_peak = 0;      // the most the host arena held (set when it closes)
+  offload::NvmeStoreInfo nvme_info;  // the NVMe tier's, when it closes
 
   void log(const std::string& line) const {
     if (o.log) o.log(line);
@@ -169,7 +182,14 @@ struct Session::Impl {
   fs::path run_dir() const { return fs::path(c.output.run_dir); }
 
   void prepare() {
-    std::vector<std::string> problems = c.validate();
+    // `rondo plan` answers "does it fit" without data or a run folder (steps then come from
+    // training.steps, or the answer is per step).
+    std::vector<std::string> problems = c.validate(/*planning=*/o.plan_only);
+    if (!c.hardware.gpu.empty() && !o.plan_only)
+      problems.push_back(
+          "hardware.gpu: plans for a card this machine need not have (rondo plan "
+          "answers for it); rondo train runs on this machine's devices: remove "
+          "hardware.gpu");
     if (!problems.empty())
       throw Error(join_problems(fmt::format("The config has {} problem{}:", problems.size(),
                                             problems.size() == 1 ? "" : "s"),
@@ -185,6 +205,31 @@ struct Session::Impl {
           "data.seq_len: {} is more than {} supports ({} positions, max_position_embeddings in "
           "its config); lower data.seq_len",
           c.data.seq_len, c.model.path, max_pos));
+    if (summary.format == "config only" && !o.plan_only)
+      throw Error(c.model.path +
+                  " holds config.json but no weights (no *.safetensors); download them first "
+                  "(`rondo plan` works without them)");
+    const bool with_data = !c.data.train.empty() && summary.format != "config only";
+    const std::int64_t tokens_per_step =
+        c.data.seq_len * c.training.batch_rows * c.training.grad_accum;
+    if (with_data)
+      load_data();
+    else
+      steps = c.training.steps;  // planning only: no data to count epochs in
+
+    DeviceSelection sel;
+    sel.sim_devices = c.hardware.sim_devices;
+    sel.gpu = c.hardware.gpu;
+    sel.gpu_count = c.hardware.gpu_count;
+    if (!c.hardware.memory_cap.empty())
+      sel.memory_cap = parse_bytes(c.hardware.memory_cap, "hardware.memory_cap");
+    devices = plan_devices(sel);
+    est = estimate_run(c, summary, devices, steps, tokens_per_step, o.host_free, o.disk_free);
+    if (!est.problems.empty() && !o.plan_only)
+      throw Error(join_problems("This run does not fit:", est.problems));
+  }
+
+  void load_data() {
     tok.emplace(models::load_tokenizer(c.model.path));
     tmpl.emplace(
         training_chat_template(c.model.path, c.data.chat_format, data_format_from(c.data.format)));
@@ -224,53 +269,59 @@ struct Session::Impl {
                       "training.epochs = {}); lower it",
                       c.training.warmup_steps, steps, c.training.epochs));
     fingerprint = data_fingerprint(train, batching);
-
-    DeviceSelection sel;
-    sel.sim_devices = c.hardware.sim_devices;
-    if (!c.hardware.memory_cap.empty())
-      sel.memory_cap = parse_bytes(c.hardware.memory_cap, "hardware.memory_cap");
-    devices = plan_devices(sel);
-    const std::int64_t tokens_per_step =
-        c.data.seq_len * c.training.batch_rows * c.training.grad_accum;
-    est = estimate_run(c, summary, devices, steps, tokens_per_step, o.host_free, o.disk_free);
-    if (!est.problems.empty() && !o.plan_only)
-      throw Error(join_problems("This run does not fit:", est.problems));
   }
 
   std::string describe() const {
     std::ostringstream s;
     s << "Model       " << c.model.path << " (" << summary.config.architecture << ", "
       << fmt::format("{} parameters, {})\n", format_count(summary.params), summary.dtypes);
-    s << "Training    " << train.stats_text() << "\n";
-    if (batcher->truncated() > 0)
-      s << fmt::format("            {} examples truncated to {} tokens\n", batcher->truncated(),
-                       c.data.seq_len);
-    if (!val.examples.empty()) s << "Validation  " << val.stats_text() << "\n";
-    s << fmt::format(
-        "Steps       {} ({} rows of {} tokens per step; {} rows per epoch, {:.2f} "
-        "epochs)\n",
-        steps, c.training.batch_rows * c.training.grad_accum, c.data.seq_len, batcher->rows(),
-        batcher->epoch_progress(steps));
+    if (batcher) {
+      s << "Training    " << train.stats_text() << "\n";
+      if (batcher->truncated() > 0)
+        s << fmt::format("            {} examples truncated to {} tokens\n", batcher->truncated(),
+                         c.data.seq_len);
+      if (!val.examples.empty()) s << "Validation  " << val.stats_text() << "\n";
+      s << fmt::format(
+          "Steps       {} ({} rows of {} tokens per step; {} rows per epoch, {:.2f} "
+          "epochs)\n",
+          steps, c.training.batch_rows * c.training.grad_accum, c.data.seq_len, batcher->rows(),
+          batcher->epoch_progress(steps));
+    } else {
+      s << fmt::format("Training    no data read ({}); {} rows of {} tokens per step\n",
+                       summary.format == "config only" ? "the model has no weights or tokenizer yet"
+                                                       : "data.train not set",
+                       c.training.batch_rows * c.training.grad_accum, c.data.seq_len);
+    }
     s << est.text();
     return s.str();
   }
 
   // ---- evaluation and samples, from the weights in training (the streaming copies) ----
 
-  at::Tensor weight(const offload::LayerStore& store, const std::vector<models::LayerSpec>& specs,
-                    std::size_t l, std::size_t i) const {
-    const offload::TensorState& t = store.layer(l)[i];
-    if (!t.tied) return state_view(store, specs, l, i, StateView::kStream);
-    // A tied parameter: its owner's tensor, found by name.
-    const std::string& name = specs[l].params[i].name;
-    for (std::size_t ol = 0; ol < specs.size(); ++ol)
-      for (std::size_t oi = 0; oi < specs[ol].params.size(); ++oi)
-        if (!store.layer(ol)[oi].tied && specs[ol].params[oi].name == name)
-          return state_view(store, specs, ol, oi, StateView::kStream);
-    throw InternalError("session: no owner for the tied tensor " + name);
+  // Layer l's weights as the devices compute with them (quantised ones dequantised, tied ones
+  // through their owner), wherever the store keeps them; the views live as long as `held` (a
+  // deque: adding to it leaves the accesses already in it where they are).
+  std::vector<at::Tensor> layer_weights(offload::LayerStore& store,
+                                        const std::vector<models::LayerSpec>& specs, std::size_t l,
+                                        std::deque<offload::LayerAccess>& held) const {
+    constexpr unsigned kWeights = offload::kBasePart | offload::kStreamPart;
+    held.push_back(store.access(l, kWeights, offload::AccessMode::kRead));
+    const offload::LayerAccess& a = held.back();
+    std::vector<at::Tensor> w;
+    for (std::size_t i = 0; i < specs[l].params.size(); ++i) {
+      if (!a[i].tied) {
+        w.push_back(stream_tensor(a, store, specs, l, i));
+        continue;
+      }
+      const auto ol = static_cast<std::size_t>(a[i].owner_layer);
+      held.push_back(store.access(ol, kWeights, offload::AccessMode::kRead));
+      w.push_back(
+          stream_tensor(held.back(), store, specs, ol, static_cast<std::size_t>(a[i].owner_index)));
+    }
+    return w;
   }
 
-  std::pair<double, std::int64_t> validation_loss(const offload::LayerStore& store,
+  std::pair<double, std::int64_t> validation_loss(offload::LayerStore& store,
                                                   const std::vector<models::LayerSpec>& specs) {
     c10::NoGradGuard no_grad;
     const models::ModelConfig& mc = summary.config;
@@ -279,30 +330,32 @@ struct Session::Impl {
     for (const Microbatch& mb : val_batcher->all_rows()) {
       models::AttentionContext ctx =
           models::make_attention_context(mc, mb.batch, scalar_type(store.stream_dtype()));
-      at::Tensor x = models::embed(weight(store, specs, 0, 0), mb.batch.tokens);
+      std::deque<offload::LayerAccess> held;
+      at::Tensor x = models::embed(layer_weights(store, specs, 0, held)[0], mb.batch.tokens);
       for (std::size_t l = 1; l + 1 < specs.size(); ++l) {
-        std::vector<at::Tensor> w;
-        for (std::size_t i = 0; i < specs[l].params.size(); ++i)
-          w.push_back(weight(store, specs, l, i));
-        x = models::block_forward(mc, models::BlockWeights::bind(specs[l], w), x, ctx);
+        held.clear();
+        x = models::block_forward(
+            mc, models::BlockWeights::bind(specs[l], layer_weights(store, specs, l, held)), x, ctx);
       }
+      held.clear();
       const std::size_t h = specs.size() - 1;
-      sum += models::head_loss_sum(mc, weight(store, specs, h, 0), weight(store, specs, h, 1), x,
-                                   mb.targets)
-                 .item<double>();
+      const std::vector<at::Tensor> hw = layer_weights(store, specs, h, held);
+      sum += models::head_loss_sum(mc, hw[0], hw[1], x, mb.targets).item<double>();
       n += mb.targets.ne(-100).sum().item<std::int64_t>();
     }
     return {sum / static_cast<double>(std::max<std::int64_t>(n, 1)), n};
   }
 
   std::vector<std::pair<std::string, std::string>> samples(
-      const offload::LayerStore& store, const std::vector<models::LayerSpec>& specs) {
+      offload::LayerStore& store, const std::vector<models::LayerSpec>& specs) {
     c10::NoGradGuard no_grad;
     std::map<std::string, at::Tensor> tensors;
-    for (std::size_t l = 0; l < specs.size(); ++l)
+    std::deque<offload::LayerAccess> held;  // the views below live as long as this
+    for (std::size_t l = 0; l < specs.size(); ++l) {
+      const std::vector<at::Tensor> w = layer_weights(store, specs, l, held);
       for (std::size_t i = 0; i < specs[l].params.size(); ++i)
-        if (!store.layer(l)[i].tied)
-          tensors[specs[l].params[i].name] = weight(store, specs, l, i).to(at::kFloat);
+        if (!specs[l].params[i].tied) tensors[specs[l].params[i].name] = w[i].to(at::kFloat);
+    }
     std::map<std::string, at::Tensor> merged = models::merge_lora(specs, tensors);
     models::Model m = models::Model::from_tensors(summary.config, std::move(merged), "training");
     std::vector<std::int64_t> stops(summary.config.eos_token_ids.begin(),
@@ -366,40 +419,88 @@ struct Session::Impl {
           .status = r.status,
           .steps = r.steps,
           .seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(),
-          .export_path = r.export_path});
+          .export_path = r.export_path,
+          .host_peak_bytes = host_peak_bytes(),
+          .host_budget_bytes = est.host_available,
+          .host_arena_peak_bytes = arena_peak,
+          .host_overhead_bytes = est.host_overhead,
+          .nvme_backend = nvme_info.backend,
+          .nvme_read_bytes = nvme_info.bytes_read,
+          .nvme_written_bytes = nvme_info.bytes_written});
       return r;
     } catch (const std::exception& e) {
       sink->error(e.what());
       sink->emit(RunEndEvent{
           .status = "failed",
-          .seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count()});
+          .seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(),
+          .host_peak_bytes = host_peak_bytes(),
+          .host_budget_bytes = est.host_available,
+          .host_arena_peak_bytes = arena_peak,
+          .host_overhead_bytes = est.host_overhead,
+          .nvme_backend = nvme_info.backend,
+          .nvme_read_bytes = nvme_info.bytes_read,
+          .nvme_written_bytes = nvme_info.bytes_written});
       throw;
     }
+  }
+
+  // The plan event's `placement`: where each class of state lives, as what, and the NVMe tier's
+  // backend (the run says which one it uses).
+  std::string placement_json(const offload::NvmeStore* nvme) const {
+    nlohmann::json j = nlohmann::json::parse(est.json()).at("placement");
+    if (nvme) {
+      const offload::NvmeStoreInfo i = nvme->info();
+      j["backend"] = i.backend;
+      j["backend_note"] = i.backend_note;
+      j["direct"] = i.direct;
+      j["direct_note"] = i.direct_note;
+    }
+    j["host_budget_bytes"] = est.host_available;
+    return j.dump();
   }
 
   SessionResult train_loop(EventSink& sink) {
     const bool lora = c.training.method == "lora";
     const kernels::FloatDType sd = stream_dtype(c.model.dtype);
     log("Loading " + c.model.path);
-    auto model = std::make_unique<models::Model>(models::Model::load(
-        c.model.path,
-        {.dtype = sd == kernels::FloatDType::kBF16 ? models::DType::kBF16 : models::DType::kF32}));
-    std::vector<models::LayerSpec> specs = model->layers();
+    models::WeightReader reader(c.model.path);
+    std::vector<models::LayerSpec> specs = reader.layers();
     models::LoraConfig lc = c.lora_config();
     std::map<std::string, at::Tensor> adapters;
     if (lora) {
       specs = models::add_lora(specs, lc);
       adapters = models::init_lora(specs, c.training.seed);
     }
-    auto trainable = [&](const models::ParamSpec& p) {
-      return !lora || models::is_lora_param(p.name);
-    };
-    offload::HostArena arena(offload::HostArenaOptions{});
-    offload::LayerStore store(arena, layer_descs(specs, trainable), sd, kernels::FloatDType::kF32);
-    load_weights(store, specs, [&](const std::string& n) {
-      return lora && models::is_lora_param(n) ? adapters.at(n) : model->tensor(n);
-    });
-    model.reset();  // the store holds its own copies now
+    // Host memory under the budget (Note [Host budget] in estimate.cpp): the arena refuses to
+    // pass it with a named error.
+    offload::HostArena arena(offload::HostArenaOptions{
+        .bytes_limit = est.host_available > est.host.loading ? est.host_available - est.host.loading
+                                                             : est.host_available});
+    struct ArenaPeak {  // recorded however the run ends
+      offload::HostArena& arena;
+      std::uint64_t& out;
+      ~ArenaPeak() { out = arena.usage().peak; }
+    } arena_peak_guard{arena, arena_peak};
+    std::unique_ptr<offload::NvmeStore> nvme;
+    if (est.placement.nvme_bytes > 0) {
+      offload::NvmeStoreOptions no{
+          .dir = c.hardware.offload_dir,
+          .backend = offload::parse_backend_kind(c.hardware.offload_io, "hardware.offload_io")};
+      nvme = std::make_unique<offload::NvmeStore>(no, est.placement.nvme_bytes);
+      log("NVMe tier: " + nvme->summary());
+    }
+    struct NvmeInfo {  // recorded however the run ends
+      std::unique_ptr<offload::NvmeStore>& nvme;
+      offload::NvmeStoreInfo& out;
+      ~NvmeInfo() {
+        if (nvme) out = nvme->info();
+      }
+    } nvme_info_guard{nvme, nvme_info};
+    // The store as planned: each part of each layer in host memory or on NVMe, the frozen base
+    // kept in the format chosen (est.placement).
+    offload::LayerStore store(arena, est.placement.layers, sd, kernels::FloatDType::kF32,
+                              nvme.get());
+    load_weights(store, specs, reader, adapters);
     adapters.clear();
 
     EngineState state;
@@ -464,6 +565,7 @@ struct Session::Impl {
     eo.seed = c.training.seed;
     eo.events = &sink;
     eo.plan_inputs = &est.inputs;
+    eo.placement_json = placement_json(nvme.get());
     Engine eng(summary.config, specs, store, arena, raw, resume_plan ? *resume_plan : est.plan, eo);
     if (!from_checkpoint.empty()) eng.restore(state);
     {

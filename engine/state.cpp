@@ -2,7 +2,10 @@
 
 #include <ATen/ATen.h>
 
+#include <cstring>
+
 #include "kernels/error.h"
+#include "kernels/quant.h"
 
 namespace rondo::engine {
 
@@ -54,35 +57,28 @@ const models::ParamSpec& spec_of(const std::vector<models::LayerSpec>& specs,
 }
 }  // namespace
 
-void load_weights(offload::LayerStore& store, const std::vector<models::LayerSpec>& specs,
-                  const std::function<at::Tensor(const std::string&)>& tensor) {
-  for (std::size_t l = 0; l < store.layers(); ++l)
-    for (std::size_t i = 0; i < store.layer(l).size(); ++i) {
-      const offload::TensorState& t = store.layer(l)[i];
-      if (t.tied) continue;
-      const models::ParamSpec& p = spec_of(specs, store, l, i);
-      at::Tensor src = tensor(p.name);
-      if (src.sizes() != at::IntArrayRef(p.shape))
-        throw Error("tensor " + p.name + " has shape " + models::shape_text(src.sizes().vec()) +
-                    ", the model needs " + models::shape_text(p.shape));
-      src = src.to(at::kCPU).contiguous();
-      state_view(store, specs, l, i, StateView::kStream).copy_(src);
-      if (t.trainable) state_view(store, specs, l, i, StateView::kMaster).copy_(src);
-    }
-}
-
-at::Tensor state_view(const offload::LayerStore& store, const std::vector<models::LayerSpec>& specs,
-                      std::size_t layer, std::size_t index, StateView what) {
-  const models::ParamSpec& p = spec_of(specs, store, layer, index);
-  const offload::TensorState& t = store.layer(layer)[index];
+namespace {
+at::Tensor view_of(const offload::TensorState& t, const offload::LayerStore& store,
+                   const models::ParamSpec& p, std::size_t layer, StateView what) {
   auto f32 = [&](float* data) {
-    if (data == nullptr)
+    if (!t.trainable)
       throw Error("tensor " + p.name + " of layer " + std::to_string(layer) +
                   " is frozen: it has no master weights, moments or gradient");
+    if (data == nullptr)
+      throw Error("tensor " + p.name + " of layer " + std::to_string(layer) +
+                  ": its optimizer state is on the NVMe tier; open the layer with "
+                  "LayerStore::access");
     return at::from_blob(data, p.shape, at::kFloat);
   };
   switch (what) {
     case StateView::kStream:
+      if (t.quant.type != kernels::QuantType::kNone)
+        throw Error("tensor " + p.name + " is kept quantised (" + kernels::to_string(t.quant) +
+                    "); dequantise it with stream_tensor");
+      if (t.stream == nullptr)
+        throw Error("tensor " + p.name + " of layer " + std::to_string(layer) +
+                    ": its streaming copy is on the NVMe tier; open the layer with "
+                    "LayerStore::access");
       return at::from_blob(t.stream, p.shape, scalar_type(store.stream_dtype()));
     case StateView::kGrad:
       if (t.grad == nullptr) return f32(nullptr);
@@ -95,6 +91,107 @@ at::Tensor state_view(const offload::LayerStore& store, const std::vector<models
       return f32(t.v);
   }
   throw InternalError("unknown StateView");
+}
+}  // namespace
+
+at::Tensor state_view(const offload::LayerStore& store, const std::vector<models::LayerSpec>& specs,
+                      std::size_t layer, std::size_t index, StateView what) {
+  const models::ParamSpec& p = spec_of(specs, store, layer, index);
+  return view_of(store.layer(layer)[index], store, p, layer, what);
+}
+
+at::Tensor state_view(const offload::LayerAccess& access, const offload::LayerStore& store,
+                      const std::vector<models::LayerSpec>& specs, std::size_t layer,
+                      std::size_t index, StateView what) {
+  const models::ParamSpec& p = spec_of(specs, store, layer, index);
+  return view_of(access[index], store, p, layer, what);
+}
+
+at::Tensor stream_tensor(const offload::LayerAccess& access, const offload::LayerStore& store,
+                         const std::vector<models::LayerSpec>& specs, std::size_t layer,
+                         std::size_t index) {
+  const models::ParamSpec& p = spec_of(specs, store, layer, index);
+  const offload::TensorState& t = access[index];
+  if (t.tied) throw InternalError("stream_tensor: " + p.name + " is tied; read its owner");
+  if (t.quant.type == kernels::QuantType::kNone)
+    return view_of(t, store, p, layer, StateView::kStream);
+  at::Tensor out = at::empty(p.shape, at::TensorOptions().dtype(scalar_type(store.stream_dtype())));
+  kernels::dequantize(t.quant, t.stream, t.rows, t.cols, store.stream_dtype(), out.data_ptr());
+  return out;
+}
+
+void load_weights(offload::LayerStore& store, const std::vector<models::LayerSpec>& specs,
+                  const WeightSource& source) {
+  const at::ScalarType sd = scalar_type(store.stream_dtype());
+  for (std::size_t l = 0; l < store.layers(); ++l) {
+    const offload::LayerAccess a =
+        store.access(l, offload::kAllParts, offload::AccessMode::kOverwrite);
+    for (std::size_t i = 0; i < a.size(); ++i) {
+      const offload::TensorState& t = a[i];
+      if (t.tied) continue;
+      const models::ParamSpec& p = spec_of(specs, store, l, i);
+      std::optional<at::Tensor> blob;
+      if (t.quant.type != kernels::QuantType::kNone && source.blocks) blob = source.blocks(p.name);
+      if (blob) {
+        at::Tensor b = blob->to(at::kCPU).contiguous();
+        if (static_cast<std::size_t>(b.nbytes()) != t.stream_bytes)
+          throw Error("tensor " + p.name + ": " + std::to_string(b.nbytes()) +
+                      " bytes given for its " + kernels::to_string(t.quant) + " form, which is " +
+                      std::to_string(t.stream_bytes) + " bytes");
+        std::memcpy(t.stream, b.data_ptr(), t.stream_bytes);
+      } else {
+        at::Tensor src = source.tensor(p.name);
+        if (src.sizes() != at::IntArrayRef(p.shape))
+          throw Error("tensor " + p.name + " has shape " + models::shape_text(src.sizes().vec()) +
+                      ", the model needs " + models::shape_text(p.shape));
+        src = src.to(at::kCPU).contiguous();
+        if (t.quant.type != kernels::QuantType::kNone) {
+          // From the checkpoint's own dtype, as bitsandbytes quantises the weights it is given.
+          const at::ScalarType st = src.scalar_type();
+          const at::Tensor f = st == at::kBFloat16 || st == at::kHalf ? src : src.to(at::kFloat);
+          kernels::quantize(t.quant, f.data_ptr(),
+                            st == at::kBFloat16 ? kernels::FloatDType::kBF16
+                            : st == at::kHalf   ? kernels::FloatDType::kF16
+                                                : kernels::FloatDType::kF32,
+                            t.rows, t.cols, t.stream);
+        } else {
+          at::from_blob(t.stream, p.shape, sd).copy_(src);
+        }
+        if (t.trainable) at::from_blob(t.master, p.shape, at::kFloat).copy_(src);
+      }
+      if (source.done) source.done(p.name);
+    }
+  }
+  store.flush();
+}
+
+void load_weights(offload::LayerStore& store, const std::vector<models::LayerSpec>& specs,
+                  const std::function<at::Tensor(const std::string&)>& tensor) {
+  load_weights(store, specs, WeightSource{.tensor = tensor});
+}
+
+void load_weights(offload::LayerStore& store, const std::vector<models::LayerSpec>& specs,
+                  const models::WeightReader& reader,
+                  const std::map<std::string, at::Tensor>& extra) {
+  const models::DType dtype = store.stream_dtype() == kernels::FloatDType::kBF16
+                                  ? models::DType::kBF16
+                                  : models::DType::kF32;
+  load_weights(store, specs,
+               WeightSource{.tensor =
+                                [&](const std::string& n) {
+                                  auto it = extra.find(n);
+                                  return it != extra.end() ? it->second : reader.read(n, dtype);
+                                },
+                            .blocks = [&](const std::string& n) -> std::optional<at::Tensor> {
+                              if (extra.count(n)) return std::nullopt;
+                              std::optional<models::GgufBlocks> b = reader.read_blocks(n);
+                              if (!b) return std::nullopt;
+                              return b->bytes;
+                            },
+                            .done =
+                                [&](const std::string& n) {
+                                  if (!extra.count(n)) reader.release(n);
+                                }});
 }
 
 }  // namespace rondo::engine

@@ -12,11 +12,14 @@
 #include <ATen/core/Tensor.h>
 
 #include <functional>
+#include <map>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "kernels/cpu/simd.h"
 #include "models/layers.h"
+#include "models/weight_reader.h"
 #include "offload/layer_store.h"
 
 namespace rondo::engine {
@@ -29,16 +32,49 @@ std::vector<offload::LayerDesc> layer_descs(
 
 at::ScalarType scalar_type(kernels::FloatDType dtype);
 
-// Fills every owned tensor's streaming copy (rounded to the store's dtype) and, for trainable
-// ones, its fp32 master, from `tensor(name)` (any dtype, CPU). Moments and gradients stay zero.
-// Throws Error naming a tensor whose shape differs from the spec.
+// Where load_weights gets each tensor.
+struct WeightSource {
+  // The tensor by Hugging Face name: any float dtype, CPU.
+  std::function<at::Tensor(const std::string&)> tensor;
+  // Optional, for tensors the store keeps quantised: the blob already in the store's format
+  // (GGUF blocks kept as stored), as a uint8 tensor; nullopt = quantise tensor(name) here.
+  std::function<std::optional<at::Tensor>(const std::string&)> blocks;
+  // Optional: called once a tensor has been copied into the store (the reader drops its pages).
+  std::function<void(const std::string&)> done;
+};
+
+// Fills every owned tensor's streaming copy (rounded to the store's dtype, or quantised into the
+// store's format for it) and, for trainable ones, its fp32 master — layer by layer, wherever the
+// store keeps them (host or NVMe), so that memory holds one tensor of the source at a time.
+// Moments and gradients stay zero. Throws Error naming a tensor whose shape differs from the
+// spec, or a blob of the wrong size.
+void load_weights(offload::LayerStore& store, const std::vector<models::LayerSpec>& specs,
+                  const WeightSource& source);
 void load_weights(offload::LayerStore& store, const std::vector<models::LayerSpec>& specs,
                   const std::function<at::Tensor(const std::string&)>& tensor);
+// From a model file: each tensor read once (in the store's streaming dtype, or fp32 for an fp16
+// one), GGUF blocks kept as stored where the store keeps that type, the file's pages dropped as
+// soon as a tensor is in; `extra` (LoRA adapters) by name before the file.
+void load_weights(offload::LayerStore& store, const std::vector<models::LayerSpec>& specs,
+                  const models::WeightReader& reader,
+                  const std::map<std::string, at::Tensor>& extra = {});
 
 enum class StateView { kStream, kMaster, kGrad, kM, kV };
 // A CPU tensor viewing one tensor of the store (no copy), shaped as its spec. Throws Error when
-// the tensor has no such state (a frozen tensor has no master, moments or gradient).
+// the tensor has no such state (a frozen tensor has no master, moments or gradient), when the
+// state lives on the NVMe tier (open the layer with LayerStore::access and use the overload
+// below), and for a quantised streaming copy (use stream_tensor).
 at::Tensor state_view(const offload::LayerStore& store, const std::vector<models::LayerSpec>& specs,
                       std::size_t layer, std::size_t index, StateView what);
+// The same through an open access of the layer (which must include the part viewed).
+at::Tensor state_view(const offload::LayerAccess& access, const offload::LayerStore& store,
+                      const std::vector<models::LayerSpec>& specs, std::size_t layer,
+                      std::size_t index, StateView what);
+// The streaming copy as a tensor of the streaming dtype: a view, or — for a tensor the store
+// keeps quantised — its dequantisation into fresh memory (what a device computes with). A tied
+// tensor must be read through its owner.
+at::Tensor stream_tensor(const offload::LayerAccess& access, const offload::LayerStore& store,
+                         const std::vector<models::LayerSpec>& specs, std::size_t layer,
+                         std::size_t index);
 
 }  // namespace rondo::engine

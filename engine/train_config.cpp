@@ -31,7 +31,7 @@ models::LoraConfig TrainConfig::lora_config() const {
           .rslora = lora.rslora};
 }
 
-std::vector<std::string> TrainConfig::validate() const {
+std::vector<std::string> TrainConfig::validate(bool planning) const {
   std::vector<std::string> p;
   auto add = [&](const std::string& field, const std::string& what) {
     p.push_back(field + ": " + what);
@@ -39,8 +39,16 @@ std::vector<std::string> TrainConfig::validate() const {
   if (model.path.empty()) add("model.path", "not set; give a Hugging Face folder or a .gguf file");
   if (!one_of(model.dtype, {"bf16", "fp16", "fp32"}))
     add("model.dtype", "must be bf16, fp16 or fp32 (got '" + model.dtype + "')");
+  if (!one_of(model.quantize, {"auto", "none", "nf4", "int8", "gguf"}))
+    add("model.quantize", "must be auto, none, nf4, int8 or gguf (got '" + model.quantize + "')");
+  else if (training.method == "full" && !one_of(model.quantize, {"auto", "none"}))
+    add("model.quantize", "'" + model.quantize +
+                              "' keeps a frozen base quantised, which needs training.method = "
+                              "lora (full fine-tuning trains every weight); use none");
+  if (model.double_quant && model.quantize != "nf4")
+    add("model.double_quant", "applies to model.quantize = nf4 only");
 
-  if (data.train.empty()) add("data.train", "not set; give a JSONL file");
+  if (data.train.empty() && !planning) add("data.train", "not set; give a JSONL file");
   if (!one_of(data.format, {"auto", "text", "alpaca", "chat"}))
     add("data.format", "must be auto, text, alpaca or chat (got '" + data.format + "')");
   if (!(data.validation_split >= 0 && data.validation_split <= 0.5))
@@ -112,8 +120,16 @@ std::vector<std::string> TrainConfig::validate() const {
 
   if (hardware.sim_devices < 0 || hardware.sim_devices > 64)
     add("hardware.sim_devices", "must be in 0..64 (got " + str(hardware.sim_devices) + ")");
+  if (!one_of(hardware.offload_io, {"auto", "io_uring", "threads"}))
+    add("hardware.offload_io",
+        "must be auto, io_uring or threads (got '" + hardware.offload_io + "')");
+  if (hardware.gpu_count < 1 || hardware.gpu_count > 64)
+    add("hardware.gpu_count", "must be in 1..64 (got " + str(hardware.gpu_count) + ")");
+  if (!hardware.gpu.empty() && hardware.sim_devices > 0)
+    add("hardware.gpu", "set together with hardware.sim_devices; use one of them");
   for (auto [field, value] : {std::pair{"hardware.memory_cap", &hardware.memory_cap},
-                              std::pair{"hardware.host_memory", &hardware.host_memory}}) {
+                              std::pair{"hardware.host_memory", &hardware.host_memory},
+                              std::pair{"hardware.disk_speed", &hardware.disk_speed}}) {
     if (value->empty()) continue;
     try {
       if (parse_bytes(*value, field) == 0) add(field, "must be more than 0 (or left out)");
@@ -122,7 +138,8 @@ std::vector<std::string> TrainConfig::validate() const {
     }
   }
 
-  if (output.run_dir.empty()) add("output.run_dir", "not set; give the folder the run writes");
+  if (output.run_dir.empty() && !planning)
+    add("output.run_dir", "not set; give the folder the run writes");
   for (const std::string& e : output.exports) {
     if (!one_of(e, {"adapter", "merged"}))
       add("output.exports", "'" + e + "' is not adapter or merged");

@@ -21,6 +21,13 @@ struct ModelSection {
   std::string path;            // a Hugging Face folder or a .gguf file
   std::string dtype = "bf16";  // weights streamed and computed in: "bf16", "fp16" (with dynamic
                                // loss scaling) or "fp32"; masters and moments are always fp32
+  // How a frozen LoRA base is kept in host memory, on NVMe and on the link (dequantised on the
+  // device to `dtype` just before use): "auto" (a GGUF base keeps its own block types on GPUs, or
+  // on the CPU when memory is short; a Hugging Face base is not quantised), "none", "nf4"
+  // (QLoRA's NormalFloat4, blocks of 64), "int8" (per output channel), "gguf" (keep the GGUF
+  // file's Q4_0/Q4_1/Q8_0/Q4_K/Q6_K tensors).
+  std::string quantize = "auto";
+  bool double_quant = false;  // nf4: quantise the block scales too (bitsandbytes' double quant)
 };
 
 struct DataSection {
@@ -77,6 +84,17 @@ struct HardwareSection {
   int sim_devices = 0;      // > 0: this many simulated GPUs instead of CUDA ones
   std::string memory_cap;   // per GPU, e.g. "24GB"; "" = whole device
   std::string host_memory;  // host memory the run may use, e.g. "64GB"; "" = what is free
+  // A folder on an NVMe drive for the state that does not fit host_memory (frozen base weights,
+  // masters and moments); "" = none: everything must fit in host memory.
+  std::string offload_dir;
+  std::string offload_io = "auto";  // "auto" (io_uring where it works), "io_uring", "threads"
+  std::string disk_speed;           // offload_dir's sequential read speed for planning, e.g.
+                                    // "3GB" (per second); "" = 3 GB/s (measure: rondo devices
+                                    // --disk DIR)
+  // Plan for a GPU that is not in this machine (`rondo plan` only): a name from the table of
+  // common cards (engine/gpus.h: "RTX 4090", "A100", ...) and how many.
+  std::string gpu;
+  int gpu_count = 1;
 };
 
 struct OutputSection {
@@ -96,7 +114,8 @@ struct TrainConfig {
 
   // Every problem, each "section.field: what is wrong (got X); what to do". Checks values only
   // (files are checked when the run opens them).
-  std::vector<std::string> validate() const;
+  // `planning` (`rondo plan`): data and a run folder may be left out.
+  std::vector<std::string> validate(bool planning = false) const;
   models::LoraConfig lora_config() const;
 };
 

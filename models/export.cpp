@@ -63,15 +63,36 @@ void write_peft_adapter(const std::string& dir, const std::vector<LayerSpec>& sp
 void write_merged(const std::string& dir, const std::vector<LayerSpec>& specs,
                   const std::map<std::string, at::Tensor>& all, const std::string& base_dir,
                   DType dtype) {
+  write_merged(
+      dir, specs, [&](std::size_t) { return all; }, base_dir, dtype);
+}
+
+void write_merged(
+    const std::string& dir, const std::vector<LayerSpec>& specs,
+    const std::function<std::map<std::string, at::Tensor>(std::size_t)>& layer_tensors,
+    const std::string& base_dir, DType dtype) {
   make_dir(dir);
-  std::vector<std::pair<std::string, at::Tensor>> out;
-  // In spec order (the safetensors header lists them so).
-  const std::map<std::string, at::Tensor> merged = merge_lora(specs, all);
-  for (const LayerSpec& spec : specs)
-    for (const ParamSpec& p : spec.params)
-      if (!p.tied && !is_lora_param(p.name))
-        out.emplace_back(p.name, merged.at(p.name).to(to_scalar_type(dtype)));
-  write_safetensors((fs::path(dir) / "model.safetensors").string(), out, {{"format", "pt"}});
+  // In spec order (the safetensors header lists them so); one layer merged at a time.
+  std::vector<SafetensorsEntry> entries;
+  std::vector<std::size_t> layer_of;
+  for (std::size_t l = 0; l < specs.size(); ++l)
+    for (const ParamSpec& p : specs[l].params)
+      if (!p.tied && !is_lora_param(p.name)) {
+        entries.push_back({p.name, dtype, p.shape});
+        layer_of.push_back(l);
+      }
+  std::map<std::string, at::Tensor> merged;
+  std::size_t merged_layer = specs.size();
+  write_safetensors((fs::path(dir) / "model.safetensors").string(), entries, {{"format", "pt"}},
+                    [&](std::size_t i, const SafetensorsSink& sink) {
+                      if (merged_layer != layer_of[i]) {
+                        merged_layer = layer_of[i];
+                        merged = merge_lora({specs[merged_layer]}, layer_tensors(merged_layer));
+                      }
+                      const at::Tensor t =
+                          merged.at(entries[i].name).to(to_scalar_type(dtype)).contiguous();
+                      sink(t.data_ptr(), t.nbytes());
+                    });
   for (const char* name : {"config.json", "generation_config.json", "tokenizer.json",
                            "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                            "vocab.json", "merges.txt", "chat_template.jinja"}) {

@@ -10,6 +10,7 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <functional>
 #include <map>
 #include <string>
 #include <vector>
@@ -29,5 +30,11 @@ void write_peft_adapter(const std::string& dir, const std::vector<LayerSpec>& sp
 void write_merged(const std::string& dir, const std::vector<LayerSpec>& specs,
                   const std::map<std::string, at::Tensor>& tensors, const std::string& base_dir,
                   DType dtype);
+// The same, one layer at a time: `layer_tensors(l)` gives layer l's tensors by name (its own and
+// its adapters'), so that a model larger than memory is written holding one layer.
+void write_merged(
+    const std::string& dir, const std::vector<LayerSpec>& specs,
+    const std::function<std::map<std::string, at::Tensor>(std::size_t)>& layer_tensors,
+    const std::string& base_dir, DType dtype);
 
 }  // namespace rondo::models

@@ -33,6 +33,17 @@ std::string dtype_mix(const std::map<std::string, std::uint64_t>& bytes_by_dtype
   return out;
 }
 
+// A folder with config.json but neither model.safetensors nor a sharded index: the weights are
+// not downloaded yet.
+bool has_weights(const std::string& dir) {
+  std::error_code ec;
+  for (const fs::directory_entry& e : fs::directory_iterator(dir, ec)) {
+    const std::string name = e.path().filename().string();
+    if (name.ends_with(".safetensors") || name == "model.safetensors.index.json") return true;
+  }
+  return ec.value() != 0;  // unreadable: let the checkpoint reader report it
+}
+
 }  // namespace
 
 ModelSummary inspect_model(const std::string& path, std::int64_t seq_len) {
@@ -42,7 +53,14 @@ ModelSummary inspect_model(const std::string& path, std::int64_t seq_len) {
   std::map<std::string, std::uint64_t> by_dtype;
   // Stored bytes of each HF tensor name, from the headers only.
   std::map<std::string, std::pair<std::uint64_t, std::string>> stored;
-  if (model_format(path) == ModelFormat::kHfFolder) {
+  if (model_format(path) == ModelFormat::kHfFolder && !has_weights(path)) {
+    s.format = "config only";
+    s.config = load_hf_config((fs::path(path) / "config.json").string());
+    for (const LayerSpec& spec : layer_specs(s.config))
+      for (const ParamSpec& p : spec.params)
+        stored[p.name] = {static_cast<std::uint64_t>(p.numel()) * dtype_size(s.config.dtype),
+                          to_string(s.config.dtype)};
+  } else if (model_format(path) == ModelFormat::kHfFolder) {
     s.format = "safetensors";
     s.config = load_hf_config((fs::path(path) / "config.json").string());
     Checkpoint ckpt = Checkpoint::open_hf_folder(path);
@@ -75,6 +93,7 @@ ModelSummary inspect_model(const std::string& path, std::int64_t seq_len) {
       const auto& [bytes, dtype] = stored.at(p.name);
       l.bytes_stored += bytes;
       by_dtype[dtype] += bytes;
+      s.stored_types[p.name] = dtype;
     }
     s.params += l.params;
     s.bytes_stored += l.bytes_stored;

@@ -1,9 +1,11 @@
 // What a model is without loading its weights: config, parameter count, stored dtypes and bytes
-// per layer, read from the checkpoint's headers only (fast for a 70B model). For `rondo inspect`
-// and the GUI wizard's model page.
+// per layer, read from the checkpoint's headers only (fast for a 70B model) — or from config.json
+// alone when the weights are not there yet. For `rondo inspect`, `rondo plan` and the GUI
+// wizard's model page.
 #pragma once
 
 #include <cstdint>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -23,13 +25,18 @@ struct LayerSummary {
 
 struct ModelSummary {
   std::string path;
-  std::string format;  // "safetensors" or "gguf"
+  // "safetensors", "gguf", or "config only" (a folder holding config.json but no weights yet:
+  // planning before downloading; stored bytes then follow the config's torch_dtype)
+  std::string format;
   ModelConfig config;
   std::string dtypes;  // stored dtypes with their share, e.g. "BF16" or "Q4_K 80%, F32 20%"
   std::int64_t params = 0;
   std::uint64_t bytes_stored = 0;
   std::int64_t seq_len = 0;  // the sequence length the FLOPs assume
   std::vector<LayerSummary> layers;
+  // Per owned tensor (Hugging Face name): its stored type, "BF16", "Q4_K", ... (the GGUF type
+  // decides what a GGUF base keeps on the link).
+  std::map<std::string, std::string> stored_types;
 };
 
 // Throws Error for anything that is not a readable model.

@@ -15,6 +15,15 @@
 
 namespace rondo::models {
 
+void release_mapped_pages(const void* data, std::size_t bytes) noexcept {
+  static const std::uintptr_t page = static_cast<std::uintptr_t>(sysconf(_SC_PAGESIZE));
+  const auto begin = reinterpret_cast<std::uintptr_t>(data);
+  const std::uintptr_t first = (begin + page - 1) / page * page;
+  const std::uintptr_t last = (begin + bytes) / page * page;
+  // Only whole pages inside the range: a neighbouring tensor may share the edge pages.
+  if (last > first) ::madvise(reinterpret_cast<void*>(first), last - first, MADV_DONTNEED);
+}
+
 void write_file_durably(const std::string& path, const std::string& text) {
   const std::string tmp = path + ".tmp";
   auto fail = [&](const std::string& what, const std::string& file) {

@@ -20,6 +20,13 @@ std::string read_text_file(const std::string& path, const std::string& what);
 // the path and the failed call.
 void write_file_durably(const std::string& path, const std::string& text);
 
+// Drops the pages of a read-only file mapping inside [data, data + bytes) from this process
+// (madvise MADV_DONTNEED on the whole pages inside the range): they stop counting in its resident
+// set, and are read from the file again if touched. Loading calls it after copying a tensor out,
+// so that reading a checkpoint larger than the host memory budget does not fill the process with
+// file pages. Best effort: never throws.
+void release_mapped_pages(const void* data, std::size_t bytes) noexcept;
+
 class MappedFile {
  public:
   // Throws Error naming the path if it cannot be opened or mapped. An empty file maps to size 0.

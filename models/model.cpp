@@ -62,42 +62,33 @@ Model Model::load_hf_folder(const std::string& dir, const LoadOptions& options) 
   return from_tensors(std::move(config), std::move(tensors), dir, ckpt);
 }
 
-Model Model::from_tensors(ModelConfig config, std::map<std::string, at::Tensor> tensors,
-                          std::string source, std::shared_ptr<void> keepalive) {
-  Model m;
-  m.config_ = std::move(config);
-  m.layers_ = layer_specs(m.config_);
-  m.source_ = std::move(source);
-  m.keepalive_ = std::move(keepalive);
+std::vector<std::string> check_weights_match(
+    const ModelConfig& config, const std::vector<LayerSpec>& layers,
+    const std::map<std::string, std::vector<std::int64_t>>& shapes, const std::string& source) {
   std::set<std::string> expected;
-  std::vector<std::string> problems;
-  for (const LayerSpec& layer : m.layers_)
+  std::vector<std::string> problems, ignored;
+  for (const LayerSpec& layer : layers)
     for (const ParamSpec& p : layer.params) {
       if (!expected.insert(p.name).second) continue;  // tied: checked once
-      auto it = tensors.find(p.name);
-      if (it == tensors.end()) {
+      auto it = shapes.find(p.name);
+      if (it == shapes.end()) {
         problems.push_back("missing tensor '" + p.name + "' (shape " + shape_text(p.shape) + ")");
         continue;
       }
-      if (it->second.sizes() != at::IntArrayRef(p.shape))
-        problems.push_back("tensor '" + p.name + "' has shape " +
-                           shape_text(it->second.sizes().vec()) + " but the config needs " +
-                           shape_text(p.shape));
+      if (it->second != p.shape)
+        problems.push_back("tensor '" + p.name + "' has shape " + shape_text(it->second) +
+                           " but the config needs " + shape_text(p.shape));
     }
-  for (auto it = tensors.begin(); it != tensors.end();) {
-    if (expected.count(it->first)) {
-      ++it;
-    } else if (ignorable(it->first, m.config_)) {
-      it = tensors.erase(it);
-    } else {
-      problems.push_back("unexpected tensor '" + it->first + "' (not part of a " +
-                         m.config_.architecture + " with " + std::to_string(m.config_.num_layers) +
-                         " layers)");
-      ++it;
-    }
+  for (const auto& [name, shape] : shapes) {
+    if (expected.count(name)) continue;
+    if (ignorable(name, config))
+      ignored.push_back(name);
+    else
+      problems.push_back("unexpected tensor '" + name + "' (not part of a " + config.architecture +
+                         " with " + std::to_string(config.num_layers) + " layers)");
   }
   if (!problems.empty()) {
-    std::string text = m.source_ + ": the weights do not match the config:";
+    std::string text = source + ": the weights do not match the config:";
     const std::size_t shown = std::min<std::size_t>(problems.size(), 12);
     for (std::size_t i = 0; i < shown; ++i)
       text += "\n  - " + problems[i];
@@ -105,6 +96,21 @@ Model Model::from_tensors(ModelConfig config, std::map<std::string, at::Tensor> 
       text += "\n  - and " + std::to_string(problems.size() - shown) + " more";
     throw Error(text);
   }
+  return ignored;
+}
+
+Model Model::from_tensors(ModelConfig config, std::map<std::string, at::Tensor> tensors,
+                          std::string source, std::shared_ptr<void> keepalive) {
+  Model m;
+  m.config_ = std::move(config);
+  m.layers_ = layer_specs(m.config_);
+  m.source_ = std::move(source);
+  m.keepalive_ = std::move(keepalive);
+  std::map<std::string, std::vector<std::int64_t>> shapes;
+  for (const auto& [name, t] : tensors)
+    shapes.emplace(name, t.sizes().vec());
+  for (const std::string& name : check_weights_match(m.config_, m.layers_, shapes, m.source_))
+    tensors.erase(name);
   m.tensors_ = std::move(tensors);
   return m;
 }

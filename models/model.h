@@ -66,6 +66,14 @@ class Model {
   std::shared_ptr<void> keepalive_;
 };
 
+// Checks a checkpoint's tensors (name -> shape) against what the config's layers need: every one
+// present with its shape, nothing unexpected. Throws Error listing the problems (up to 12) under
+// `source`; returns the names that are present but ignorable (a stored copy of a tied LM head,
+// rotary inv_freq buffers).
+std::vector<std::string> check_weights_match(
+    const ModelConfig& config, const std::vector<LayerSpec>& layers,
+    const std::map<std::string, std::vector<std::int64_t>>& shapes, const std::string& source);
+
 // Targets for next-token prediction: targets[t] = tokens[t + 1] inside the same document,
 // -100 at each document's last token (and where `loss_mask` is false, if given).
 at::Tensor next_token_targets(const TokenBatch& batch, const at::Tensor& loss_mask = {});

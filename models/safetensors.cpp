@@ -272,22 +272,38 @@ void write_all(int fd, const void* data, std::size_t n, const std::string& path)
 void write_safetensors(const std::string& path,
                        const std::vector<std::pair<std::string, at::Tensor>>& tensors,
                        const std::map<std::string, std::string>& metadata) {
+  std::vector<SafetensorsEntry> entries;
+  std::vector<at::Tensor> data;
+  for (const auto& [name, tensor] : tensors) {
+    at::Tensor t = tensor.to(at::kCPU).contiguous();
+    entries.push_back({name, dtype_of(t), t.sizes().vec()});
+    data.push_back(t);
+  }
+  write_safetensors(path, entries, metadata, [&](std::size_t i, const SafetensorsSink& sink) {
+    sink(data[i].data_ptr(), data[i].nbytes());
+  });
+}
+
+void write_safetensors(const std::string& path, const std::vector<SafetensorsEntry>& entries,
+                       const std::map<std::string, std::string>& metadata,
+                       const std::function<void(std::size_t, const SafetensorsSink&)>& produce) {
   nlohmann::ordered_json header = nlohmann::ordered_json::object();
   if (!metadata.empty()) header["__metadata__"] = metadata;
-  std::vector<at::Tensor> data;
   std::set<std::string> seen;
   std::uint64_t offset = 0;
-  for (const auto& [name, tensor] : tensors) {
-    if (name == "__metadata__" || !seen.insert(name).second)
-      throw Error("write_safetensors: tensor name '" + name + "' is " +
-                  (name == "__metadata__" ? "reserved" : "used twice"));
-    at::Tensor t = tensor.to(at::kCPU).contiguous();
-    std::uint64_t bytes = static_cast<std::uint64_t>(t.nbytes());
-    header[name] = {{"dtype", to_string(dtype_of(t))},
-                    {"shape", t.sizes().vec()},
-                    {"data_offsets", {offset, offset + bytes}}};
+  std::vector<std::uint64_t> sizes;
+  for (const SafetensorsEntry& e : entries) {
+    if (e.name == "__metadata__" || !seen.insert(e.name).second)
+      throw Error("write_safetensors: tensor name '" + e.name + "' is " +
+                  (e.name == "__metadata__" ? "reserved" : "used twice"));
+    std::uint64_t bytes = dtype_size(e.dtype);
+    for (std::int64_t d : e.shape)
+      bytes *= static_cast<std::uint64_t>(d);
+    header[e.name] = {{"dtype", to_string(e.dtype)},
+                      {"shape", e.shape},
+                      {"data_offsets", {offset, offset + bytes}}};
     offset += bytes;
-    data.push_back(t);
+    sizes.push_back(bytes);
   }
   std::string text = header.dump();
   while (text.size() % 8 != 0)
@@ -302,8 +318,16 @@ void write_safetensors(const std::string& path,
     std::uint64_t n = text.size();
     write_all(fd, &n, 8, tmp.string());
     write_all(fd, text.data(), text.size(), tmp.string());
-    for (const at::Tensor& t : data)
-      write_all(fd, t.data_ptr(), t.nbytes(), tmp.string());
+    for (std::size_t i = 0; i < entries.size(); ++i) {
+      std::uint64_t written = 0;
+      produce(i, [&](const void* data, std::size_t bytes) {
+        write_all(fd, data, bytes, tmp.string());
+        written += bytes;
+      });
+      if (written != sizes[i])
+        throw InternalError("write_safetensors: " + std::to_string(written) + " bytes given for '" +
+                            entries[i].name + "', which has " + std::to_string(sizes[i]));
+    }
     if (::fsync(fd) != 0) throw Error("fsync " + tmp.string() + ": " + std::strerror(errno));
   } catch (...) {
     ::close(fd);

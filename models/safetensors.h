@@ -10,6 +10,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -76,6 +77,19 @@ class Checkpoint {
 void write_safetensors(const std::string& path,
                        const std::vector<std::pair<std::string, at::Tensor>>& tensors,
                        const std::map<std::string, std::string>& metadata = {});
+
+// The same, for data that is produced while the file is written (state that does not all fit in
+// memory at once): the header comes from `entries`, then `produce(i, sink)` is called for each
+// entry in order and must pass exactly that entry's bytes to `sink` (in one piece or several).
+struct SafetensorsEntry {
+  std::string name;
+  DType dtype = DType::kF32;
+  std::vector<std::int64_t> shape;
+};
+using SafetensorsSink = std::function<void(const void* data, std::size_t bytes)>;
+void write_safetensors(const std::string& path, const std::vector<SafetensorsEntry>& entries,
+                       const std::map<std::string, std::string>& metadata,
+                       const std::function<void(std::size_t, const SafetensorsSink&)>& produce);
 
 // DType of a torch scalar type; throws Error for types safetensors cannot hold.
 DType dtype_of(const at::Tensor& t);

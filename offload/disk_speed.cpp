@@ -11,9 +11,12 @@
 #include <cstring>
 #include <memory>
 #include <mutex>
+#include <random>
 #include <vector>
 
 #include "kernels/error.h"
+#include "offload/host_arena.h"
+#include "offload/nvme_store.h"
 #include "offload/offload_file.h"
 
 namespace rondo::offload {
@@ -195,6 +198,47 @@ DiskSpeed measure_disk_raw(const std::string& dir, std::uint64_t bytes,
   pass(IoOp::kRead);
   speed.read_bytes_per_s = rate(speed.bytes, t0);
   return speed;
+}
+
+StoreSpeed measure_store(const std::string& dir, std::uint64_t bytes, std::uint64_t request,
+                         std::uint64_t region_bytes, BackendKind kind) {
+  constexpr int kInFlight = 4;
+  NvmeStore store({.dir = dir, .backend = kind, .block_bytes = request}, bytes);
+  std::vector<Region> regions;
+  for (std::uint64_t at = 0; at < bytes; at += region_bytes)
+    regions.push_back(store.reserve(std::min(region_bytes, bytes - at),
+                                    "layer " + std::to_string(regions.size())));
+  HostArena arena({.pinning = Pinning::kOff});
+  std::vector<HostBuffer> buffers;
+  std::mt19937_64 rng(42);
+  for (int i = 0; i < kInFlight; ++i) {
+    buffers.push_back(arena.allocate(region_bytes, Purpose::kStaging));
+    auto* w = buffers.back().as<std::uint64_t>();
+    for (std::uint64_t k = 0; k < region_bytes / 8; ++k)
+      w[k] = rng();
+  }
+  auto pass = [&](bool write) {
+    std::vector<IoTicket> tickets(kInFlight);
+    auto t0 = Clock::now();
+    for (std::size_t i = 0; i < regions.size(); ++i) {
+      IoTicket& slot = tickets[i % kInFlight];
+      store.wait(slot);  // the buffer is free again
+      void* buf = buffers[i % kInFlight].data();
+      slot = write ? store.write(regions[i], 0, buf, regions[i].bytes)
+                   : store.read(regions[i], 0, buf, regions[i].bytes);
+    }
+    for (IoTicket& t : tickets)
+      store.wait(t);
+    return static_cast<double>(bytes) / std::chrono::duration<double>(Clock::now() - t0).count();
+  };
+  StoreSpeed s;
+  s.write_bytes_per_s = pass(true);
+  s.read_bytes_per_s = pass(false);
+  s.summary = store.summary();
+  const NvmeStoreInfo info = store.info();
+  s.backend = info.backend;
+  s.direct = info.direct;
+  return s;
 }
 
 }  // namespace rondo::offload

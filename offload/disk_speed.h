@@ -1,5 +1,5 @@
 // How fast a folder's drive reads and writes, for the planner (how much offloaded state a step can
-// afford to stream) and for bench/nvme_bench (the store's GB/s as a ratio of what the drive does
+// afford to stream) and for bench/offload_bench (the store's GB/s as a ratio of what the drive does
 // with the plainest possible loop, measured in the same run).
 // Both measurements use an unnamed, preallocated file in the folder (offload_file.h) that is gone
 // when they return; data is pseudo-random so that no layer can compress it.
@@ -41,5 +41,17 @@ DiskSpeed measure_disk(const std::string& dir, std::uint64_t bytes,
 // requests of the same size — what any program gets without a queue.
 DiskSpeed measure_disk_raw(const std::string& dir, std::uint64_t bytes,
                            std::uint64_t request_bytes = std::uint64_t{1} << 20);
+
+// The NVMe store itself, as the engine uses it: `bytes` in regions of `region_bytes` (layers),
+// written then read with 4 transfers in flight from host-arena buffers, checksums computed and
+// verified, blocks of `request_bytes`.
+struct StoreSpeed {
+  double write_bytes_per_s = 0, read_bytes_per_s = 0;
+  std::string backend;  // "io_uring" | "threads"
+  bool direct = false;
+  std::string summary;  // NvmeStore::summary()
+};
+StoreSpeed measure_store(const std::string& dir, std::uint64_t bytes, std::uint64_t request_bytes,
+                         std::uint64_t region_bytes, BackendKind kind = BackendKind::kAuto);
 
 }  // namespace rondo::offload

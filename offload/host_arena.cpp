@@ -144,12 +144,13 @@ HostBuffer HostArena::allocate(std::uint64_t bytes, Purpose purpose, int numa_no
         if (s.usage.by_purpose[p].bytes)
           by += std::string(by.empty() ? "" : ", ") + to_string(static_cast<Purpose>(p)) + " " +
                 format_bytes(s.usage.by_purpose[p].bytes);
-      throw HostOutOfMemory("host memory budget exceeded: " + std::string(to_string(purpose)) +
-                                " needs " + format_bytes(bytes) + " with " +
-                                format_bytes(s.usage.bytes) + " in use (" +
-                                (by.empty() ? "nothing" : by) + ") of a " + format_bytes(limit) +
-                                " budget; raise the host memory budget or offload to NVMe",
-                            bytes, s.usage.bytes, limit);
+      throw HostOutOfMemory(
+          "host memory budget exceeded: " + std::string(to_string(purpose)) + " needs " +
+              format_bytes(bytes) + " with " + format_bytes(s.usage.bytes) + " in use (" +
+              (by.empty() ? "nothing" : by) + ") of a " + format_bytes(limit) +
+              " budget; raise hardware.host_memory, or set hardware.offload_dir so that state "
+              "moves to an NVMe drive (rondo plan shows what fits)",
+          bytes, s.usage.bytes, limit);
     }
     PurposeUsage& u = s.usage.by_purpose[static_cast<int>(purpose)];
     u.bytes += bytes;

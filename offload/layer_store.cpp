@@ -1,72 +1,166 @@
 #include "offload/layer_store.h"
 
+#include <algorithm>
+#include <cstdio>
 #include <cstring>
+#include <deque>
+#include <exception>
 #include <map>
+#include <optional>
+#include <utility>
 
 #include "kernels/error.h"
+#include "offload/nvme_store.h"
 
 namespace rondo::offload {
 namespace {
 constexpr std::size_t kAlign = 64;  // a cache line, and a whole AVX-512 vector
-std::size_t align_up(std::size_t n) {
-  return (n + kAlign - 1) / kAlign * kAlign;
+std::size_t align_up(std::size_t n, std::size_t a = kAlign) {
+  return (n + a - 1) / a * a;
 }
+constexpr std::size_t kNvmeAlign = 4096;  // O_DIRECT: offsets, sizes and buffers
+
+// Write-backs kept in flight at most; older ones are waited for (and their staging freed) as new
+// ones start, so that staging memory stays bounded (a few layers) whatever the model's size.
+constexpr std::size_t kMaxPendingWrites = 4;
+
+constexpr unsigned kParts[3] = {kBasePart, kStreamPart, kOptimizerPart};
+int part_index(unsigned part) {
+  return part == kBasePart ? 0 : part == kStreamPart ? 1 : 2;
+}
+
+// The layout both the host arena and the NVMe regions use for one layer.
+struct LayerLayout {
+  std::vector<std::size_t> stream_off, grad_off, opt_off;  // per tensor, in its part's region
+  std::size_t bytes[3] = {0, 0, 0};  // base, stream: bytes; optimizer: 3 * opt_elems * 4
+  std::size_t grad = 0, opt_elems = 0;
+  std::size_t device = 0;  // both streaming parts on a device (dequantised)
+};
+
+std::size_t stored_bytes(const TensorDesc& t, std::size_t ss) {
+  if (t.quant.type == kernels::QuantType::kNone) return static_cast<std::size_t>(t.numel) * ss;
+  return kernels::quant_bytes(t.quant, t.rows, t.cols);
+}
+
+LayerLayout layout_of(const LayerDesc& layer, std::size_t l, kernels::FloatDType stream_dtype,
+                      kernels::FloatDType grad_dtype) {
+  const std::size_t ss = kernels::dtype_size(stream_dtype), gs = kernels::dtype_size(grad_dtype);
+  LayerLayout o;
+  for (const TensorDesc& t : layer.tensors) {
+    const std::string where = "layer " + std::to_string(l) + ": tensor '" + t.name + "'";
+    if (t.numel <= 0) throw Error(where + " has no elements");
+    if (t.tied_to_layer >= static_cast<int>(l))
+      throw Error(where + " is tied to a layer that is not earlier (" +
+                  std::to_string(t.tied_to_layer) + ")");
+    if (t.quant.type != kernels::QuantType::kNone) {
+      if (t.trainable || t.tied_to_layer >= 0)
+        throw Error(where +
+                    " is quantised but trained or tied; only frozen tensors are kept "
+                    "quantised");
+      if (t.rows * t.cols != t.numel)
+        throw Error(where + " is quantised as " + std::to_string(t.rows) + " x " +
+                    std::to_string(t.cols) + " but has " + std::to_string(t.numel) + " elements");
+    }
+    const std::size_t n = static_cast<std::size_t>(t.numel);
+    std::size_t& region = o.bytes[t.trainable ? 1 : 0];
+    o.stream_off.push_back(region);
+    o.opt_off.push_back(o.opt_elems);
+    o.grad_off.push_back(o.grad);
+    if (t.tied_to_layer < 0) {
+      region += align_up(stored_bytes(t, ss));
+      o.device += align_up(n * ss);
+      if (t.trainable) o.opt_elems += align_up(n * 4) / 4;
+    }
+    if (t.trainable) o.grad += align_up(n * gs);
+  }
+  o.bytes[2] = 3 * o.opt_elems * sizeof(float);
+  return o;
+}
+
+bool has_ties(const std::vector<LayerDesc>& layers, std::size_t l) {
+  for (const TensorDesc& t : layers[l].tensors)
+    if (t.tied_to_layer >= 0) return true;
+  for (const LayerDesc& other : layers)
+    for (const TensorDesc& t : other.tensors)
+      if (t.tied_to_layer == static_cast<int>(l)) return true;
+  return false;
+}
+
+std::array<Tier, 3> tiers_of(const LayerDesc& d) {
+  return {d.base, d.weights, d.optimizer};
+}
+
 }  // namespace
 
-LayerStore::LayerStore(HostArena& arena, const std::vector<LayerDesc>& layers,
-                       kernels::FloatDType stream_dtype, kernels::FloatDType grad_dtype)
-    : stream_dtype_(stream_dtype), grad_dtype_(grad_dtype) {
-  const std::size_t ss = kernels::dtype_size(stream_dtype), gs = kernels::dtype_size(grad_dtype);
-  // First pass: offsets. Per layer: streaming copies (owned tensors), gradients (trainable,
-  // tied included), and master/m/v (owned trainable tensors).
-  struct Offsets {
-    std::size_t stream = 0, grad = 0, opt = 0;
-  };
-  std::vector<std::vector<Offsets>> at(layers.size());
-  std::size_t stream_total = 0, grad_total = 0, opt_elems = 0;
-  std::vector<std::pair<std::size_t, std::size_t>> stream_span(layers.size()),
-      grad_span(layers.size());
-  for (std::size_t l = 0; l < layers.size(); ++l) {
-    stream_span[l].first = stream_total;
-    grad_span[l].first = grad_total;
-    for (const TensorDesc& t : layers[l].tensors) {
-      if (t.numel <= 0)
-        throw Error("layer " + std::to_string(l) + ": tensor '" + t.name + "' has no elements");
-      if (t.tied_to_layer >= static_cast<int>(l))
-        throw Error("layer " + std::to_string(l) + ": tensor '" + t.name +
-                    "' is tied to a layer that is not earlier (" + std::to_string(t.tied_to_layer) +
-                    ")");
-      Offsets o;
-      const std::size_t n = static_cast<std::size_t>(t.numel);
-      if (t.tied_to_layer < 0) {
-        o.stream = stream_total;
-        stream_total += align_up(n * ss);
-        if (t.trainable) {
-          o.opt = opt_elems;
-          opt_elems += align_up(n * 4) / 4;
-        }
-      }
-      if (t.trainable) {
-        o.grad = grad_total;
-        grad_total += align_up(n * gs);
-      }
-      at[l].push_back(o);
-    }
-    stream_span[l].second = stream_total;
-    grad_span[l].second = grad_total;
-  }
-  weights_ = arena.allocate(stream_total, Purpose::kWeights);
-  gradients_ = arena.allocate(grad_total, Purpose::kGradients);
-  optimizer_ = arena.allocate(3 * opt_elems * sizeof(float), Purpose::kOptimizerState);
+const char* to_string(Tier tier) {
+  return tier == Tier::kHost ? "host" : "nvme";
+}
 
-  // Second pass: views. Fresh mmap'd memory is already zero.
+// NVMe regions of each layer and the I/O in flight on them.
+struct LayerStore::Regions {
+  std::vector<std::array<Region, 3>> region;  // per layer, by part index
+  std::mutex mutex;
+  using Key = std::pair<std::size_t, unsigned>;  // layer, part
+  struct Io {
+    IoTicket ticket;
+    HostBuffer buffer;
+  };
+  std::map<Key, Io> writes, reads;  // write-backs and prefetches in flight
+  std::deque<Key> write_order;      // oldest first
+  std::exception_ptr write_error;   // the first failed write-back not yet reported
+};
+
+LayerStore::LayerStore(HostArena& arena, const std::vector<LayerDesc>& layers,
+                       kernels::FloatDType stream_dtype, kernels::FloatDType grad_dtype,
+                       NvmeStore* nvme)
+    : arena_(arena), stream_dtype_(stream_dtype), grad_dtype_(grad_dtype), nvme_(nvme) {
+  // First pass: layouts, and the host totals.
+  std::vector<LayerLayout> lay;
+  std::size_t total[3] = {0, 0, 0}, grad_total = 0;
+  std::vector<std::array<std::size_t, 3>> base(layers.size());
+  std::vector<std::size_t> grad_base(layers.size());
+  for (std::size_t l = 0; l < layers.size(); ++l) {
+    lay.push_back(layout_of(layers[l], l, stream_dtype, grad_dtype));
+    const std::array<Tier, 3> t = tiers_of(layers[l]);
+    const bool on_nvme = std::count(t.begin(), t.end(), Tier::kNvme) > 0;
+    if (on_nvme && nvme == nullptr)
+      throw Error("layer " + std::to_string(l) +
+                  " is placed on the NVMe tier but the store has no NVMe store; set "
+                  "hardware.offload_dir");
+    if (on_nvme && has_ties(layers, l))
+      throw Error("layer " + std::to_string(l) +
+                  " has tied tensors and must stay in host memory (its owner and the tying "
+                  "layer share one copy)");
+    for (int p = 0; p < 3; ++p) {
+      base[l][p] = total[p];
+      if (t[p] == Tier::kHost) total[p] += lay[l].bytes[p];
+    }
+    grad_base[l] = grad_total;
+    grad_total += lay[l].grad;
+  }
+  // Frozen and trained streaming copies share one weights buffer: base parts first.
+  weights_ = arena.allocate(total[0] + total[1], Purpose::kWeights);
+  gradients_ = arena.allocate(grad_total, Purpose::kGradients);
+  optimizer_ = arena.allocate(total[2], Purpose::kOptimizerState);
+  regions_ = std::make_unique<Regions>();
+  regions_->region.resize(layers.size());
+
+  // Second pass: views. Fresh mmap'd memory is already zero; NVMe parts are written at load.
   auto* wbase = weights_.as<std::uint8_t>();
   auto* gbase = gradients_.as<std::uint8_t>();
-  float* master = optimizer_.as<float>();
-  float* m = master ? master + opt_elems : nullptr;
-  float* v = master ? master + 2 * opt_elems : nullptr;
+  auto* obase = optimizer_.as<std::uint8_t>();
   layers_.resize(layers.size());
   for (std::size_t l = 0; l < layers.size(); ++l) {
+    const LayerLayout& o = lay[l];
+    const std::array<Tier, 3> tier = tiers_of(layers[l]);
+    tiers_.push_back(tier);
+    opt_elems_.push_back(o.opt_elems);
+    device_bytes_.push_back(o.device);
+    std::uint8_t* part_host[3] = {
+        tier[0] == Tier::kHost && wbase ? wbase + base[l][0] : nullptr,
+        tier[1] == Tier::kHost && wbase ? wbase + total[0] + base[l][1] : nullptr,
+        tier[2] == Tier::kHost && obase ? obase + base[l][2] : nullptr};
+    auto* opt = reinterpret_cast<float*>(part_host[2]);
     std::map<std::string, std::size_t> seen;
     for (std::size_t i = 0; i < layers[l].tensors.size(); ++i) {
       const TensorDesc& t = layers[l].tensors[i];
@@ -76,6 +170,9 @@ LayerStore::LayerStore(HostArena& arena, const std::vector<LayerDesc>& layers,
       s.name = t.name;
       s.numel = static_cast<std::size_t>(t.numel);
       s.trainable = t.trainable;
+      s.quant = t.quant;
+      s.rows = t.rows;
+      s.cols = t.cols;
       if (t.tied_to_layer >= 0) {
         const TensorState* owner = nullptr;
         for (std::size_t oi = 0; oi < layers_[t.tied_to_layer].size(); ++oi)
@@ -95,22 +192,75 @@ LayerStore::LayerStore(HostArena& arena, const std::vector<LayerDesc>& layers,
         s.m = owner->m;
         s.v = owner->v;
       } else {
-        s.stream = wbase + at[l][i].stream;
-        s.stream_offset = at[l][i].stream - stream_span[l].first;
-        if (t.trainable) {
-          s.master = master + at[l][i].opt;
-          s.m = m + at[l][i].opt;
-          s.v = v + at[l][i].opt;
+        s.stream_offset = o.stream_off[i];
+        s.stream_bytes = stored_bytes(t, kernels::dtype_size(stream_dtype));
+        std::uint8_t* region = part_host[t.trainable ? 1 : 0];
+        if (region) s.stream = region + o.stream_off[i];
+        if (t.trainable && opt) {
+          s.master = opt + o.opt_off[i];
+          s.m = opt + o.opt_elems + o.opt_off[i];
+          s.v = opt + 2 * o.opt_elems + o.opt_off[i];
         }
       }
-      if (t.trainable) s.grad = gbase + at[l][i].grad;
+      if (t.trainable) s.grad = gbase + grad_base[l] + o.grad_off[i];
       layers_[l].push_back(s);
     }
-    stream_ranges_.push_back({wbase ? wbase + stream_span[l].first : nullptr,
-                              stream_span[l].second - stream_span[l].first});
-    grad_ranges_.push_back(
-        {gbase ? gbase + grad_span[l].first : nullptr, grad_span[l].second - grad_span[l].first});
+    base_ranges_.push_back({part_host[0], o.bytes[0]});
+    stream_ranges_.push_back({part_host[1], o.bytes[1]});
+    grad_ranges_.push_back({gbase ? gbase + grad_base[l] : nullptr, o.grad});
+    static const char* kWhat[3] = {"frozen weights", "trained weights", "optimizer state"};
+    for (int p = 0; p < 3; ++p)
+      if (tier[p] == Tier::kNvme && o.bytes[p] > 0)
+        regions_->region[l][p] = nvme_->reserve(align_up(o.bytes[p], kNvmeAlign),
+                                                "layer " + std::to_string(l) + " " + kWhat[p]);
   }
+}
+
+LayerStore::~LayerStore() {
+  try {
+    flush();
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "rondo: warning: NVMe write-back failed while closing the store: %s\n",
+                 e.what());
+  }
+}
+
+std::uint64_t LayerStore::nvme_bytes(const std::vector<LayerDesc>& layers,
+                                     kernels::FloatDType stream_dtype) {
+  std::uint64_t total = 0;
+  for (std::size_t l = 0; l < layers.size(); ++l) {
+    const LayerLayout o = layout_of(layers[l], l, stream_dtype, kernels::FloatDType::kF32);
+    const std::array<Tier, 3> t = tiers_of(layers[l]);
+    for (int p = 0; p < 3; ++p)
+      if (t[p] == Tier::kNvme) total += align_up(o.bytes[p], kNvmeAlign);
+  }
+  return total;
+}
+
+std::array<std::uint64_t, 3> LayerStore::part_bytes(const std::vector<LayerDesc>& layers,
+                                                    std::size_t layer,
+                                                    kernels::FloatDType stream_dtype) {
+  const LayerLayout o = layout_of(layers.at(layer), layer, stream_dtype, kernels::FloatDType::kF32);
+  return {o.bytes[0], o.bytes[1], o.bytes[2]};
+}
+
+LayerStore::HostBytes LayerStore::host_bytes(const std::vector<LayerDesc>& layers,
+                                             kernels::FloatDType stream_dtype,
+                                             kernels::FloatDType grad_dtype) {
+  HostBytes b;
+  for (std::size_t l = 0; l < layers.size(); ++l) {
+    const LayerLayout o = layout_of(layers[l], l, stream_dtype, grad_dtype);
+    const std::array<Tier, 3> t = tiers_of(layers[l]);
+    if (t[0] == Tier::kHost) b.weights += o.bytes[0];
+    if (t[1] == Tier::kHost) b.weights += o.bytes[1];
+    if (t[2] == Tier::kHost) b.optimizer += o.bytes[2];
+    b.gradients += o.grad;
+  }
+  return b;
+}
+
+Tier LayerStore::tier(std::size_t layer, unsigned part) const {
+  return tiers_.at(layer)[part_index(part)];
 }
 
 const TensorState& LayerStore::tensor(std::size_t layer, const std::string& name) const {
@@ -120,6 +270,197 @@ const TensorState& LayerStore::tensor(std::size_t layer, const std::string& name
   for (const TensorState& t : layers_[layer])
     if (t.name == name) return t;
   throw Error("layer " + std::to_string(layer) + " has no tensor '" + name + "'");
+}
+
+// ---- access to NVMe-resident state ----
+
+LayerAccess::LayerAccess(LayerAccess&& other) noexcept {
+  *this = std::move(other);
+}
+
+LayerAccess& LayerAccess::operator=(LayerAccess&& other) noexcept {
+  if (this != &other) {
+    finish();
+    store_ = std::exchange(other.store_, nullptr);
+    layer_ = other.layer_;
+    write_ = other.write_;
+    tensors_ = std::move(other.tensors_);
+    base_ = other.base_;
+    stream_ = other.stream_;
+    for (int p = 0; p < 3; ++p)
+      staged_[p] = std::move(other.staged_[p]);
+  }
+  return *this;
+}
+
+LayerAccess::~LayerAccess() {
+  finish();
+}
+
+void LayerAccess::finish() noexcept {
+  if (store_ && write_ && (staged_[0] || staged_[1] || staged_[2])) store_->write_back(*this);
+  store_ = nullptr;
+  for (HostBuffer& b : staged_)
+    b.reset();
+}
+
+LayerAccess LayerStore::access(std::size_t layer, unsigned parts, AccessMode mode) {
+  RONDO_ASSERT(layer < layers_.size());
+  Regions& r = *regions_;
+  {
+    std::lock_guard<std::mutex> lock(r.mutex);
+    if (r.write_error) std::rethrow_exception(std::exchange(r.write_error, nullptr));
+  }
+  LayerAccess a;
+  a.store_ = this;
+  a.layer_ = layer;
+  a.write_ = mode != AccessMode::kRead;
+  a.tensors_ = layers_[layer];
+  a.base_ = base_ranges_[layer];
+  a.stream_ = stream_ranges_[layer];
+  // A part's staging buffer: its write-back still in flight (the data is that), a prefetch, or
+  // a fresh read.
+  auto stage = [&](unsigned part) -> HostBuffer {
+    const Region region = r.region[layer][part_index(part)];
+    std::optional<Regions::Io> pending, prefetched;
+    {
+      std::lock_guard<std::mutex> lock(r.mutex);
+      const Regions::Key key{layer, part};
+      if (auto it = r.writes.find(key); it != r.writes.end()) {
+        pending = std::move(it->second);
+        r.writes.erase(it);
+        r.write_order.erase(std::find(r.write_order.begin(), r.write_order.end(), key));
+      }
+      if (auto it = r.reads.find(key); it != r.reads.end()) {
+        prefetched = std::move(it->second);
+        r.reads.erase(it);
+      }
+    }
+    HostBuffer buf;
+    if (pending) {
+      nvme_->wait(pending->ticket);  // the buffer must not change while it is written
+      if (prefetched) nvme_->wait(prefetched->ticket);  // issued before the write: stale
+      buf = std::move(pending->buffer);
+    } else if (prefetched) {
+      nvme_->wait(prefetched->ticket);
+      buf = std::move(prefetched->buffer);
+    } else {
+      buf = arena_.allocate(region.bytes, Purpose::kStaging);  // fresh pages: zeros
+      if (mode != AccessMode::kOverwrite) {
+        IoTicket t = nvme_->read(region, 0, buf.data(), region.bytes);
+        nvme_->wait(t);
+      }
+      return buf;
+    }
+    if (mode == AccessMode::kOverwrite) std::memset(buf.data(), 0, buf.bytes());
+    return buf;
+  };
+  for (unsigned part : kParts) {
+    const int p = part_index(part);
+    if (!(parts & part) || tiers_[layer][p] != Tier::kNvme || r.region[layer][p].bytes == 0)
+      continue;
+    a.staged_[p] = stage(part);
+    auto* base = a.staged_[p].as<std::uint8_t>();
+    if (part == kOptimizerPart) {
+      const std::size_t n = opt_elems_[layer];
+      std::size_t off = 0;  // trainable tensors' runs in master, m and v, in layout order
+      for (TensorState& t : a.tensors_) {
+        if (t.tied || !t.trainable) continue;
+        t.master = reinterpret_cast<float*>(base) + off;
+        t.m = reinterpret_cast<float*>(base) + n + off;
+        t.v = reinterpret_cast<float*>(base) + 2 * n + off;
+        off += align_up(t.numel * 4) / 4;
+      }
+    } else {
+      (part == kBasePart ? a.base_ : a.stream_).data = base;
+      for (TensorState& t : a.tensors_)
+        if (!t.tied && stream_part(t) == part) t.stream = base + t.stream_offset;
+    }
+  }
+  return a;
+}
+
+void LayerStore::prefetch(std::size_t layer, unsigned parts) {
+  RONDO_ASSERT(layer < layers_.size());
+  Regions& r = *regions_;
+  for (unsigned part : kParts) {
+    const int p = part_index(part);
+    const Region region = r.region[layer][p];
+    if (!(parts & part) || tiers_[layer][p] != Tier::kNvme || region.bytes == 0) continue;
+    {
+      std::lock_guard<std::mutex> lock(r.mutex);
+      const Regions::Key key{layer, part};
+      // A write-back in flight already holds the data; a prefetch is already under way.
+      if (r.writes.count(key) || r.reads.count(key)) continue;
+    }
+    Regions::Io io;
+    io.buffer = arena_.allocate(region.bytes, Purpose::kStaging);
+    io.ticket = nvme_->read(region, 0, io.buffer.data(), region.bytes);
+    std::lock_guard<std::mutex> lock(r.mutex);
+    r.reads.emplace(Regions::Key{layer, part}, std::move(io));
+  }
+}
+
+void LayerStore::write_back(LayerAccess& a) noexcept {
+  Regions& r = *regions_;
+  std::vector<Regions::Io> done;  // waited for outside the lock
+  try {
+    for (unsigned part : kParts) {
+      HostBuffer& buf = a.staged_[part_index(part)];
+      if (!buf) continue;
+      const Region region = r.region[a.layer_][part_index(part)];
+      Regions::Io io;
+      io.ticket = nvme_->write(region, 0, buf.data(), region.bytes);
+      io.buffer = std::move(buf);
+      std::lock_guard<std::mutex> lock(r.mutex);
+      const Regions::Key key{a.layer_, part};
+      r.writes.emplace(key, std::move(io));
+      r.write_order.push_back(key);
+      while (r.write_order.size() > kMaxPendingWrites) {
+        auto it = r.writes.find(r.write_order.front());
+        done.push_back(std::move(it->second));
+        r.writes.erase(it);
+        r.write_order.pop_front();
+      }
+    }
+  } catch (...) {
+    std::lock_guard<std::mutex> lock(r.mutex);
+    if (!r.write_error) r.write_error = std::current_exception();
+  }
+  for (Regions::Io& io : done) {
+    try {
+      nvme_->wait(io.ticket);
+    } catch (...) {
+      std::lock_guard<std::mutex> lock(r.mutex);
+      if (!r.write_error) r.write_error = std::current_exception();
+    }
+  }
+}
+
+void LayerStore::flush() {
+  Regions& r = *regions_;
+  std::vector<Regions::Io> ios;
+  std::exception_ptr error;
+  {
+    std::lock_guard<std::mutex> lock(r.mutex);
+    for (auto& [key, io] : r.writes)
+      ios.push_back(std::move(io));
+    for (auto& [key, io] : r.reads)  // prefetches nobody took: finish them before freeing
+      ios.push_back(std::move(io));
+    r.writes.clear();
+    r.reads.clear();
+    r.write_order.clear();
+  }
+  for (Regions::Io& io : ios) {
+    try {
+      nvme_->wait(io.ticket);
+    } catch (...) {
+      if (!error) error = std::current_exception();
+    }
+  }
+  std::lock_guard<std::mutex> lock(r.mutex);
+  if (!error) error = std::exchange(r.write_error, nullptr);
+  if (error) std::rethrow_exception(error);
 }
 
 }  // namespace rondo::offload

@@ -1,39 +1,67 @@
-// The model's state at rest in host memory, layer by layer (ARCHITECTURE.md §2): for every tensor
-// the streaming copy the devices upload, and for trainable tensors the fp32 master weights, the
-// AdamW moments m and v, and a buffer for the gradient as the devices download it. Flat arenas
-// with named views, so that uploads, checkpoints and (later) NVMe offload are byte ranges:
-//  - one streaming region per layer (its tensors back to back, each 64-byte aligned): a stage's
-//    weights upload as one copy per layer;
-//  - one gradient region per layer, laid out like its trainable tensors;
+// The model's state at rest, layer by layer (ARCHITECTURE.md §2): for every tensor the streaming
+// copy the devices upload, and for trainable tensors the fp32 master weights, the AdamW moments m
+// and v, and a buffer for the gradient as the devices download it. Flat arenas with named views,
+// so that uploads, checkpoints and NVMe offload are byte ranges:
+//  - two streaming regions per layer (its tensors back to back, each 64-byte aligned): the frozen
+//    tensors' (the base of a LoRA run: written once, at load) and the trained tensors' (written by
+//    every optimizer step); a stage's weights upload as two copies per layer at most. A frozen
+//    tensor may be kept quantised (GGUF blocks, NF4, INT8: kernels/quant.h) and is dequantised
+//    on the device;
+//  - one gradient region per layer, laid out like its trainable tensors (always in host memory);
 //  - master, m and v per layer, each contiguous.
+// Each of a layer's three parts — frozen streaming copies, trained streaming copies, optimizer
+// state (master, m, v) — lives in host memory or on the NVMe tier (an NvmeStore), as the planner
+// placed it (Tier). State on NVMe is reached only through access(): it is read into host staging
+// memory and written back when the access ends.
 // A tied tensor (the LM head that is the embedding) is stored once, by its owner; the tying layer
 // views the owner's streaming copy and master, but gets a gradient buffer of its own (each layer's
-// job downloads its own gradient; the optimizer adds them).
+// job downloads its own gradient; the optimizer adds them). Layers with ties stay in host memory.
 //
 //   offload::LayerStore store(arena, layers, kernels::FloatDType::kBF16,
-//   kernels::FloatDType::kBF16); const offload::TensorState& q = store.tensor(3,
-//   "model.layers.2.self_attn.q_proj.weight"); std::memcpy(q.stream, bf16_bits, q.numel * 2);
+//                             kernels::FloatDType::kF32);
+//   {
+//     offload::LayerAccess a = store.access(3, offload::kBasePart,
+//                                           offload::AccessMode::kOverwrite);
+//     std::memcpy(a[0].stream, bf16_bits, a[0].numel * 2);
+//   }  // written back here when layer 3's weights live on NVMe
 #pragma once
 
+#include <array>
 #include <cstddef>
 #include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
 #include "kernels/cpu/simd.h"
+#include "kernels/quant.h"
 #include "offload/host_arena.h"
 
 namespace rondo::offload {
+
+class NvmeStore;
+
+enum class Tier { kHost, kNvme };
+const char* to_string(Tier tier);  // "host", "nvme"
 
 struct TensorDesc {
   std::string name;
   std::int64_t numel = 0;
   bool trainable = false;
   int tied_to_layer = -1;  // >= 0: the same tensor as `name` in that (earlier) layer
+  // Frozen tensors only: kept (host, NVMe, wire) in this format and dequantised on the device to
+  // the streaming dtype; kNone = the streaming dtype. rows * cols = numel.
+  kernels::QuantFormat quant;
+  std::int64_t rows = 0, cols = 0;
 };
 
 struct LayerDesc {
   std::vector<TensorDesc> tensors;
+  Tier base = Tier::kHost;       // streaming copies of the frozen tensors
+  Tier weights = Tier::kHost;    // streaming copies of the trainable tensors
+  Tier optimizer = Tier::kHost;  // masters and moments of its trainable tensors
 };
 
 struct TensorState {
@@ -43,12 +71,16 @@ struct TensorState {
   bool tied = false;     // viewing another layer's streaming copy and master
   int owner_layer = -1;  // tied: the layer and index of the tensor it views
   int owner_index = -1;
-  std::size_t stream_offset = 0;  // owned: offset of its streaming copy in the layer's region
-  void* stream = nullptr;         // (numel) streaming dtype: what devices upload
-  void* grad = nullptr;           // (numel) gradient dtype, trainable only: what devices download
-  float* master = nullptr;        // (numel) f32, trainable only
-  float* m = nullptr;             // (numel) f32 AdamW first moment, trainable only
-  float* v = nullptr;             // (numel) f32 AdamW second moment, trainable only
+  std::size_t stream_offset = 0;  // owned: offset of its streaming copy in its part's region
+  std::size_t stream_bytes = 0;   // owned: bytes of the streaming copy as stored
+  kernels::QuantFormat quant;     // kNone: stored in the streaming dtype
+  std::int64_t rows = 0, cols = 0;
+  // Host pointers; null where the state lives on NVMe (use LayerStore::access).
+  void* stream = nullptr;   // (stream_bytes) streaming dtype, or the quantised blob
+  void* grad = nullptr;     // (numel) gradient dtype, trainable only: what devices download
+  float* master = nullptr;  // (numel) f32, trainable only
+  float* m = nullptr;       // (numel) f32 AdamW first moment, trainable only
+  float* v = nullptr;       // (numel) f32 AdamW second moment, trainable only
 };
 
 struct ByteRange {
@@ -56,30 +88,134 @@ struct ByteRange {
   std::size_t bytes = 0;
 };
 
+// Parts of a layer's state, for access() and prefetch(): the frozen tensors' streaming copies,
+// the trainable tensors' streaming copies, their masters and moments.
+inline constexpr unsigned kBasePart = 1, kStreamPart = 2, kOptimizerPart = 4;
+inline constexpr unsigned kAllParts = kBasePart | kStreamPart | kOptimizerPart;
+// The part of a tensor's streaming copy.
+inline unsigned stream_part(const TensorState& t) {
+  return t.trainable ? kStreamPart : kBasePart;
+}
+
+enum class AccessMode {
+  kRead,       // look only
+  kReadWrite,  // change in place: NVMe parts are read, then written back
+  kOverwrite,  // NVMe parts start as zeros (not read) and are written back: for loading
+};
+
+class LayerStore;
+
+// Host views of one layer's state for as long as it lives (move-only). For parts on NVMe it owns
+// staging buffers holding them; ending an access opened for writing writes them back (the write
+// completes in the background; a later access of the same part waits for it, and its errors are
+// thrown there or by LayerStore::flush()).
+class LayerAccess {
+ public:
+  LayerAccess() = default;
+  LayerAccess(LayerAccess&& other) noexcept;
+  LayerAccess& operator=(LayerAccess&& other) noexcept;
+  LayerAccess(const LayerAccess&) = delete;
+  LayerAccess& operator=(const LayerAccess&) = delete;
+  ~LayerAccess();
+
+  std::size_t size() const { return tensors_.size(); }
+  const TensorState& operator[](std::size_t i) const { return tensors_.at(i); }
+  const std::vector<TensorState>& tensors() const { return tensors_; }
+  // One of the layer's streaming regions (kBasePart or kStreamPart) in host memory (staged when
+  // on NVMe); needs that part opened.
+  ByteRange stream_bytes(unsigned part) const { return part == kBasePart ? base_ : stream_; }
+
+ private:
+  friend class LayerStore;
+  void finish() noexcept;
+  LayerStore* store_ = nullptr;
+  std::size_t layer_ = 0;
+  bool write_ = false;
+  std::vector<TensorState> tensors_;
+  ByteRange base_, stream_;
+  HostBuffer staged_[3];  // NVMe parts, by part index (base, stream, optimizer)
+};
+
 class LayerStore {
  public:
-  // Allocates everything from `arena` (weights, gradients, optimizer state), zero-filled. Throws
-  // Error for inconsistent descriptions (a tie to a later layer or to a missing tensor, ...).
+  // Allocates the host-resident state from `arena` (weights, gradients, optimizer state, all
+  // zero-filled) and reserves the NVMe-resident state in `nvme` (needed when any layer has a part
+  // on Tier::kNvme; size it with nvme_bytes()). Throws Error for inconsistent descriptions (a tie
+  // to a later layer or to a missing tensor, a trainable quantised tensor, NVMe without a store,
+  // a layer with ties on NVMe, ...).
   LayerStore(HostArena& arena, const std::vector<LayerDesc>& layers,
-             kernels::FloatDType stream_dtype, kernels::FloatDType grad_dtype);
+             kernels::FloatDType stream_dtype, kernels::FloatDType grad_dtype,
+             NvmeStore* nvme = nullptr);
+  ~LayerStore();
+  LayerStore(const LayerStore&) = delete;
+  LayerStore& operator=(const LayerStore&) = delete;
+
+  // Bytes the NVMe tier must hold for these layers (each region rounded up to 4 KiB).
+  static std::uint64_t nvme_bytes(const std::vector<LayerDesc>& layers,
+                                  kernels::FloatDType stream_dtype);
+  // Bytes of each part of layer `layer` (frozen weights, trained weights, optimizer state) as
+  // stored, wherever they live.
+  static std::array<std::uint64_t, 3> part_bytes(const std::vector<LayerDesc>& layers,
+                                                 std::size_t layer,
+                                                 kernels::FloatDType stream_dtype);
+  // Bytes of host memory by purpose the store allocates (for the planner and its tests).
+  struct HostBytes {
+    std::uint64_t weights = 0, gradients = 0, optimizer = 0;
+  };
+  static HostBytes host_bytes(const std::vector<LayerDesc>& layers,
+                              kernels::FloatDType stream_dtype, kernels::FloatDType grad_dtype);
 
   std::size_t layers() const { return layers_.size(); }
+  // The layer's tensors; the pointers of NVMe-resident parts are null.
   const std::vector<TensorState>& layer(std::size_t i) const { return layers_.at(i); }
   // Throws Error naming the layer and tensor when absent.
   const TensorState& tensor(std::size_t layer, const std::string& name) const;
 
-  // The layer's streaming copies (tied ones excluded: their owner uploads them) and gradients.
-  ByteRange stream_bytes(std::size_t layer) const { return stream_ranges_.at(layer); }
+  // Where a part of a layer lives.
+  Tier tier(std::size_t layer, unsigned part) const;
+  // The layer's streaming copies of one part (kBasePart or kStreamPart) as stored (tied ones
+  // excluded: their owner uploads them); data is null when they live on NVMe. And its gradients
+  // (always host).
+  ByteRange stream_bytes(std::size_t layer, unsigned part) const {
+    return part == kBasePart ? base_ranges_.at(layer) : stream_ranges_.at(layer);
+  }
   ByteRange grad_bytes(std::size_t layer) const { return grad_ranges_.at(layer); }
+  // Bytes of the layer's streaming copies once on a device: dequantised ones in the streaming
+  // dtype (their quantised blobs come on top while the upload lands).
+  std::size_t device_bytes(std::size_t layer) const { return device_bytes_.at(layer); }
+
+  // Host views of `parts` (kBasePart | kStreamPart | kOptimizerPart) of a layer, wherever they
+  // live. For NVMe parts this reads them (or takes a prefetched read) — blocking — unless `mode`
+  // overwrites them, and writes them back when the access ends unless `mode` only reads. Every NVMe
+  // part must be overwritten once (loading) before it is read. Throws offload::IoError (named file,
+  // offset, what to do) on an I/O failure — also one of an earlier write-back —, HostOutOfMemory
+  // when staging would pass the host budget.
+  LayerAccess access(std::size_t layer, unsigned parts, AccessMode mode);
+  // Starts reading the NVMe-resident `parts` of a layer into staging memory so that a later
+  // access() finds them there. No-op for host-resident parts or when already prefetched.
+  void prefetch(std::size_t layer, unsigned parts);
+  // Waits for every write-back; throws the first I/O error one met.
+  void flush();
 
   kernels::FloatDType stream_dtype() const { return stream_dtype_; }
   kernels::FloatDType grad_dtype() const { return grad_dtype_; }
+  NvmeStore* nvme() const { return nvme_; }
 
  private:
+  friend class LayerAccess;
+  struct Regions;  // NVMe regions and I/O in flight (layer_store.cpp)
+  void write_back(LayerAccess& a) noexcept;
+
+  HostArena& arena_;
   kernels::FloatDType stream_dtype_, grad_dtype_;
+  NvmeStore* nvme_ = nullptr;
   std::vector<std::vector<TensorState>> layers_;
-  std::vector<ByteRange> stream_ranges_, grad_ranges_;
+  std::vector<std::array<Tier, 3>> tiers_;  // per layer, by part index
+  std::vector<ByteRange> base_ranges_, stream_ranges_, grad_ranges_;
+  std::vector<std::size_t> device_bytes_;
+  std::vector<std::size_t> opt_elems_;  // per layer: elements of each of master, m, v
   HostBuffer weights_, gradients_, optimizer_;
+  std::unique_ptr<Regions> regions_;
 };
 
 }  // namespace rondo::offload

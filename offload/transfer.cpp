@@ -1,6 +1,7 @@
 #include "offload/transfer.h"
 
 #include <algorithm>
+#include <deque>
 #include <string>
 
 #include "kernels/error.h"
@@ -8,10 +9,14 @@
 namespace rondo::offload {
 
 DeviceWeights::~DeviceWeights() {
-  // Staging memory is read by the uploads: only back to the pool once they are done.
-  if (!staging_.empty() && ready_) ready_->synchronize();
-  for (HostBuffer& b : staging_)
-    if (give_back_) give_back_(std::move(b));
+  // Staged NVMe reads are the uploads' sources: freed only once the copies are done.
+  if (!staged_.empty() && ready_) ready_->synchronize();
+}
+
+void DeviceWeights::release_staging() {
+  if (staged_.empty()) return;
+  ready_->synchronize();
+  staged_.clear();
 }
 
 void* DeviceWeights::tensor(int layer, std::size_t index) const {
@@ -30,7 +35,7 @@ void* DeviceWeights::tensor(int layer, std::size_t index) const {
 Transfers::Transfers(LayerStore& store, HostArena& arena, std::vector<kernels::Device*> devices,
                      TransferOptions options)
     : store_(store), arena_(arena), options_(options) {
-  RONDO_ASSERT(options_.max_chunk_bytes > 0);
+  RONDO_ASSERT(options_.max_chunk_bytes > 0 && options_.nvme_window >= 1);
   for (kernels::Device* dev : devices) {
     DeviceLinks l;
     l.dev = dev;
@@ -43,31 +48,112 @@ Transfers::Transfers(LayerStore& store, HostArena& arena, std::vector<kernels::D
 
 Transfers::~Transfers() = default;
 
+namespace {
+unsigned nvme_parts(const LayerStore& store, std::size_t layer, bool frozen_only) {
+  return (store.tier(layer, kBasePart) == Tier::kNvme ? kBasePart : 0) |
+         (!frozen_only && store.tier(layer, kStreamPart) == Tier::kNvme ? kStreamPart : 0);
+}
+}  // namespace
+
 std::unique_ptr<DeviceWeights> Transfers::load_weights(int d, const std::vector<int>& layers) {
   const DeviceLinks& dl = devs_.at(d);
   auto w = std::make_unique<DeviceWeights>();
   w->store_ = &store_;
-  w->give_back_ = [this](HostBuffer b) { recycle(std::move(b)); };
-  std::uint64_t up = 0;
+  const std::size_t ss = kernels::dtype_size(store_.stream_dtype());
+  std::uint64_t up = 0, dequantised = 0, read = 0;
+  // NVMe-resident layers in staging, oldest first, each with the event behind its upload.
+  struct Staging {
+    LayerAccess access;
+    std::unique_ptr<kernels::Event> uploaded;
+  };
+  std::deque<Staging> window;
+  std::vector<int> nvme_layers;
+  for (int l : layers)
+    if (nvme_parts(store_, static_cast<std::size_t>(l), false)) nvme_layers.push_back(l);
+  std::size_t k = 0;  // in nvme_layers: the one being loaded
   for (int l : layers) {
-    const ByteRange range = store_.stream_bytes(static_cast<std::size_t>(l));
-    if (range.bytes == 0) continue;
-    kernels::DeviceBuffer buf = dl.dev->allocate(range.bytes, dl.weight_up);
+    const std::size_t layer = static_cast<std::size_t>(l);
+    // One device buffer per layer: the frozen part, then the trained part.
+    ByteRange parts[2] = {store_.stream_bytes(layer, kBasePart),
+                          store_.stream_bytes(layer, kStreamPart)};
+    const std::size_t bytes = parts[0].bytes + parts[1].bytes;
+    const unsigned on_nvme = nvme_parts(store_, layer, false);
+    if (on_nvme) {
+      // Staging for at most nvme_window layers: wait for the oldest upload to end first.
+      while (static_cast<int>(window.size()) >= options_.nvme_window) {
+        window.front().uploaded->synchronize();
+        window.pop_front();
+      }
+      // Reads for this layer and the next ones of the window (a read already under way is left
+      // alone).
+      for (std::size_t j = k;
+           j < std::min(nvme_layers.size(), k + static_cast<std::size_t>(options_.nvme_window));
+           ++j) {
+        const auto lj = static_cast<std::size_t>(nvme_layers[j]);
+        store_.prefetch(lj, nvme_parts(store_, lj, false));
+      }
+      ++k;
+      window.push_back({store_.access(layer, on_nvme, AccessMode::kRead), nullptr});
+      for (unsigned part : {kBasePart, kStreamPart})
+        if (on_nvme & part) {
+          parts[part == kBasePart ? 0 : 1] = window.back().access.stream_bytes(part);
+          read += parts[part == kBasePart ? 0 : 1].bytes;
+        }
+    }
+    if (bytes == 0) continue;
+    kernels::DeviceBuffer buf = dl.dev->allocate(bytes, dl.weight_up);
     auto* base = static_cast<std::uint8_t*>(buf.data());
-    for (std::size_t off = 0; off < range.bytes; off += options_.max_chunk_bytes)
-      dl.weight_up->upload(base + off, range.data + off,
-                           std::min<std::size_t>(options_.max_chunk_bytes, range.bytes - off));
-    const std::vector<TensorState>& ts = store_.layer(static_cast<std::size_t>(l));
-    for (std::size_t i = 0; i < ts.size(); ++i)
-      if (!ts[i].tied) w->tensors_[{l, i}] = base + ts[i].stream_offset;
+    std::size_t at = 0;
+    for (const ByteRange& range : parts) {
+      for (std::size_t off = 0; off < range.bytes; off += options_.max_chunk_bytes)
+        dl.weight_up->upload(base + at + off, range.data + off,
+                             std::min<std::size_t>(options_.max_chunk_bytes, range.bytes - off));
+      at += range.bytes;
+    }
+    if (on_nvme) {
+      window.back().uploaded = dl.dev->create_event();
+      dl.weight_up->record(*window.back().uploaded);
+    }
+    up += bytes;
+    const std::vector<TensorState>& ts = store_.layer(layer);
+    for (std::size_t i = 0; i < ts.size(); ++i) {
+      const TensorState& t = ts[i];
+      if (t.tied) continue;
+      std::uint8_t* src = base + (t.trainable ? parts[0].bytes : 0) + t.stream_offset;
+      if (t.quant.type == kernels::QuantType::kNone) {
+        w->tensors_[{l, i}] = src;
+        continue;
+      }
+      // Quantised on the wire: dequantised here, in stream order behind the upload.
+      kernels::DeviceBuffer out = dl.dev->allocate(t.numel * ss, dl.weight_up);
+      dl.weight_up->dequantize(t.quant, src, t.rows, t.cols, store_.stream_dtype(), out.data());
+      w->tensors_[{l, i}] = out.data();
+      w->buffers_.push_back(std::move(out));
+      dequantised += t.numel * ss;
+    }
     w->buffers_.push_back(std::move(buf));
-    up += range.bytes;
   }
+  for (Staging& s : window)
+    w->staged_.push_back(std::move(s.access));  // freed once the uploads are done
   w->ready_ = std::shared_ptr<kernels::Event>(dl.dev->create_event());
   dl.weight_up->record(*w->ready_);
   std::lock_guard<std::mutex> lock(mutex_);
   stats_.weights_up += up;
+  stats_.weights_dequantised += dequantised;
+  stats_.nvme_read += read;
   return w;
+}
+
+void Transfers::prefetch_weights(const std::vector<int>& layers, bool frozen_only) {
+  int n = 0;
+  for (int l : layers) {
+    if (n >= options_.nvme_window) break;
+    const std::size_t layer = static_cast<std::size_t>(l);
+    if (const unsigned parts = nvme_parts(store_, layer, frozen_only)) {
+      store_.prefetch(layer, parts);
+      ++n;
+    }
+  }
 }
 
 HostBuffer Transfers::take_staging(std::size_t bytes) {

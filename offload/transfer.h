@@ -21,7 +21,6 @@
 
 #include <cstddef>
 #include <cstdint>
-#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -38,6 +37,10 @@ struct TransferOptions {
   // Weight uploads are cut into pieces of at most this size, so that an activation upload waits
   // for one piece at most (RoundPipe's priority rule, roundpipe.md §3).
   std::uint64_t max_chunk_bytes = 256ull << 20;
+  // Layers read from the NVMe tier ahead of their upload, per device: host staging holds at most
+  // this many layers per device (plus as many read ahead for its next job), whatever a stage's
+  // size, while reads overlap uploads.
+  int nvme_window = 2;
 };
 
 // Bytes moved, by direction and kind, since the engine was made (for events and benchmarks).
@@ -49,8 +52,8 @@ struct TransferStats {
   std::uint64_t nvme_read = 0;  // weights read from the NVMe tier for uploads
 };
 
-// Some layers' weights on one device. Move-only; destroying it frees the device memory in stream
-// order and gives its host staging back once the uploads are done.
+// Some layers' weights on one device. Destroying it frees the device memory in stream order and
+// the host staging of NVMe-resident layers once the uploads are done.
 class DeviceWeights {
  public:
   DeviceWeights() = default;
@@ -65,14 +68,16 @@ class DeviceWeights {
   // Recorded on the weight-upload stream behind every copy and dequantisation. Shared, so that
   // a waiter may keep it after the weights are freed.
   const std::shared_ptr<kernels::Event>& ready() const { return ready_; }
+  // Frees the host staging of NVMe-resident layers (waiting for the uploads that read it). Call
+  // from the thread that loaded the weights.
+  void release_staging();
 
  private:
   friend class Transfers;
   const LayerStore* store_ = nullptr;
   std::map<std::pair<int, std::size_t>, void*> tensors_;
   std::vector<kernels::DeviceBuffer> buffers_;
-  std::vector<HostBuffer> staging_;
-  std::function<void(HostBuffer)> give_back_;
+  std::vector<LayerAccess> staged_;  // NVMe-resident layers, read into host memory for the copy
   std::shared_ptr<kernels::Event> ready_;
 };
 
@@ -102,10 +107,17 @@ class Transfers {
   kernels::Stream& weight_upload_stream(int d) const { return *devs_.at(d).weight_up; }
   kernels::Stream& download_stream(int d) const { return *devs_.at(d).down; }
 
-  // The streaming copies of `layers` (tied owners included by the caller) to device d. Returns
-  // once every copy is enqueued; ready() completes when they have landed. Allocates device memory
-  // (kernels::OutOfMemory past the cap).
+  // The streaming copies of `layers` (tied owners included by the caller) to device d: from host
+  // memory, or read from the NVMe tier first — nvme_window layers ahead of the uploads, the
+  // caller blocking while it waits for a read or for an upload to free its staging; quantised
+  // tensors go over the link as stored and are dequantised on the device. Returns once every copy
+  // is enqueued; ready() completes when they have landed. Allocates device memory
+  // (kernels::OutOfMemory past the cap); offload::IoError on an NVMe failure.
   std::unique_ptr<DeviceWeights> load_weights(int d, const std::vector<int>& layers);
+  // Starts the NVMe reads of the first nvme_window NVMe-resident layers of `layers` ahead of
+  // load_weights. With `frozen_only`, of the frozen weights only (the trained ones may be about
+  // to change).
+  void prefetch_weights(const std::vector<int>& layers, bool frozen_only = false);
 
   // `bytes` of device memory on d down to a recycled host staging buffer, after `after`.
   Staged download(int d, const void* src, std::size_t bytes, kernels::Event& after);

@@ -1,6 +1,9 @@
 // Runs the real `rondo` binary and checks what a user would read.
 #include <gtest/gtest.h>
+#include <unistd.h>
+
 #include <sys/wait.h>
+#include <filesystem>
 #include <nlohmann/json.hpp>
 
 #include <array>
@@ -72,6 +75,31 @@ TEST(Cli, SimulatedDevicesAreListedWithTheirLink) {
   EXPECT_EQ(j["devices"][2]["name"], "sim2");
   EXPECT_EQ(j["devices"][0]["bytes_total"].get<std::uint64_t>(), 8ull << 30);
   EXPECT_DOUBLE_EQ(j["devices"][1]["link_bytes_per_s"].get<double>(), 12.5e9);
+}
+
+// `rondo devices --disk DIR`: the folder's sequential speed and the I/O backend that works there
+// (io_uring where the kernel allows it), as text and JSON; a folder that cannot be used is named.
+TEST(Cli, DevicesMeasuresAnOffloadFolder) {
+  const std::string dir =
+      (std::filesystem::temp_directory_path() / ("rondo-disk-" + std::to_string(::getpid())))
+          .string();
+  std::filesystem::create_directories(dir);
+  Result r = run("devices --json --disk " + dir + " --disk-bytes 64MiB");
+  ASSERT_EQ(r.code, 0) << r.out;
+  auto j = nlohmann::json::parse(r.out);
+  EXPECT_GT(j["disk"]["read_bytes_per_s"].get<double>(), 0) << r.out;
+  EXPECT_GT(j["disk"]["write_bytes_per_s"].get<double>(), 0) << r.out;
+  EXPECT_TRUE(j["disk"]["backend"] == "io_uring" || j["disk"]["backend"] == "threads") << r.out;
+  EXPECT_EQ(j["disk"]["bytes"].get<std::uint64_t>(), 64ull << 20);
+  r = run("devices --disk " + dir + " --disk-bytes 64MiB");
+  ASSERT_EQ(r.code, 0) << r.out;
+  EXPECT_NE(r.out.find("I/O backend: "), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("hardware.disk_speed"), std::string::npos) << r.out;
+  EXPECT_TRUE(std::filesystem::is_empty(dir)) << "the measurement left a file";
+  std::filesystem::remove_all(dir);
+  r = run("devices --disk /proc/rondo-no-such-folder --disk-bytes 1MiB");
+  EXPECT_EQ(r.code, 1) << r.out;
+  EXPECT_NE(r.out.find("/proc/rondo-no-such-folder"), std::string::npos) << r.out;
 }
 
 TEST(Cli, BadOptionsGiveAReadableErrorAndExitNonZero) {

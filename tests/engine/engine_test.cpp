@@ -21,7 +21,9 @@
 #include "engine/events.h"
 #include "engine/state.h"
 #include "kernels/cpu/sim_device.h"
+#include "kernels/quant.h"
 #include "models/lora.h"
+#include "offload/nvme_store.h"
 #include "tests/support/plain_loop.h"
 
 namespace rondo::engine {
@@ -103,14 +105,26 @@ std::vector<kernels::Device*> raw(const std::vector<std::unique_ptr<kernels::Dev
   return out;
 }
 
+// Where the store keeps the state: in host memory (default), or as `edit` places it (tiers,
+// quantised frozen tensors), with an NVMe tier in `nvme_dir`.
+struct StorePlacement {
+  std::function<void(std::vector<offload::LayerDesc>&)> edit;
+  std::string nvme_dir;
+};
+
 EngineRun run_engine(const Case& s, const Plan& plan, int devices, EngineOptions options = {},
-                     kernels::LinkSpec link = {}) {
+                     kernels::LinkSpec link = {}, const StorePlacement& placement = {}) {
   offload::HostArena arena;
-  offload::LayerStore store(
-      arena,
-      layer_descs(s.specs,
-                  [&](const models::ParamSpec& p) { return !s.trainable || s.trainable(p.name); }),
-      kernels::FloatDType::kF32, kernels::FloatDType::kF32);
+  std::vector<offload::LayerDesc> descs = layer_descs(
+      s.specs, [&](const models::ParamSpec& p) { return !s.trainable || s.trainable(p.name); });
+  if (placement.edit) placement.edit(descs);
+  std::unique_ptr<offload::NvmeStore> nvme;
+  if (!placement.nvme_dir.empty())
+    nvme = std::make_unique<offload::NvmeStore>(
+        offload::NvmeStoreOptions{.dir = placement.nvme_dir},
+        offload::LayerStore::nvme_bytes(descs, kernels::FloatDType::kF32));
+  offload::LayerStore store(arena, descs, kernels::FloatDType::kF32, kernels::FloatDType::kF32,
+                            nvme.get());
   load_weights(store, s.specs, [&](const std::string& n) { return s.weights.at(n); });
   auto devs = sim_devices(devices, 1ull << 30, link);
   EngineRun out;
@@ -135,23 +149,24 @@ EngineRun run_engine(const Case& s, const Plan& plan, int devices, EngineOptions
                                [&](std::int64_t step) { return s.steps.at(step - 1); });
     out.final_plan = engine.plan();
   }
-  for (std::size_t l = 0; l < s.specs.size(); ++l)
+  for (std::size_t l = 0; l < s.specs.size(); ++l) {
+    const offload::LayerAccess a = store.access(l, offload::kAllParts, offload::AccessMode::kRead);
     for (std::size_t i = 0; i < s.specs[l].params.size(); ++i) {
-      if (store.layer(l)[i].tied) continue;
-      if (!store.layer(l)[i].trainable) {  // frozen: what the devices read, never written
-        out.weights[s.specs[l].params[i].name] =
-            state_view(store, s.specs, l, i, StateView::kStream).clone();
+      if (a[i].tied) continue;
+      if (!a[i].trainable) {  // frozen: what the devices read, never written
+        out.weights[s.specs[l].params[i].name] = stream_tensor(a, store, s.specs, l, i).clone();
         continue;
       }
       out.weights[s.specs[l].params[i].name] =
-          state_view(store, s.specs, l, i, StateView::kMaster).clone();
+          state_view(a, store, s.specs, l, i, StateView::kMaster).clone();
       // The streaming copy the devices read is the master (fp32 here); in one-step-stale mode it
       // lags by the last update.
       if (!options.one_step_stale) {
-        EXPECT_TRUE(state_view(store, s.specs, l, i, StateView::kStream)
-                        .equal(state_view(store, s.specs, l, i, StateView::kMaster)));
+        EXPECT_TRUE(state_view(a, store, s.specs, l, i, StateView::kStream)
+                        .equal(state_view(a, store, s.specs, l, i, StateView::kMaster)));
       }
     }
+  }
   return out;
 }
 
@@ -320,6 +335,124 @@ TEST(Engine, LoraTrainsOnlyTheAdaptersLikeThePlainLoop) {
     }
 }
 
+// The NVMe tier changes where bytes live, not what is computed: full fine-tuning with every
+// block's weights, masters and moments on NVMe, and LoRA with the (quantised) frozen base on
+// NVMe, end bit for bit where the same runs held in host memory end.
+TEST(Engine, NvmeTierTrainsBitForBitLikeHostMemory) {
+  const unsigned seed = std::random_device{}();
+  std::printf("seed %u\n", seed);
+  std::mt19937 rng(seed);
+  const std::string dir = ::testing::TempDir() + "rondo-engine-nvme-" + std::to_string(seed);
+  auto blocks_on_nvme = [](std::vector<offload::LayerDesc>& d) {
+    for (std::size_t l = 1; l + 1 < d.size(); ++l)
+      d[l].base = d[l].weights = d[l].optimizer = offload::Tier::kNvme;
+  };
+  auto nf4 = [](std::vector<offload::LayerDesc>& d) {
+    for (offload::LayerDesc& l : d)
+      for (offload::TensorDesc& t : l.tensors)
+        if (!t.trainable && t.name.ends_with("proj.weight")) {
+          t.quant = {.type = kernels::QuantType::kNF4, .double_quant = true};
+          t.rows = 0;  // set from the spec below
+        }
+  };
+  {
+    Case s = make_case(test::tiny_llama(4), 2, seed);
+    const Plan plan = random_plan(static_cast<int>(s.specs.size()), 2, RecomputeGrain::kStage, rng);
+    SCOPED_TRACE("full " + plan.describe());
+    const EngineRun host = run_engine(s, plan, 2);
+    const EngineRun nvme =
+        run_engine(s, plan, 2, {}, {}, {.edit = blocks_on_nvme, .nvme_dir = dir});
+    for (std::size_t i = 0; i < host.results.size(); ++i)
+      EXPECT_EQ(host.results[i].loss, nvme.results[i].loss) << "step " << i + 1;
+    for (auto& [name, w] : host.weights)
+      EXPECT_TRUE(w.equal(nvme.weights.at(name))) << name;
+    for (auto& [name, g] : host.grads1)
+      EXPECT_TRUE(g.equal(nvme.grads1.at(name))) << name;
+  }
+  {
+    Case s = make_case(test::tiny_qwen2(3), 2, seed);
+    s.specs = models::add_lora(s.specs, {.rank = 4, .alpha = 8});
+    for (auto& [name, t] : models::init_lora(s.specs, seed))
+      s.weights[name] = t;
+    s.trainable = models::is_lora_param;
+    auto shapes = [&](std::vector<offload::LayerDesc>& d) {
+      for (std::size_t l = 0; l < d.size(); ++l)
+        for (std::size_t i = 0; i < d[l].tensors.size(); ++i)
+          if (d[l].tensors[i].quant.type != kernels::QuantType::kNone) {
+            d[l].tensors[i].rows = s.specs[l].params[i].shape[0];
+            d[l].tensors[i].cols = s.specs[l].params[i].shape[1];
+          }
+    };
+    const Plan plan = random_plan(static_cast<int>(s.specs.size()), 2, RecomputeGrain::kLayer, rng);
+    SCOPED_TRACE("lora " + plan.describe());
+    const EngineRun host = run_engine(s, plan, 3, {}, {}, {.edit = [&](auto& d) {
+                                        nf4(d);
+                                        shapes(d);
+                                      }});
+    const EngineRun nvme = run_engine(s, plan, 3, {}, {},
+                                      {.edit =
+                                           [&](auto& d) {
+                                             nf4(d);
+                                             shapes(d);
+                                             blocks_on_nvme(d);
+                                           },
+                                       .nvme_dir = dir});
+    for (std::size_t i = 0; i < host.results.size(); ++i)
+      EXPECT_EQ(host.results[i].loss, nvme.results[i].loss) << "step " << i + 1;
+    for (auto& [name, w] : host.weights)
+      EXPECT_TRUE(w.equal(nvme.weights.at(name))) << name;
+  }
+}
+
+// A quantised frozen base (NF4 with double quantisation, INT8) travels quantised and is
+// dequantised on the devices: LoRA on it equals the plain loop training the same adapters on the
+// dequantised weights.
+TEST(Engine, QuantisedBaseTrainsLikeThePlainLoopOnItsDequantisedWeights) {
+  const unsigned seed = std::random_device{}();
+  std::printf("seed %u\n", seed);
+  std::mt19937 rng(seed);
+  for (kernels::QuantFormat f :
+       {kernels::QuantFormat{.type = kernels::QuantType::kNF4, .double_quant = true},
+        kernels::QuantFormat{.type = kernels::QuantType::kInt8}}) {
+    SCOPED_TRACE(kernels::to_string(f));
+    Case s = make_case(test::tiny_llama(3), 2, seed);
+    s.specs = models::add_lora(s.specs, {.rank = 4, .alpha = 8});
+    for (auto& [name, t] : models::init_lora(s.specs, seed))
+      s.weights[name] = t;
+    for (auto& [name, t] : s.weights)  // mid-training adapters: B not zero
+      if (name.find(".lora_B.") != std::string::npos) t = 0.1 * at::randn(t.sizes());
+    s.trainable = models::is_lora_param;
+    auto quantised = [&](std::vector<offload::LayerDesc>& d) {
+      for (std::size_t l = 0; l < d.size(); ++l)
+        for (std::size_t i = 0; i < d[l].tensors.size(); ++i) {
+          offload::TensorDesc& t = d[l].tensors[i];
+          if (t.trainable || !t.name.ends_with("proj.weight")) continue;
+          t.quant = f;
+          t.rows = s.specs[l].params[i].shape[0];
+          t.cols = s.specs[l].params[i].shape[1];
+        }
+    };
+    // The reference trains on what the quantised weights stand for.
+    Case deq = s;
+    for (auto& [name, t] : deq.weights) {
+      if (models::is_lora_param(name) || !name.ends_with("proj.weight")) continue;
+      at::Tensor src = t.to(at::kFloat).contiguous();
+      std::vector<std::uint8_t> blob(kernels::quant_bytes(f, src.size(0), src.size(1)));
+      kernels::quantize(f, src.data_ptr(), kernels::FloatDType::kF32, src.size(0), src.size(1),
+                        blob.data());
+      at::Tensor back = at::empty_like(src);
+      kernels::dequantize(f, blob.data(), src.size(0), src.size(1), kernels::FloatDType::kF32,
+                          back.data_ptr());
+      EXPECT_FALSE(back.equal(src)) << name << ": quantisation changed nothing?";
+      t = back;
+    }
+    Reference ref = run_reference(deq);
+    const Plan plan = random_plan(static_cast<int>(s.specs.size()), 2, RecomputeGrain::kStage, rng);
+    expect_equal(run_engine(s, plan, 2, {}, {}, {.edit = quantised}), ref, s.specs, deq.weights,
+                 plan.describe());
+  }
+}
+
 // The same global batch split into 1, 2 or 5 microbatches: the engine's step-1 gradients differ
 // between splits by no more than twice what the plain loop's own differ (summation order).
 TEST(Engine, MicrobatchSplitsDifferOnlyAsThePlainLoopDoes) {
@@ -396,6 +529,34 @@ TEST(Engine, EmitsPlanSpanAndDeviceEvents) {
   EXPECT_EQ(devices, 3 * 3);
 }
 
+// The host memory budget holds while training: an arena with room for the store but not for the
+// activation staging a step needs makes the run fail with an error naming the budget and what to
+// change — never an allocation past it.
+TEST(Engine, HostBudgetExceededWhileTrainingIsANamedError) {
+  Case s = make_case(test::tiny_llama(3), 2, 5);
+  const std::vector<offload::LayerDesc> descs =
+      layer_descs(s.specs, [](const models::ParamSpec&) { return true; });
+  const offload::LayerStore::HostBytes hb =
+      offload::LayerStore::host_bytes(descs, kernels::FloatDType::kF32, kernels::FloatDType::kF32);
+  const std::uint64_t store_bytes = hb.weights + hb.gradients + hb.optimizer;
+  offload::HostArena arena({.pinning = offload::Pinning::kOff, .bytes_limit = store_bytes + 64});
+  offload::LayerStore store(arena, descs, kernels::FloatDType::kF32, kernels::FloatDType::kF32);
+  load_weights(store, s.specs, [&](const std::string& n) { return s.weights.at(n); });
+  auto devs = sim_devices(2);
+  Plan plan{{{0, 2}}, {2, 5}, {{0, 2}}, 2, RecomputeGrain::kStage};
+  Engine engine(s.config, s.specs, store, arena, raw(devs), plan, {});
+  try {
+    engine.train(1, [&](std::int64_t step) { return s.steps.at(step - 1); });
+    FAIL() << "trained past the host memory budget";
+  } catch (const Error& e) {
+    const std::string m = e.what();
+    EXPECT_NE(m.find("host memory budget exceeded"), std::string::npos) << m;
+    EXPECT_NE(m.find("hardware.host_memory"), std::string::npos) << m;
+    EXPECT_NE(m.find("hardware.offload_dir"), std::string::npos) << m;
+  }
+  EXPECT_LE(arena.usage().peak, store_bytes + 64);
+}
+
 // Loaders free a job's buffers two jobs later while the optimizer may still be waiting for an
 // earlier job's gradients (a slow link, a slow optimizer): every job of a step must still reach
 // the optimizer. (This schedule deadlocked once: a freed job was forgotten before the optimizer
@@ -423,7 +584,8 @@ TEST(Engine, OptimizerBehindTheLoadersStillSeesEveryJob) {
   offload::LayerStore probe(arena,
                             layer_descs(s.specs, [](const models::ParamSpec&) { return true; }),
                             kernels::FloatDType::kF32, kernels::FloatDType::kF32);
-  const double link = static_cast<double>(probe.stream_bytes(1).bytes) / (5 * 6e-3);
+  const double link =
+      static_cast<double>(probe.stream_bytes(1, offload::kStreamPart).bytes) / (5 * 6e-3);
   auto done = std::async(std::launch::async, [&] {
     return run_engine(s, plan, 4, o, {.bytes_per_s = link, .latency_s = 0});
   });

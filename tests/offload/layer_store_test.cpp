@@ -1,11 +1,21 @@
 // LayerStore: per-layer regions laid out as documented, tied tensors shared but with their own
-// gradient, accounting by purpose, and errors for inconsistent descriptions.
+// gradient, accounting by purpose, errors for inconsistent descriptions, and parts on the NVMe
+// tier reached through access() (read, prefetched, written back) byte for byte.
 #include "offload/layer_store.h"
 
 #include <gtest/gtest.h>
 
+#include <unistd.h>
+
 #include <cstring>
+#include <filesystem>
+#include <map>
+#include <random>
 #include <set>
+
+#include "offload/nvme_store.h"
+
+namespace fs = std::filesystem;
 
 namespace rondo::offload {
 namespace {
@@ -82,10 +92,14 @@ TEST(LayerStore, RegionsAreAlignedDisjointAndAccounted) {
             up64(e * 4) + up64(7 * 4) + up64(49 * 4) + up64(7 * 4) + up64(e * 4));
   EXPECT_EQ(u[Purpose::kOptimizerState].bytes,
             3 * (up64(e * 4) + up64(7 * 4) + up64(49 * 4) + up64(7 * 4)));
-  // A layer's streaming region covers exactly its own tensors.
-  EXPECT_EQ(store.stream_bytes(1).bytes, up64(7 * 2) + up64(49 * 2) + up64(4097 * 2));
-  EXPECT_EQ(store.stream_bytes(1).data, store.layer(1)[0].stream);
-  EXPECT_EQ(store.stream_bytes(2).bytes, up64(7 * 2));  // the tied embedding is the prefix's
+  // A layer's two streaming regions cover exactly its own tensors: the frozen ones, the trained.
+  EXPECT_EQ(store.stream_bytes(1, kStreamPart).bytes, up64(7 * 2) + up64(49 * 2));
+  EXPECT_EQ(store.stream_bytes(1, kBasePart).bytes, up64(4097 * 2));
+  EXPECT_EQ(store.stream_bytes(1, kStreamPart).data, store.layer(1)[0].stream);
+  EXPECT_EQ(store.stream_bytes(1, kBasePart).data, store.layer(1)[2].stream);
+  // The tied embedding is the prefix's.
+  EXPECT_EQ(store.stream_bytes(2, kStreamPart).bytes, up64(7 * 2));
+  EXPECT_EQ(store.stream_bytes(2, kBasePart).bytes, 0u);
 }
 
 TEST(LayerStore, FrozenTensorsHaveNoOptimizerState) {
@@ -114,6 +128,130 @@ TEST(LayerStore, InconsistentDescriptionsAreRefused) {
   auto twice = model(true);
   twice[1].tensors[1].name = "norm";
   EXPECT_THROW(LayerStore(arena, twice, FloatDType::kBF16, FloatDType::kF32), Error);
+}
+
+// ---- the NVMe tier ----
+
+struct LayerStoreNvme : ::testing::Test {
+  fs::path dir = fs::temp_directory_path() / ("rondo-store-test-" + std::to_string(::getpid()));
+  void SetUp() override { fs::create_directories(dir); }
+  void TearDown() override { fs::remove_all(dir); }
+  NvmeStoreOptions options() const {
+    return {.dir = (dir / "nvme").string(), .backend = BackendKind::kThreads};
+  }
+};
+
+// Layers 1 and 2 wholly on NVMe; 0 and 3 (tied) in host memory.
+std::vector<LayerDesc> offloaded() {
+  std::vector<LayerDesc> l = {
+      {{{"embed", 22 * 7, true, -1}}},
+      {{{"norm", 7, true, -1}, {"q", 7 * 7, true, -1}, {"frozen", 4097, false, -1}}},
+      {{{"norm2", 7, true, -1}, {"frozen2", 3001, false, -1}}},
+      {{{"final_norm", 7, true, -1}, {"embed", 22 * 7, true, 0}}},
+  };
+  for (int i : {1, 2})
+    l[i].base = l[i].weights = l[i].optimizer = Tier::kNvme;
+  return l;
+}
+
+TEST_F(LayerStoreNvme, PartsOnNvmeRoundTripThroughAccess) {
+  std::mt19937 rng(std::random_device{}());
+  HostArena arena({.pinning = Pinning::kOff});
+  const std::vector<LayerDesc> desc = offloaded();
+  NvmeStore nvme(options(), LayerStore::nvme_bytes(desc, FloatDType::kBF16));
+  LayerStore store(arena, desc, FloatDType::kBF16, FloatDType::kF32, &nvme);
+  // Host views of NVMe parts are absent; the host keeps only layers 0 and 3 (and gradients).
+  EXPECT_EQ(store.layer(1)[0].master, nullptr);
+  EXPECT_EQ(store.layer(1)[2].stream, nullptr);
+  EXPECT_EQ(store.tier(1, kBasePart), Tier::kNvme);
+  const LayerStore::HostBytes hb =
+      LayerStore::host_bytes(desc, FloatDType::kBF16, FloatDType::kF32);
+  EXPECT_EQ(arena.usage()[Purpose::kWeights].bytes, hb.weights);
+  EXPECT_EQ(hb.weights, up64(22 * 7 * 2) + up64(7 * 2));
+  EXPECT_EQ(hb.optimizer, 3 * (up64(22 * 7 * 4) + up64(7 * 4)));
+
+  // Write every part of every layer through access(), then read it back.
+  std::uniform_int_distribution<int> byte(0, 255);
+  std::map<std::pair<std::size_t, std::size_t>, std::vector<std::uint8_t>> stream, master, v;
+  for (std::size_t l = 0; l < store.layers(); ++l) {
+    LayerAccess a = store.access(l, kAllParts, AccessMode::kOverwrite);
+    for (std::size_t i = 0; i < a.size(); ++i) {
+      const TensorState& t = a[i];
+      if (t.tied) continue;
+      auto& s = stream[{l, i}];
+      s.resize(t.numel * 2);
+      for (auto& b : s)
+        b = static_cast<std::uint8_t>(byte(rng));
+      std::memcpy(t.stream, s.data(), s.size());
+      if (!t.trainable) continue;
+      auto& m = master[{l, i}];
+      m.resize(t.numel * 4);
+      for (auto& b : m)
+        b = static_cast<std::uint8_t>(byte(rng));
+      std::memcpy(t.master, m.data(), m.size());
+      auto& vv = v[{l, i}];
+      vv.resize(t.numel * 4);
+      for (auto& b : vv)
+        b = static_cast<std::uint8_t>(byte(rng));
+      std::memcpy(t.v, vv.data(), vv.size());
+    }
+  }
+  store.flush();
+  auto check = [&](unsigned parts) {
+    for (std::size_t l = 0; l < store.layers(); ++l) {
+      const LayerAccess a = store.access(l, parts, AccessMode::kRead);
+      for (std::size_t i = 0; i < a.size(); ++i) {
+        const TensorState& t = a[i];
+        if (t.tied) continue;
+        if (parts & stream_part(t)) {
+          EXPECT_EQ(std::memcmp(t.stream, stream[{l, i}].data(), t.numel * 2), 0) << l << i;
+        }
+        if (t.trainable && (parts & kOptimizerPart)) {
+          EXPECT_EQ(std::memcmp(t.master, master[{l, i}].data(), t.numel * 4), 0) << l << i;
+          EXPECT_EQ(std::memcmp(t.v, v[{l, i}].data(), t.numel * 4), 0) << l << i;
+        }
+      }
+    }
+  };
+  check(kAllParts);
+  // Prefetched reads give the same; a read-modify-write is seen by the next access.
+  for (std::size_t l = 0; l < store.layers(); ++l)
+    store.prefetch(l, kAllParts);
+  check(kBasePart);
+  check(kOptimizerPart);
+  {
+    LayerAccess a = store.access(2, kOptimizerPart, AccessMode::kReadWrite);
+    a[0].m[3] = 42.5f;
+  }
+  {
+    const LayerAccess a = store.access(2, kOptimizerPart, AccessMode::kRead);  // from the write
+    EXPECT_EQ(a[0].m[3], 42.5f);
+  }
+  store.flush();
+  {
+    const LayerAccess a = store.access(2, kOptimizerPart, AccessMode::kRead);  // from the drive
+    EXPECT_EQ(a[0].m[3], 42.5f);
+  }
+  // Staging is returned when accesses end.
+  EXPECT_EQ(arena.usage()[Purpose::kStaging].bytes, 0u);
+}
+
+TEST_F(LayerStoreNvme, RefusesWhatCannotWork) {
+  HostArena arena({.pinning = Pinning::kOff});
+  std::vector<LayerDesc> desc = offloaded();
+  try {
+    LayerStore(arena, desc, FloatDType::kBF16, FloatDType::kF32);
+    FAIL() << "NVMe parts without a store";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("hardware.offload_dir"), std::string::npos) << e.what();
+  }
+  NvmeStore nvme(options(), 1 << 20);
+  desc[3].optimizer = Tier::kNvme;  // the tied head
+  EXPECT_THROW(LayerStore(arena, desc, FloatDType::kBF16, FloatDType::kF32, &nvme), Error);
+  std::vector<LayerDesc> q = model(true);
+  q[1].tensors[1].quant = {.type = kernels::QuantType::kInt8};  // trained and quantised
+  q[1].tensors[1].rows = q[1].tensors[1].cols = 7;
+  EXPECT_THROW(LayerStore(arena, q, FloatDType::kBF16, FloatDType::kF32), Error);
 }
 
 }  // namespace

@@ -16,14 +16,17 @@
 #include "driver_json.h"
 #include "engine/checkpoint.h"
 #include "engine/engine.h"
+#include "engine/estimate.h"
 #include "engine/export.h"
 #include "engine/state.h"
 #include "kernels/cpu/sim_device.h"
 #include "kernels/error.h"
+#include "models/inspect.h"
 #include "models/lora.h"
 #include "models/mapped_file.h"
 #include "models/model.h"
 #include "models/safetensors.h"
+#include "models/weight_reader.h"
 
 namespace rondo::oracle {
 namespace {
@@ -136,6 +139,53 @@ int lora_train_export(const std::vector<std::string>& args) {
   return 0;
 }
 
+// The base model's tensors as a run's devices compute with them: in the run's model.dtype, kept
+// as its config says (model.quantize: GGUF blocks as stored, NF4 or INT8 quantised at load) and
+// dequantised — the placement and loading a run itself uses (engine::estimate_run,
+// engine::load_weights) — as fp32 tensors.
+std::map<std::string, at::Tensor> base_as_trained(engine::TrainConfig c) {
+  c.training.method = "lora";  // the base frozen, as quantisation needs
+  const models::ModelSummary summary = models::inspect_model(c.model.path, 64);
+  const engine::DevicePlan devices = engine::plan_devices({});
+  const engine::RunEstimate est =
+      engine::estimate_run(c, summary, devices, 1, 64, /*host_free=*/1ull << 50,
+                           /*disk_free=*/1ull << 50);
+  models::WeightReader reader(c.model.path);
+  std::vector<models::LayerSpec> specs = models::add_lora(reader.layers(), c.lora_config());
+  offload::HostArena arena({.pinning = offload::Pinning::kOff});
+  const kernels::FloatDType sd = c.model.dtype == "fp32"   ? kernels::FloatDType::kF32
+                                 : c.model.dtype == "fp16" ? kernels::FloatDType::kF16
+                                                           : kernels::FloatDType::kBF16;
+  offload::LayerStore store(arena, est.placement.layers, sd, kernels::FloatDType::kF32);
+  engine::load_weights(store, specs, reader, models::init_lora(specs, 1));
+  std::map<std::string, at::Tensor> out;
+  for (std::size_t l = 0; l < specs.size(); ++l) {
+    const offload::LayerAccess a = store.access(l, offload::kAllParts, offload::AccessMode::kRead);
+    for (std::size_t i = 0; i < specs[l].params.size(); ++i)
+      if (!a[i].tied && !models::is_lora_param(specs[l].params[i].name))
+        out[specs[l].params[i].name] =
+            engine::stream_tensor(a, store, specs, l, i).to(at::kFloat, false, /*copy=*/true);
+  }
+  return out;
+}
+
+// quantised-base <model> <quantize> <double_quant 0|1> <out.safetensors>: every base tensor as a
+// LoRA run with model.quantize = <quantize> computes with it (fp32).
+int quantised_base(const std::vector<std::string>& args) {
+  if (args.size() != 4)
+    throw Error("usage: quantised-base <model> <quantize> <double_quant 0|1> <out.safetensors>");
+  engine::TrainConfig c;
+  c.model.path = args[0];
+  c.model.dtype = "fp32";
+  c.model.quantize = args[1];
+  c.model.double_quant = args[2] == "1";
+  std::vector<std::pair<std::string, at::Tensor>> tensors;
+  for (auto& [name, t] : base_as_trained(c))
+    tensors.emplace_back(name, t);
+  models::write_safetensors(args[3], tensors);
+  return 0;
+}
+
 // Rondo's logits for a finished `rondo train` run, from its own state: the run's config.toml (LoRA
 // settings) and the fp32 masters in its newest checkpoint, on the base model — nothing read back
 // from the exported folders.
@@ -151,9 +201,13 @@ int run_logits(const std::vector<std::string>& args) {
   models::Model model = models::Model::load(c.model.path, {.dtype = models::DType::kF32});
   std::vector<models::LayerSpec> specs = model.layers();
   if (c.training.method == "lora") specs = models::add_lora(specs, c.lora_config());
+  // A LoRA run on a quantised base trained against the dequantised weights.
+  std::map<std::string, at::Tensor> base;
+  if (c.training.method == "lora") base = base_as_trained(c);
   auto tensor = [&](const std::string& name) -> at::Tensor {
     if (const models::TensorEntry* e = state.find(name)) return e->view().to(at::kFloat);
     if (models::is_lora_param(name)) throw Error(state.path() + ": no tensor " + name);
+    if (auto it = base.find(name); it != base.end()) return it->second;
     return model.tensor(name);
   };
   nlohmann::json j;
@@ -163,6 +217,9 @@ int run_logits(const std::vector<std::string>& args) {
   return 0;
 }
 
+RegisterCommand reg_quantised_base("quantised-base",
+                                   "<model> <quantize> <double_quant 0|1> <out.safetensors>",
+                                   quantised_base);
 RegisterCommand reg_run_logits("run-logits", "<run_dir> <batch.json> <out>", run_logits);
 RegisterCommand reg_lora_train_export("lora-train-export", "<base_model_dir> <in.json> <out_dir>",
                                       lora_train_export);

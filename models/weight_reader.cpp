@@ -1,0 +1,120 @@
+#include "models/weight_reader.h"
+
+#include <ATen/ATen.h>
+
+#include <map>
+
+#include "kernels/error.h"
+#include "models/gguf.h"
+#include "models/gguf_model.h"
+#include "models/mapped_file.h"
+#include "models/model.h"
+#include "models/safetensors.h"
+#include "models/tensor_view.h"
+
+namespace rondo::models {
+
+struct WeightReader::Impl {
+  std::string path;
+  ModelConfig config;
+  std::vector<LayerSpec> layers;
+  // One of the two:
+  std::unique_ptr<Checkpoint> hf;
+  std::unique_ptr<GgufFile> gguf;
+  std::map<std::string, GgufTensorMapping> mapping;  // GGUF: by HF name
+};
+
+WeightReader::WeightReader(const std::string& path) : impl_(std::make_unique<Impl>()) {
+  Impl& m = *impl_;
+  m.path = path;
+  if (model_format(path) == ModelFormat::kHfFolder) {
+    m.config = load_hf_config(path + "/config.json");
+    m.hf = std::make_unique<Checkpoint>(Checkpoint::open_hf_folder(path));
+    m.layers = layer_specs(m.config);
+    std::map<std::string, std::vector<std::int64_t>> shapes;
+    for (const std::string& name : m.hf->names())
+      shapes.emplace(name, m.hf->get(name).shape);
+    check_weights_match(m.config, m.layers, shapes, path);
+  } else {
+    m.gguf = std::make_unique<GgufFile>(path);
+    m.config = config_from_gguf(*m.gguf);
+    m.layers = layer_specs(m.config);
+    // gguf_tensor_mapping checks the set of tensors and their shapes.
+    for (GgufTensorMapping& t : gguf_tensor_mapping(*m.gguf, m.config))
+      m.mapping.emplace(t.hf_name, std::move(t));
+  }
+}
+
+WeightReader::~WeightReader() = default;
+WeightReader::WeightReader(WeightReader&&) noexcept = default;
+WeightReader& WeightReader::operator=(WeightReader&&) noexcept = default;
+
+const std::string& WeightReader::path() const {
+  return impl_->path;
+}
+bool WeightReader::is_gguf() const {
+  return impl_->gguf != nullptr;
+}
+const ModelConfig& WeightReader::config() const {
+  return impl_->config;
+}
+const std::vector<LayerSpec>& WeightReader::layers() const {
+  return impl_->layers;
+}
+
+at::Tensor WeightReader::read(const std::string& name, DType dtype) const {
+  const Impl& m = *impl_;
+  if (m.gguf) {
+    auto it = m.mapping.find(name);
+    if (it == m.mapping.end()) throw Error(m.path + ": no tensor '" + name + "'");
+    return load_hf_tensor(*m.gguf, it->second, dtype);
+  }
+  const TensorEntry& e = m.hf->get(name);
+  at::Tensor t = e.view();
+  if (dtype != e.dtype) t = t.to(to_scalar_type(dtype));
+  return t.contiguous();
+}
+
+std::optional<GgufBlocks> WeightReader::read_blocks(const std::string& name) const {
+  const Impl& m = *impl_;
+  if (!m.gguf) return std::nullopt;
+  auto it = m.mapping.find(name);
+  if (it == m.mapping.end()) throw Error(m.path + ": no tensor '" + name + "'");
+  const GgufTensorMapping& map = it->second;
+  const GgufTensorInfo& info = m.gguf->tensor(map.gguf_name);
+  const GgmlTypeInfo& type = ggml_type_info(info.type);
+  if (type.block_size == 1 || map.shape.size() != 2) return std::nullopt;
+  GgufBlocks b;
+  b.type = info.type;
+  b.rows = map.shape[0];
+  b.cols = map.shape[1];
+  const std::int64_t row_bytes = b.cols / type.block_size * type.type_size;
+  RONDO_ASSERT(static_cast<std::uint64_t>(b.rows * row_bytes) == info.n_bytes);
+  b.bytes = at::from_blob(const_cast<std::uint8_t*>(m.gguf->tensor_data(info)), {b.rows, row_bytes},
+                          at::TensorOptions().dtype(at::kByte));
+  if (map.unpermute_heads > 0) {
+    // The same row move as load_hf_tensor's (Note [llama.cpp rotary permutation]), on rows of
+    // blocks.
+    const std::int64_t heads = map.unpermute_heads;
+    RONDO_ASSERT(b.rows % (2 * heads) == 0);
+    b.bytes = b.bytes.reshape({heads, b.rows / heads / 2, 2, row_bytes})
+                  .transpose(1, 2)
+                  .reshape({b.rows, row_bytes});
+  }
+  b.bytes = b.bytes.contiguous();
+  return b;
+}
+
+void WeightReader::release(const std::string& name) const {
+  const Impl& m = *impl_;
+  if (m.gguf) {
+    auto it = m.mapping.find(name);
+    if (it == m.mapping.end()) return;
+    const GgufTensorInfo& info = m.gguf->tensor(it->second.gguf_name);
+    release_mapped_pages(m.gguf->tensor_data(info), info.n_bytes);
+  } else if (const TensorEntry* e = m.hf->find(name)) {
+    release_mapped_pages(e->data, e->bytes);
+  }
+}
+
+}  // namespace rondo::models
