@@ -1,12 +1,14 @@
 #include "offload/layer_store.h"
 
 #include <algorithm>
+#include <condition_variable>
 #include <cstdio>
 #include <cstring>
 #include <deque>
 #include <exception>
 #include <map>
 #include <optional>
+#include <set>
 #include <utility>
 
 #include "kernels/error.h"
@@ -108,6 +110,39 @@ struct LayerStore::Regions {
   std::map<Key, Io> writes, reads;  // write-backs and prefetches in flight
   std::deque<Key> write_order;      // oldest first
   std::exception_ptr write_error;   // the first failed write-back not yet reported
+  // Parts whose write-back some thread has taken out of `writes` and is waiting for: nobody reads
+  // them from the drive (or prefetches them) until it is done (a read may not overtake a write).
+  std::set<Key> completing;
+  std::map<Key, int> reading;  // reads of a part in flight that are not in `reads`
+  // Parts a write-back is waiting to submit (for their reads to end): new reads of them wait, so
+  // that a stream of readers cannot starve the writer.
+  std::map<Key, int> writing;
+  std::condition_variable done;
+
+  // Under `lock`: waits until no thread is completing, or waiting to submit, a write-back of `key`.
+  void settle(std::unique_lock<std::mutex>& lock, const Key& key) {
+    done.wait(lock, [&] { return completing.count(key) == 0 && writing.count(key) == 0; });
+  }
+  // Waits for write-backs taken out of `writes` (their keys in `completing`), then releases the
+  // keys. Returns the first error.
+  std::exception_ptr complete(NvmeStore* nvme, std::vector<std::pair<Key, Io>>& ios) {
+    std::exception_ptr error;
+    if (ios.empty()) return error;
+    for (auto& [key, io] : ios) {
+      try {
+        nvme->wait(io.ticket);
+      } catch (...) {
+        if (!error) error = std::current_exception();
+      }
+    }
+    {
+      std::lock_guard<std::mutex> lock(mutex);
+      for (auto& [key, io] : ios)
+        completing.erase(key);
+    }
+    done.notify_all();
+    return error;
+  }
 };
 
 LayerStore::LayerStore(HostArena& arena, const std::vector<LayerDesc>& layers,
@@ -322,31 +357,55 @@ LayerAccess LayerStore::access(std::size_t layer, unsigned parts, AccessMode mod
   // a fresh read.
   auto stage = [&](unsigned part) -> HostBuffer {
     const Region region = r.region[layer][part_index(part)];
-    std::optional<Regions::Io> pending, prefetched;
+    const Regions::Key key{layer, part};
+    std::optional<Regions::Io> prefetched;
+    std::vector<std::pair<Regions::Key, Regions::Io>> pending;
+    const bool fresh_read_needed = mode != AccessMode::kOverwrite;
+    bool reading = false;  // counted in r.reading while our read is in flight
     {
-      std::lock_guard<std::mutex> lock(r.mutex);
-      const Regions::Key key{layer, part};
+      std::unique_lock<std::mutex> lock(r.mutex);
+      r.settle(lock, key);
       if (auto it = r.writes.find(key); it != r.writes.end()) {
-        pending = std::move(it->second);
+        pending.emplace_back(key, std::move(it->second));
         r.writes.erase(it);
         r.write_order.erase(std::find(r.write_order.begin(), r.write_order.end(), key));
-      }
-      if (auto it = r.reads.find(key); it != r.reads.end()) {
+        r.completing.insert(key);
+      } else if (auto it = r.reads.find(key); it != r.reads.end()) {
         prefetched = std::move(it->second);
         r.reads.erase(it);
+        reading = true;
+      } else {
+        reading = fresh_read_needed;
       }
+      if (reading) ++r.reading[key];
     }
+    // A write-back of this part waits until our read has ended (a write may not overtake a read:
+    // the drive would hand back a mix, and the checksum would be the new one's).
+    struct ReadDone {
+      Regions& r;
+      Regions::Key key;
+      bool counted;
+      ~ReadDone() {
+        if (!counted) return;
+        {
+          std::lock_guard<std::mutex> lock(r.mutex);
+          if (--r.reading[key] == 0) r.reading.erase(key);
+        }
+        r.done.notify_all();
+      }
+    } read_done{r, key, reading};
     HostBuffer buf;
-    if (pending) {
-      nvme_->wait(pending->ticket);  // the buffer must not change while it is written
-      if (prefetched) nvme_->wait(prefetched->ticket);  // issued before the write: stale
-      buf = std::move(pending->buffer);
+    if (!pending.empty()) {
+      // The data is the buffer being written: wait for the write (the buffer must not change
+      // while it is written, and other readers wait for the drive to hold it), then use it.
+      if (std::exception_ptr e = r.complete(nvme_, pending)) std::rethrow_exception(e);
+      buf = std::move(pending.front().second.buffer);
     } else if (prefetched) {
       nvme_->wait(prefetched->ticket);
       buf = std::move(prefetched->buffer);
     } else {
       buf = arena_.allocate(region.bytes, Purpose::kStaging);  // fresh pages: zeros
-      if (mode != AccessMode::kOverwrite) {
+      if (fresh_read_needed) {
         IoTicket t = nvme_->read(region, 0, buf.data(), region.bytes);
         nvme_->wait(t);
       }
@@ -387,77 +446,96 @@ void LayerStore::prefetch(std::size_t layer, unsigned parts) {
     const int p = part_index(part);
     const Region region = r.region[layer][p];
     if (!(parts & part) || tiers_[layer][p] != Tier::kNvme || region.bytes == 0) continue;
-    {
-      std::lock_guard<std::mutex> lock(r.mutex);
-      const Regions::Key key{layer, part};
-      // A write-back in flight already holds the data; a prefetch is already under way.
-      if (r.writes.count(key) || r.reads.count(key)) continue;
-    }
+    const Regions::Key key{layer, part};
+    std::unique_lock<std::mutex> lock(r.mutex);
+    r.settle(lock, key);
+    // A write-back in flight already holds the data; a prefetch is already under way.
+    if (r.writes.count(key) || r.reads.count(key)) continue;
     Regions::Io io;
     io.buffer = arena_.allocate(region.bytes, Purpose::kStaging);
     io.ticket = nvme_->read(region, 0, io.buffer.data(), region.bytes);
-    std::lock_guard<std::mutex> lock(r.mutex);
-    r.reads.emplace(Regions::Key{layer, part}, std::move(io));
+    r.reads.emplace(key, std::move(io));
   }
 }
 
 void LayerStore::write_back(LayerAccess& a) noexcept {
   Regions& r = *regions_;
-  std::vector<Regions::Io> done;  // waited for outside the lock
+  std::vector<std::pair<Regions::Key, Regions::Io>> evicted;  // waited for outside the lock
+  std::exception_ptr error;
   try {
     for (unsigned part : kParts) {
       HostBuffer& buf = a.staged_[part_index(part)];
       if (!buf) continue;
       const Region region = r.region[a.layer_][part_index(part)];
-      Regions::Io io;
-      io.ticket = nvme_->write(region, 0, buf.data(), region.bytes);
-      io.buffer = std::move(buf);
-      std::lock_guard<std::mutex> lock(r.mutex);
       const Regions::Key key{a.layer_, part};
+      std::unique_lock<std::mutex> lock(r.mutex);
+      // No read of the part may be in flight when its write starts (see stage() in access()):
+      // hold new readers back, wait for those in flight, and drop a prefetch (it read the old
+      // data).
+      ++r.writing[key];
+      struct Submitted {  // lets new readers go on (under the lock), however this scope ends
+        Regions& r;
+        const Regions::Key& key;
+        ~Submitted() {
+          if (--r.writing[key] == 0) r.writing.erase(key);
+          r.done.notify_all();
+        }
+      } submitted{r, key};
+      for (;;) {
+        r.done.wait(lock,
+                    [&] { return r.reading.count(key) == 0 && r.completing.count(key) == 0; });
+        auto it = r.reads.find(key);
+        if (it == r.reads.end()) break;
+        std::vector<std::pair<Regions::Key, Regions::Io>> stale;
+        stale.emplace_back(key, std::move(it->second));
+        r.reads.erase(it);
+        r.completing.insert(key);
+        lock.unlock();
+        r.complete(nvme_, stale);  // its data is stale; an error of it does not matter now
+        lock.lock();
+      }
+      Regions::Io io;
+      io.ticket = nvme_->write(region, 0, buf.data(), region.bytes);  // submitted, not waited
+      io.buffer = std::move(buf);
       r.writes.emplace(key, std::move(io));
       r.write_order.push_back(key);
       while (r.write_order.size() > kMaxPendingWrites) {
-        auto it = r.writes.find(r.write_order.front());
-        done.push_back(std::move(it->second));
+        const Regions::Key old = r.write_order.front();
+        auto it = r.writes.find(old);
+        evicted.emplace_back(old, std::move(it->second));
         r.writes.erase(it);
         r.write_order.pop_front();
+        r.completing.insert(old);
       }
     }
   } catch (...) {
-    std::lock_guard<std::mutex> lock(r.mutex);
-    if (!r.write_error) r.write_error = std::current_exception();
+    error = std::current_exception();
   }
-  for (Regions::Io& io : done) {
-    try {
-      nvme_->wait(io.ticket);
-    } catch (...) {
-      std::lock_guard<std::mutex> lock(r.mutex);
-      if (!r.write_error) r.write_error = std::current_exception();
-    }
+  if (std::exception_ptr e = r.complete(nvme_, evicted); e && !error) error = e;
+  if (error) {
+    std::lock_guard<std::mutex> lock(r.mutex);
+    if (!r.write_error) r.write_error = error;
   }
 }
 
 void LayerStore::flush() {
   Regions& r = *regions_;
-  std::vector<Regions::Io> ios;
-  std::exception_ptr error;
+  std::vector<std::pair<Regions::Key, Regions::Io>> ios;
   {
     std::lock_guard<std::mutex> lock(r.mutex);
-    for (auto& [key, io] : r.writes)
-      ios.push_back(std::move(io));
-    for (auto& [key, io] : r.reads)  // prefetches nobody took: finish them before freeing
-      ios.push_back(std::move(io));
+    for (auto& [key, io] : r.writes) {
+      ios.emplace_back(key, std::move(io));
+      r.completing.insert(key);
+    }
+    for (auto& [key, io] : r.reads) {  // prefetches nobody took: finish them before freeing
+      ios.emplace_back(key, std::move(io));
+      r.completing.insert(key);
+    }
     r.writes.clear();
     r.reads.clear();
     r.write_order.clear();
   }
-  for (Regions::Io& io : ios) {
-    try {
-      nvme_->wait(io.ticket);
-    } catch (...) {
-      if (!error) error = std::current_exception();
-    }
-  }
+  std::exception_ptr error = r.complete(nvme_, ios);
   std::lock_guard<std::mutex> lock(r.mutex);
   if (!error) error = std::exchange(r.write_error, nullptr);
   if (error) std::rethrow_exception(error);

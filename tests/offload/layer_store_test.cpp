@@ -7,11 +7,13 @@
 
 #include <unistd.h>
 
+#include <atomic>
 #include <cstring>
 #include <filesystem>
 #include <map>
 #include <random>
 #include <set>
+#include <thread>
 
 #include "offload/nvme_store.h"
 
@@ -234,6 +236,58 @@ TEST_F(LayerStoreNvme, PartsOnNvmeRoundTripThroughAccess) {
   }
   // Staging is returned when accesses end.
   EXPECT_EQ(arena.usage()[Purpose::kStaging].bytes, 0u);
+}
+
+// One writer updating a part in place while readers (and prefetches) read it, as a device's
+// loaders read a layer the optimizer has just written: every read sees one whole version (never a
+// mix of two, never a read overtaking a write-back), and versions only move forward.
+TEST_F(LayerStoreNvme, ReadersNeverSeeATornOrOlderVersion) {
+  HostArena arena({.pinning = Pinning::kOff});
+  std::vector<LayerDesc> desc = {{{{"w", (3 << 20) / 4 + 5, true, -1}}}};  // 3 blocks and a bit
+  desc[0].weights = desc[0].optimizer = Tier::kNvme;
+  NvmeStore nvme(options(), LayerStore::nvme_bytes(desc, FloatDType::kF32));
+  LayerStore store(arena, desc, FloatDType::kF32, FloatDType::kF32, &nvme);
+  {
+    LayerAccess a = store.access(0, kStreamPart, AccessMode::kOverwrite);
+    std::fill_n(static_cast<float*>(a[0].stream), a[0].numel, 0.0f);
+  }
+  constexpr int kVersions = 40;
+  std::atomic<int> written{0};
+  std::atomic<bool> failed{false};
+  std::thread writer([&] {
+    for (int v = 1; v <= kVersions; ++v) {
+      {
+        LayerAccess a = store.access(0, kStreamPart, AccessMode::kReadWrite);
+        auto* w = static_cast<float*>(a[0].stream);
+        if (w[0] != static_cast<float>(v - 1)) failed = true;
+        std::fill_n(w, a[0].numel, static_cast<float>(v));
+      }
+      written = v;
+    }
+  });
+  std::vector<std::thread> readers;
+  for (int t = 0; t < 3; ++t)
+    readers.emplace_back([&, t] {
+      float last = 0;
+      while (written < kVersions && !failed) {
+        if (t == 0) store.prefetch(0, kStreamPart);
+        const int at_least = written;  // versions finished before this read started
+        const LayerAccess a = store.access(0, kStreamPart, AccessMode::kRead);
+        const auto* w = static_cast<const float*>(a[0].stream);
+        const float v = w[0];
+        for (std::size_t i = 0; i < a[0].numel; i += 997)
+          if (w[i] != v) failed = true;  // torn
+        if (w[a[0].numel - 1] != v || v < last || v < static_cast<float>(at_least)) failed = true;
+        last = v;
+      }
+    });
+  writer.join();
+  for (std::thread& r : readers)
+    r.join();
+  EXPECT_FALSE(failed);
+  store.flush();
+  const LayerAccess a = store.access(0, kStreamPart, AccessMode::kRead);
+  EXPECT_EQ(static_cast<const float*>(a[0].stream)[0], static_cast<float>(kVersions));
 }
 
 TEST_F(LayerStoreNvme, RefusesWhatCannotWork) {
