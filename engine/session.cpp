@@ -413,33 +413,29 @@ struct Session::Impl {
                              .config_toml = o.config_toml,
                              .resumed_from = resumed_from});
     const auto t0 = std::chrono::steady_clock::now();
-    try {
-      SessionResult r = train_loop(*sink);
-      sink->emit(RunEndEvent{
-          .status = r.status,
-          .steps = r.steps,
+    // The run's end, with what it used of the host and the NVMe tier.
+    auto end_event = [&](std::string status) {
+      return RunEndEvent{
+          .status = std::move(status),
           .seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(),
-          .export_path = r.export_path,
           .host_peak_bytes = host_peak_bytes(),
           .host_budget_bytes = est.host_available,
           .host_arena_peak_bytes = arena_peak,
           .host_overhead_bytes = est.host_overhead,
           .nvme_backend = nvme_info.backend,
           .nvme_read_bytes = nvme_info.bytes_read,
-          .nvme_written_bytes = nvme_info.bytes_written});
+          .nvme_written_bytes = nvme_info.bytes_written};
+    };
+    try {
+      SessionResult r = train_loop(*sink);
+      RunEndEvent end = end_event(r.status);
+      end.steps = r.steps;
+      end.export_path = r.export_path;
+      sink->emit(end);
       return r;
     } catch (const std::exception& e) {
       sink->error(e.what());
-      sink->emit(RunEndEvent{
-          .status = "failed",
-          .seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(),
-          .host_peak_bytes = host_peak_bytes(),
-          .host_budget_bytes = est.host_available,
-          .host_arena_peak_bytes = arena_peak,
-          .host_overhead_bytes = est.host_overhead,
-          .nvme_backend = nvme_info.backend,
-          .nvme_read_bytes = nvme_info.bytes_read,
-          .nvme_written_bytes = nvme_info.bytes_written});
+      sink->emit(end_event("failed"));
       throw;
     }
   }

@@ -18,6 +18,7 @@
 #include <string>
 
 #include "../support/tiny_model_folder.h"
+#include "run_files.h"
 #include "run_rondo.h"
 
 namespace fs = std::filesystem;
@@ -26,35 +27,16 @@ using nlohmann::json;
 namespace {
 
 using rondo::test::contains;
+using rondo::test::events;
 using rondo::test::Result;
 using rondo::test::run_rondo;
-
-std::string slurp(const fs::path& p) {
-  std::ifstream f(p, std::ios::binary);
-  std::stringstream s;
-  s << f.rdbuf();
-  return s.str();
-}
-
-std::vector<json> events(const fs::path& p) {
-  std::vector<json> out;
-  std::ifstream f(p);
-  for (std::string line; std::getline(f, line);)
-    if (!line.empty()) out.push_back(json::parse(line));
-  return out;
-}
+using rondo::test::slurp;
+using rondo::test::step_losses;
 
 json last(const std::vector<json>& ev, const std::string& type) {
   json out;
   for (const json& e : ev)
     if (e["type"] == type) out = e;
-  return out;
-}
-
-std::map<std::int64_t, double> step_losses(const fs::path& run) {
-  std::map<std::int64_t, double> out;
-  for (const json& e : events(run / "events.jsonl"))
-    if (e["type"] == "step") out[e["step"].get<std::int64_t>()] = e["loss"].get<double>();
   return out;
 }
 
@@ -175,7 +157,8 @@ TEST_F(Offload, StateThreeTimesTheBudgetTrainsBitForBitUnderIt) {
                 state / 1048576.0, budget / 1048576.0,
                 plan["placement"]["nvme_bytes"].get<double>() / 1048576.0,
                 plan["placement"]["backend"].get<std::string>().c_str());
-    EXPECT_EQ(step_losses(dir / ("nvme-" + c.method)), step_losses(dir / ("mem-" + c.method)));
+    EXPECT_EQ(step_losses(dir / ("nvme-" + c.method) / "events.jsonl"),
+              step_losses(dir / ("mem-" + c.method) / "events.jsonl"));
     const std::string a = export_bytes("mem-" + c.method, c.method);
     EXPECT_FALSE(a.empty());
     EXPECT_TRUE(a == export_bytes("nvme-" + c.method, c.method)) << "the exports differ";
@@ -215,7 +198,7 @@ TEST_F(Offload, FaultsEndTheRunNamedAndAResumeEndsExactly) {
     EXPECT_GE(checkpoints, 1) << "the fault came before the first checkpoint";
     Result resumed = run_rondo("train --resume " + (dir / run).string());
     ASSERT_EQ(resumed.code, 0) << resumed.out;
-    EXPECT_EQ(step_losses(dir / run), step_losses(dir / "ref"));
+    EXPECT_EQ(step_losses(dir / run / "events.jsonl"), step_losses(dir / "ref" / "events.jsonl"));
     EXPECT_TRUE(export_bytes(run, "full") == export_bytes("ref", "full"))
         << "the resumed run's export differs";
   }

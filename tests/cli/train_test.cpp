@@ -23,6 +23,7 @@
 
 #include "../support/tiny_model_folder.h"
 #include "models/chat_template.h"
+#include "run_files.h"
 #include "run_rondo.h"
 
 namespace fs = std::filesystem;
@@ -31,36 +32,14 @@ using nlohmann::json;
 namespace {
 
 using rondo::test::contains;
+using rondo::test::events;
 using rondo::test::Result;
 using rondo::test::run_rondo;
-
-std::string slurp(const fs::path& p) {
-  std::ifstream f(p, std::ios::binary);
-  std::stringstream s;
-  s << f.rdbuf();
-  return s.str();
-}
+using rondo::test::slurp;
+using rondo::test::step_losses;
 
 void write(const fs::path& p, const std::string& text) {
   std::ofstream(p, std::ios::binary) << text;
-}
-
-std::vector<json> events(const fs::path& p) {
-  std::vector<json> out;
-  std::ifstream f(p);
-  std::string line;
-  while (std::getline(f, line))
-    if (!line.empty()) out.push_back(json::parse(line));
-  return out;
-}
-
-// The loss of each step, the last event for a step winning (a resumed run repeats the steps
-// after its checkpoint).
-std::map<std::int64_t, double> step_losses(const fs::path& events_path) {
-  std::map<std::int64_t, double> out;
-  for (const json& e : events(events_path))
-    if (e["type"] == "step") out[e["step"].get<std::int64_t>()] = e["loss"].get<double>();
-  return out;
 }
 
 // Two runs ended alike: the same loss at every step, and the same final adapter bytes.

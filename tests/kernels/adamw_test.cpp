@@ -24,6 +24,7 @@
 #include <tuple>
 #include <vector>
 
+#include "../support/test_seed.h"
 #include "kernels/cpu/adamw.h"
 #include "kernels/error.h"
 
@@ -41,22 +42,8 @@ namespace {
 
 // --- Seeds -----------------------------------------------------------------------------------
 
-std::uint64_t test_seed() {
-  static const std::uint64_t seed = []() -> std::uint64_t {
-    if (const char* s = std::getenv("RONDO_TEST_SEED")) return std::strtoull(s, nullptr, 10);
-    std::random_device device;
-    return (std::uint64_t{device()} << 32) ^ device();
-  }();
-  return seed;
-}
-
-// A generator per test, derived from the run's seed and the test's name.
-std::mt19937_64 rng_for_test() {
-  const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
-  const std::string name = std::string(info->test_suite_name()) + "." + info->name();
-  std::cout << "seed " << test_seed() << " (RONDO_TEST_SEED=" << test_seed() << " repeats it)\n";
-  return std::mt19937_64(test_seed() ^ std::hash<std::string>{}(name));
-}
+using rondo::test::rng_for_test;
+using rondo::test::test_seed;
 
 // --- The test's own conversions: nearest representable value by distance, ties to the even
 // pattern (written differently from the kernel's bit tricks on purpose) --------------------------

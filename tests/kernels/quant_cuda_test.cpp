@@ -15,6 +15,7 @@
 
 #include "kernels/cuda/cuda_device.h"
 #include "kernels/quant.h"
+#include "quant_formats.h"
 
 namespace rondo::kernels {
 namespace {
@@ -63,17 +64,6 @@ void expect_same(const std::vector<std::uint8_t>& gpu, const std::vector<std::ui
                      << first << " (row " << first / cols << ", column " << first % cols << ")";
 }
 
-std::vector<QuantFormat> all_formats() {
-  std::vector<QuantFormat> formats;
-  for (QuantType t : {QuantType::kQ8_0, QuantType::kQ4_0, QuantType::kQ4_1, QuantType::kQ4_K,
-                      QuantType::kQ6_K, QuantType::kInt8})
-    formats.push_back({.type = t});
-  for (int block : {32, 64, 256, 4096})
-    for (bool dq : {false, true})
-      formats.push_back({.type = QuantType::kNF4, .block = block, .double_quant = dq});
-  return formats;
-}
-
 struct Shape {
   std::int64_t rows, cols;
 };
@@ -112,7 +102,7 @@ void run_on_gpu_and_cpu(Device& dev, const QuantFormat& f, const std::vector<std
 TEST_F(QuantCudaTest, EqualsTheCpuForQuantisedWeights) {
   auto rng = fresh_rng();
   std::normal_distribution<float> normal(0.0f, 0.02f);
-  for (const QuantFormat& f : all_formats())
+  for (const QuantFormat& f : test::all_quant_formats())
     for (Shape sh : shapes_for(f.type)) {
       std::vector<float> x(static_cast<std::size_t>(sh.rows * sh.cols));
       for (float& v : x)
@@ -128,7 +118,7 @@ TEST_F(QuantCudaTest, EqualsTheCpuForQuantisedWeights) {
 TEST_F(QuantCudaTest, EqualsTheCpuForRandomBytes) {
   auto rng = fresh_rng();
   std::uniform_int_distribution<int> byte(0, 255);
-  for (const QuantFormat& f : all_formats())
+  for (const QuantFormat& f : test::all_quant_formats())
     for (Shape sh : shapes_for(f.type)) {
       std::vector<std::uint8_t> blob(quant_bytes(f, sh.rows, sh.cols));
       for (auto& b : blob)
@@ -143,7 +133,7 @@ TEST_F(QuantCudaTest, ABlobNeedsNoAlignment) {
   auto rng = fresh_rng();
   std::uniform_int_distribution<int> byte(0, 255);
   Stream& s = dev_->create_stream("dequant");
-  for (const QuantFormat& f : all_formats()) {
+  for (const QuantFormat& f : test::all_quant_formats()) {
     const std::int64_t rows = 3, cols = 256;
     std::vector<std::uint8_t> blob(quant_bytes(f, rows, cols));
     for (auto& b : blob)

@@ -28,29 +28,18 @@
 #include <string>
 #include <vector>
 
+#include "../support/test_seed.h"
 #include "kernels/cpu/sim_device.h"
 #include "kernels/error.h"
+#include "quant_formats.h"
 
 namespace rondo::kernels {
 namespace {
 
 // --- Seeds -----------------------------------------------------------------------------------
 
-std::uint64_t test_seed() {
-  static const std::uint64_t seed = []() -> std::uint64_t {
-    if (const char* s = std::getenv("RONDO_TEST_SEED")) return std::strtoull(s, nullptr, 10);
-    std::random_device device;
-    return (std::uint64_t{device()} << 32) ^ device();
-  }();
-  return seed;
-}
-
-std::mt19937_64 rng_for_test() {
-  const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
-  const std::string name = std::string(info->test_suite_name()) + "." + info->name();
-  std::cout << "seed " << test_seed() << " (RONDO_TEST_SEED=" << test_seed() << " repeats it)\n";
-  return std::mt19937_64(test_seed() ^ std::hash<std::string>{}(name));
-}
+using rondo::test::rng_for_test;
+using rondo::test::test_seed;
 
 // --- The test's own number formats ---------------------------------------------------------------
 
@@ -409,17 +398,6 @@ std::vector<Shape> shapes_for(QuantType type) {
   }
 }
 
-std::vector<QuantFormat> all_formats() {
-  std::vector<QuantFormat> formats;
-  for (QuantType t : {QuantType::kQ8_0, QuantType::kQ4_0, QuantType::kQ4_1, QuantType::kQ4_K,
-                      QuantType::kQ6_K, QuantType::kInt8})
-    formats.push_back({.type = t});
-  for (int block : {32, 64, 256, 4096})
-    for (bool dq : {false, true})
-      formats.push_back({.type = QuantType::kNF4, .block = block, .double_quant = dq});
-  return formats;
-}
-
 // --- Layouts and checks
 // ---------------------------------------------------------------------------
 
@@ -486,7 +464,7 @@ TEST(QuantFormat, ShapesAFormatCannotHoldAreRejectedWithTheReason) {
 }
 
 TEST(QuantFormat, AValueThatIsNotFiniteIsRejectedWithItsPlace) {
-  for (const QuantFormat& f : all_formats()) {
+  for (const QuantFormat& f : test::all_quant_formats()) {
     const std::int64_t rows = 3, cols = 256;
     std::vector<float> x(rows * cols, 0.5f);
     x[cols + 17] = std::numeric_limits<float>::quiet_NaN();
@@ -506,7 +484,7 @@ TEST(QuantFormat, AValueThatIsNotFiniteIsRejectedWithItsPlace) {
 
 TEST(QuantDequantize, EqualsTheReferenceDecoderForQuantisedWeights) {
   auto rng = rng_for_test();
-  for (const QuantFormat& f : all_formats())
+  for (const QuantFormat& f : test::all_quant_formats())
     for (Shape s : shapes_for(f.type)) {
       std::vector<double> values;
       const auto x = random_weights(rng, s.rows, s.cols, FloatDType::kF32, &values);
@@ -528,7 +506,7 @@ TEST(QuantDequantize, EqualsTheReferenceDecoderForRandomBlocks) {
     const std::uint16_t h = nearest_half(normal(rng) * sigma, false);
     return std::isfinite(f16_value(h)) ? h : std::uint16_t{0x3C00};
   };
-  for (const QuantFormat& f : all_formats())
+  for (const QuantFormat& f : test::all_quant_formats())
     for (Shape s : shapes_for(f.type)) {
       std::vector<std::uint8_t> blob(quant_bytes(f, s.rows, s.cols));
       for (auto& b : blob)
@@ -704,7 +682,7 @@ double expect_round_trip(const QuantFormat& f, std::int64_t rows, std::int64_t c
 
 TEST(QuantRoundTrip, EveryFormatStaysWithinItsBound) {
   auto rng = rng_for_test();
-  for (const QuantFormat& f : all_formats())
+  for (const QuantFormat& f : test::all_quant_formats())
     for (Shape s : shapes_for(f.type))
       for (FloatDType in : {FloatDType::kF32, FloatDType::kBF16, FloatDType::kF16})
         expect_round_trip(f, s.rows, s.cols, in, rng);
@@ -738,7 +716,7 @@ TEST(QuantRoundTrip, ErrorOnNormalWeightsIsTheDocumentedOne) {
 
 // An all-zero block must come back as zeros, whatever the format does with its scale.
 TEST(QuantRoundTrip, ZerosStayZero) {
-  for (const QuantFormat& f : all_formats()) {
+  for (const QuantFormat& f : test::all_quant_formats()) {
     const std::int64_t rows = 3, cols = 256;
     std::vector<float> x(rows * cols, 0.0f), y(rows * cols, 1.0f);
     for (std::int64_t c = 0; c < cols; ++c)
@@ -760,7 +738,7 @@ TEST(QuantSimDevice, DequantizeRunsInStreamOrderAfterTheUpload) {
   auto dev =
       make_sim_device({.bytes_cap = 64 << 20, .link = {.bytes_per_s = 2e8, .latency_s = 2e-3}});
   Stream& s = dev->create_stream("weights");
-  for (const QuantFormat& f : all_formats())
+  for (const QuantFormat& f : test::all_quant_formats())
     for (FloatDType out : {FloatDType::kF32, FloatDType::kBF16}) {
       const std::int64_t rows = 67, cols = f.type == QuantType::kQ4_K || f.type == QuantType::kQ6_K
                                                ? 512
