@@ -170,6 +170,11 @@ ModelConfig parse_hf_config_json(const json& j, const std::string& source) {
   c.head_dim = r.has("head_dim") ? r.integer("head_dim", 0, false)
                                  : (c.num_heads > 0 ? c.hidden_size / c.num_heads : 0);
   c.max_position_embeddings = r.integer("max_position_embeddings", 4096, false);
+  // 0 is not "no limit": no model supports every length; a config stating 0 is broken.
+  if (r.has("max_position_embeddings") && c.max_position_embeddings == 0)
+    problems.push_back(
+        "field 'max_position_embeddings' is 0: it must be the number of positions the model "
+        "supports (leave it out for 4096)");
   c.rms_norm_eps = r.number(j, "rms_norm_eps", 1e-6);
   c.attention_dropout = r.number(j, "attention_dropout", 0.0);
   c.tie_word_embeddings = r.boolean("tie_word_embeddings", false);

@@ -139,6 +139,10 @@ ModelConfig config_from_gguf(const GgufFile& file) {
                 std::to_string(rope_dims) + ") is not the head dimension (" +
                 std::to_string(c.head_dim) + "): partial rotary embeddings are not supported");
   c.max_position_embeddings = file.get_int(key("context_length"), 4096);
+  if (c.max_position_embeddings <= 0)
+    throw Error(file.path() + ": metadata '" + key("context_length") + "' is " +
+                std::to_string(c.max_position_embeddings) +
+                ": it must be the number of positions the model supports");
   c.rms_norm_eps = file.get_float(key("attention.layer_norm_rms_epsilon"));
   c.rope.theta = file.get_float(key("rope.freq_base"), 10000.0);
   const std::string scaling = file.get_string(key("rope.scaling.type"), "none");

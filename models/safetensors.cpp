@@ -14,6 +14,7 @@
 #include <sstream>
 
 #include "kernels/error.h"
+#include "models/checksum.h"
 #include "models/mapped_file.h"
 #include "models/tensor_view.h"
 
@@ -62,11 +63,23 @@ SafetensorsFile::SafetensorsFile(const std::string& path)
   const std::uint64_t data_size = f.size() - data_start;
 
   json j;
+  // A name given twice would silently keep one of the two (JSON parsers keep the last): the
+  // header's top-level keys are collected as they are read.
+  std::set<std::string> names;
+  std::string twice;
   try {
-    j = json::parse(header, header + n);
+    j = json::parse(header, header + n, [&](int depth, json::parse_event_t event, json& key) {
+      if (depth == 1 && event == json::parse_event_t::key && key.is_string() &&
+          !names.insert(key.get<std::string>()).second && twice.empty())
+        twice = key.get<std::string>();
+      return true;
+    });
   } catch (const json::parse_error& e) {
     throw Error(path + ": the header is not valid JSON (" + e.what() + ")");
   }
+  if (!twice.empty())
+    throw Error(path + ": the header names tensor '" + twice +
+                "' twice; the file is corrupt or was written by a broken tool");
   if (!j.is_object()) throw Error(path + ": the header is not a JSON object");
 
   for (auto& [name, value] : j.items()) {
@@ -284,9 +297,10 @@ void write_safetensors(const std::string& path,
   });
 }
 
-void write_safetensors(const std::string& path, const std::vector<SafetensorsEntry>& entries,
-                       const std::map<std::string, std::string>& metadata,
-                       const std::function<void(std::size_t, const SafetensorsSink&)>& produce) {
+std::uint64_t write_safetensors(
+    const std::string& path, const std::vector<SafetensorsEntry>& entries,
+    const std::map<std::string, std::string>& metadata,
+    const std::function<void(std::size_t, const SafetensorsSink&)>& produce) {
   nlohmann::ordered_json header = nlohmann::ordered_json::object();
   if (!metadata.empty()) header["__metadata__"] = metadata;
   std::set<std::string> seen;
@@ -314,14 +328,18 @@ void write_safetensors(const std::string& path, const std::vector<SafetensorsEnt
   tmp += ".tmp." + std::to_string(::getpid());
   int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
   if (fd < 0) throw Error("cannot create " + tmp.string() + ": " + std::strerror(errno));
+  Xxh3 checksum;
   try {
     std::uint64_t n = text.size();
     write_all(fd, &n, 8, tmp.string());
     write_all(fd, text.data(), text.size(), tmp.string());
+    checksum.update(&n, 8);
+    checksum.update(text.data(), text.size());
     for (std::size_t i = 0; i < entries.size(); ++i) {
       std::uint64_t written = 0;
       produce(i, [&](const void* data, std::size_t bytes) {
         write_all(fd, data, bytes, tmp.string());
+        checksum.update(data, bytes);
         written += bytes;
       });
       if (written != sizes[i])
@@ -352,6 +370,7 @@ void write_safetensors(const std::string& path, const std::vector<SafetensorsEnt
   int err = errno;
   ::close(dfd);
   if (rc != 0) throw Error("fsync " + parent.string() + ": " + std::strerror(err));
+  return checksum.digest();
 }
 
 }  // namespace rondo::models

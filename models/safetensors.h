@@ -81,15 +81,17 @@ void write_safetensors(const std::string& path,
 // The same, for data that is produced while the file is written (state that does not all fit in
 // memory at once): the header comes from `entries`, then `produce(i, sink)` is called for each
 // entry in order and must pass exactly that entry's bytes to `sink` (in one piece or several).
+// Returns the XXH3-64 of every byte written (models/checksum.h), computed as the bytes go out.
 struct SafetensorsEntry {
   std::string name;
   DType dtype = DType::kF32;
   std::vector<std::int64_t> shape;
 };
 using SafetensorsSink = std::function<void(const void* data, std::size_t bytes)>;
-void write_safetensors(const std::string& path, const std::vector<SafetensorsEntry>& entries,
-                       const std::map<std::string, std::string>& metadata,
-                       const std::function<void(std::size_t, const SafetensorsSink&)>& produce);
+std::uint64_t write_safetensors(
+    const std::string& path, const std::vector<SafetensorsEntry>& entries,
+    const std::map<std::string, std::string>& metadata,
+    const std::function<void(std::size_t, const SafetensorsSink&)>& produce);
 
 // DType of a torch scalar type; throws Error for types safetensors cannot hold.
 DType dtype_of(const at::Tensor& t);

@@ -78,7 +78,7 @@ std::string rewrite_for_pcre2(const std::string& pattern) {
 
 class Regex {
  public:
-  Regex(const std::string& pattern, const std::string& where) : pattern_(pattern) {
+  Regex(const std::string& pattern, const std::string& where) : pattern_(pattern), where_(where) {
     int err = 0;
     PCRE2_SIZE err_offset = 0;
     const std::string rewritten = rewrite_for_pcre2(pattern);
@@ -155,13 +155,20 @@ class Regex {
     if (rc < 0) {
       PCRE2_UCHAR msg[256];
       pcre2_get_error_message(rc, msg, sizeof(msg));
-      throw Error("tokenizer regex " + json(pattern_).dump() +
-                  " failed: " + reinterpret_cast<const char*>(msg));
+      // Named by where it came from (the tokenizer.json and the JSON path), so that every caller
+      // (training data, generate, chat) says which file's pattern gave up.
+      throw Error(where_ + ": regex " + json(pattern_).dump() +
+                  " failed on this text: " + reinterpret_cast<const char*>(msg) +
+                  (rc == PCRE2_ERROR_MATCHLIMIT || rc == PCRE2_ERROR_DEPTHLIMIT ||
+                           rc == PCRE2_ERROR_HEAPLIMIT
+                       ? " (PCRE2's backtracking limit; a very long run of one kind of character?)"
+                       : ""));
     }
     return true;
   }
 
   std::string pattern_;
+  std::string where_;
   pcre2_code* code_ = nullptr;
   bool jit_ = false;
 };
@@ -306,18 +313,18 @@ struct PreMetaspace {
 };
 using PreStep = std::variant<PreSplit, PreByteLevel, PreMetaspace>;
 
-// Cuts `p` by `matches` (sorted, non-overlapping) with `behavior`, as NormalizedString::split does;
-// empty pieces are dropped.
-std::vector<Piece> split_by(const Piece& p,
-                            const std::vector<std::pair<std::size_t, std::size_t>>& m,
-                            SplitBehavior behavior, bool invert) {
+// Where to cut a text of `size` bytes by `matches` (sorted, non-overlapping) with `behavior`, as
+// NormalizedString::split does: [begin, end) of each piece, empty pieces dropped.
+std::vector<std::pair<std::size_t, std::size_t>> split_cuts(
+    std::size_t size, const std::vector<std::pair<std::size_t, std::size_t>>& m,
+    SplitBehavior behavior, bool invert) {
   // (begin, end, is_match) covering the whole text.
   struct Span {
     std::size_t b, e;
     bool match;
   };
   std::vector<Span> spans;
-  if (p.text.empty()) {
+  if (size == 0) {
     spans.push_back({0, 0, false});
   } else {
     std::size_t prev = 0;
@@ -326,7 +333,7 @@ std::vector<Piece> split_by(const Piece& p,
       spans.push_back({b, e, true});
       prev = e;
     }
-    if (prev != p.text.size()) spans.push_back({prev, p.text.size(), false});
+    if (prev != size) spans.push_back({prev, size, false});
   }
   if (invert)
     for (auto& s : spans)
@@ -376,10 +383,8 @@ std::vector<Piece> split_by(const Piece& p,
       break;
     }
   }
-  std::vector<Piece> out;
-  for (auto [b, e] : cuts)
-    if (e > b) out.push_back(slice(p, b, e));
-  return out;
+  std::erase_if(cuts, [](const auto& c) { return c.second <= c.first; });
+  return cuts;
 }
 
 // GPT-2's byte <-> printable character table: printable Latin-1 bytes map to themselves, the
@@ -417,9 +422,16 @@ Piece byte_level_map(const Piece& p) {
   return out;
 }
 
-std::vector<Piece> apply_pre(const PreStep& step, Piece p) {
-  if (auto* s = std::get_if<PreSplit>(&step))
-    return split_by(p, s->pattern.find_all(p.text), s->behavior, s->invert);
+// One pre-tokenizer step on `p`: each resulting piece goes to `f`, in order, as soon as it is cut
+// (the pieces of a long text are never all held at once; see Tokenizer's encode).
+template <typename F>
+void apply_pre(const PreStep& step, Piece p, F&& f) {
+  if (auto* s = std::get_if<PreSplit>(&step)) {
+    for (auto [b, e] :
+         split_cuts(p.text.size(), s->pattern.find_all(p.text), s->behavior, s->invert))
+      f(slice(p, b, e));
+    return;
+  }
   if (auto* s = std::get_if<PreByteLevel>(&step)) {
     if (s->add_prefix_space && !p.text.empty() && p.text[0] != ' ') {
       Piece q;
@@ -428,14 +440,14 @@ std::vector<Piece> apply_pre(const PreStep& step, Piece p) {
       q.orig.insert(q.orig.end(), p.orig.begin(), p.orig.end());
       p = std::move(q);
     }
-    std::vector<Piece> parts;
-    if (s->use_regex)
-      parts = split_by(p, gpt2_regex().find_all(p.text), SplitBehavior::kIsolated, false);
-    else
-      parts.push_back(std::move(p));
-    for (Piece& part : parts)
-      part = byte_level_map(part);
-    return parts;
+    if (!s->use_regex) {
+      f(byte_level_map(p));
+      return;
+    }
+    for (auto [b, e] :
+         split_cuts(p.text.size(), gpt2_regex().find_all(p.text), SplitBehavior::kIsolated, false))
+      f(byte_level_map(slice(p, b, e)));
+    return;
   }
   const auto& ms = std::get<PreMetaspace>(step);
   const bool at_origin = !p.orig.empty() && p.orig[0] == 0;
@@ -450,9 +462,14 @@ std::vector<Piece> apply_pre(const PreStep& step, Piece p) {
     r.orig.insert(r.orig.end(), q.orig.begin(), q.orig.end());
     q = std::move(r);
   }
-  if (!ms.split) return {std::move(q)};
+  if (!ms.split) {
+    if (!q.text.empty()) f(std::move(q));
+    return;
+  }
   // Every replacement char is its own match; MergedWithNext glues each to what follows.
-  return split_by(q, find_literal(q.text, ms.replacement), SplitBehavior::kMergedWithNext, false);
+  for (auto [b, e] : split_cuts(q.text.size(), find_literal(q.text, ms.replacement),
+                                SplitBehavior::kMergedWithNext, false))
+    f(slice(q, b, e));
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -891,7 +908,8 @@ struct Tokenizer::Impl {
     if (start_offset < s.size()) out.push_back(slice(p, start_offset, s.size()));
   }
 
-  Encoding encode(std::string_view text, bool add_special_tokens) const {
+  // Offsets (16 bytes a token) only when asked for: encode() of a long text needs the ids alone.
+  Encoding encode(std::string_view text, bool add_special_tokens, bool with_offsets) const {
     const std::size_t bad = unicode::find_invalid(text);
     if (bad != std::string_view::npos)
       throw Error(source + ": text to encode is not valid UTF-8 (byte " + std::to_string(bad) +
@@ -899,7 +917,7 @@ struct Tokenizer::Impl {
     Encoding enc;
     auto emit = [&](std::int32_t id, std::size_t b, std::size_t e) {
       enc.ids.push_back(id);
-      enc.offsets.emplace_back(b, e);
+      if (with_offsets) enc.offsets.emplace_back(b, e);
     };
     // End of the input character that starts at byte `o`.
     auto char_end = [&](std::uint32_t o) {
@@ -931,17 +949,18 @@ struct Tokenizer::Impl {
           emit(p2.token, p2.orig.front(), char_end(p2.orig.back()));
           continue;
         }
-        std::vector<Piece> words{std::move(p2)};
-        for (const PreStep& step : pre_tokenizer) {
-          std::vector<Piece> next;
-          for (Piece& w : words)
-            for (Piece& q : apply_pre(step, std::move(w)))
-              next.push_back(std::move(q));
-          words.swap(next);
-        }
-        for (const Piece& w : words)
-          for (const BpeModel::Tok& t : model.tokenize(w.text))
-            emit(t.id, w.orig[t.begin], char_end(w.orig[t.end - 1]));
+        // Depth first: each word goes through the remaining pre-tokenizer steps and the model as
+        // soon as it is cut, so a long text costs its bytes and cut list, not a Piece per word.
+        auto pre = [&](auto& self, Piece w, std::size_t k) -> void {
+          if (k == pre_tokenizer.size()) {
+            for (const BpeModel::Tok& t : model.tokenize(w.text))
+              emit(t.id, w.orig[t.begin], char_end(w.orig[t.end - 1]));
+            return;
+          }
+          apply_pre(pre_tokenizer[k], std::move(w),
+                    [&](Piece q) { self(self, std::move(q), k + 1); });
+        };
+        pre(pre, std::move(p2), 0);
       }
     }
     if (add_special_tokens && !post.empty()) {
@@ -949,11 +968,12 @@ struct Tokenizer::Impl {
       for (const PostItem& item : post) {
         if (item.sequence) {
           out.ids.insert(out.ids.end(), enc.ids.begin(), enc.ids.end());
-          out.offsets.insert(out.offsets.end(), enc.offsets.begin(), enc.offsets.end());
+          if (with_offsets)
+            out.offsets.insert(out.offsets.end(), enc.offsets.begin(), enc.offsets.end());
         } else {
           for (std::int32_t id : item.ids) {
             out.ids.push_back(id);
-            out.offsets.emplace_back(0, 0);
+            if (with_offsets) out.offsets.emplace_back(0, 0);
           }
         }
       }
@@ -1520,12 +1540,12 @@ Tokenizer Tokenizer::from_spec(const TokenizerSpec& spec, const std::string& sou
 }
 
 std::vector<std::int32_t> Tokenizer::encode(std::string_view text, bool add_special_tokens) const {
-  return impl_->encode(text, add_special_tokens).ids;
+  return impl_->encode(text, add_special_tokens, /*with_offsets=*/false).ids;
 }
 
 Tokenizer::Encoding Tokenizer::encode_with_offsets(std::string_view text,
                                                    bool add_special_tokens) const {
-  return impl_->encode(text, add_special_tokens);
+  return impl_->encode(text, add_special_tokens, /*with_offsets=*/true);
 }
 
 std::string Tokenizer::decode(const std::vector<std::int32_t>& ids,

@@ -11,6 +11,7 @@
 #include <fstream>
 
 #include "kernels/error.h"
+#include "models/checksum.h"
 #include "models/model.h"
 
 namespace rondo::models {
@@ -107,6 +108,42 @@ TEST(Safetensors, OverlappingTensorsAreRejected) {
             R"("b":{"dtype":"F32","shape":[4],"data_offsets":[8,24]}})",
             24);
   expect_error([&] { SafetensorsFile f(p.string()); }, {p.string(), "'a'", "'b'", "overlap"});
+}
+
+// JSON parsers keep the last of two equal keys: the file would silently lose a tensor.
+TEST(Safetensors, ATensorNamedTwiceIsAnError) {
+  TempDir dir;
+  fs::path p = dir / "twice.safetensors";
+  write_raw(p,
+            R"({"w":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},)"
+            R"("w":{"dtype":"F32","shape":[2],"data_offsets":[8,16]}})",
+            16);
+  expect_error([&] { SafetensorsFile f(p.string()); }, {p.string(), "'w'", "twice"});
+  // The same name nested (metadata keys, fields) is fine; only top-level names are tensors.
+  fs::path ok = dir / "ok.safetensors";
+  write_raw(
+      ok, R"({"__metadata__":{"w":"x"},"w":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}})", 8);
+  EXPECT_NO_THROW(SafetensorsFile f(ok.string()));
+}
+
+// The checksum write_safetensors returns is the XXH3-64 of the file's bytes as they lie on disk.
+TEST(Safetensors, TheWrittenChecksumIsTheFilesXxh3) {
+  TempDir dir;
+  const fs::path p = dir / "c.safetensors";
+  const at::Tensor t = at::arange(1000, at::kFloat);
+  const std::uint64_t sum =
+      write_safetensors(p.string(), {{"t", DType::kF32, {1000}}}, {{"k", "v"}},
+                        [&](std::size_t, const SafetensorsSink& sink) {
+                          sink(t.data_ptr(), 2000);  // in two pieces
+                          sink(static_cast<const char*>(t.data_ptr()) + 2000, 2000);
+                        });
+  std::ifstream in(p, std::ios::binary);
+  const std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  EXPECT_EQ(sum, xxh3(bytes.data(), bytes.size()));
+  EXPECT_EQ(file_xxh3(p.string()).xxh3, sum);
+  EXPECT_EQ(file_xxh3(p.string()).bytes, bytes.size());
+  // XXH3-64 of no bytes (seed 0), as xxHash documents it: the hex is the digest, zero-padded.
+  EXPECT_EQ(hex64(xxh3("", 0)), "2d06800538d394c2");
 }
 
 TEST(Safetensors, SizeThatDoesNotMatchTheShape) {
@@ -270,6 +307,23 @@ TEST(Config, AbsurdDimensionsAndWrongTypesAreRejected) {
                         "qwen.json");
       },
       {"qwen.json", "use_sliding_window", "not supported"});
+}
+
+// 0 is not "no limit": a config that states it is broken, and the error says what to do.
+TEST(Config, ZeroMaxPositionEmbeddingsIsRejected) {
+  expect_error(
+      [] {
+        parse_hf_config(R"({"architectures":["LlamaForCausalLM"],"vocab_size":10,"hidden_size":8,
+          "intermediate_size":8,"num_hidden_layers":1,"num_attention_heads":2,
+          "max_position_embeddings":0})",
+                        "zero.json");
+      },
+      {"zero.json", "max_position_embeddings", "is 0"});
+  const ModelConfig left_out = parse_hf_config(
+      R"({"architectures":["LlamaForCausalLM"],"vocab_size":10,"hidden_size":8,
+          "intermediate_size":8,"num_hidden_layers":1,"num_attention_heads":2})",
+      "default.json");
+  EXPECT_EQ(left_out.max_position_embeddings, 4096);
 }
 
 TEST(Config, ReadsOldAndNewRopeFields) {

@@ -203,6 +203,26 @@ TEST(Tokenizer, RejectsInvalidUtf8) {
   }
 }
 
+// A pattern that backtracks without end hits PCRE2's limit: the error names the tokenizer.json
+// and the pattern, whoever called encode (training data, generate, chat).
+TEST(Tokenizer, ARegexThatGivesUpNamesItsFile) {
+  json j = byte_level_json();
+  j["pre_tokenizer"] = {{"type", "Split"},
+                        {"pattern", {{"Regex", "(a|aa)+$"}}},
+                        {"behavior", "Isolated"},
+                        {"invert", false}};
+  const Tokenizer t = Tokenizer::from_json(j.dump(), "dir/tokenizer.json");
+  try {
+    t.encode(std::string(200, 'a') + "!");
+    FAIL() << "expected an error";
+  } catch (const Error& e) {
+    const std::string msg = e.what();
+    EXPECT_NE(msg.find("dir/tokenizer.json"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("(a|aa)+$"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("limit"), std::string::npos) << msg;
+  }
+}
+
 TEST(Tokenizer, EncodesConcurrently) {
   const Tokenizer t = Tokenizer::from_json(byte_level_json().dump(), "test");
   const std::string text = "hello wow hello\nhello, world! <|end|> hello";
