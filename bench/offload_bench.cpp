@@ -27,6 +27,7 @@
 #include "engine/state.h"
 #include "kernels/cpu/sim_device.h"
 #include "kernels/quant.h"
+#include "models/lora.h"
 #include "offload/disk_speed.h"
 #include "offload/nvme_store.h"
 #include "tests/support/plain_loop.h"
@@ -122,7 +123,7 @@ Result run(const Model& m, const Setup& s, const std::string& dir, int steps) {
     out.step_s += r[i].seconds;
   out.step_s /= steps - warmup;
   // Weights uploaded per step: each job uploads its layers as stored.
-  for (const LayerRange& range : {plan.forward[0], plan.tail, plan.backward[0]})
+  for (const engine::LayerRange& range : {plan.forward[0], plan.tail, plan.backward[0]})
     for (int l = range.begin; l < range.end; ++l)
       out.weights_up += static_cast<double>(store.stream_bytes(l, offload::kBasePart).bytes +
                                             store.stream_bytes(l, offload::kStreamPart).bytes);
