@@ -90,13 +90,9 @@ class SeriesTest : public QObject {
     for (int i = 0; i < n; ++i)
       s.append(i + 1, ys[i]);
 
-    QElapsedTimer timer;
-    timer.start();
     const QList<QPointF> d = s.decimated(s.minX(), s.maxX(), 2000);
-    const qint64 ms = timer.elapsed();
     QVERIFY2(d.size() <= 2000, qPrintable(QString::number(d.size())));
     QVERIFY2(d.size() >= 1900, qPrintable(QString::number(d.size())));
-    QVERIFY2(ms < 200, qPrintable(QStringLiteral("decimating 1e6 points took %1 ms").arg(ms)));
     bool hasSpike = false, hasDip = false;
     for (qsizetype i = 0; i < d.size(); ++i) {
       if (i > 0) QVERIFY(d[i].x() > d[i - 1].x());
