@@ -35,6 +35,7 @@ std::vector<Field> fields(engine::TrainConfig& c) {
       {"data.chat_format", &c.data.chat_format, "\"\" = the model's template; chatml, llama3, ..."},
       {"data.train_on_everything", &c.data.train_on_everything, "loss on prompts too"},
       {"data.skip_bad_lines", &c.data.skip_bad_lines, "skip and count bad lines"},
+      {"data.max_line", &c.data.max_line, "longest line read, e.g. \"16MiB\"; longer: a bad line"},
       {"data.seq_len", &c.data.seq_len, "tokens per row; longer examples are truncated"},
       {"data.pack", &c.data.pack, "several examples per row"},
       {"data.shuffle", &c.data.shuffle, "new order each epoch"},

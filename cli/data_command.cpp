@@ -22,6 +22,8 @@ void add_data_options(CLI::App& cmd, DataOptions& o) {
   cmd.add_option("--chat-format", o.chat_format, "Instead of the model's own chat template");
   cmd.add_flag("--train-on-everything", o.train_on_everything, "Loss on prompts too");
   cmd.add_flag("--skip-bad-lines", o.skip_bad_lines, "Skip and count bad lines");
+  cmd.add_option("--max-line", o.max_line, "The longest line read, as data.max_line")
+      ->capture_default_str();
   cmd.add_option("--example", o.example, "Which example to show (from 0)")
       ->capture_default_str()
       ->check(CLI::NonNegativeNumber);
@@ -39,7 +41,8 @@ int run_data(const DataOptions& o) {
                                          {.format = format,
                                           .skip_bad_lines = o.skip_bad_lines,
                                           .train_on_everything = o.train_on_everything,
-                                          .max_lines = o.max_lines});
+                                          .max_lines = o.max_lines,
+                                          .max_line_bytes = parse_bytes(o.max_line, "--max-line")});
   if (o.example >= static_cast<long long>(d.examples.size()))
     throw Error(
         fmt::format("--example {}: {} has {} examples", o.example, o.file, d.examples.size()));

@@ -20,6 +20,7 @@ struct DataOptions {
   bool skip_bad_lines = false;
   long long example = 0;    // which example to show (0-based)
   long long max_lines = 0;  // > 0: read only this many lines (a quick preview of a large file)
+  std::string max_line = "16MiB";  // the longest line read (data.max_line)
   bool json = false;
 };
 

@@ -18,6 +18,7 @@
 #include "cli/config_file.h"
 #include "engine/checkpoint.h"
 #include "engine/estimate.h"
+#include "engine/run_lock.h"
 #include "engine/session.h"
 #include "kernels/error.h"
 #include "models/export.h"
@@ -119,34 +120,44 @@ std::string eta_text(double s) {
   return fmt::format("{}m{:02}s", t / 60, t % 60);
 }
 
-// Progress for a person, on stderr: a status line redrawn in place on a terminal, one line per
-// step otherwise (and log lines above it).
+// Progress for a person, on stdout (`rondo train cfg > log` keeps it): a status line redrawn in
+// place on a terminal, one line per step otherwise, log lines above it. Warnings go to stderr, as
+// do errors (main). With `--events -` stdout carries the events, so progress goes to stderr.
 class Progress {
  public:
-  Progress() : tty_(::isatty(STDERR_FILENO) == 1) {}
+  explicit Progress(bool events_on_stdout)
+      : out_(events_on_stdout ? stderr : stdout), tty_(::isatty(::fileno(out_)) == 1) {}
   void log(const std::string& line) {
-    if (tty_ && shown_) std::fputs("\r\x1b[K", stderr);
-    std::fprintf(stderr, "%s\n", line.c_str());
-    if (tty_ && shown_) std::fputs(status_.c_str(), stderr);
-    std::fflush(stderr);
+    const bool warning = line.starts_with("Warning:");
+    clear();
+    std::fprintf(warning ? stderr : out_, "%s\n", line.c_str());
+    std::fflush(warning ? stderr : out_);
+    if (tty_ && shown_) std::fputs(status_.c_str(), out_);
+    std::fflush(out_);
   }
   void step(const engine::StepEvent& e) {
     status_ = fmt::format("step {}/{}  loss {:.4f}  lr {:.2e}  {:.0f} tok/s  ETA {}", e.step,
                           e.steps_total, e.loss, e.lr, e.tokens_per_s, eta_text(e.eta_s));
     if (tty_) {
-      std::fprintf(stderr, "\r\x1b[K%s", status_.c_str());
+      std::fprintf(out_, "\r\x1b[K%s", status_.c_str());
       shown_ = true;
     } else {
-      std::fprintf(stderr, "%s\n", status_.c_str());
+      std::fprintf(out_, "%s\n", status_.c_str());
     }
-    std::fflush(stderr);
+    std::fflush(out_);
   }
   void done() {
-    if (tty_ && shown_) std::fputc('\n', stderr);
+    if (tty_ && shown_) std::fputc('\n', out_);
+    std::fflush(out_);
     shown_ = false;
   }
 
  private:
+  void clear() {
+    if (tty_ && shown_) std::fputs("\r\x1b[K", out_);
+    std::fflush(out_);
+  }
+  std::FILE* out_;
   bool tty_;
   bool shown_ = false;
   std::string status_;
@@ -183,10 +194,11 @@ ConfigFile resolve(const TrainOptions& o, bool planning = false) {
 }
 
 int train_with(const engine::TrainConfig& config, const std::string& config_toml, bool resume,
-               const std::string& events, bool dry_run) {
-  Progress progress;
+               const std::string& events, bool dry_run, const std::string& checkpoint = "") {
+  Progress progress(events == "-");
   engine::SessionOptions so{.config_toml = config_toml,
                             .resume = resume,
+                            .checkpoint = checkpoint,
                             .events = events,
                             .log = [&](const std::string& l) { progress.log(l); },
                             .on_step = [&](const engine::StepEvent& e) { progress.step(e); }};
@@ -253,6 +265,8 @@ void add_train_options(CLI::App& cmd, TrainOptions& o) {
   cmd.add_option("--lr", o.lr, "Shorthand for --set training.lr=...");
   cmd.add_option("--resume", o.resume,
                  "Continue the run in this folder from its newest checkpoint, exactly");
+  cmd.add_option("--checkpoint", o.checkpoint,
+                 "With --resume: continue from this checkpoint (step-N) instead of the newest");
   cmd.add_option("--events", o.events,
                  "Event stream: a file, or - for stdout "
                  "(default: <run>/events.jsonl)");
@@ -301,13 +315,26 @@ int run_train(const TrainOptions& o) {
       throw Error("--resume continues a run with the config it was started with (" + o.resume +
                   "/config.toml); leave out the config file and overrides");
     const std::string path = (fs::path(o.resume) / "config.toml").string();
-    if (!fs::exists(path))
+    if (!fs::exists(path)) {
+      if (!fs::is_directory(o.resume))
+        throw Error(o.resume + ": not a run folder (no such folder); nothing to resume");
+      // Stopped while being created (no config.toml, no checkpoint): there is nothing to continue,
+      // and `rondo train` takes such a folder over.
+      if (engine::list_checkpoints(o.resume).empty())
+        throw Error(
+            o.resume +
+            ": this run never started (it was stopped before its config.toml was written, "
+            "and it has no checkpoint); start it again with `rondo train CONFIG --run-dir " +
+            o.resume + "`, which reuses the folder");
       throw Error(o.resume + ": not a run folder (no config.toml); nothing to resume");
+    }
     ConfigFile f = read_config(path, {});
     f.check();
     f.config.output.run_dir = o.resume;  // the folder may have moved
-    return train_with(f.config, to_toml(f.config), true, o.events, o.dry_run);
+    return train_with(f.config, to_toml(f.config), true, o.events, o.dry_run, o.checkpoint);
   }
+  if (!o.checkpoint.empty())
+    throw Error("--checkpoint chooses where a resume continues from: use it with --resume RUN");
   ConfigFile f = resolve(o);
   return train_with(f.config, to_toml(f.config), false, o.events, o.dry_run);
 }
@@ -330,13 +357,30 @@ int run_export(const ExportOptions& o) {
   const ConfigFile f = read_config(cfg, {});
   f.check();
   const engine::TrainConfig& c = f.config;
+  // One process at a time in a run folder (a training run exports into it too).
+  const engine::RunLock lock(o.run, "rondo export");
+  for (const std::string& t : lock.remove_stale_temporaries())
+    std::fprintf(stderr, "rondo: removed %s, left by a process that was stopped while writing it\n",
+                 t.c_str());
   std::vector<engine::CheckpointInfo> all = engine::list_checkpoints(o.run);
   std::string ckpt;
   std::int64_t step = -1;
   if (o.checkpoint.empty()) {
     if (all.empty()) throw Error(o.run + ": no complete checkpoint to export");
-    ckpt = all.back().path;
-    step = all.back().step;
+    // The newest that passes its checks; a newer one that fails is named and skipped.
+    for (auto k = all.rbegin(); k != all.rend() && ckpt.empty(); ++k) {
+      const std::vector<std::string> bad = engine::checkpoint_problems(k->path);
+      if (bad.empty()) {
+        ckpt = k->path;
+        step = k->step;
+      } else {
+        std::fprintf(
+            stderr, "%s\n",
+            join_problems("rondo: warning: " + k->path + " fails its checks and is skipped:", bad)
+                .c_str());
+      }
+    }
+    if (ckpt.empty()) throw Error(o.run + ": no checkpoint passes its checks; nothing to export");
   } else {
     for (const auto& i : all)
       if (fs::path(i.path).filename() == o.checkpoint ||
@@ -351,6 +395,9 @@ int run_export(const ExportOptions& o) {
       throw Error(o.run + ": no checkpoint " + o.checkpoint +
                   (have.empty() ? " (the run has none)" : " (it has: " + have + ")"));
     }
+    if (const std::vector<std::string> bad = engine::checkpoint_problems(ckpt); !bad.empty())
+      throw Error(
+          join_problems(ckpt + " fails its checks; export another with --checkpoint:", bad));
   }
   const bool lora = c.training.method == "lora";
   if (o.format == "adapter" && !lora)

@@ -17,6 +17,7 @@ struct TrainOptions {
   std::string config;                  // TOML file ("" = flags only)
   std::vector<std::string> overrides;  // --set section.key=value, and the shorthand flags
   std::string resume;                  // run folder to continue
+  std::string checkpoint;              // with resume: "step-N" ("" = the newest that passes)
   std::string events;                  // "" = <run>/events.jsonl, "-" = stdout
   bool dry_run = false;
   bool help_config = false;

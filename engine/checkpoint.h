@@ -30,15 +30,26 @@ namespace rondo::engine {
 // Contents: state.safetensors with, for every owned (not tied) trainable tensor, "<name>" = fp32
 // master, "<name>.exp_avg", "<name>.exp_avg_sq", and with `include_stream` "<name>.stream" = the
 // streaming copy (one-step-stale training, where it lags the master); state.json =
-// {"format": "rondo-checkpoint", "version": 1, "meta": meta}. Returns the bytes written. Throws
-// Error naming the path and the failed call. `before_rename`, if set, runs once everything is
-// written and synced under the temporary name (fault-injection tests kill the process there).
+// {"format": "rondo-checkpoint", "version": 2, "files": {"state.safetensors": {"bytes",
+// "xxh3_64"}}, "meta_xxh3_64": XXH3-64 of meta's compact JSON, "meta": meta}. Returns the bytes
+// written. Throws Error naming the path and the failed call. `before_rename`, if set, runs once
+// everything is written and synced under the temporary name (fault-injection tests kill the process
+// there).
 std::uint64_t write_checkpoint(const std::string& dir, offload::LayerStore& store,
                                const std::vector<models::LayerSpec>& specs,
                                const nlohmann::json& meta, bool include_stream = false,
                                const std::function<void()>& before_rename = {});
 
-// Reads a checkpoint written by write_checkpoint into `store`: masters, moments, the streaming
+// What is wrong with a checkpoint folder, found without a store and before any of it is used:
+// state.json missing, too large, not JSON, not ours or of a version this Rondo cannot read; its
+// "meta" not matching the recorded checksum; meta's "step" not the folder's step-N, its
+// "optimizer_step" outside 0..step; state.safetensors missing, or its size or XXH3-64 not the ones
+// recorded. Each problem is one sentence without the folder's name. Empty: the checkpoint is sound.
+// (A version 1 checkpoint, written before checksums, is checked for all but its bytes.)
+std::vector<std::string> checkpoint_problems(const std::string& dir);
+
+// Reads a checkpoint written by write_checkpoint into `store`, after checkpoint_problems (any
+// problem is an Error naming the folder): masters, moments, the streaming
 // copies (from "<name>.stream" when the checkpoint has them, else the master rounded to the store's
 // streaming dtype exactly as the optimizer's update rounds it), gradients zeroed. Frozen tensors
 // are not touched. Everything is validated before the store is: every trainable tensor present with

@@ -2,8 +2,13 @@
 
 #include "models/model_files.h"
 
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
 #include <algorithm>
-#include <fstream>
+#include <cerrno>
+#include <cstring>
 #include <nlohmann/json.hpp>
 
 #include "kernels/error.h"
@@ -12,6 +17,88 @@ namespace rondo::engine {
 namespace {
 
 using nlohmann::json;
+
+// Lines of a file, each at most `max` bytes held: a longer one is reported (too_long) and its bytes
+// are read past without being kept, so a file of one endless line (/dev/zero) costs `max` bytes.
+class LineReader {
+ public:
+  LineReader(const std::string& path, std::uint64_t max) : path_(path), max_(max) {
+    fd_ = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+    if (fd_ < 0) throw Error(path + ": cannot open the data file: " + std::strerror(errno));
+    struct stat st {};
+    if (::fstat(fd_, &st) != 0) {
+      const int err = errno;
+      ::close(fd_);
+      throw Error(path + ": cannot read the data file: " + std::strerror(err));
+    }
+    const char* kind = S_ISDIR(st.st_mode)                          ? "a folder"
+                       : S_ISCHR(st.st_mode) || S_ISBLK(st.st_mode) ? "a device"
+                       : S_ISSOCK(st.st_mode)                       ? "a socket"
+                                                                    : nullptr;
+    if (kind != nullptr) {
+      ::close(fd_);
+      throw Error(path + " is " + kind +
+                  ", not a data file; give a JSONL file (one example per line)");
+    }
+  }
+  ~LineReader() { ::close(fd_); }
+  LineReader(const LineReader&) = delete;
+  LineReader& operator=(const LineReader&) = delete;
+
+  // The next line without its '\n' into `line`; false at the end of the file. `too_long` says the
+  // line was longer than the limit (then `line` is empty and `length` is what was read of it):
+  // with `read_past` the rest of it is read and dropped, else next() returns at once (the caller
+  // stops; an endless line is never read to its end).
+  bool next(std::string& line, bool& too_long, std::uint64_t& length, bool read_past) {
+    line.clear();
+    too_long = false;
+    length = 0;
+    for (;;) {
+      if (pos_ == end_) {
+        if (eof_ || !fill()) return length > 0;
+      }
+      const char* begin = buf_.data() + pos_;
+      const char* nl = static_cast<const char*>(std::memchr(begin, '\n', end_ - pos_));
+      const std::size_t n = nl ? static_cast<std::size_t>(nl - begin) : end_ - pos_;
+      length += n;
+      if (!too_long && length > max_) {
+        too_long = true;
+        line.clear();
+        line.shrink_to_fit();
+        if (!read_past) {
+          pos_ += n;
+          return true;
+        }
+      }
+      if (!too_long) line.append(begin, n);
+      pos_ += n;
+      if (nl) {
+        ++pos_;
+        return true;
+      }
+    }
+  }
+
+ private:
+  bool fill() {
+    pos_ = end_ = 0;
+    for (;;) {
+      const ssize_t n = ::read(fd_, buf_.data(), buf_.size());
+      if (n < 0 && errno == EINTR) continue;
+      if (n < 0) throw Error(path_ + ": cannot read the data file: " + std::strerror(errno));
+      if (n == 0) eof_ = true;
+      end_ = static_cast<std::size_t>(n);
+      return n > 0;
+    }
+  }
+
+  std::string path_;
+  std::uint64_t max_;
+  int fd_ = -1;
+  std::vector<char> buf_ = std::vector<char>(1 << 20);
+  std::size_t pos_ = 0, end_ = 0;
+  bool eof_ = false;
+};
 
 DataFormat detect(const json& j) {
   if (j.contains("messages")) return DataFormat::kChat;
@@ -130,21 +217,27 @@ std::string Dataset::stats_text() const {
 
 Dataset load_jsonl(const std::string& path, const models::Tokenizer& tokenizer,
                    const models::ChatTemplate& chat_template, const DataOptions& options) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) throw Error(path + ": cannot open the data file");
+  LineReader in(path, options.max_line_bytes);
   Dataset d;
   d.path = path;
   d.format = options.format;
   std::string line;
-  for (std::int64_t number = 1; std::getline(in, line); ++number) {
+  bool too_long = false;
+  std::uint64_t length = 0;
+  for (std::int64_t number = 1; in.next(line, too_long, length, options.skip_bad_lines); ++number) {
     if (!line.empty() && line.back() == '\r') line.pop_back();
-    if (line.find_first_not_of(" \t") == std::string::npos) continue;
+    if (!too_long && line.find_first_not_of(" \t") == std::string::npos) continue;
     if (options.max_lines > 0 && d.lines == options.max_lines) {
       d.partial = true;
       break;
     }
     ++d.lines;
     try {
+      if (too_long)
+        throw Error("a line of more than " + format_bytes(options.max_line_bytes) +
+                    " (data.max_line; " + std::to_string(length) +
+                    " bytes read without finding its end): not one example per line? raise "
+                    "data.max_line if such long examples are meant");
       json j;
       try {
         j = json::parse(line);

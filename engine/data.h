@@ -26,12 +26,17 @@ enum class DataFormat { kAuto, kText, kAlpaca, kChat };
 const char* to_string(DataFormat format);              // "auto", "text", "alpaca", "chat"
 DataFormat data_format_from(const std::string& name);  // the reverse; throws Error for others
 
+constexpr std::uint64_t kDefaultMaxLineBytes = 16ull << 20;
+
 struct DataOptions {
   DataFormat format = DataFormat::kAuto;
   bool skip_bad_lines = false;       // count and skip them instead of stopping at the first
   bool train_on_everything = false;  // chat/alpaca: loss on prompts too
   bool add_eos = true;               // text: end each document with the tokenizer's EOS
   std::int64_t max_lines = 0;        // > 0: stop after this many non-empty lines (a preview)
+  // The longest line read: a longer one is a bad line (an error naming the file and line, or
+  // skipped with skip_bad_lines) and is never held in memory whole.
+  std::uint64_t max_line_bytes = kDefaultMaxLineBytes;
 };
 
 struct Example {

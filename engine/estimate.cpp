@@ -209,7 +209,7 @@ std::string Placement::lines() const {
 RunEstimate estimate_run(const TrainConfig& config, const models::ModelSummary& model,
                          const DevicePlan& devices, std::int64_t steps,
                          std::int64_t tokens_per_step, std::uint64_t host_free,
-                         std::uint64_t disk_free) {
+                         std::uint64_t disk_free, const std::optional<ResumePoint>& resume) {
   RunEstimate e;
   e.devices = devices;
   e.steps = steps;
@@ -544,20 +544,38 @@ RunEstimate estimate_run(const TrainConfig& config, const models::ModelSummary& 
   const auto TP = static_cast<std::uint64_t>(e.trained_params);
   const auto P = static_cast<std::uint64_t>(e.params);
   e.checkpoint_bytes = TP * 12 + (config.training.one_step_stale ? TP * wb : 0) + 4096;
-  const std::int64_t every = config.checkpoint.every > 0 ? config.checkpoint.every : steps;
-  const std::int64_t written = steps / std::max<std::int64_t>(every, 1) + 1;
-  const std::int64_t kept = config.checkpoint.keep > 0
-                                ? std::min<std::int64_t>(config.checkpoint.keep + 1, written)
-                                : written;
-  e.disk_needed = e.checkpoint_bytes * static_cast<std::uint64_t>(kept);
+  const std::int64_t every =
+      std::max<std::int64_t>(config.checkpoint.every > 0 ? config.checkpoint.every : steps, 1);
+  // Checkpoints at every multiple of `every` and at the last step; with checkpoint.keep = K a new
+  // one is written before the oldest goes, so K + 1 are on disk at the peak.
+  const std::int64_t from = resume ? resume->step : 0;
+  const std::int64_t to_write =
+      steps <= from ? 0 : steps / every - from / every + (steps % every != 0 ? 1 : 0);
+  const auto on_disk = resume ? static_cast<std::int64_t>(resume->checkpoints) : 0;
+  const std::int64_t peak =
+      config.checkpoint.keep > 0
+          ? std::min<std::int64_t>(config.checkpoint.keep + 1, on_disk + to_write)
+          : on_disk + to_write;
+  e.disk_needed = e.checkpoint_bytes * static_cast<std::uint64_t>(std::max<std::int64_t>(
+                                           peak - on_disk, to_write > 0 ? 1 : 0));
   for (const std::string& x : config.output.exports)
     e.disk_needed += x == "adapter" ? TP * 4 : P * wb;
   e.disk_free = disk_free ? disk_free : disk_space_free(config.output.run_dir);
-  if (e.disk_needed > e.disk_free)
-    e.problems.push_back(
-        fmt::format("disk: checkpoints and exports need about {} but {} is free under {}; set "
-                    "output.run_dir on a larger disk or lower checkpoint.keep",
-                    format_bytes(e.disk_needed), format_bytes(e.disk_free), config.output.run_dir));
+  if (e.disk_needed > e.disk_free) {
+    if (resume)
+      e.problems.push_back(fmt::format(
+          "disk: what is left of this run ({} more checkpoint{} and the exports) needs about {} "
+          "but {} is free under {}; free space on that disk (a resume needs only the checkpoint "
+          "it continues from: older ones in {}/checkpoints can go), or move the run folder to a "
+          "larger disk and resume it there",
+          to_write, to_write == 1 ? "" : "s", format_bytes(e.disk_needed),
+          format_bytes(e.disk_free), config.output.run_dir, config.output.run_dir));
+    else
+      e.problems.push_back(fmt::format(
+          "disk: checkpoints and exports need about {} but {} is free under {}; set "
+          "output.run_dir on a larger disk or lower checkpoint.keep",
+          format_bytes(e.disk_needed), format_bytes(e.disk_free), config.output.run_dir));
+  }
   e.verdict = !e.problems.empty() ? "does not fit" : !e.warnings.empty() ? "tight" : "fits";
   return e;
 }

@@ -11,6 +11,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -80,12 +81,20 @@ struct RunEstimate {
 // generation; for the CPU a short matrix multiplication measured now.
 double device_flops(const kernels::DeviceInfo& device, DeviceMode mode, const std::string& dtype);
 
+// A resume: the step it continues from and the checkpoints already in the run folder (their bytes
+// are on the disk already; only what is left to write counts against the free space).
+struct ResumePoint {
+  std::int64_t step = 0;
+  std::size_t checkpoints = 0;
+};
+
 // `host_free` / `disk_free`: 0 = ask the OS (MemAvailable; statvfs of output.run_dir or the
 // nearest existing parent). For a run that does not plan steps (steps = 0), time is per step.
 RunEstimate estimate_run(const TrainConfig& config, const models::ModelSummary& model,
                          const DevicePlan& devices, std::int64_t steps,
                          std::int64_t tokens_per_step, std::uint64_t host_free = 0,
-                         std::uint64_t disk_free = 0);
+                         std::uint64_t disk_free = 0,
+                         const std::optional<ResumePoint>& resume = std::nullopt);
 
 std::uint64_t host_memory_available();  // MemAvailable, bytes
 // What the process needs outside its host budget: the runtime (torch, code, heaps), measured as

@@ -1,5 +1,8 @@
 #include "engine/events.h"
 
+#include <fcntl.h>
+#include <unistd.h>
+
 #include <cerrno>
 #include <chrono>
 #include <cstring>
@@ -35,18 +38,19 @@ std::string utc_now() {
 }  // namespace
 
 std::unique_ptr<EventSink> EventSink::open(const std::string& path) {
-  if (path == "-") return std::unique_ptr<EventSink>(new EventSink(stdout, false));
-  std::FILE* f = std::fopen(path.c_str(), "a");
-  if (f == nullptr)
-    throw Error("cannot open the event stream " + path + ": " + std::strerror(errno));
-  return std::unique_ptr<EventSink>(new EventSink(f, true));
+  if (path == "-") {
+    std::fflush(stdout);  // what was printed before goes first
+    return std::unique_ptr<EventSink>(new EventSink(STDOUT_FILENO, false));
+  }
+  const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
+  if (fd < 0) throw Error("cannot open the event stream " + path + ": " + std::strerror(errno));
+  return std::unique_ptr<EventSink>(new EventSink(fd, true));
 }
 
-EventSink::EventSink(std::FILE* file, bool owned)
-    : file_(file), owned_(owned), start_ns_(steady_ns()) {}
+EventSink::EventSink(int fd, bool owned) : fd_(fd), owned_(owned), start_ns_(steady_ns()) {}
 
 EventSink::~EventSink() {
-  if (owned_ && std::fclose(file_) != 0)
+  if (owned_ && ::close(fd_) != 0)
     std::fprintf(stderr, "rondo: warning: closing the event stream failed: %s\n",
                  std::strerror(errno));
 }
@@ -67,8 +71,18 @@ void EventSink::write(const char* type, const std::string& fields) {
     line.append(fields, 1, std::string::npos);
   }
   line += "\n";
-  // A failed write must not kill training; it is reported once on stderr.
-  if (std::fwrite(line.data(), 1, line.size(), file_) != line.size() || std::fflush(file_) != 0) {
+  // One write() for the whole line: with O_APPEND the kernel places it whole at the end of the
+  // file, so a reader never sees half a line followed by another. (A regular file takes it all at
+  // once; a pipe may take part, then the rest follows at once.) A failed write must not kill
+  // training; it is reported once on stderr.
+  bool ok = true;
+  for (std::size_t done = 0; ok && done < line.size();) {
+    const ssize_t n = ::write(fd_, line.data() + done, line.size() - done);
+    if (n < 0 && errno == EINTR) continue;
+    ok = n > 0;
+    if (ok) done += static_cast<std::size_t>(n);
+  }
+  if (!ok) {
     static bool warned = false;
     if (!warned) {
       warned = true;

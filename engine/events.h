@@ -136,12 +136,13 @@ class EventSink {
   double now() const;
 
  private:
-  EventSink(std::FILE* file, bool owned);
+  EventSink(int fd, bool owned);
   // Adds "v", "type", "t", "time" to `fields` (a JSON object's members, already serialised
   // without braces) and writes the line.
   void write(const char* type, const std::string& fields);
 
-  std::FILE* file_;
+  int fd_;  // O_APPEND for a file; each line goes out in one write() (a reader tailing the file
+            // sees whole lines, but for the last one while it is written)
   bool owned_;
   std::mutex mutex_;
   std::int64_t start_ns_;  // steady clock

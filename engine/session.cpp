@@ -25,6 +25,7 @@
 #include "engine/engine.h"
 #include "engine/estimate.h"
 #include "engine/export.h"
+#include "engine/run_lock.h"
 #include "engine/schedule.h"
 #include "engine/state.h"
 #include "kernels/error.h"
@@ -171,8 +172,12 @@ struct Session::Impl {
   std::string fingerprint;
   std::atomic<bool> stop{false};
   std::mutex engine_mu;
-  Engine* engine = nullptr;          // while run() trains
-  std::string from_checkpoint;       // resuming: the checkpoint it continues from
+  Engine* engine = nullptr;                  // while run() trains
+  std::optional<RunLock> lock;               // held from the first look at the run folder
+  std::string from_checkpoint;               // resuming: the checkpoint it continues from
+  std::int64_t resumed_from = 0;             // its step
+  std::vector<std::string> resume_warnings;  // newer checkpoints skipped (emitted at the start)
+  std::int64_t steps_done = 0;       // the last step trained (run_end reports it, even on failure)
   std::uint64_t arena_peak = 0;      // the most the host arena held (set when it closes)
   offload::NvmeStoreInfo nvme_info;  // the NVMe tier's, when it closes
 
@@ -224,9 +229,76 @@ struct Session::Impl {
     if (!c.hardware.memory_cap.empty())
       sel.memory_cap = parse_bytes(c.hardware.memory_cap, "hardware.memory_cap");
     devices = plan_devices(sel);
-    est = estimate_run(c, summary, devices, steps, tokens_per_step, o.host_free, o.disk_free);
+    std::optional<ResumePoint> resume_point;
+    if (o.resume && !o.plan_only) {
+      // The lock first: the checkpoints are looked at only once no other process writes them.
+      lock.emplace(run_dir().string(), "rondo train --resume");
+      for (const std::string& f : lock->remove_stale_temporaries())
+        log("Removed " + f + ", left by a process that was stopped while writing it");
+      choose_checkpoint();
+      resume_point = ResumePoint{.step = resumed_from,
+                                 .checkpoints = list_checkpoints(run_dir().string()).size()};
+    }
+    est = estimate_run(c, summary, devices, steps, tokens_per_step, o.host_free, o.disk_free,
+                       resume_point);
     if (!est.problems.empty() && !o.plan_only)
       throw Error(join_problems("This run does not fit:", est.problems));
+  }
+
+  // The checkpoint a resume continues from: the one --checkpoint names, else the newest that passes
+  // its checks (checkpoint_problems), each newer one that fails skipped with a warning.
+  void choose_checkpoint() {
+    const fs::path dir = run_dir();
+    const std::vector<CheckpointInfo> all = list_checkpoints(dir.string());
+    auto names = [&] {
+      std::string n;
+      for (const CheckpointInfo& k : all)
+        n += (n.empty() ? "" : ", ") + fs::path(k.path).filename().string();
+      return n.empty() ? std::string("none") : n;
+    };
+    if (!o.checkpoint.empty()) {
+      // "step-N", or the path of one of this run's checkpoints.
+      std::optional<CheckpointInfo> chosen;
+      for (const CheckpointInfo& k : all) {
+        std::error_code ec;
+        if (fs::path(k.path).filename() == o.checkpoint || fs::equivalent(k.path, o.checkpoint, ec))
+          chosen = k;
+      }
+      if (!chosen)
+        throw Error(fmt::format("--checkpoint {}: not a checkpoint of {} (it has: {})",
+                                o.checkpoint, dir.string(), names()));
+      const fs::path path = chosen->path;
+      const std::optional<std::int64_t> step = chosen->step;
+      if (const auto bad = checkpoint_problems(path.string()); !bad.empty())
+        throw Error(join_problems(
+            path.string() + " fails its checks (choose another with --checkpoint; this run has " +
+                names() + "):",
+            bad));
+      from_checkpoint = path.string();
+      resumed_from = *step;
+      return;
+    }
+    for (auto k = all.rbegin(); k != all.rend(); ++k) {
+      std::vector<std::string> bad = checkpoint_problems(k->path);
+      if (bad.empty()) {
+        from_checkpoint = k->path;
+        resumed_from = k->step;
+        return;
+      }
+      std::string why;
+      for (const std::string& b : bad)
+        why += (why.empty() ? "" : "; ") + b;
+      resume_warnings.push_back(
+          fmt::format("{} fails its checks and is skipped: {}", k->path, why));
+      log("Warning: " + resume_warnings.back());
+    }
+    if (!all.empty())
+      throw Error(join_problems(
+          dir.string() +
+              ": no checkpoint passes its checks, so this run cannot be resumed; start it again "
+              "in a new folder (rondo train " +
+              (dir / "config.toml").string() + " --run-dir NEW):",
+          resume_warnings));
   }
 
   void load_data() {
@@ -235,7 +307,8 @@ struct Session::Impl {
         training_chat_template(c.model.path, c.data.chat_format, data_format_from(c.data.format)));
     DataOptions d{.format = data_format_from(c.data.format),
                   .skip_bad_lines = c.data.skip_bad_lines,
-                  .train_on_everything = c.data.train_on_everything};
+                  .train_on_everything = c.data.train_on_everything,
+                  .max_line_bytes = parse_bytes(c.data.max_line, "data.max_line")};
     train = load_jsonl(c.data.train, *tok, *tmpl, d);
     if (!c.data.validation.empty())
       val = load_jsonl(c.data.validation, *tok, *tmpl, d);
@@ -382,25 +455,34 @@ struct Session::Impl {
 
   SessionResult run() {
     const fs::path dir = run_dir();
+    std::error_code ec;
     if (o.resume) {
+      // prepare() took the lock and chose the checkpoint.
       if (!fs::exists(dir / "config.toml"))
         throw Error(dir.string() + ": not a run folder (no config.toml); nothing to resume");
-    } else if (fs::exists(dir / "events.jsonl") || fs::exists(dir / "checkpoints")) {
-      throw Error(dir.string() + ": already holds a run; continue it with `rondo train --resume " +
-                  dir.string() + "`, or choose another output.run_dir");
-    }
-    std::int64_t resumed_from = 0;
-    if (o.resume) {
-      std::vector<CheckpointInfo> ckpts = list_checkpoints(dir.string());
-      if (ckpts.empty()) {
+      if (from_checkpoint.empty())
         log("No complete checkpoint in " + (dir / "checkpoints").string() +
             " (the run stopped before its first one): starting again from step 0");
-      } else {
-        resumed_from = ckpts.back().step;
-        from_checkpoint = ckpts.back().path;
+    } else {
+      fs::create_directories(dir, ec);
+      if (ec) throw Error(dir.string() + ": cannot create the run folder: " + ec.message());
+      lock.emplace(dir.string(), "rondo train");
+      for (const std::string& f : lock->remove_stale_temporaries())
+        log("Removed " + f + ", left by a process that was stopped while writing it");
+      // A folder with a config.toml or a checkpoint holds a run. One with neither was stopped
+      // while being created (before its config.toml was in place): it never started, and a new
+      // run takes it over.
+      if (fs::exists(dir / "config.toml") || !list_checkpoints(dir.string()).empty())
+        throw Error(dir.string() +
+                    ": already holds a run; continue it with `rondo train --resume " +
+                    dir.string() + "`, or choose another output.run_dir");
+      if (fs::exists(dir / "events.jsonl")) {
+        fs::remove(dir / "events.jsonl", ec);
+        if (ec)
+          throw Error("cannot remove " + (dir / "events.jsonl").string() + ": " + ec.message());
       }
     }
-    std::error_code ec;
+    steps_done = resumed_from;
     fs::create_directories(dir / "checkpoints", ec);
     if (ec) throw Error(dir.string() + ": cannot create the run folder: " + ec.message());
     if (!o.resume) models::write_file_durably((dir / "config.toml").string(), o.config_toml);
@@ -412,11 +494,14 @@ struct Session::Impl {
                              .steps_total = steps,
                              .config_toml = o.config_toml,
                              .resumed_from = resumed_from});
+    for (const std::string& w : resume_warnings)
+      sink->warning(w);
     const auto t0 = std::chrono::steady_clock::now();
     // The run's end, with what it used of the host and the NVMe tier.
     auto end_event = [&](std::string status) {
       return RunEndEvent{
           .status = std::move(status),
+          .steps = steps_done,
           .seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(),
           .host_peak_bytes = host_peak_bytes(),
           .host_budget_bytes = est.host_available,
@@ -514,6 +599,10 @@ struct Session::Impl {
                  .optimizer_step = meta.at("optimizer_step").get<std::int64_t>(),
                  .loss_scale = meta.at("loss_scale").get<double>(),
                  .good_steps = meta.at("good_steps").get<int>()};
+        // What the run had reached, for a resume that has nothing left to train.
+        result.steps = state.steps_done;
+        if (meta.contains("loss") && meta.at("loss").is_number())
+          result.last_loss = meta.at("loss").get<double>();
         // The plan it was trained with: another partition or recompute grain would round
         // differently (Note [Exact resume]).
         if (meta.contains("plan")) {
@@ -585,6 +674,8 @@ struct Session::Impl {
           {"optimizer_step", st.optimizer_step},
           {"loss_scale", st.loss_scale},
           {"good_steps", st.good_steps},
+          {"loss",
+           std::isfinite(result.last_loss) ? nlohmann::json(result.last_loss) : nlohmann::json()},
           {"steps_total", steps},
           {"plan", plan_json(eng.plan(), devices.devices.size())},
           {"data_fingerprint", fingerprint},
@@ -652,6 +743,7 @@ struct Session::Impl {
       if (r.step == fault_step("RONDO_FAULT_KILL_AFTER_STEP")) kill_self();
       if (o.on_step) o.on_step(e);
       result.last_loss = r.loss;
+      steps_done = r.step;
     };
     auto due = [](std::int64_t step, std::int64_t every) { return every > 0 && step % every == 0; };
     bool stopped = false;

@@ -23,7 +23,9 @@ namespace rondo::engine {
 
 struct SessionOptions {
   std::string config_toml;  // the resolved config, written to <run_dir>/config.toml
-  bool resume = false;      // continue from the newest checkpoint of output.run_dir
+  bool resume = false;      // continue from the newest checkpoint of output.run_dir that passes
+                            // its checks (engine::checkpoint_problems)
+  std::string checkpoint;   // resuming: this one instead ("step-N" or its path)
   std::string events;       // "" = <run_dir>/events.jsonl, "-" = stdout
   std::function<void(const std::string&)> log;    // progress lines for a person
   std::function<void(const StepEvent&)> on_step;  // after each step (status line)

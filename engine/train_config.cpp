@@ -58,6 +58,13 @@ std::vector<std::string> TrainConfig::validate(bool planning) const {
         "set together with data.validation; use one of them (a file, or a share held out)");
   if (data.seq_len < 2 || data.seq_len > (1 << 20))
     add("data.seq_len", "must be in 2..1048576 (got " + str(data.seq_len) + ")");
+  try {
+    const std::uint64_t max_line = parse_bytes(data.max_line, "data.max_line");
+    if (max_line < 1024 || max_line > (1ull << 30))
+      add("data.max_line", "must be in 1KiB..1GiB (got " + data.max_line + ")");
+  } catch (const Error& e) {
+    add("data.max_line", e.what());
+  }
 
   if (!one_of(training.method, {"lora", "full"}))
     add("training.method", "must be lora or full (got '" + training.method + "')");

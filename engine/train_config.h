@@ -38,6 +38,7 @@ struct DataSection {
   std::string chat_format;           // "" = the model's own chat template
   bool train_on_everything = false;  // loss on prompts too, not only on assistant replies
   bool skip_bad_lines = false;       // count and skip bad lines instead of stopping
+  std::string max_line = "16MiB";    // the longest line read; longer ones are bad lines
   std::int64_t seq_len = 1024;       // tokens per row; longer examples are truncated
   bool pack = true;                  // several examples per row, attention kept apart
   bool shuffle = true;               // a new order each epoch, from training.seed

@@ -49,7 +49,20 @@ int device_count(std::string* why) {
   cudaError_t code = cudaGetDeviceCount(&count);
   if (code != cudaSuccess) {
     cudaGetLastError();
-    if (why) *why = std::string(cudaGetErrorName(code)) + ": " + cudaGetErrorString(code);
+    if (why) {
+      // The runtime reports a missing driver as "insufficient": a driver version of 0 says which.
+      int driver = 0;
+      if (cudaDriverGetVersion(&driver) != cudaSuccess) driver = 0;
+      cudaGetLastError();
+      if ((code == cudaErrorInsufficientDriver || code == cudaErrorNoDevice) && driver == 0)
+        *why = "no NVIDIA driver found (libcuda is not installed or cannot be loaded)";
+      else if (code == cudaErrorInsufficientDriver)
+        *why = "the NVIDIA driver (CUDA " + std::to_string(driver / 1000) + "." +
+               std::to_string(driver % 1000 / 10) +
+               ") is older than this build's CUDA runtime needs; update the driver";
+      else
+        *why = std::string(cudaGetErrorName(code)) + ": " + cudaGetErrorString(code);
+    }
     return 0;
   }
   if (count == 0 && why) *why = "the CUDA driver reports no devices";

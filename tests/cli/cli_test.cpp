@@ -1,4 +1,5 @@
 // Runs the real `rondo` binary and checks what a user would read.
+#include <dlfcn.h>
 #include <gtest/gtest.h>
 #include <unistd.h>
 
@@ -43,6 +44,15 @@ TEST(Cli, DevicesSaysWhatItWillUse) {
     EXPECT_TRUE(contains(r.out, "No CUDA GPU is present")) << r.out;
     EXPECT_TRUE(contains(r.out, probe.error)) << r.out;  // the reason, as CUDA gave it
     EXPECT_TRUE(contains(r.out, "use the CPU instead")) << r.out;
+    // No driver at all (no libcuda to load) is said in those words, not as CUDA's "driver version
+    // is insufficient".
+    void* libcuda = ::dlopen("libcuda.so.1", RTLD_LAZY | RTLD_LOCAL);
+    if (libcuda == nullptr && probe.compiled) {
+      EXPECT_TRUE(contains(r.out, "no NVIDIA driver found")) << r.out;
+      EXPECT_FALSE(contains(r.out, "insufficient")) << r.out;
+    } else if (libcuda != nullptr) {
+      ::dlclose(libcuda);
+    }
   } else {
     for (const auto& d : probe.devices)
       EXPECT_TRUE(contains(r.out, d.name)) << r.out;

@@ -187,7 +187,12 @@ TEST_F(Offload, FaultsEndTheRunNamedAndAResumeEndsExactly) {
     EXPECT_TRUE(contains(r.out, "offset")) << r.out;
     EXPECT_TRUE(contains(r.out, "rondo-offload") || contains(r.out, (dir / "nvme").string()))
         << r.out;
-    EXPECT_EQ(last(events(dir / run / "events.jsonl"), "run_end")["status"], "failed");
+    const json failed = last(events(dir / run / "events.jsonl"), "run_end");
+    EXPECT_EQ(failed["status"], "failed");
+    // The steps it had done, not 0.
+    const auto losses = step_losses(dir / run / "events.jsonl");
+    ASSERT_FALSE(losses.empty());
+    EXPECT_EQ(failed["steps"].get<std::int64_t>(), losses.rbegin()->first) << failed.dump();
     int checkpoints = 0;
     if (fs::exists(dir / run / "checkpoints"))
       for (const auto& e : fs::directory_iterator(dir / run / "checkpoints"))

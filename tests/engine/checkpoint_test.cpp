@@ -20,6 +20,7 @@
 
 #include "engine/state.h"
 #include "kernels/error.h"
+#include "models/checksum.h"
 #include "models/lora.h"
 #include "models/safetensors.h"
 #include "tests/support/plain_loop.h"
@@ -244,8 +245,90 @@ TEST_F(CheckpointTest, StateJsonMarksFormatAndMeta) {
   std::ifstream in(fs::path(step_dir(3)) / "state.json");
   const nlohmann::json state = nlohmann::json::parse(in);
   EXPECT_EQ(state.at("format"), "rondo-checkpoint");
-  EXPECT_EQ(state.at("version"), 1);
+  EXPECT_EQ(state.at("version"), 2);
   EXPECT_EQ(state.at("meta"), nlohmann::json({{"step", 3}}));
+  // The tensors file's size and XXH3-64, recomputed here from the file's bytes.
+  const fs::path tensors = fs::path(step_dir(3)) / "state.safetensors";
+  std::ifstream t(tensors, std::ios::binary);
+  const std::string bytes((std::istreambuf_iterator<char>(t)), std::istreambuf_iterator<char>());
+  EXPECT_EQ(state.at("files").at("state.safetensors").at("bytes"), bytes.size());
+  EXPECT_EQ(state.at("files").at("state.safetensors").at("xxh3_64"),
+            models::hex64(models::xxh3(bytes.data(), bytes.size())));
+  EXPECT_TRUE(checkpoint_problems(step_dir(3)).empty());
+}
+
+// What checkpoint_problems finds, one damage at a time, each on a fresh copy of a sound checkpoint.
+TEST_F(CheckpointTest, ProblemsFindEachDamage) {
+  const Model m = llama();
+  TestStore s(m, all, FloatDType::kF32);
+  s.fill_random(false);
+  write_checkpoint(step_dir(4), s.store, s.specs, {{"step", 4}, {"optimizer_step", 4}});
+  ASSERT_TRUE(checkpoint_problems(step_dir(4)).empty());
+  const fs::path good = fs::path(step_dir(4));
+  auto damaged = [&](const std::string& name, const std::function<void(const fs::path&)>& harm) {
+    const fs::path copy = root_ / "damaged" / name;
+    fs::create_directories(copy.parent_path());
+    fs::remove_all(copy);
+    fs::copy(good, copy);
+    harm(copy);
+    std::string all;
+    for (const std::string& p : checkpoint_problems(copy.string()))
+      all += p + "\n";
+    return all;
+  };
+  auto edit_state = [](const fs::path& dir, const std::function<void(nlohmann::json&)>& f) {
+    nlohmann::json j = nlohmann::json::parse(std::ifstream(dir / "state.json"));
+    f(j);
+    std::ofstream(dir / "state.json") << j.dump(2);
+  };
+  // One byte of the tensors flipped.
+  std::string p = damaged("step-4", [](const fs::path& d) {
+    std::fstream f(d / "state.safetensors", std::ios::in | std::ios::out | std::ios::binary);
+    f.seekp(200);
+    f.put('\x7f');
+  });
+  EXPECT_NE(p.find("does not match its checksum"), std::string::npos) << p;
+  // Truncated.
+  p = damaged("step-4", [](const fs::path& d) {
+    fs::resize_file(d / "state.safetensors", fs::file_size(d / "state.safetensors") - 4);
+  });
+  EXPECT_NE(p.find("truncated or replaced"), std::string::npos) << p;
+  // The folder renamed: its name and the step disagree.
+  p = damaged("step-8", [](const fs::path&) {});
+  EXPECT_NE(p.find("says step 4 but the folder is step-8"), std::string::npos) << p;
+  // The step edited (with or without the checksum of meta redone: the name still disagrees).
+  p = damaged("step-4", [&](const fs::path& d) {
+    edit_state(d, [](nlohmann::json& j) { j["meta"]["step"] = 9999; });
+  });
+  EXPECT_NE(p.find("\"meta\" does not match its checksum"), std::string::npos) << p;
+  EXPECT_NE(p.find("says step 9999"), std::string::npos) << p;
+  // The optimizer ahead of the step.
+  p = damaged("step-4", [&](const fs::path& d) {
+    edit_state(d, [](nlohmann::json& j) {
+      j["meta"]["optimizer_step"] = 5;
+      const std::string text = j["meta"].dump();
+      j["meta_xxh3_64"] = models::hex64(models::xxh3(text.data(), text.size()));
+    });
+  });
+  EXPECT_NE(p.find("optimizer step 5 is not within 0..4"), std::string::npos) << p;
+  EXPECT_EQ(p.find("\"meta\" does not match"), std::string::npos) << p;
+  // Not JSON.
+  p = damaged("step-4", [](const fs::path& d) { std::ofstream(d / "state.json") << "{\"format"; });
+  EXPECT_NE(p.find("state.json is not valid JSON"), std::string::npos) << p;
+  EXPECT_EQ(p.find("not a Rondo checkpoint"), std::string::npos) << p;
+  // A version 1 checkpoint (before checksums) is sound as long as its structure is.
+  p = damaged("step-4", [&](const fs::path& d) {
+    edit_state(d, [](nlohmann::json& j) {
+      j["version"] = 1;
+      j.erase("files");
+      j.erase("meta_xxh3_64");
+    });
+  });
+  EXPECT_EQ(p, "");
+  TestStore back(m, all, FloatDType::kF32);
+  EXPECT_EQ(
+      read_checkpoint((root_ / "damaged" / "step-4").string(), back.store, back.specs).at("step"),
+      4);
 }
 
 TEST_F(CheckpointTest, LeftoverTmpAndIncompleteFoldersIgnoredThenReplaced) {
@@ -407,8 +490,8 @@ TEST_F(CheckpointTest, ReadRefusesWhatIsNotACheckpoint) {
   // A checkpoint of a newer format.
   write_checkpoint(step_dir(2), s.store, s.specs, {});
   std::ofstream(fs::path(step_dir(2)) / "state.json")
-      << R"({"format": "rondo-checkpoint", "version": 2, "meta": {}})";
-  expect_read_error(step_dir(2), s, {"version 2"});
+      << R"({"format": "rondo-checkpoint", "version": 3, "meta": {}})";
+  expect_read_error(step_dir(2), s, {"version 3"});
 
   expect_read_error((root_ / "nowhere").string(), s, {"no such checkpoint folder"});
 }

@@ -1,0 +1,114 @@
+#include "engine/run_lock.h"
+
+#include <fcntl.h>
+#include <signal.h>
+#include <sys/file.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <charconv>
+#include <cstring>
+#include <filesystem>
+#include <string_view>
+
+#include "kernels/error.h"
+
+namespace rondo::engine {
+namespace {
+
+namespace fs = std::filesystem;
+
+// The PID a "<name>.tmp.<pid>" temporary was written by; 0 for any other name.
+pid_t writer_of(const std::string& name) {
+  const std::size_t at = name.rfind(".tmp.");
+  if (at == std::string::npos) return 0;
+  const std::string_view digits = std::string_view(name).substr(at + 5);
+  long pid = 0;
+  auto [end, err] = std::from_chars(digits.data(), digits.data() + digits.size(), pid);
+  if (err != std::errc() || end != digits.data() + digits.size() || pid <= 0) return 0;
+  return static_cast<pid_t>(pid);
+}
+
+bool alive(pid_t pid) {
+  return ::kill(pid, 0) == 0 || errno == EPERM;
+}
+
+}  // namespace
+
+RunLock::RunLock(const std::string& run_dir, const std::string& what) : dir_(run_dir) {
+  const std::string path = (fs::path(run_dir) / kFile).string();
+  fd_ = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+  if (fd_ < 0) throw Error("cannot open the run's lock file " + path + ": " + std::strerror(errno));
+  int rc;
+  do {
+    rc = ::flock(fd_, LOCK_EX | LOCK_NB);
+  } while (rc != 0 && errno == EINTR);
+  if (rc != 0) {
+    const int err = errno;
+    std::string holder;
+    if (err == EWOULDBLOCK) {
+      char buf[256];
+      const ssize_t n = ::pread(fd_, buf, sizeof buf - 1, 0);
+      if (n > 0) holder.assign(buf, static_cast<std::size_t>(n));
+      while (!holder.empty() && (holder.back() == '\n' || holder.back() == ' '))
+        holder.pop_back();
+    }
+    ::close(fd_);
+    fd_ = -1;
+    if (err != EWOULDBLOCK)
+      throw Error("cannot lock the run folder " + run_dir + " (" + path +
+                  "): " + std::strerror(err));
+    // The holder writes "<pid> <what>" right after it locks; an empty file is a holder that has
+    // not written yet.
+    std::string who = "another process";
+    if (!holder.empty()) {
+      const std::size_t space = holder.find(' ');
+      who = "process " + holder.substr(0, space) +
+            (space == std::string::npos ? "" : " (" + holder.substr(space + 1) + ")");
+    }
+    throw Error(run_dir + " is in use by " + who +
+                ": one process at a time trains or exports a run; wait for it to end, or stop it "
+                "(Ctrl-C in its terminal) and run this again");
+  }
+  const std::string text = std::to_string(::getpid()) + " " + what + "\n";
+  if (::ftruncate(fd_, 0) != 0 || ::pwrite(fd_, text.data(), text.size(), 0) < 0) {
+    const int err = errno;
+    ::close(fd_);
+    fd_ = -1;
+    throw Error("cannot write the run's lock file " + path + ": " + std::strerror(err));
+  }
+}
+
+RunLock::~RunLock() {
+  if (fd_ < 0) return;
+  // Emptied, not removed: removing it would let a process that opened the old file lock a file no
+  // longer in the folder while a third locks a new one.
+  if (::ftruncate(fd_, 0) != 0) {
+    // Nothing to do: the lock itself goes with the descriptor.
+  }
+  ::close(fd_);
+}
+
+std::vector<std::string> RunLock::remove_stale_temporaries() const {
+  std::vector<std::string> removed;
+  auto sweep = [&](const fs::path& folder) {
+    std::error_code ec;
+    for (fs::directory_iterator it(folder, ec), end; !ec && it != end; it.increment(ec)) {
+      const std::string name = it->path().filename().string();
+      const pid_t pid = writer_of(name);
+      const bool stale = (pid != 0 && pid != ::getpid() && !alive(pid)) || name.ends_with(".tmp");
+      std::error_code ignored;
+      if (stale && it->is_regular_file(ignored) && fs::remove(it->path(), ignored))
+        removed.push_back(it->path().string());
+    }
+  };
+  sweep(dir_);
+  std::error_code ec;
+  for (fs::directory_iterator it(dir_, ec), end; !ec && it != end; it.increment(ec)) {
+    std::error_code ignored;
+    if (it->is_directory(ignored) && !it->is_symlink(ignored)) sweep(it->path());
+  }
+  return removed;
+}
+
+}  // namespace rondo::engine

@@ -1,0 +1,38 @@
+// One writer per run folder. `rondo train`, `rondo train --resume` and `rondo export` hold an
+// exclusive flock on <run>/rondo.lock while they work; the kernel releases it when the process
+// ends, however it ends (SIGKILL included), so a lock is never stale. The holder writes its PID and
+// what it does into the file, so that a second process is refused with both.
+//
+//   engine::RunLock lock(run_dir, "rondo train");  // throws Error naming the holder
+//   for (const std::string& f : lock.remove_stale_temporaries()) log("removed " + f);
+#pragma once
+
+#include <string>
+#include <vector>
+
+namespace rondo::engine {
+
+class RunLock {
+ public:
+  static constexpr const char* kFile = "rondo.lock";
+
+  // The folder must exist. Throws Error when another process holds the lock ("<dir> is in use by
+  // process N (rondo train --resume) ..."), or naming the failed call.
+  RunLock(const std::string& run_dir, const std::string& what);
+  ~RunLock();
+  RunLock(const RunLock&) = delete;
+  RunLock& operator=(const RunLock&) = delete;
+
+  // What a process killed while writing left behind, now that no other process writes here:
+  // "<file>.tmp.<pid>" files of processes that are gone and "<file>.tmp" files (atomic writes that
+  // never reached their rename: config.toml.tmp, an export's JSON files) in the run folder and the
+  // folders directly in it. Folders are left alone (a checkpoint's "step-N.tmp" is the checkpoint
+  // writer's to clear). Returns the paths removed.
+  std::vector<std::string> remove_stale_temporaries() const;
+
+ private:
+  std::string dir_;
+  int fd_ = -1;
+};
+
+}  // namespace rondo::engine
