@@ -13,7 +13,7 @@
 //      against bf16: step time ratio next to the ratio of weight bytes each step uploads (the
 //      best a link-bound run can do; dequantising on the device costs the rest).
 //
-//   offload_bench [--dir D]... [--bytes 1GiB] [--steps 6] [--only a|b|c]
+//   offload_bench [--dir D]... [--bytes 1GiB] [--steps 6] [--only a|b|c] [--link 50MB]
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
@@ -45,8 +45,9 @@ struct Model {
 
 Model make_lora_model() {
   at::manual_seed(1);
-  // 8 blocks of C = 256, I = 1024: 1.3 M parameters (2.6 MB in bf16) per block.
-  models::ModelConfig c = test::tiny_llama(8, 8);
+  // 8 blocks of C = 256, I = 640 (4 heads, 2 KV heads): 0.69 M parameters (1.4 MB in bf16) per
+  // block.
+  models::ModelConfig c = test::tiny_llama(8, 16);
   Model m{c, models::layer_specs(c), test::random_weights(c)};
   m.specs = models::add_lora(m.specs, {.rank = 8, .alpha = 16});
   for (auto& [name, t] : models::init_lora(m.specs, 1))
@@ -64,9 +65,10 @@ struct Result {
   double weights_up = 0;  // bytes per step
 };
 
-// Link-bound LoRA: the link moves 200 MB/s per direction, so a bf16 block's upload (2.6 MB)
-// takes about 13 ms while its emulated compute takes 2 ms forward, 4 ms backward per microbatch.
-Result run(const Model& m, const Setup& s, const std::string& dir, int steps) {
+// Link-bound LoRA: at the default 50 MB/s per direction a bf16 block's upload (1.4 MB) takes about
+// 28 ms, while its emulated compute takes 2 ms forward and 4 ms backward per microbatch (3 per
+// step): the link decides the step time.
+Result run(const Model& m, const Setup& s, const std::string& dir, int steps, double link_bps) {
   offload::HostArena arena({.pinning = offload::Pinning::kOff});
   std::vector<offload::LayerDesc> d = engine::layer_descs(
       m.specs, [](const models::ParamSpec& p) { return models::is_lora_param(p.name); });
@@ -93,10 +95,11 @@ Result run(const Model& m, const Setup& s, const std::string& dir, int steps) {
   std::vector<std::unique_ptr<kernels::Device>> devs;
   std::vector<kernels::Device*> raw;
   for (int i = 0; i < 2; ++i) {
-    devs.push_back(kernels::make_sim_device({.name = "sim" + std::to_string(i),
-                                             .index = i,
-                                             .bytes_cap = 2ull << 30,
-                                             .link = {.bytes_per_s = 200e6, .latency_s = 10e-6}}));
+    devs.push_back(
+        kernels::make_sim_device({.name = "sim" + std::to_string(i),
+                                  .index = i,
+                                  .bytes_cap = 2ull << 30,
+                                  .link = {.bytes_per_s = link_bps, .latency_s = 10e-6}}));
     raw.push_back(devs.back().get());
   }
   const int M = 3;
@@ -137,6 +140,7 @@ int main(int argc, char** argv) {
   std::uint64_t bytes = 1ull << 30;
   int steps = 6;
   std::string only;
+  double link_bps = 50e6;
   try {
     for (int i = 1; i < argc; ++i) {
       const std::string a = argv[i];
@@ -149,8 +153,10 @@ int main(int argc, char** argv) {
         steps = std::max(3, std::atoi(argv[++i]));
       else if (a == "--only")
         only = argv[++i];
+      else if (a == "--link")
+        link_bps = static_cast<double>(parse_bytes(argv[++i], "--link"));
       else
-        throw Error("unknown option " + a + " (known: --dir, --bytes, --steps, --only)");
+        throw Error("unknown option " + a + " (known: --dir, --bytes, --steps, --only, --link)");
     }
     if (dirs.empty()) dirs.push_back(fs::temp_directory_path().string());
     at::set_num_threads(1);
@@ -189,13 +195,13 @@ int main(int argc, char** argv) {
     if (only.empty() || only == "b" || only == "c") {
       const Model m = make_lora_model();
       const std::string nvme_dir = dirs.front() + "/rondo-offload-bench";
-      const Result host = run(m, {}, nvme_dir, steps);
+      const Result host = run(m, {}, nvme_dir, steps, link_bps);
       if (only.empty() || only == "b") {
-        const Result nv = run(m, {.nvme = true}, nvme_dir, steps);
+        const Result nv = run(m, {.nvme = true}, nvme_dir, steps, link_bps);
         std::printf(
-            "(b) link-bound LoRA step (2 simulated devices, 200 MB/s links): frozen "
+            "(b) link-bound LoRA step (2 simulated devices, %.0f MB/s links): frozen "
             "blocks on NVMe (%s) against host memory\n",
-            nvme_dir.c_str());
+            link_bps / 1e6, nvme_dir.c_str());
         std::printf("| base in | step s | ratio |\n|---|---|---|\n");
         std::printf("| host memory | %.4f | 1.00 |\n| NVMe tier | %.4f | %.3f |\n\n", host.step_s,
                     nv.step_s, nv.step_s / host.step_s);
@@ -209,7 +215,7 @@ int main(int argc, char** argv) {
         for (kernels::QuantFormat f : {kernels::QuantFormat{.type = kernels::QuantType::kNF4},
                                        kernels::QuantFormat{.type = kernels::QuantType::kQ8_0},
                                        kernels::QuantFormat{.type = kernels::QuantType::kInt8}}) {
-          const Result q = run(m, {.quant = f}, nvme_dir, steps);
+          const Result q = run(m, {.quant = f}, nvme_dir, steps, link_bps);
           std::printf("| %s | %.0f | %.3f | %.4f | %.3f |\n", kernels::to_string(f).c_str(),
                       q.weights_up, q.weights_up / host.weights_up, q.step_s,
                       q.step_s / host.step_s);
