@@ -19,6 +19,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "engine/checkpoint_state.h"
 #include "engine/state.h"
 #include "kernels/cpu/adamw.h"
 #include "kernels/error.h"
@@ -31,15 +32,13 @@ namespace {
 
 namespace fs = std::filesystem;
 
-constexpr const char* kFormat = "rondo-checkpoint";
-// Version 2 records each file's size and XXH3-64 and a checksum of "meta" (version 1 had neither;
-// it is still read: its structure is checked, its bytes cannot be).
-constexpr int kVersion = 2;
-constexpr int kOldestVersion = 1;
-// state.json holds a few kilobytes; anything near this is not one Rondo wrote.
-constexpr std::uint64_t kMaxStateBytes = 16ull << 20;
-constexpr const char* kTensorsFile = "state.safetensors";
-constexpr const char* kStateFile = "state.json";
+using checkpoint_state::kFormat;
+using checkpoint_state::kStateFile;
+using checkpoint_state::kTensorsFile;
+using checkpoint_state::kVersion;
+using checkpoint_state::meta_checksum;
+using checkpoint_state::read_state_text;
+using checkpoint_state::step_of_folder;
 constexpr const char* kExpAvg = ".exp_avg";
 constexpr const char* kExpAvgSq = ".exp_avg_sq";
 constexpr const char* kStream = ".stream";
@@ -162,52 +161,6 @@ std::vector<Owned> owned_trainable(const offload::LayerStore& store,
   return out;
 }
 
-// The checksum of "meta" as state.json records it: XXH3-64 of its compact JSON (nlohmann writes
-// objects with sorted keys and numbers in their shortest round-trip form, so parsing and dumping
-// again gives the same text).
-std::string meta_checksum(const nlohmann::json& meta) {
-  const std::string text = meta.dump();
-  return models::hex64(models::xxh3(text.data(), text.size()));
-}
-
-// The step a folder named "step-N" holds; nullopt for any other name.
-std::optional<std::int64_t> step_of_folder(const std::string& name) {
-  if (!name.starts_with("step-")) return std::nullopt;
-  const std::string digits = name.substr(5);
-  std::int64_t step = -1;
-  auto [end, err] = std::from_chars(digits.data(), digits.data() + digits.size(), step);
-  if (err != std::errc() || end != digits.data() + digits.size() || step < 0 ||
-      std::to_string(step) != digits)
-    return std::nullopt;
-  return step;
-}
-
-// state.json's text, at most kMaxStateBytes.
-std::string read_state_text(const fs::path& state_path) {
-  std::string text;
-  int fd = ::open(state_path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) fail("cannot open", state_path, errno);
-  char buf[1 << 16];
-  for (;;) {
-    ssize_t n = ::read(fd, buf, sizeof buf);
-    if (n < 0 && errno == EINTR) continue;
-    if (n < 0) {
-      int err = errno;
-      ::close(fd);
-      fail("cannot read", state_path, err);
-    }
-    if (n == 0) break;
-    text.append(buf, static_cast<std::size_t>(n));
-    if (text.size() > kMaxStateBytes) {
-      ::close(fd);
-      throw Error(state_path.string() + ": larger than " + std::to_string(kMaxStateBytes >> 20) +
-                  " MiB; a checkpoint's state.json holds a few kilobytes — it is damaged");
-    }
-  }
-  if (::close(fd) != 0) fail("cannot close", state_path, errno);
-  return text;
-}
-
 }  // namespace
 
 std::uint64_t write_checkpoint(const std::string& dir, offload::LayerStore& store,
@@ -316,91 +269,6 @@ std::uint64_t write_checkpoint(const std::string& dir, offload::LayerStore& stor
   return bytes;
 }
 
-std::vector<std::string> checkpoint_problems(const std::string& dir) {
-  const fs::path folder = folder_path(dir);
-  const std::string where = folder.string();
-  const fs::path state_path = folder / kStateFile;
-  const fs::path tensors_path = folder / kTensorsFile;
-
-  if (!path_exists(folder)) return {"no such checkpoint folder"};
-  if (!path_exists(state_path))
-    return {std::string("not a Rondo checkpoint (no ") + kStateFile +
-            "; a folder without it is one whose writing did not finish)"};
-  nlohmann::json state;
-  try {
-    state = nlohmann::json::parse(read_state_text(state_path));
-  } catch (const nlohmann::json::parse_error& e) {
-    return {std::string(kStateFile) + " is not valid JSON (" + e.what() +
-            ") — the checkpoint is damaged"};
-  } catch (const Error& e) {
-    return {e.what()};
-  }
-  if (!state.is_object() || state.value("format", nlohmann::json()) != kFormat)
-    return {std::string(kStateFile) +
-            " is valid JSON but not a Rondo checkpoint's (no \"format\": \"" + kFormat + "\")"};
-  const nlohmann::json version = state.value("version", nlohmann::json());
-  if (!version.is_number_integer() || version.get<int>() < kOldestVersion ||
-      version.get<int>() > kVersion)
-    return {"checkpoint version " + version.dump() + ", this Rondo reads versions " +
-            std::to_string(kOldestVersion) + " to " + std::to_string(kVersion) +
-            " — resume with the Rondo that wrote it"};
-  if (!state.contains("meta"))
-    return {std::string(kStateFile) + " has no \"meta\" — the checkpoint is damaged"};
-
-  std::vector<std::string> problems;
-  const nlohmann::json& meta = state["meta"];
-  if (version.get<int>() >= 2) {
-    const nlohmann::json sum = state.value("meta_xxh3_64", nlohmann::json());
-    if (!sum.is_string() || sum.get<std::string>() != meta_checksum(meta))
-      problems.push_back(std::string(kStateFile) +
-                         ": \"meta\" does not match its checksum (edited or damaged)");
-  }
-  // Cross-checks: the step against the folder's name, the optimizer's step against the step.
-  const auto step = meta.is_object() ? meta.find("step") : meta.end();
-  if (meta.is_object() && step != meta.end()) {
-    if (!step->is_number_integer()) {
-      problems.push_back(std::string(kStateFile) + ": \"step\" is not an integer");
-    } else {
-      const auto named = step_of_folder(folder.filename().string());
-      if (named && *named != step->get<std::int64_t>())
-        problems.push_back(std::string(kStateFile) + " says step " + step->dump() +
-                           " but the folder is " + folder.filename().string());
-      const auto opt = meta.find("optimizer_step");
-      if (opt != meta.end() && (!opt->is_number_integer() || opt->get<std::int64_t>() < 0 ||
-                                opt->get<std::int64_t>() > step->get<std::int64_t>()))
-        problems.push_back(std::string(kStateFile) + ": optimizer step " + opt->dump() +
-                           " is not within 0.." + step->dump() + " (the step)");
-    }
-  }
-  if (!path_exists(tensors_path)) {
-    problems.push_back(std::string("no ") + kTensorsFile + " next to " + kStateFile +
-                       " — the checkpoint is damaged");
-    return problems;
-  }
-  if (version.get<int>() >= 2) {
-    const nlohmann::json files = state.value("files", nlohmann::json());
-    const nlohmann::json rec =
-        files.is_object() ? files.value(kTensorsFile, nlohmann::json()) : nlohmann::json();
-    if (!rec.is_object() || !rec.value("bytes", nlohmann::json()).is_number_unsigned() ||
-        !rec.value("xxh3_64", nlohmann::json()).is_string()) {
-      problems.push_back(std::string(kStateFile) + " does not record the size and checksum of " +
-                         kTensorsFile + " — the checkpoint is damaged");
-    } else {
-      const models::FileDigest d = models::file_xxh3(tensors_path.string());
-      const auto bytes = rec["bytes"].get<std::uint64_t>();
-      if (d.bytes != bytes)
-        problems.push_back(std::string(kTensorsFile) + " holds " + std::to_string(d.bytes) +
-                           " bytes, " + kStateFile + " records " + std::to_string(bytes) +
-                           " (truncated or replaced)");
-      else if (models::hex64(d.xxh3) != rec["xxh3_64"].get<std::string>())
-        problems.push_back(std::string(kTensorsFile) + " does not match its checksum (XXH3-64 " +
-                           models::hex64(d.xxh3) + ", recorded " +
-                           rec["xxh3_64"].get<std::string>() + "): its bytes changed on disk");
-    }
-  }
-  return problems;
-}
-
 nlohmann::json read_checkpoint(const std::string& dir, offload::LayerStore& store,
                                const std::vector<models::LayerSpec>& specs) {
   const fs::path folder = folder_path(dir);
@@ -413,7 +281,7 @@ nlohmann::json read_checkpoint(const std::string& dir, offload::LayerStore& stor
     if (bad.size() == 1) throw Error(where + ": " + bad[0]);
     throw Error(join_problems(where + ": the checkpoint is damaged", bad));
   }
-  const nlohmann::json state = nlohmann::json::parse(read_state_text(state_path));
+  const nlohmann::json state = nlohmann::json::parse(read_state_text(state_path.string()));
   const models::SafetensorsFile file(tensors_path.string());
 
   // Validate everything before touching the store.

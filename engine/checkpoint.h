@@ -18,6 +18,7 @@
 
 #include <nlohmann/json_fwd.hpp>
 
+#include "engine/checkpoint_state.h"
 #include "models/layers.h"
 #include "offload/layer_store.h"
 
@@ -40,13 +41,7 @@ std::uint64_t write_checkpoint(const std::string& dir, offload::LayerStore& stor
                                const nlohmann::json& meta, bool include_stream = false,
                                const std::function<void()>& before_rename = {});
 
-// What is wrong with a checkpoint folder, found without a store and before any of it is used:
-// state.json missing, too large, not JSON, not ours or of a version this Rondo cannot read; its
-// "meta" not matching the recorded checksum; meta's "step" not the folder's step-N, its
-// "optimizer_step" outside 0..step; state.safetensors missing, or its size or XXH3-64 not the ones
-// recorded. Each problem is one sentence without the folder's name. Empty: the checkpoint is sound.
-// (A version 1 checkpoint, written before checksums, is checked for all but its bytes.)
-std::vector<std::string> checkpoint_problems(const std::string& dir);
+// checkpoint_problems(dir): engine/checkpoint_state.h.
 
 // Reads a checkpoint written by write_checkpoint into `store`, after checkpoint_problems (any
 // problem is an Error naming the folder): masters, moments, the streaming

@@ -1,7 +1,5 @@
 #include "engine/data.h"
 
-#include "models/model_files.h"
-
 #include <fcntl.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -275,19 +273,6 @@ DataFormat data_format_from(const std::string& name) {
        {DataFormat::kAuto, DataFormat::kText, DataFormat::kAlpaca, DataFormat::kChat})
     if (name == to_string(f)) return f;
   throw Error("data format '" + name + "' is not one of auto, text, alpaca, chat");
-}
-
-models::ChatTemplate training_chat_template(const std::string& model_path,
-                                            const std::string& chat_format, DataFormat format) {
-  try {
-    return models::load_model_chat_template(model_path, chat_format);
-  } catch (const Error& e) {
-    if (format != DataFormat::kText)
-      throw Error(std::string(e.what()) +
-                  " (for plain-text data set data.format = text; for chat or alpaca data set "
-                  "data.chat_format)");
-    return models::chat_template_from_name("chatml");  // never used for text
-  }
 }
 
 }  // namespace rondo::engine

@@ -118,7 +118,7 @@ ModelConfig parse_hf_config(const std::string& json_text, const std::string& sou
   json j;
   try {
     j = json::parse(json_text);
-  } catch (const json::parse_error& e) {
+  } catch (const json::exception& e) {  // parse_error, or out_of_range for a number too large
     throw Error(source + ": not valid JSON: " + e.what());
   }
   if (!j.is_object()) throw Error(source + ": expected a JSON object");

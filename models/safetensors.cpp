@@ -74,7 +74,7 @@ SafetensorsFile::SafetensorsFile(const std::string& path)
         twice = key.get<std::string>();
       return true;
     });
-  } catch (const json::parse_error& e) {
+  } catch (const json::exception& e) {  // parse_error, or out_of_range for a number too large
     throw Error(path + ": the header is not valid JSON (" + e.what() + ")");
   }
   if (!twice.empty())
@@ -82,7 +82,11 @@ SafetensorsFile::SafetensorsFile(const std::string& path)
                 "' twice; the file is corrupt or was written by a broken tool");
   if (!j.is_object()) throw Error(path + ": the header is not a JSON object");
 
-  for (auto& [name, value] : j.items()) {
+  for (auto& item : j.items()) {
+    // Named, not a structured binding: the lambda below captures it (clang 14, which builds the
+    // fuzz harnesses, cannot capture structured bindings).
+    const std::string name = item.key();
+    json& value = item.value();
     if (name == "__metadata__") {
       if (!value.is_object()) throw Error(path + ": __metadata__ must be an object of strings");
       for (auto& [k, v] : value.items()) {

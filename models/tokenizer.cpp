@@ -1368,7 +1368,7 @@ Tokenizer Tokenizer::from_json(const std::string& json_text, const std::string& 
   json j;
   try {
     j = json::parse(json_text);
-  } catch (const json::parse_error& e) {
+  } catch (const json::exception& e) {  // parse_error, or out_of_range for a number too large
     throw Error(source + ": not valid JSON: " + e.what());
   }
   if (!j.is_object()) throw Error(source + ": expected a JSON object (a tokenizer.json)");
@@ -1414,7 +1414,7 @@ json read_tokenizer_config(const std::string& path) {
   json cfg;
   try {
     cfg = json::parse(read_text_file(path, "tokenizer config"));
-  } catch (const json::parse_error& e) {
+  } catch (const json::exception& e) {  // parse_error, or out_of_range for a number too large
     throw Error(path + ": not valid JSON: " + e.what());
   }
   if (!cfg.is_object()) throw Error(path + ": expected a JSON object (a tokenizer_config.json)");

@@ -4,7 +4,8 @@
 # again in a ThreadSanitizer build (our code instrumented; the torch wheel is not, so races inside
 # torch are out of its sight; torch on one thread so that its OpenMP pool stays out of it); then the
 # models tests (the checkpoint readers' malformed-input tests among them) under AddressSanitizer +
-# UBSan.
+# UBSan; then a short libFuzzer pass of each reader of untrusted input (scripts/fuzz.sh,
+# RONDO_FUZZ_SECONDS each, default 15).
 # Needs scripts/setup.sh first. Extra arguments go to the main ctest run (e.g. -R SimDevice).
 set -uo pipefail
 
@@ -55,6 +56,9 @@ if ninja -C "$ASAN_BUILD" models_test; then
 else
   failed+=("asan-build")
 fi
+
+echo "==> fuzzing: a short pass of each harness (scripts/fuzz.sh; clang, ASan, UBSan)"
+"$ROOT/scripts/fuzz.sh" "${RONDO_FUZZ_SECONDS:-15}" || failed+=("fuzz")
 
 if ((${#failed[@]})); then
   echo "scripts/test.sh: FAILED: ${failed[*]}" >&2

@@ -312,6 +312,13 @@ TEST_F(CheckpointTest, ProblemsFindEachDamage) {
   });
   EXPECT_NE(p.find("optimizer step 5 is not within 0..4"), std::string::npos) << p;
   EXPECT_EQ(p.find("\"meta\" does not match"), std::string::npos) << p;
+  // A number no integer or double holds (found by fuzz/state_json_fuzz: it escaped as a JSON
+  // out_of_range exception instead of a problem).
+  p = damaged("step-4", [](const fs::path& d) {
+    std::ofstream(d / "state.json")
+        << "{\"format\": \"rondo-checkpoint\", \"meta\": " + std::string(400, '9') + "}";
+  });
+  EXPECT_NE(p.find("state.json is not valid JSON"), std::string::npos) << p;
   // Not JSON.
   p = damaged("step-4", [](const fs::path& d) { std::ofstream(d / "state.json") << "{\"format"; });
   EXPECT_NE(p.find("state.json is not valid JSON"), std::string::npos) << p;

@@ -126,6 +126,18 @@ TEST(Safetensors, ATensorNamedTwiceIsAnError) {
   EXPECT_NO_THROW(SafetensorsFile f(ok.string()));
 }
 
+// A number too large for any integer or double is a JSON error of another class (out_of_range,
+// not parse_error): still an Error naming the file. Found by fuzz/state_json_fuzz in state.json.
+TEST(Safetensors, ANumberTooLargeIsAnErrorNamingTheFile) {
+  TempDir dir;
+  fs::path p = dir / "huge.safetensors";
+  write_raw(
+      p,
+      R"({"w":{"dtype":"F32","shape":[1)" + std::string(400, '0') + R"(],"data_offsets":[0,4]}})",
+      4);
+  expect_error([&] { SafetensorsFile f(p.string()); }, {p.string(), "not valid JSON"});
+}
+
 // The checksum write_safetensors returns is the XXH3-64 of the file's bytes as they lie on disk.
 TEST(Safetensors, TheWrittenChecksumIsTheFilesXxh3) {
   TempDir dir;
