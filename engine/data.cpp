@@ -93,7 +93,7 @@ class LineReader {
   std::string path_;
   std::uint64_t max_;
   int fd_ = -1;
-  std::vector<char> buf_ = std::vector<char>(1 << 20);
+  std::vector<char> buf_ = std::vector<char>(1 << 16);
   std::size_t pos_ = 0, end_ = 0;
   bool eof_ = false;
 };
