@@ -182,7 +182,13 @@ std::vector<std::string> checkpoint_problems(const std::string& dir) {
       problems.push_back(std::string(kStateFile) + " does not record the size and checksum of " +
                          kTensorsFile + " — the checkpoint is damaged");
     } else {
-      const models::FileDigest d = models::file_xxh3(tensors_path.string());
+      models::FileDigest d;
+      try {
+        d = models::file_xxh3(tensors_path.string());
+      } catch (const Error& e) {  // unreadable (EIO, a folder, ...): damaged, fall back
+        problems.push_back(e.what());
+        return problems;
+      }
       const auto bytes = rec["bytes"].get<std::uint64_t>();
       if (d.bytes != bytes)
         problems.push_back(std::string(kTensorsFile) + " holds " + std::to_string(d.bytes) +

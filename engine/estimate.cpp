@@ -565,11 +565,10 @@ RunEstimate estimate_run(const TrainConfig& config, const models::ModelSummary& 
     if (resume)
       e.problems.push_back(fmt::format(
           "disk: what is left of this run ({} more checkpoint{} and the exports) needs about {} "
-          "but {} is free under {}; free space on that disk (a resume needs only the checkpoint "
-          "it continues from: older ones in {}/checkpoints can go), or move the run folder to a "
+          "but {} is free under {}; free space on that disk, or move the run folder to a "
           "larger disk and resume it there",
           to_write, to_write == 1 ? "" : "s", format_bytes(e.disk_needed),
-          format_bytes(e.disk_free), config.output.run_dir, config.output.run_dir));
+          format_bytes(e.disk_free), config.output.run_dir));
     else
       e.problems.push_back(fmt::format(
           "disk: checkpoints and exports need about {} but {} is free under {}; set "

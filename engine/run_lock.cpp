@@ -91,22 +91,29 @@ RunLock::~RunLock() {
 
 std::vector<std::string> RunLock::remove_stale_temporaries() const {
   std::vector<std::string> removed;
-  auto sweep = [&](const fs::path& folder) {
+  // Only names Rondo writes: config.toml.tmp in the run folder, and the temporaries of exports in
+  // the export folders (a run folder could be any folder: nothing else in it is ours to remove).
+  auto sweep = [&](const fs::path& folder, bool run_folder) {
     std::error_code ec;
     for (fs::directory_iterator it(folder, ec), end; !ec && it != end; it.increment(ec)) {
       const std::string name = it->path().filename().string();
       const pid_t pid = writer_of(name);
-      const bool stale = (pid != 0 && pid != ::getpid() && !alive(pid)) || name.ends_with(".tmp");
+      const bool stale =
+          run_folder ? name == "config.toml.tmp"
+                     : (pid != 0 && pid != ::getpid() && !alive(pid)) || name.ends_with(".tmp");
       std::error_code ignored;
       if (stale && it->is_regular_file(ignored) && fs::remove(it->path(), ignored))
         removed.push_back(it->path().string());
     }
   };
-  sweep(dir_);
+  sweep(dir_, true);
   std::error_code ec;
   for (fs::directory_iterator it(dir_, ec), end; !ec && it != end; it.increment(ec)) {
     std::error_code ignored;
-    if (it->is_directory(ignored) && !it->is_symlink(ignored)) sweep(it->path());
+    const std::string name = it->path().filename().string();
+    const bool export_folder = name == "adapter" || name == "merged" || name.starts_with("export-");
+    if (export_folder && it->is_directory(ignored) && !it->is_symlink(ignored))
+      sweep(it->path(), false);
   }
   return removed;
 }

@@ -24,10 +24,10 @@ class RunLock {
   RunLock& operator=(const RunLock&) = delete;
 
   // What a process killed while writing left behind, now that no other process writes here:
-  // "<file>.tmp.<pid>" files of processes that are gone and "<file>.tmp" files (atomic writes that
-  // never reached their rename: config.toml.tmp, an export's JSON files) in the run folder and the
-  // folders directly in it. Folders are left alone (a checkpoint's "step-N.tmp" is the checkpoint
-  // writer's to clear). Returns the paths removed.
+  // Only names Rondo writes: config.toml.tmp in the run folder, and in its export folders
+  // (adapter/, merged/, export-*/) "<file>.tmp.<pid>" files of processes that are gone and
+  // "<file>.tmp" files (atomic writes that never reached their rename). Nothing else in the folder
+  // is touched (a run folder could be any folder). Returns the paths removed.
   std::vector<std::string> remove_stale_temporaries() const;
 
  private:
