@@ -229,16 +229,16 @@ std::uint64_t write_checkpoint(const std::string& dir, offload::LayerStore& stor
 
     // Last: its presence marks a complete checkpoint. It vouches for the other file (size and
     // checksum) and for its own "meta" (a checksum of its compact JSON).
-    const nlohmann::json state = {
-        {"format", kFormat},
-        {"version", kVersion},
-        {"files",
-         {{kTensorsFile, {{"bytes", tensors_bytes}, {"xxh3_64", models::hex64(tensors_xxh3)}}}}},
-        {"meta_xxh3_64", meta_checksum(meta)},
-        {"meta", meta}};
     const fs::path state_path = tmp / kStateFile;
     std::string text;
-    try {
+    try {  // meta_checksum dumps meta too: both inside, so bad meta is named below
+      const nlohmann::json state = {
+          {"format", kFormat},
+          {"version", kVersion},
+          {"files",
+           {{kTensorsFile, {{"bytes", tensors_bytes}, {"xxh3_64", models::hex64(tensors_xxh3)}}}}},
+          {"meta_xxh3_64", meta_checksum(meta)},
+          {"meta", meta}};
       text = state.dump(2) + "\n";
     } catch (const nlohmann::json::exception& e) {  // e.g. a string in meta that is not UTF-8
       throw Error("checkpoint " + target.string() + ": cannot write meta as JSON: " + e.what());
