@@ -105,16 +105,17 @@ DataFormat detect(const json& j) {
   return DataFormat::kAuto;
 }
 
-std::string string_field(const json& j, const char* key, bool required) {
+// Moves the string out of `j` (a long text is not copied: the line is parsed once, then left).
+std::string string_field(json& j, const char* key, bool required) {
   if (!j.contains(key) || j[key].is_null()) {
     if (required) throw Error(std::string("no '") + key + "' field");
     return "";
   }
   if (!j[key].is_string()) throw Error(std::string("'") + key + "' must be a string");
-  return j[key].get<std::string>();
+  return std::move(j[key].get_ref<std::string&>());
 }
 
-Example to_example(const json& j, DataFormat format, const models::Tokenizer& tok,
+Example to_example(json& j, DataFormat format, const models::Tokenizer& tok,
                    const models::ChatTemplate& tmpl, const DataOptions& o) {
   Example e;
   if (format == DataFormat::kText) {
@@ -134,7 +135,7 @@ Example to_example(const json& j, DataFormat format, const models::Tokenizer& to
     if (!j.contains("messages") || !j["messages"].is_array())
       throw Error("'messages' must be a list of {\"role\", \"content\"}");
     for (std::size_t i = 0; i < j["messages"].size(); ++i) {
-      const json& m = j["messages"][i];
+      json& m = j["messages"][i];
       const std::string where = "messages[" + std::to_string(i) + "]";
       if (!m.is_object() || !m.contains("role") || !m["role"].is_string() ||
           !m.contains("content") || !m["content"].is_string())
@@ -142,7 +143,7 @@ Example to_example(const json& j, DataFormat format, const models::Tokenizer& to
       const std::string role = m["role"];
       if (role != "system" && role != "user" && role != "assistant")
         throw Error(where + ".role is '" + role + "' (system, user or assistant)");
-      messages.push_back({role, m["content"]});
+      messages.push_back({role, std::move(m["content"].get_ref<std::string&>())});
     }
     if (std::none_of(messages.begin(), messages.end(),
                      [](const models::ChatMessage& m) { return m.role == "assistant"; }) &&
@@ -242,6 +243,8 @@ Dataset load_jsonl(const std::string& path, const models::Tokenizer& tokenizer,
       } catch (const json::exception& e) {
         throw Error(std::string("not valid JSON (") + e.what() + ")");
       }
+      // A long line is let go once parsed (its text lives on in `j`); short ones keep the buffer.
+      if (line.capacity() > (std::size_t{1} << 20)) std::string().swap(line);
       if (!j.is_object()) throw Error("not a JSON object");
       if (d.format == DataFormat::kAuto) {
         d.format = detect(j);
@@ -252,6 +255,9 @@ Dataset load_jsonl(const std::string& path, const models::Tokenizer& tokenizer,
       }
       Example e = to_example(j, d.format, tokenizer, chat_template, options);
       if (e.ids.empty()) throw Error("no tokens");
+      // Held for the whole run: no growth slack (up to half of a long example's ids).
+      e.ids.shrink_to_fit();
+      e.loss_mask.shrink_to_fit();
       d.examples.push_back(std::move(e));
     } catch (const Error& e) {
       const std::string what = path + ":" + std::to_string(number) + ": " + e.what();

@@ -97,9 +97,10 @@ class Regex {
   Regex(const Regex&) = delete;
   Regex& operator=(const Regex&) = delete;
 
-  // Non-overlapping matches [begin, end), left to right; an empty match advances one character.
-  std::vector<std::pair<std::size_t, std::size_t>> find_all(std::string_view s) const {
-    std::vector<std::pair<std::size_t, std::size_t>> out;
+  // Non-overlapping matches [begin, end), left to right, each passed to `f(begin, end)` as it is
+  // found (a long text's matches are never all held); an empty match advances one character.
+  template <typename F>
+  void for_each(std::string_view s, F&& f) const {
     MatchData md(code_);
     std::size_t pos = 0;
     while (pos <= s.size()) {
@@ -111,10 +112,9 @@ class Regex {
         pos = b + unicode::char_len(static_cast<unsigned char>(s[b]));
         continue;
       }
-      out.emplace_back(b, e);
       pos = e;
+      f(b, e);
     }
-    return out;
   }
 
   // Whether a match starts at s[0] (one anchored attempt, not a scan).
@@ -196,40 +196,45 @@ void push(Piece& out, std::string_view s, std::uint32_t tag) {
   out.orig.insert(out.orig.end(), s.size(), tag);
 }
 
-// Replaces every match [b, e) of `matches` with `content`; inserted bytes take the tag of the
-// first replaced byte.
-Piece replace_ranges(const Piece& p,
-                     const std::vector<std::pair<std::size_t, std::size_t>>& matches,
-                     const std::string& content) {
+// Replaces every match [b, e) with `content`; inserted bytes take the tag of the first replaced
+// byte. `for_each_match(f)` calls f(b, e) for each match of p.text, left to right.
+template <typename ForEachMatch>
+Piece replace_ranges(const Piece& p, ForEachMatch&& for_each_match, const std::string& content) {
   Piece out;
   std::size_t prev = 0;
-  for (auto [b, e] : matches) {
+  for_each_match([&](std::size_t b, std::size_t e) {
     out.text.append(p.text, prev, b - prev);
     out.orig.insert(out.orig.end(), p.orig.begin() + static_cast<std::ptrdiff_t>(prev),
                     p.orig.begin() + static_cast<std::ptrdiff_t>(b));
     push(out, content, p.orig[b]);
     prev = e;
-  }
+  });
   out.text.append(p.text, prev, std::string::npos);
   out.orig.insert(out.orig.end(), p.orig.begin() + static_cast<std::ptrdiff_t>(prev), p.orig.end());
   return out;
 }
 
-std::vector<std::pair<std::size_t, std::size_t>> find_literal(std::string_view s,
-                                                              std::string_view lit) {
-  std::vector<std::pair<std::size_t, std::size_t>> out;
-  if (lit.empty()) return out;
-  for (std::size_t pos = s.find(lit); pos != std::string_view::npos; pos = s.find(lit, pos))
-    out.emplace_back(pos, pos + lit.size()), pos += lit.size();
-  return out;
+// Each occurrence [begin, end) of `lit` in `s`, left to right, non-overlapping, to `f`.
+template <typename F>
+void for_each_literal(std::string_view s, std::string_view lit, F&& f) {
+  if (lit.empty()) return;
+  for (std::size_t pos = s.find(lit); pos != std::string_view::npos; pos = s.find(lit, pos)) {
+    f(pos, pos + lit.size());
+    pos += lit.size();
+  }
 }
 
 // A pattern of Split / Replace: a literal string or a regex.
 struct Pattern {
   std::string literal;
   std::shared_ptr<const Regex> regex;
-  std::vector<std::pair<std::size_t, std::size_t>> find_all(std::string_view s) const {
-    return regex ? regex->find_all(s) : find_literal(s, literal);
+  // Each match [begin, end) in `s` to `f(begin, end)`, left to right.
+  template <typename F>
+  void for_each(std::string_view s, F&& f) const {
+    if (regex)
+      regex->for_each(s, f);
+    else
+      for_each_literal(s, literal, f);
   }
 };
 
@@ -251,7 +256,7 @@ struct NormStrip {
 };
 using NormStep = std::variant<NormPrepend, NormReplace, NormUnicode, NormStrip>;
 
-Piece normalize_unicode(const Piece& p, bool compose) {
+Piece normalize_unicode(Piece p, bool compose) {
   if (unicode::below_combining(p.text)) return p;
   std::vector<char32_t> cps;
   std::vector<std::uint32_t> tags;
@@ -273,7 +278,8 @@ Piece normalize_unicode(const Piece& p, bool compose) {
   return out;
 }
 
-Piece apply_norm(const NormStep& step, const Piece& p) {
+// Takes `p` by value: a step that changes nothing (the common case on plain text) moves it through.
+Piece apply_norm(const NormStep& step, Piece p) {
   if (auto* s = std::get_if<NormPrepend>(&step)) {
     if (p.text.empty()) return p;
     Piece out;
@@ -283,11 +289,14 @@ Piece apply_norm(const NormStep& step, const Piece& p) {
     return out;
   }
   if (auto* s = std::get_if<NormReplace>(&step))
-    return replace_ranges(p, s->pattern.find_all(p.text), s->content);
-  if (auto* s = std::get_if<NormUnicode>(&step)) return normalize_unicode(p, s->compose);
+    return replace_ranges(
+        p, [&](auto&& f) { s->pattern.for_each(p.text, f); }, s->content);
+  if (auto* s = std::get_if<NormUnicode>(&step))
+    return normalize_unicode(std::move(p), s->compose);
   const auto& strip = std::get<NormStrip>(step);
   const auto [b, e] =
       unicode::strip(p.text, 0, p.text.size(), strip.left, strip.right, unicode::is_white_space);
+  if (b == 0 && e == p.text.size()) return p;
   return slice(p, b, e);
 }
 
@@ -313,78 +322,70 @@ struct PreMetaspace {
 };
 using PreStep = std::variant<PreSplit, PreByteLevel, PreMetaspace>;
 
-// Where to cut a text of `size` bytes by `matches` (sorted, non-overlapping) with `behavior`, as
-// NormalizedString::split does: [begin, end) of each piece, empty pieces dropped.
-std::vector<std::pair<std::size_t, std::size_t>> split_cuts(
-    std::size_t size, const std::vector<std::pair<std::size_t, std::size_t>>& m,
-    SplitBehavior behavior, bool invert) {
-  // (begin, end, is_match) covering the whole text.
-  struct Span {
-    std::size_t b, e;
-    bool match;
+// Cuts a text of `size` bytes as NormalizedString::split does with `behavior`: `for_each_match(g)`
+// calls g(begin, end) for each match, left to right, non-overlapping; each non-empty piece
+// [begin, end) goes to `f` as soon as it is known (at most one piece is held back, for the merging
+// behaviours), so a long text never holds its list of matches or pieces.
+template <typename ForEachMatch, typename F>
+void for_each_cut(std::size_t size, ForEachMatch&& for_each_match, SplitBehavior behavior,
+                  bool invert, F&& f) {
+  // The text is a sequence of spans, each a match or the text between two; `pending` is a cut
+  // that the next span may still extend.
+  bool have = false, pending_match = false;
+  std::size_t pb = 0, pe = 0;
+  auto flush = [&] {
+    if (have && pe > pb) f(pb, pe);
+    have = false;
   };
-  std::vector<Span> spans;
-  if (size == 0) {
-    spans.push_back({0, 0, false});
-  } else {
-    std::size_t prev = 0;
-    for (auto [b, e] : m) {
-      if (prev != b) spans.push_back({prev, b, false});
-      spans.push_back({b, e, true});
-      prev = e;
-    }
-    if (prev != size) spans.push_back({prev, size, false});
-  }
-  if (invert)
-    for (auto& s : spans)
-      s.match = !s.match;
-  std::vector<std::pair<std::size_t, std::size_t>> cuts;
-  switch (behavior) {
-    case SplitBehavior::kIsolated:
-      for (auto& s : spans)
-        cuts.emplace_back(s.b, s.e);
-      break;
-    case SplitBehavior::kRemoved:
-      for (auto& s : spans)
-        if (!s.match) cuts.emplace_back(s.b, s.e);
-      break;
-    case SplitBehavior::kMergedWithPrevious: {
-      bool prev_match = false;
-      for (auto& s : spans) {
-        if (s.match && !prev_match && !cuts.empty())
-          cuts.back().second = s.e;
+  auto hold = [&](std::size_t b, std::size_t e, bool match) {
+    flush();
+    have = true, pb = b, pe = e, pending_match = match;
+  };
+  bool prev_match = false;
+  auto span = [&](std::size_t b, std::size_t e, bool match) {
+    match = match != invert;
+    switch (behavior) {
+      case SplitBehavior::kIsolated:
+        f(b, e);
+        break;
+      case SplitBehavior::kRemoved:
+        if (!match) f(b, e);
+        break;
+      case SplitBehavior::kMergedWithPrevious:  // a match joins the piece before it
+        if (match && !prev_match && have)
+          pe = e;
         else
-          cuts.emplace_back(s.b, s.e);
-        prev_match = s.match;
-      }
-      break;
-    }
-    case SplitBehavior::kMergedWithNext: {
-      bool prev_match = false;
-      for (auto it = spans.rbegin(); it != spans.rend(); ++it) {
-        if (it->match && !prev_match && !cuts.empty())
-          cuts.back().first = it->b;
+          hold(b, e, match);
+        break;
+      case SplitBehavior::kMergedWithNext:  // a match joins the piece after it
+        if (have && pending_match && !match) {
+          pe = e;
+          flush();
+        } else {
+          flush();
+          if (match)
+            hold(b, e, match);
+          else
+            f(b, e);
+        }
+        break;
+      case SplitBehavior::kContiguous:  // runs of matches, and of non-matches, are one piece
+        if (have && match == pending_match)
+          pe = e;
         else
-          cuts.emplace_back(it->b, it->e);
-        prev_match = it->match;
-      }
-      std::reverse(cuts.begin(), cuts.end());
-      break;
+          hold(b, e, match);
+        break;
     }
-    case SplitBehavior::kContiguous: {
-      bool prev_match = false;
-      for (auto& s : spans) {
-        if (s.match == prev_match && !cuts.empty())
-          cuts.back().second = s.e;
-        else
-          cuts.emplace_back(s.b, s.e);
-        prev_match = s.match;
-      }
-      break;
-    }
-  }
-  std::erase_if(cuts, [](const auto& c) { return c.second <= c.first; });
-  return cuts;
+    prev_match = match;
+  };
+  std::size_t prev = 0;
+  for_each_match([&](std::size_t b, std::size_t e) {
+    if (prev != b) span(prev, b, false);
+    span(b, e, true);
+    prev = e;
+  });
+  if (prev != size) span(prev, size, false);
+  flush();
 }
 
 // GPT-2's byte <-> printable character table: printable Latin-1 bytes map to themselves, the
@@ -427,9 +428,9 @@ Piece byte_level_map(const Piece& p) {
 template <typename F>
 void apply_pre(const PreStep& step, Piece p, F&& f) {
   if (auto* s = std::get_if<PreSplit>(&step)) {
-    for (auto [b, e] :
-         split_cuts(p.text.size(), s->pattern.find_all(p.text), s->behavior, s->invert))
-      f(slice(p, b, e));
+    for_each_cut(
+        p.text.size(), [&](auto&& g) { s->pattern.for_each(p.text, g); }, s->behavior, s->invert,
+        [&](std::size_t b, std::size_t e) { f(slice(p, b, e)); });
     return;
   }
   if (auto* s = std::get_if<PreByteLevel>(&step)) {
@@ -444,14 +445,16 @@ void apply_pre(const PreStep& step, Piece p, F&& f) {
       f(byte_level_map(p));
       return;
     }
-    for (auto [b, e] :
-         split_cuts(p.text.size(), gpt2_regex().find_all(p.text), SplitBehavior::kIsolated, false))
-      f(byte_level_map(slice(p, b, e)));
+    for_each_cut(
+        p.text.size(), [&](auto&& g) { gpt2_regex().for_each(p.text, g); },
+        SplitBehavior::kIsolated, false,
+        [&](std::size_t b, std::size_t e) { f(byte_level_map(slice(p, b, e))); });
     return;
   }
   const auto& ms = std::get<PreMetaspace>(step);
   const bool at_origin = !p.orig.empty() && p.orig[0] == 0;
-  Piece q = replace_ranges(p, find_literal(p.text, " "), ms.replacement);
+  Piece q = replace_ranges(
+      p, [&](auto&& g) { for_each_literal(p.text, " ", g); }, ms.replacement);
   const bool starts = q.text.compare(0, ms.replacement.size(), ms.replacement) == 0;
   const bool prepend = !starts && (ms.prepend_scheme == PrependScheme::kAlways ||
                                    (ms.prepend_scheme == PrependScheme::kFirst && at_origin));
@@ -467,9 +470,10 @@ void apply_pre(const PreStep& step, Piece p, F&& f) {
     return;
   }
   // Every replacement char is its own match; MergedWithNext glues each to what follows.
-  for (auto [b, e] : split_cuts(q.text.size(), find_literal(q.text, ms.replacement),
-                                SplitBehavior::kMergedWithNext, false))
-    f(slice(q, b, e));
+  for_each_cut(
+      q.text.size(), [&](auto&& g) { for_each_literal(q.text, ms.replacement, g); },
+      SplitBehavior::kMergedWithNext, false,
+      [&](std::size_t b, std::size_t e) { f(slice(q, b, e)); });
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -508,29 +512,34 @@ std::optional<std::uint8_t> byte_token(const std::string& t) {
   return static_cast<std::uint8_t>(hi * 16 + lo);
 }
 
+// Appends a ByteLevel token's bytes (its characters mapped back through ByteMap; a token with a
+// character outside the map is taken as it is).
+void append_byte_level(std::string& bytes, const std::string& t) {
+  const ByteMap& bm = byte_map();
+  const std::size_t start = bytes.size();
+  for (std::size_t i = 0; i < t.size();) {
+    auto it = bm.to_byte.find(unicode::next(t, i));
+    if (it == bm.to_byte.end()) {
+      bytes.resize(start);
+      bytes += t;
+      return;
+    }
+    bytes += static_cast<char>(it->second);
+  }
+}
+
 std::vector<std::string> apply_dec(const DecStep& step, std::vector<std::string> tokens) {
   if (std::holds_alternative<DecByteLevel>(step)) {
-    const ByteMap& bm = byte_map();
     std::string bytes;
-    for (const std::string& t : tokens) {
-      std::string mapped;
-      bool ok = true;
-      for (std::size_t i = 0; i < t.size() && ok;) {
-        auto it = bm.to_byte.find(unicode::next(t, i));
-        if (it == bm.to_byte.end())
-          ok = false;
-        else
-          mapped += static_cast<char>(it->second);
-      }
-      bytes += ok ? mapped : t;
-    }
+    for (const std::string& t : tokens)
+      append_byte_level(bytes, t);
     return {unicode::lossy(bytes)};
   }
   if (auto* s = std::get_if<DecReplace>(&step)) {
     for (std::string& t : tokens) {
       Piece p;
       push(p, t, 0);
-      t = replace_ranges(p, s->pattern.find_all(t), s->content).text;
+      t = replace_ranges(p, [&](auto&& f) { s->pattern.for_each(p.text, f); }, s->content).text;
     }
     return tokens;
   }
@@ -852,7 +861,7 @@ struct Tokenizer::Impl {
         Piece p;
         push(p, t.content, 0);
         for (const NormStep& s : normalizer)
-          p = apply_norm(s, p);
+          p = apply_norm(s, std::move(p));
         text = p.text;
         normalized_matcher.add(p.text, k);
       }
@@ -875,14 +884,17 @@ struct Tokenizer::Impl {
   }
 
   // Splits `p` on added tokens found by `matcher`, as AddedVocabulary::find_matches.
-  void split_added(const Piece& p, const AddedMatcher& matcher, std::vector<Piece>& out) const {
-    if (matcher.empty()) {
-      if (!p.text.empty()) out.push_back(p);
+  // A piece without added tokens is moved, not copied (the whole of a long text is one).
+  void split_added(Piece p, const AddedMatcher& matcher, std::vector<Piece>& out) const {
+    const auto matches =
+        matcher.empty() ? std::vector<std::array<std::size_t, 3>>{} : matcher.find_all(p.text);
+    if (matches.empty()) {
+      if (!p.text.empty()) out.push_back(std::move(p));
       return;
     }
     const std::string& s = p.text;
     std::size_t start_offset = 0;
-    for (const auto& m : matcher.find_all(s)) {
+    for (const auto& m : matches) {
       std::size_t start = m[0], stop = m[1];
       const AddedToken& t = added[m[2]];
       if (t.single_word) {
@@ -932,18 +944,20 @@ struct Tokenizer::Impl {
                   static_cast<std::uint32_t>(i));
       i += n;
     }
+    // Pieces are moved from stage to stage: a long text is held about twice (a normaliser's input
+    // and output), never once per stage.
     std::vector<Piece> stage1;
-    split_added(whole, raw_matcher, stage1);
-    for (const Piece& p1 : stage1) {
+    split_added(std::move(whole), raw_matcher, stage1);
+    for (Piece& p1 : stage1) {
       if (p1.token >= 0) {
         emit(p1.token, p1.orig.front(), char_end(p1.orig.back()));
         continue;
       }
-      Piece normalized = p1;
+      Piece normalized = std::move(p1);
       for (const NormStep& s : normalizer)
-        normalized = apply_norm(s, normalized);
+        normalized = apply_norm(s, std::move(normalized));
       std::vector<Piece> stage2;
-      split_added(normalized, normalized_matcher, stage2);
+      split_added(std::move(normalized), normalized_matcher, stage2);
       for (Piece& p2 : stage2) {
         if (p2.token >= 0) {
           emit(p2.token, p2.orig.front(), char_end(p2.orig.back()));
@@ -1550,14 +1564,29 @@ Tokenizer::Encoding Tokenizer::encode_with_offsets(std::string_view text,
 
 std::string Tokenizer::decode(const std::vector<std::int32_t>& ids,
                               bool skip_special_tokens) const {
+  auto each_token = [&](auto&& f) {
+    for (std::int32_t id : ids) {
+      if (id < 0 || static_cast<std::size_t>(id) >= impl_->id_to_token.size() ||
+          !impl_->id_used[static_cast<std::size_t>(id)])
+        continue;
+      if (skip_special_tokens && impl_->skip_ids.count(id)) continue;
+      f(impl_->id_to_token[static_cast<std::size_t>(id)]);
+    }
+  };
+  // A decoder that starts with ByteLevel (GPT-2, Llama 3, Qwen) joins the tokens into one string
+  // first: build that string straight from the ids, without a string per token (32 bytes and
+  // more a token, the bulk of decoding a long text).
   std::vector<std::string> tokens;
-  tokens.reserve(ids.size());
-  for (std::int32_t id : ids) {
-    if (id < 0 || static_cast<std::size_t>(id) >= impl_->id_to_token.size() ||
-        !impl_->id_used[static_cast<std::size_t>(id)])
-      continue;
-    if (skip_special_tokens && impl_->skip_ids.count(id)) continue;
-    tokens.push_back(impl_->id_to_token[static_cast<std::size_t>(id)]);
+  std::size_t first_step = 0;
+  if (impl_->has_decoder && !impl_->decoder.empty() &&
+      std::holds_alternative<DecByteLevel>(impl_->decoder.front())) {
+    std::string bytes;
+    each_token([&](const std::string& t) { append_byte_level(bytes, t); });
+    tokens.push_back(unicode::lossy(bytes));
+    first_step = 1;
+  } else {
+    tokens.reserve(ids.size());
+    each_token([&](const std::string& t) { tokens.push_back(t); });
   }
   if (!impl_->has_decoder) {
     std::string out;
@@ -1565,8 +1594,8 @@ std::string Tokenizer::decode(const std::vector<std::int32_t>& ids,
       out += (i ? " " : "") + tokens[i];
     return out;
   }
-  for (const DecStep& step : impl_->decoder)
-    tokens = apply_dec(step, std::move(tokens));
+  for (std::size_t k = first_step; k < impl_->decoder.size(); ++k)
+    tokens = apply_dec(impl_->decoder[k], std::move(tokens));
   std::string out;
   for (const std::string& t : tokens)
     out += t;

@@ -356,6 +356,39 @@ TEST_F(Integrity, UnboundedInputEndsQuicklyWithANamedError) {
   }
 }
 
+// One long example (a 24 MiB line under a 32 MiB data.max_line): reading, parsing, tokenizing and
+// showing it costs a small multiple of its size over the same command on a one-line file. The
+// tiny tokenizer gives a token a byte, so the ids and mask alone are 5x the text. Before: 35x to
+// load it (a copy of the text per tokenizer stage, every pre-token's range held at once) and 44x
+// with `rondo data`'s display (a std::string per token to decode it).
+TEST_F(Integrity, ALongLineCostsASmallMultipleOfItsSize) {
+  const std::size_t size = 24u << 20;
+  {
+    std::string text;
+    text.reserve(size);
+    while (text.size() + 45 < size)
+      text += "The quick brown fox jumps over the lazy dog. ";
+    std::ofstream f(dir / "long.jsonl", std::ios::binary);
+    f << json{{"text", text}}.dump() << "\n";
+  }
+  write(dir / "short.jsonl", "{\"text\": \"The quick brown fox.\"}\n");
+  auto run = [&](const char* file) {
+    const Measured m = measure({"data", (dir / file).string(), "--model", model.string(),
+                                "--max-line", "32MiB"},
+                               dir / "m.log");
+    EXPECT_EQ(m.code, 0) << m.out.substr(0, 2000);
+    return m;
+  };
+  const Measured base = run("short.jsonl");
+  const Measured big = run("long.jsonl");
+  EXPECT_TRUE(contains(big.out, "1 examples (text)")) << big.out.substr(0, 2000);
+  const double ratio = (static_cast<double>(big.peak_rss) - static_cast<double>(base.peak_rss)) /
+                       static_cast<double>(size);
+  std::printf("a %zu MiB line: peak RSS %.0f MiB (one short line: %.0f MiB), %.1fx the line\n",
+              size >> 20, big.peak_rss / 1048576.0, base.peak_rss / 1048576.0, ratio);
+  EXPECT_LT(ratio, 12.0);
+}
+
 // Two processes appending to one event file at once: every line whole (one write() per line).
 // With a stdio buffer, a line longer than the buffer went out in pieces that interleaved.
 TEST_F(Integrity, EventLinesAreWrittenWhole) {

@@ -87,6 +87,10 @@ BUILDERS = {
     "mistral": tb.mistral,
     "mistral_metaspace_decoder": lambda: tb.mistral(metaspace_decoder=True),
 }
+for _behavior in ["removed", "isolated", "merged_with_previous", "merged_with_next", "contiguous"]:
+    BUILDERS[f"split_{_behavior}"] = lambda b=_behavior: tb.split(b)
+    BUILDERS[f"split_{_behavior}_inverted"] = lambda b=_behavior: tb.split(b, invert=True)
+    BUILDERS[f"split_{_behavior}_literal"] = lambda b=_behavior: tb.split(b, literal=True)
 
 
 def build(name, folder):

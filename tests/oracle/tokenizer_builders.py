@@ -68,6 +68,19 @@ def gpt2():
     return tok
 
 
+def split(behavior, invert=False, literal=False):
+    """Split with `behavior` (removed, isolated, merged_with_previous, merged_with_next, contiguous),
+    on a regex (runs of white space, single digits) or on the literal " ", then ByteLevel: every
+    behaviour the tokenizer.json format allows, whether or not a family uses it."""
+    pattern = " " if literal else Regex(r"\s+|\p{N}")
+    pre = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(pattern, behavior=behavior, invert=invert),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tok = _train_byte_level(pre)
+    tok.add_special_tokens(GPT2_SPECIALS)
+    return tok
+
+
 def smollm():
     """SmolLM / SmolLM2: Digits(individual_digits) then the GPT-2 ByteLevel split."""
     pre = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
