@@ -4,11 +4,11 @@
 
 #include <toml++/toml.h>
 #include <algorithm>
-#include <fstream>
 #include <sstream>
 #include <variant>
 
 #include "kernels/error.h"
+#include "models/mapped_file.h"
 
 namespace rondo::cli {
 namespace {
@@ -331,11 +331,8 @@ void ConfigFile::check(bool planning) const {
 ConfigFile read_config(const std::string& path, const std::vector<std::string>& overrides) {
   std::string text;
   if (!path.empty()) {
-    std::ifstream f(path, std::ios::binary);
-    if (!f) throw Error(path + ": cannot read the config file: " + std::strerror(errno));
-    std::stringstream s;
-    s << f.rdbuf();
-    text = s.str();
+    // Bounded, and a folder or a device is said to be one (/dev/zero never ends).
+    text = models::read_text_file(path, "the config file");
     if (text.empty()) text = "\n";
   }
   return read_config_text(text, path, overrides);

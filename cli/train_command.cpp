@@ -196,15 +196,30 @@ ConfigFile resolve(const TrainOptions& o, bool planning = false) {
 int train_with(const engine::TrainConfig& config, const std::string& config_toml, bool resume,
                const std::string& events, bool dry_run, const std::string& checkpoint = "") {
   Progress progress(events == "-");
+  // A dry run prints the resolved config on stdout, everything else as TOML comments, so that
+  // `rondo train c.toml --dry-run > resolved.toml` is a config (with the plan in it to read).
+  auto log = [&](const std::string& l) {
+    if (!dry_run || l.starts_with("Warning:")) return progress.log(l);
+    std::string commented;
+    for (std::size_t b = 0;;) {
+      const std::size_t e = l.find('\n', b);
+      const std::string line = l.substr(b, e == std::string::npos ? std::string::npos : e - b);
+      commented += line.empty() ? "#\n" : "# " + line + "\n";
+      if (e == std::string::npos) break;
+      b = e + 1;
+    }
+    std::fputs(commented.c_str(), stdout);
+  };
   engine::SessionOptions so{.config_toml = config_toml,
                             .resume = resume,
                             .checkpoint = checkpoint,
                             .events = events,
-                            .log = [&](const std::string& l) { progress.log(l); },
-                            .on_step = [&](const engine::StepEvent& e) { progress.step(e); }};
+                            .log = log,
+                            .on_step = [&](const engine::StepEvent& e) { progress.step(e); },
+                            .dry_run = dry_run};
   InterruptWatch watch;
   engine::Session session(config, so);
-  progress.log(session.describe());
+  log(session.describe());
   if (dry_run) {
     std::fputs(config_toml.c_str(), stdout);
     return 0;
@@ -358,47 +373,23 @@ int run_export(const ExportOptions& o) {
   f.check();
   const engine::TrainConfig& c = f.config;
   // One process at a time in a run folder (a training run exports into it too).
-  const engine::RunLock lock(o.run, "rondo export");
+  const engine::RunLock lock(o.run, "rondo export", /*reader=*/true);
+  if (lock.read_only() && o.out.empty())
+    throw Error(o.run + " cannot be written by this user (read-only): give --out FOLDER elsewhere");
   for (const std::string& t : lock.remove_stale_temporaries())
     std::fprintf(stderr, "rondo: removed %s, left by a process that was stopped while writing it\n",
                  t.c_str());
-  std::vector<engine::CheckpointInfo> all = engine::list_checkpoints(o.run);
-  std::string ckpt;
-  std::int64_t step = -1;
-  if (o.checkpoint.empty()) {
-    if (all.empty()) throw Error(o.run + ": no complete checkpoint to export");
-    // The newest that passes its checks; a newer one that fails is named and skipped.
-    for (auto k = all.rbegin(); k != all.rend() && ckpt.empty(); ++k) {
-      const std::vector<std::string> bad = engine::checkpoint_problems(k->path);
-      if (bad.empty()) {
-        ckpt = k->path;
-        step = k->step;
-      } else {
-        std::fprintf(
-            stderr, "%s\n",
-            join_problems("rondo: warning: " + k->path + " fails its checks and is skipped:", bad)
-                .c_str());
-      }
-    }
-    if (ckpt.empty()) throw Error(o.run + ": no checkpoint passes its checks; nothing to export");
-  } else {
-    for (const auto& i : all)
-      if (fs::path(i.path).filename() == o.checkpoint ||
-          fs::weakly_canonical(i.path) == fs::weakly_canonical(o.checkpoint)) {
-        ckpt = i.path;
-        step = i.step;
-      }
-    if (ckpt.empty()) {
-      std::string have;
-      for (const auto& i : all)
-        have += (have.empty() ? "" : ", ") + fs::path(i.path).filename().string();
-      throw Error(o.run + ": no checkpoint " + o.checkpoint +
-                  (have.empty() ? " (the run has none)" : " (it has: " + have + ")"));
-    }
-    if (const std::vector<std::string> bad = engine::checkpoint_problems(ckpt); !bad.empty())
-      throw Error(
-          join_problems(ckpt + " fails its checks; export another with --checkpoint:", bad));
-  }
+  const engine::CheckpointChoice choice = engine::choose_checkpoint(o.run, o.checkpoint);
+  for (const auto& [path, bad] : choice.skipped)
+    std::fprintf(
+        stderr, "%s\n",
+        join_problems("rondo: warning: " + path + " fails its checks and is skipped:", bad).c_str());
+  if (!choice.chosen)
+    throw Error(o.run + (choice.skipped.empty()
+                             ? ": no complete checkpoint to export"
+                             : ": no checkpoint passes its checks; nothing to export"));
+  const std::string ckpt = choice.chosen->path;
+  const std::int64_t step = choice.chosen->step;
   const bool lora = c.training.method == "lora";
   if (o.format == "adapter" && !lora)
     throw Error(o.run + " trained every weight (training.method = full): export --format merged");

@@ -270,14 +270,16 @@ std::uint64_t write_checkpoint(const std::string& dir, offload::LayerStore& stor
 }
 
 nlohmann::json read_checkpoint(const std::string& dir, offload::LayerStore& store,
-                               const std::vector<models::LayerSpec>& specs) {
+                               const std::vector<models::LayerSpec>& specs, bool verified) {
   const fs::path folder = folder_path(dir);
   const std::string where = folder.string();
   const fs::path state_path = folder / kStateFile;
   const fs::path tensors_path = folder / kTensorsFile;
 
   // The folder proves itself before anything of it is used.
-  if (const std::vector<std::string> bad = checkpoint_problems(dir); !bad.empty()) {
+  if (const std::vector<std::string> bad = verified ? std::vector<std::string>{}
+                                                     : checkpoint_problems(dir);
+      !bad.empty()) {
     if (bad.size() == 1) throw Error(where + ": " + bad[0]);
     throw Error(join_problems(where + ": the checkpoint is damaged", bad));
   }
@@ -432,9 +434,47 @@ std::vector<CheckpointInfo> list_checkpoints(const std::string& run_dir) {
   return out;
 }
 
-void prune_checkpoints(const std::string& run_dir, int keep) {
-  if (keep <= 0) return;
+CheckpointChoice choose_checkpoint(const std::string& run_dir, const std::string& name) {
   const std::vector<CheckpointInfo> all = list_checkpoints(run_dir);
+  auto names = [&] {
+    std::string n;
+    for (const CheckpointInfo& k : all)
+      n += (n.empty() ? "" : ", ") + fs::path(k.path).filename().string();
+    return n.empty() ? std::string("the run has none") : "it has: " + n;
+  };
+  CheckpointChoice out;
+  if (!name.empty()) {
+    for (const CheckpointInfo& k : all) {
+      std::error_code ec;
+      if (fs::path(k.path).filename() == name || fs::equivalent(k.path, name, ec)) out.chosen = k;
+    }
+    if (!out.chosen) throw Error(run_dir + ": no checkpoint " + name + " (" + names() + ")");
+    if (const std::vector<std::string> bad = checkpoint_problems(out.chosen->path); !bad.empty())
+      throw Error(join_problems(out.chosen->path + " fails its checks (choose another with "
+                                                   "--checkpoint; " +
+                                    names() + "):",
+                                bad));
+    return out;
+  }
+  for (auto k = all.rbegin(); k != all.rend(); ++k) {
+    std::vector<std::string> bad = checkpoint_problems(k->path);
+    if (bad.empty()) {
+      out.chosen = *k;
+      break;
+    }
+    out.skipped.emplace_back(k->path, std::move(bad));
+  }
+  return out;
+}
+
+void prune_checkpoints(const std::string& run_dir, int keep, std::optional<std::int64_t> written) {
+  if (keep <= 0) return;
+  std::vector<CheckpointInfo> all = list_checkpoints(run_dir);
+  if (written) {  // counted as the newest: kept whatever is listed after it
+    auto it = std::find_if(all.begin(), all.end(),
+                           [&](const CheckpointInfo& k) { return k.step == *written; });
+    if (it != all.end()) std::rotate(it, it + 1, all.end());
+  }
   if (all.size() <= static_cast<std::size_t>(keep)) return;
   for (std::size_t k = 0; k + static_cast<std::size_t>(keep) < all.size(); ++k) {
     const fs::path folder(all[k].path);
@@ -446,6 +486,16 @@ void prune_checkpoints(const std::string& run_dir, int keep) {
     remove_tree(folder);
   }
   fsync_dir(fs::path(run_dir) / "checkpoints");
+}
+
+std::string set_aside_checkpoint(const std::string& dir) {
+  const fs::path folder = folder_path(dir);
+  fs::path to = with_suffix(folder, ".damaged");
+  for (int n = 2; path_exists(to); ++n)
+    to = with_suffix(folder, (".damaged." + std::to_string(n)).c_str());
+  rename_path(folder, to);
+  fsync_dir(parent_of(folder));
+  return to.string();
 }
 
 }  // namespace rondo::engine

@@ -12,6 +12,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <functional>
 #include <string>
 #include <vector>
@@ -50,8 +51,10 @@ std::uint64_t write_checkpoint(const std::string& dir, offload::LayerStore& stor
 // are not touched. Everything is validated before the store is: every trainable tensor present with
 // its shape and dtype, no unknown tensor; the Error names the checkpoint and the tensors. Returns
 // the caller's meta.
+// `verified`: checkpoint_problems(dir) has just passed (choose_checkpoint, under the run lock),
+// so the files are not hashed a second time.
 nlohmann::json read_checkpoint(const std::string& dir, offload::LayerStore& store,
-                               const std::vector<models::LayerSpec>& specs);
+                               const std::vector<models::LayerSpec>& specs, bool verified = false);
 
 struct CheckpointInfo {
   std::int64_t step = 0;
@@ -63,9 +66,27 @@ struct CheckpointInfo {
 // are not checkpoints. No checkpoints folder: none.
 std::vector<CheckpointInfo> list_checkpoints(const std::string& run_dir);
 
-// Removes all but the newest `keep` complete checkpoints (keep <= 0: keeps all). Each goes in two
-// moves: its state.json first (fsynced), so a crash mid-removal never leaves a half checkpoint
-// that list_checkpoints would offer.
-void prune_checkpoints(const std::string& run_dir, int keep);
+// The checkpoint a resume continues from, or an export reads: the one `name` names ("step-N" or
+// the path of one of the run's checkpoints) when it is not empty, else the newest that passes its
+// checks (checkpoint_problems). Throws Error when `name` names none of them or one that fails its
+// checks (both listing what the run has). `chosen` is empty when no checkpoint passes (or the run
+// has none); `skipped` holds the newer ones that fail, newest first, with their problems.
+struct CheckpointChoice {
+  std::optional<CheckpointInfo> chosen;
+  std::vector<std::pair<std::string, std::vector<std::string>>> skipped;
+};
+CheckpointChoice choose_checkpoint(const std::string& run_dir, const std::string& name = "");
+
+// Removes all but the newest `keep` complete checkpoints (keep <= 0: keeps all), never the one
+// at step `written` (the one just written: a newer folder left from before a resume must not
+// push it out). Each goes in two moves: its state.json first (fsynced), so a crash mid-removal
+// never leaves a half checkpoint that list_checkpoints would offer.
+void prune_checkpoints(const std::string& run_dir, int keep,
+                       std::optional<std::int64_t> written = std::nullopt);
+
+// Moves a checkpoint that fails its checks out of the list, to "step-N.damaged" beside it
+// ("step-N.damaged.2" and on if taken), kept for a look but never resumed from, counted by
+// checkpoint.keep or pruned. Returns the new path.
+std::string set_aside_checkpoint(const std::string& dir);
 
 }  // namespace rondo::engine

@@ -43,6 +43,9 @@ class LineReader {
   LineReader(const LineReader&) = delete;
   LineReader& operator=(const LineReader&) = delete;
 
+  // Whether the last line's end was read (false: a too-long line left at once, its length so far).
+  bool ended() const { return ended_; }
+
   // The next line without its '\n' into `line`; false at the end of the file. `too_long` says the
   // line was longer than the limit (then `line` is empty and `length` is what was read of it):
   // with `read_past` the rest of it is read and dropped, else next() returns at once (the caller
@@ -51,6 +54,7 @@ class LineReader {
     line.clear();
     too_long = false;
     length = 0;
+    ended_ = true;
     for (;;) {
       if (pos_ == end_) {
         if (eof_ || !fill()) return length > 0;
@@ -64,6 +68,7 @@ class LineReader {
         line.clear();
         line.shrink_to_fit();
         if (!read_past) {
+          ended_ = nl != nullptr;
           pos_ += n;
           return true;
         }
@@ -96,6 +101,7 @@ class LineReader {
   std::vector<char> buf_ = std::vector<char>(1 << 16);
   std::size_t pos_ = 0, end_ = 0;
   bool eof_ = false;
+  bool ended_ = true;
 };
 
 DataFormat detect(const json& j) {
@@ -233,10 +239,13 @@ Dataset load_jsonl(const std::string& path, const models::Tokenizer& tokenizer,
     ++d.lines;
     try {
       if (too_long)
-        throw Error("a line of more than " + format_bytes(options.max_line_bytes) +
-                    " (data.max_line; " + std::to_string(length) +
-                    " bytes read without finding its end): not one example per line? raise "
-                    "data.max_line if such long examples are meant");
+        throw Error(
+            (in.ended() ? "a line of " + std::to_string(length) + " bytes, more than "
+                        : "a line of more than ") +
+            format_bytes(options.max_line_bytes) + " (data.max_line" +
+            (in.ended() ? std::string()
+                        : "; " + std::to_string(length) + " bytes read without finding its end") +
+            "): not one example per line? raise data.max_line if such long examples are meant");
       json j;
       try {
         j = json::parse(line);

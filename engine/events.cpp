@@ -75,19 +75,23 @@ void EventSink::write(const char* type, const std::string& fields) {
   // file, so a reader never sees half a line followed by another. (A regular file takes it all at
   // once; a pipe may take part, then the rest follows at once.) A failed write must not kill
   // training; it is reported once on stderr.
-  bool ok = true;
-  for (std::size_t done = 0; ok && done < line.size();) {
+  std::string failure;  // empty while the writes go through
+  for (std::size_t done = 0; failure.empty() && done < line.size();) {
     const ssize_t n = ::write(fd_, line.data() + done, line.size() - done);
     if (n < 0 && errno == EINTR) continue;
-    ok = n > 0;
-    if (ok) done += static_cast<std::size_t>(n);
+    if (n < 0)
+      failure = std::strerror(errno);
+    else if (n == 0)  // no error set: errno would be a stale one
+      failure = "the file took no bytes";
+    else
+      done += static_cast<std::size_t>(n);
   }
-  if (!ok) {
+  if (!failure.empty()) {
     static bool warned = false;
     if (!warned) {
       warned = true;
       std::fprintf(stderr, "rondo: warning: writing the event stream failed: %s\n",
-                   std::strerror(errno));
+                   failure.c_str());
     }
   }
 }

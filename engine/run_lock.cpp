@@ -35,9 +35,15 @@ bool alive(pid_t pid) {
 
 }  // namespace
 
-RunLock::RunLock(const std::string& run_dir, const std::string& what) : dir_(run_dir) {
+RunLock::RunLock(const std::string& run_dir, const std::string& what, bool reader)
+    : dir_(run_dir) {
   const std::string path = (fs::path(run_dir) / kFile).string();
   fd_ = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+  if (fd_ < 0 && reader && (errno == EROFS || errno == EACCES || errno == EPERM)) {
+    read_only_ = true;
+    fd_ = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);  // flock needs no write access
+    if (fd_ < 0 && errno == ENOENT) return;  // never written by Rondo: nobody to wait for
+  }
   if (fd_ < 0) throw Error("cannot open the run's lock file " + path + ": " + std::strerror(errno));
   int rc;
   do {
@@ -70,6 +76,7 @@ RunLock::RunLock(const std::string& run_dir, const std::string& what) : dir_(run
                 ": one process at a time trains or exports a run; wait for it to end, or stop it "
                 "(Ctrl-C in its terminal) and run this again");
   }
+  if (read_only_) return;  // locked; the holder's note cannot be written
   const std::string text = std::to_string(::getpid()) + " " + what + "\n";
   if (::ftruncate(fd_, 0) != 0 || ::pwrite(fd_, text.data(), text.size(), 0) < 0) {
     const int err = errno;
@@ -81,6 +88,10 @@ RunLock::RunLock(const std::string& run_dir, const std::string& what) : dir_(run
 
 RunLock::~RunLock() {
   if (fd_ < 0) return;
+  if (read_only_) {
+    ::close(fd_);
+    return;
+  }
   // Emptied, not removed: removing it would let a process that opened the old file lock a file no
   // longer in the folder while a third locks a new one.
   if (::ftruncate(fd_, 0) != 0) {
@@ -91,6 +102,7 @@ RunLock::~RunLock() {
 
 std::vector<std::string> RunLock::remove_stale_temporaries() const {
   std::vector<std::string> removed;
+  if (read_only_) return removed;
   // Only names Rondo writes: config.toml.tmp in the run folder, and the temporaries of exports in
   // the export folders (a run folder could be any folder: nothing else in it is ours to remove).
   auto sweep = [&](const fs::path& folder, bool run_folder) {

@@ -17,8 +17,11 @@ class RunLock {
   static constexpr const char* kFile = "rondo.lock";
 
   // The folder must exist. Throws Error when another process holds the lock ("<dir> is in use by
-  // process N (rondo train --resume) ..."), or naming the failed call.
-  RunLock(const std::string& run_dir, const std::string& what);
+  // process N (rondo train --resume) ..."), or naming the failed call. `reader` (an export): a
+  // folder this process may not write (read-only mount, another user's run) is locked through its
+  // existing lock file opened for reading, or not at all when it has none (no Rondo process could
+  // write there either); read_only() then says so.
+  RunLock(const std::string& run_dir, const std::string& what, bool reader = false);
   ~RunLock();
   RunLock(const RunLock&) = delete;
   RunLock& operator=(const RunLock&) = delete;
@@ -30,9 +33,13 @@ class RunLock {
   // is touched (a run folder could be any folder). Returns the paths removed.
   std::vector<std::string> remove_stale_temporaries() const;
 
+  // Whether the folder could not be written (only with `reader`).
+  bool read_only() const { return read_only_; }
+
  private:
   std::string dir_;
   int fd_ = -1;
+  bool read_only_ = false;
 };
 
 }  // namespace rondo::engine

@@ -232,9 +232,11 @@ struct Session::Impl {
     std::optional<ResumePoint> resume_point;
     if (o.resume && !o.plan_only) {
       // The lock first: the checkpoints are looked at only once no other process writes them.
-      lock.emplace(run_dir().string(), "rondo train --resume");
-      for (const std::string& f : lock->remove_stale_temporaries())
-        log("Removed " + f + ", left by a process that was stopped while writing it");
+      if (!o.dry_run) {
+        lock.emplace(run_dir().string(), "rondo train --resume");
+        for (const std::string& f : lock->remove_stale_temporaries())
+          log("Removed " + f + ", left by a process that was stopped while writing it");
+      }
       choose_checkpoint();
       resume_point = ResumePoint{.step = resumed_from,
                                  .checkpoints = list_checkpoints(run_dir().string()).size()};
@@ -246,59 +248,42 @@ struct Session::Impl {
   }
 
   // The checkpoint a resume continues from: the one --checkpoint names, else the newest that passes
-  // its checks (checkpoint_problems), each newer one that fails skipped with a warning.
+  // its checks, each newer one that fails skipped with a warning and set aside.
   void choose_checkpoint() {
     const fs::path dir = run_dir();
-    const std::vector<CheckpointInfo> all = list_checkpoints(dir.string());
-    auto names = [&] {
-      std::string n;
-      for (const CheckpointInfo& k : all)
-        n += (n.empty() ? "" : ", ") + fs::path(k.path).filename().string();
-      return n.empty() ? std::string("none") : n;
-    };
-    if (!o.checkpoint.empty()) {
-      // "step-N", or the path of one of this run's checkpoints.
-      std::optional<CheckpointInfo> chosen;
-      for (const CheckpointInfo& k : all) {
-        std::error_code ec;
-        if (fs::path(k.path).filename() == o.checkpoint || fs::equivalent(k.path, o.checkpoint, ec))
-          chosen = k;
-      }
-      if (!chosen)
-        throw Error(fmt::format("--checkpoint {}: not a checkpoint of {} (it has: {})",
-                                o.checkpoint, dir.string(), names()));
-      const fs::path path = chosen->path;
-      const std::optional<std::int64_t> step = chosen->step;
-      if (const auto bad = checkpoint_problems(path.string()); !bad.empty())
-        throw Error(join_problems(
-            path.string() + " fails its checks (choose another with --checkpoint; this run has " +
-                names() + "):",
-            bad));
-      from_checkpoint = path.string();
-      resumed_from = *step;
-      return;
-    }
-    for (auto k = all.rbegin(); k != all.rend(); ++k) {
-      std::vector<std::string> bad = checkpoint_problems(k->path);
-      if (bad.empty()) {
-        from_checkpoint = k->path;
-        resumed_from = k->step;
-        return;
-      }
-      std::string why;
+    const CheckpointChoice choice = engine::choose_checkpoint(dir.string(), o.checkpoint);
+    auto why = [](const std::vector<std::string>& bad) {
+      std::string w;
       for (const std::string& b : bad)
-        why += (why.empty() ? "" : "; ") + b;
-      resume_warnings.push_back(
-          fmt::format("{} fails its checks and is skipped: {}", k->path, why));
-      log("Warning: " + resume_warnings.back());
-    }
-    if (!all.empty())
+        w += (w.empty() ? "" : "; ") + b;
+      return w;
+    };
+    if (!choice.chosen) {
+      if (choice.skipped.empty()) return;  // no checkpoint yet: the run starts from step 0
+      std::vector<std::string> all;
+      for (const auto& [path, bad] : choice.skipped)
+        all.push_back(path + " fails its checks: " + why(bad));
       throw Error(join_problems(
           dir.string() +
               ": no checkpoint passes its checks, so this run cannot be resumed; start it again "
               "in a new folder (rondo train " +
               (dir / "config.toml").string() + " --run-dir NEW):",
-          resume_warnings));
+          all));
+    }
+    from_checkpoint = choice.chosen->path;
+    resumed_from = choice.chosen->step;
+    // Out of the list, so that checkpoint.keep counts good checkpoints only and no later resume
+    // meets them again.
+    for (const auto& [path, bad] : choice.skipped) {
+      if (o.dry_run) {
+        log(fmt::format("Warning: {} fails its checks; a resume skips it: {}", path, why(bad)));
+        continue;
+      }
+      const std::string aside = set_aside_checkpoint(path);
+      resume_warnings.push_back(fmt::format("{} fails its checks and is skipped (moved to {}): {}",
+                                            path, aside, why(bad)));
+      log("Warning: " + resume_warnings.back());
+    }
   }
 
   void load_data() {
@@ -454,6 +439,7 @@ struct Session::Impl {
   // ---- the run ----
 
   SessionResult run() {
+    RONDO_ASSERT(!o.dry_run && !o.plan_only);  // a dry run or a plan only looks
     const fs::path dir = run_dir();
     std::error_code ec;
     if (o.resume) {
@@ -589,7 +575,8 @@ struct Session::Impl {
     std::optional<Plan> resume_plan;
     if (!from_checkpoint.empty()) {
       const std::string& path = from_checkpoint;
-      nlohmann::json meta = read_checkpoint(path, store, specs);
+      // choose_checkpoint checked it (under the run lock): not hashed a second time.
+      nlohmann::json meta = read_checkpoint(path, store, specs, /*verified=*/true);
       const std::string where = path + "/state.json";
       try {
         if (meta.value("data_fingerprint", "") != fingerprint)
@@ -693,7 +680,7 @@ struct Session::Impl {
           write_checkpoint(path, store, specs, meta, c.training.one_step_stale, [&] {
             if (step == fault_step("RONDO_FAULT_KILL_IN_CHECKPOINT")) kill_self();
           });
-      prune_checkpoints(run_dir().string(), c.checkpoint.keep);
+      prune_checkpoints(run_dir().string(), c.checkpoint.keep, step);
       sink.emit(CheckpointEvent{.step = step, .path = path, .bytes = bytes});
       log(fmt::format("Checkpoint {} ({})", path, format_bytes(bytes)));
       result.checkpoint = path;

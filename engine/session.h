@@ -31,6 +31,10 @@ struct SessionOptions {
   std::function<void(const StepEvent&)> on_step;  // after each step (status line)
   // `rondo plan`: a run that does not fit is reported by describe() and fits(), not thrown.
   bool plan_only = false;
+  // `--dry-run`: look, change nothing. A resume takes no lock (a run training meanwhile may be
+  // looked at), removes no stale temporaries and sets no damaged checkpoint aside (it names them);
+  // run() is refused.
+  bool dry_run = false;
   // Tests: overrides what the OS reports (0 = ask).
   std::uint64_t host_free = 0, disk_free = 0;
 };

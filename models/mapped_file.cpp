@@ -7,8 +7,6 @@
 
 #include <cerrno>
 #include <cstring>
-#include <fstream>
-#include <sstream>
 #include <utility>
 
 #include "kernels/error.h"
@@ -61,13 +59,35 @@ void write_file_durably(const std::string& path, const std::string& text) {
   ::close(dfd);
 }
 
-std::string read_text_file(const std::string& path, const std::string& what) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) throw Error("cannot read " + path + " (" + what + "): " + std::strerror(errno));
-  std::stringstream ss;
-  ss << in.rdbuf();
-  if (in.bad()) throw Error("error reading " + path + " (" + what + ")");
-  return ss.str();
+std::string read_text_file(const std::string& path, const std::string& what,
+                           std::uint64_t limit) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) throw Error("cannot read " + path + " (" + what + "): " + std::strerror(errno));
+  std::string text;
+  try {
+    struct stat st {};
+    if (::fstat(fd, &st) != 0)
+      throw Error("cannot read " + path + " (" + what + "): " + std::strerror(errno));
+    if (!S_ISREG(st.st_mode))
+      throw Error(path + " is " + (S_ISDIR(st.st_mode) ? "a folder" : "not a regular file") +
+                  " (" + what + "): give the path of the file itself");
+    char buf[1 << 16];
+    for (;;) {
+      const ssize_t n = ::read(fd, buf, sizeof buf);
+      if (n < 0 && errno == EINTR) continue;
+      if (n < 0) throw Error("error reading " + path + " (" + what + "): " + std::strerror(errno));
+      if (n == 0) break;
+      text.append(buf, static_cast<std::size_t>(n));
+      if (text.size() > limit)
+        throw Error(path + " (" + what + ") is larger than " + format_bytes(limit) +
+                    ", the most Rondo reads of such a file: is it the right file?");
+    }
+  } catch (...) {
+    ::close(fd);
+    throw;
+  }
+  ::close(fd);
+  return text;
 }
 
 MappedFile::MappedFile(const std::string& path) : path_(path) {

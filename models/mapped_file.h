@@ -11,9 +11,17 @@
 
 namespace rondo::models {
 
+// The most read_text_file reads by default: far above any config.json, tokenizer_config.json,
+// chat template or sharded-checkpoint index, far below the memory of the machines Rondo runs on.
+inline constexpr std::uint64_t kTextFileLimit = 64ull << 20;
+// tokenizer.json: the largest known are some 35 MB (Gemma 3's); parsing costs several times that.
+inline constexpr std::uint64_t kTokenizerFileLimit = 256ull << 20;
+
 // The whole of a (small) text file: config.json, tokenizer.json. Throws Error naming the path and
-// `what` it was wanted for when it cannot be read.
-std::string read_text_file(const std::string& path, const std::string& what);
+// `what` it was wanted for when it cannot be read, is not a regular file (a folder, a device such
+// as /dev/zero, a pipe) or is longer than `limit` bytes (read no further than that).
+std::string read_text_file(const std::string& path, const std::string& what,
+                           std::uint64_t limit = kTextFileLimit);
 
 // Writes `text` to `path` so that a crash leaves the old file or the new one, never a part:
 // "<path>.tmp" written and fsynced, renamed over `path`, the folder fsynced. Throws Error naming

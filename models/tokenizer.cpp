@@ -1436,7 +1436,7 @@ json read_tokenizer_config(const std::string& path) {
 }
 
 Tokenizer Tokenizer::from_file(const std::string& path) {
-  Tokenizer t = from_json(read_text_file(path, "tokenizer"), path);
+  Tokenizer t = from_json(read_text_file(path, "tokenizer", kTokenizerFileLimit), path);
   // bos/eos from a tokenizer_config.json beside it.
   const std::size_t slash = path.find_last_of('/');
   const std::string config =

@@ -4,7 +4,9 @@
 // step counts and losses, progress on stdout, whole event lines).
 #include <fcntl.h>
 #include <gtest/gtest.h>
+#include <linux/capability.h>
 #include <signal.h>
+#include <sys/prctl.h>
 #include <sys/resource.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -99,6 +101,10 @@ TEST_F(Integrity, ABitFlipIsFoundAndTheResumeFallsBackToThePreviousCheckpoint) {
   const std::vector<json> w = warnings("b");
   ASSERT_EQ(w.size(), 1u);
   EXPECT_TRUE(contains(w[0]["message"].get<std::string>(), "state.safetensors")) << w[0].dump();
+  // Set aside, kept for a look: the run's checkpoints are good ones only.
+  EXPECT_TRUE(contains(r.out, "moved to " + checkpoint("b", 9).string() + ".damaged")) << r.out;
+  EXPECT_TRUE(fs::exists(checkpoint("b", 9).string() + ".damaged/state.safetensors"));
+  EXPECT_TRUE(fs::exists(checkpoint("b", 9) / "state.json"));  // written again by the resume
   expect_same_run(dir / "a", dir / "b");
 }
 
@@ -222,6 +228,8 @@ TEST_F(Integrity, ASecondProcessOnTheSameRunIsRefused) {
   Result resume = run_rondo("train --resume " + (dir / "b").string());
   Result exp = run_rondo("export " + (dir / "b").string());
   Result again = run_rondo("train " + (dir / "b.toml").string());
+  // A dry run only looks: it takes no lock, and says what a resume would do.
+  Result look = run_rondo("train --resume " + (dir / "b").string() + " --dry-run");
   ::kill(pid, SIGINT);
   EXPECT_EQ(wait_for(pid), 130) << slurp(dir / "b.log");
   const std::string holder = "in use by process " + std::to_string(pid) + " (rondo train)";
@@ -237,9 +245,45 @@ TEST_F(Integrity, ASecondProcessOnTheSameRunIsRefused) {
   }
   EXPECT_EQ(starts, 1);
   EXPECT_EQ(ends, 1);
-  // Once it has ended, the resume goes ahead.
-  Result r = run_rondo("train --resume " + (dir / "b").string() + " --dry-run");
+  EXPECT_EQ(look.code, 0) << look.out;
+  EXPECT_FALSE(contains(look.out, "in use by")) << look.out;
+  // Once it has ended, the resume goes ahead (stopped again once it trains).
+  pid = spawn({"train", "--resume", (dir / "b").string()}, dir / "resume.log");
+  const auto t1 = std::chrono::steady_clock::now();
+  while (!contains(slurp(dir / "resume.log"), "/4000  loss") &&
+         std::chrono::steady_clock::now() - t1 < std::chrono::seconds(60))
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  ::kill(pid, SIGINT);
+  EXPECT_EQ(wait_for(pid), 130) << slurp(dir / "resume.log");
+  EXPECT_TRUE(contains(slurp(dir / "resume.log"), "Resuming from")) << slurp(dir / "resume.log");
+}
+
+// `rondo train c.toml --dry-run > x.toml` is a config: the plan and the data statistics come as
+// TOML comments, warnings on stderr; the resolved config reads back and plans the same run. A
+// dry-run resume changes nothing in the folder: no temporaries removed, nothing set aside.
+TEST_F(Integrity, ADryRunPrintsAConfigAndChangesNothing) {
+  write(dir / "c.toml", config("b"));
+  const fs::path resolved = dir / "resolved.toml";
+  Result r = run_rondo("train " + (dir / "c.toml").string() + " --dry-run --lr 0.004 > " +
+                       resolved.string());
+  ASSERT_EQ(r.code, 0) << r.out;
+  const std::string text = slurp(resolved);
+  EXPECT_TRUE(contains(text, "\n# Plan ")) << text;
+  EXPECT_TRUE(contains(text, "# Training    12 examples (chat)")) << text;
+  EXPECT_TRUE(contains(text, "lr = 0.004")) << text;
+  r = run_rondo("train " + resolved.string() + " --dry-run");
   EXPECT_EQ(r.code, 0) << r.out;
+  EXPECT_TRUE(contains(r.out, "lr = 0.004")) << r.out;
+
+  reference_and_killed("b");
+  flip(checkpoint("b", 9) / "state.safetensors", 100, 2);
+  write(dir / "b" / "config.toml.tmp", "x");
+  r = run_rondo("train --resume " + (dir / "b").string() + " --dry-run");
+  EXPECT_EQ(r.code, 0) << r.out;
+  EXPECT_TRUE(contains(r.out, "step-9 fails its checks; a resume skips it")) << r.out;
+  EXPECT_TRUE(fs::exists(checkpoint("b", 9) / "state.json"));
+  EXPECT_FALSE(fs::exists(checkpoint("b", 9).string() + ".damaged"));
+  EXPECT_TRUE(fs::exists(dir / "b" / "config.toml.tmp"));
 }
 
 // What a SIGKILL right after the folder was created leaves: checkpoints/ and config.toml.tmp, no
@@ -255,6 +299,9 @@ TEST_F(Integrity, AFolderKilledRightAfterCreationCanBeStarted) {
   write(dir / "b.toml", config("b"));
   r = run_rondo("train " + (dir / "b.toml").string());
   ASSERT_EQ(r.code, 0) << r.out;
+  // Swept as a dead process's leftover (writing config.toml goes through a config.toml.tmp of its
+  // own, so the file being gone would prove nothing).
+  EXPECT_TRUE(contains(r.out, "Removed " + (dir / "b" / "config.toml.tmp").string())) << r.out;
   EXPECT_FALSE(fs::exists(dir / "b" / "config.toml.tmp"));
   write(dir / "a.toml", config("a"));
   r = run_rondo("train " + (dir / "a.toml").string());
@@ -356,6 +403,39 @@ TEST_F(Integrity, UnboundedInputEndsQuicklyWithANamedError) {
   }
 }
 
+// Every file read whole has a stated limit and is refused by name beyond it, or when it is a
+// device or a folder: the config, config.json, tokenizer.json (before: /dev/zero as tokenizer.json
+// or config read until memory ran out).
+TEST_F(Integrity, FilesReadWholeAreBounded) {
+  const fs::path m = dir / "m";
+  fs::create_directories(m);
+  for (const auto& e : fs::directory_iterator(model))
+    fs::copy(e.path(), m / e.path().filename());
+  auto check = [&](const std::vector<std::string>& args, const std::string& what) {
+    const Measured r = measure(args, dir / "m.log");
+    EXPECT_EQ(r.code, 1) << r.out;
+    EXPECT_TRUE(contains(r.out, what)) << r.out;
+    EXPECT_LT(r.seconds, 10.0) << r.out;
+    EXPECT_LT(r.peak_rss, 1ull << 30) << r.out;
+  };
+  check({"train", "/dev/zero"}, "/dev/zero is not a regular file (the config file)");
+  check({"train", dir.string()}, dir.string() + " is a folder (the config file)");
+  fs::remove(m / "tokenizer.json");
+  fs::create_symlink("/dev/zero", m / "tokenizer.json");
+  check({"data", data.string(), "--model", m.string()},
+        (m / "tokenizer.json").string() + " is not a regular file (tokenizer)");
+  fs::remove(m / "tokenizer.json");
+  fs::copy(model / "tokenizer.json", m / "tokenizer.json");
+  fs::remove(m / "config.json");
+  {
+    std::ofstream f(m / "config.json");  // 65 MiB of zeros, sparse: no disk used
+  }
+  fs::resize_file(m / "config.json", 65ull << 20);
+  check({"inspect", m.string()},
+        (m / "config.json").string() + " (a Hugging Face model folder needs config.json) is "
+                                       "larger than 64.00 MiB");
+}
+
 // One long example (a 24 MiB line under a 32 MiB data.max_line): reading, parsing, tokenizing and
 // showing it costs a small multiple of its size over the same command on a one-line file. The
 // tiny tokenizer gives a token a byte, so the ids and mask alone are 5x the text. Before: 35x to
@@ -387,6 +467,58 @@ TEST_F(Integrity, ALongLineCostsASmallMultipleOfItsSize) {
   std::printf("a %zu MiB line: peak RSS %.0f MiB (one short line: %.0f MiB), %.1fx the line\n",
               size >> 20, big.peak_rss / 1048576.0, base.peak_rss / 1048576.0, ratio);
   EXPECT_LT(ratio, 12.0);
+}
+
+// The run folder read-only to the exporting process (a read-only mount, another user's run): the
+// export locks it through its lock file opened for reading (or, without one, not at all) and
+// writes to --out; without --out it says where the trouble is. Before: "cannot open the run's lock
+// file ...: Permission denied". As root, the child drops the capabilities that ignore file modes.
+TEST_F(Integrity, ExportOfAReadOnlyRunWritesElsewhere) {
+  write(dir / "a.toml", config("a"));
+  Result r = run_rondo("train " + (dir / "a.toml").string() + " --set training.steps=3");
+  ASSERT_EQ(r.code, 0) << r.out;
+  ASSERT_TRUE(fs::exists(dir / "a" / "rondo.lock"));
+  auto set_writable = [&](bool on) {
+    const auto w = fs::perms::owner_write | fs::perms::group_write | fs::perms::others_write;
+    for (const auto& e : fs::recursive_directory_iterator(dir / "a"))
+      fs::permissions(e.path(), w, on ? fs::perm_options::add : fs::perm_options::remove);
+    fs::permissions(dir / "a", w, on ? fs::perm_options::add : fs::perm_options::remove);
+  };
+  bool dropped = true;
+  auto as_reader = [&](const std::vector<std::string>& args, const fs::path& log) {
+    const pid_t pid = spawn(args, log, {}, [] {
+      if (::geteuid() == 0 && (::prctl(PR_CAPBSET_DROP, CAP_DAC_OVERRIDE, 0, 0, 0) != 0 ||
+                               ::prctl(PR_CAPBSET_DROP, CAP_DAC_READ_SEARCH, 0, 0, 0) != 0))
+        ::_exit(99);
+    });
+    const int code = wait_for(pid);
+    if (code == 99) dropped = false;
+    return Result{code, slurp(log)};
+  };
+  // Whether the child really cannot write the folder: a probe that must fail.
+  set_writable(false);
+  const Result probe = as_reader({"export", (dir / "a").string()}, dir / "probe.log");
+  if (!dropped) {
+    set_writable(true);
+    GTEST_SKIP() << "running as root without CAP_SETPCAP: cannot make a folder read-only to it";
+  }
+  EXPECT_EQ(probe.code, 1) << probe.out;
+  EXPECT_TRUE(contains(probe.out, "(read-only): give --out FOLDER elsewhere")) << probe.out;
+  for (const char* out : {"x", "y"}) {
+    SCOPED_TRACE(out);
+    if (std::string(out) == "y") {  // no lock file at all
+      set_writable(true);
+      fs::remove(dir / "a" / "rondo.lock");
+      set_writable(false);
+    }
+    const Result e = as_reader({"export", (dir / "a").string(), "--out", (dir / out).string()},
+                               dir / "export.log");
+    EXPECT_EQ(e.code, 0) << e.out;
+    EXPECT_TRUE(fs::exists(dir / out / "adapter_model.safetensors")) << e.out;
+  }
+  set_writable(true);
+  EXPECT_TRUE(slurp(dir / "x" / "adapter_model.safetensors") ==
+              slurp(dir / "a" / "adapter" / "adapter_model.safetensors"));
 }
 
 // Two processes appending to one event file at once: every line whole (one write() per line).

@@ -12,6 +12,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <nlohmann/json.hpp>
 #include <string>
 #include <utility>
@@ -84,13 +85,15 @@ struct TrainFixture : ::testing::Test {
 inline  // Starts rondo in the background, its output to `log`.
     pid_t
     spawn(const std::vector<std::string>& args, const fs::path& log,
-          const std::vector<std::pair<std::string, std::string>>& env = {}) {
+          const std::vector<std::pair<std::string, std::string>>& env = {},
+          const std::function<void()>& before_exec = {}) {
   pid_t pid = ::fork();
   if (pid == 0) {
     FILE* f = std::freopen(log.c_str(), "w", stdout);
     if (!f || ::dup2(::fileno(stdout), STDERR_FILENO) < 0) ::_exit(127);
     for (auto& [k, v] : env)
       ::setenv(k.c_str(), v.c_str(), 1);
+    if (before_exec) before_exec();
     std::vector<char*> argv;
     std::string bin = RONDO_BIN;
     argv.push_back(bin.data());

@@ -408,6 +408,27 @@ TEST_F(CheckpointTest, ListSortsByStepAndPruneKeepsNewest) {
   EXPECT_TRUE(list_checkpoints((root_ / "no-such-run").string()).empty());
 }
 
+// The checkpoint just written is never pruned for a newer folder left from before a resume; one
+// set aside as damaged leaves the list (and keep's count) under a name list_checkpoints skips.
+TEST_F(CheckpointTest, PruneKeepsTheOneJustWrittenAndSetAsideLeavesTheList) {
+  const Model m = llama_lora(2);
+  TestStore s(m, models::is_lora_param, FloatDType::kBF16);
+  s.fill_random(false);
+  for (std::int64_t step : {12, 10})
+    write_checkpoint(step_dir(step), s.store, s.specs, {{"step", step}});
+  prune_checkpoints(root_.string(), 1, 10);
+  EXPECT_EQ(steps(), (std::vector<std::int64_t>{10}));
+
+  write_checkpoint(step_dir(12), s.store, s.specs, {{"step", 12}});
+  EXPECT_EQ(set_aside_checkpoint(step_dir(12)), step_dir(12) + ".damaged");
+  write_checkpoint(step_dir(12), s.store, s.specs, {{"step", 12}});
+  EXPECT_EQ(set_aside_checkpoint(step_dir(12)), step_dir(12) + ".damaged.2");
+  EXPECT_TRUE(fs::exists(fs::path(step_dir(12) + ".damaged") / "state.json"));
+  EXPECT_EQ(steps(), (std::vector<std::int64_t>{10}));
+  prune_checkpoints(root_.string(), 1, 10);
+  EXPECT_TRUE(fs::exists(step_dir(12) + ".damaged.2"));  // not a checkpoint: not prune's business
+}
+
 // Reads that must fail, each leaving the store as it was.
 void expect_read_error(const std::string& dir, TestStore& s,
                        const std::vector<std::string>& needles) {

@@ -121,5 +121,29 @@ TEST(Data, SkippingCountsAndEmptyDataIsAnError) {
             std::string::npos);
 }
 
+// A line over data.max_line: its length when its end was read, else what was read of it; skipped
+// (and counted) under skip_bad_lines, the next line read as usual.
+TEST(Data, ALineOverTheLimitSaysHowLongItIs) {
+  const std::string text(3000, 'a');
+  const std::string line = "{\"text\": \"" + text + "\"}";  // 3012 bytes
+  const std::string path = write("long.jsonl", line + "\n{\"text\": \"b\"}\n");
+  const std::string e = error_of(path, {.max_line_bytes = 1024});
+  EXPECT_NE(e.find(path + ":1: a line of 3012 bytes, more than 1.00 KiB (data.max_line)"),
+            std::string::npos)
+      << e;
+  // Longer than the reader's 64 KiB buffer: left as soon as it is over the limit.
+  const std::string huge = write("huge.jsonl", std::string(200000, 'x'));
+  const std::string h = error_of(huge, {.max_line_bytes = 1024});
+  EXPECT_NE(h.find(huge + ":1: a line of more than 1.00 KiB (data.max_line; 65536 bytes read "
+                          "without finding its end)"),
+            std::string::npos)
+      << h;
+  const models::Tokenizer tok = test::tiny_tokenizer();
+  Dataset d = load_jsonl(path, tok, models::chat_template_from_name("chatml"),
+                         {.skip_bad_lines = true, .max_line_bytes = 1024});
+  EXPECT_EQ(d.examples.size(), 1u);
+  EXPECT_EQ(d.skipped, 1);
+}
+
 }  // namespace
 }  // namespace rondo::engine
