@@ -90,7 +90,7 @@ Figures run_plain(const engine::TrainConfig& c) {
   models::Model model = models::Model::load(c.model.path, {.dtype = models::DType::kF32});
   models::Tokenizer tok = models::load_tokenizer(c.model.path);
   models::ChatTemplate tmpl = models::chat_template_from_name("chatml");
-  engine::Dataset d = engine::load_jsonl(c.data.train, tok, tmpl, {});
+  engine::Dataset d = engine::load_data(c.data.train, tok, tmpl, {});
   engine::Batcher batcher(d, {.seq_len = c.data.seq_len,
                               .rows = c.training.batch_rows,
                               .microbatches = c.training.grad_accum,

@@ -31,7 +31,7 @@ std::vector<Field> fields(engine::TrainConfig& c) {
       {"data.train", &c.data.train, "JSONL training file"},
       {"data.validation", &c.data.validation, "JSONL validation file"},
       {"data.validation_split", &c.data.validation_split, "share of training held out, 0..0.5"},
-      {"data.format", &c.data.format, "auto, text, alpaca, chat"},
+      {"data.format", &c.data.format, "auto, text, alpaca, chat, sharegpt"},
       {"data.chat_format", &c.data.chat_format, "\"\" = the model's template; chatml, llama3, ..."},
       {"data.train_on_everything", &c.data.train_on_everything, "loss on prompts too"},
       {"data.skip_bad_lines", &c.data.skip_bad_lines, "skip and count bad lines"},

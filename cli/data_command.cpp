@@ -13,12 +13,12 @@
 namespace rondo::cli {
 
 void add_data_options(CLI::App& cmd, DataOptions& o) {
-  cmd.add_option("file", o.file, "JSONL training data")->required();
+  cmd.add_option("file", o.file, "Training data: JSONL, or a JSON file holding a list")->required();
   cmd.add_option("--model", o.model, "The model whose tokenizer and chat template to use")
       ->required();
-  cmd.add_option("--format", o.format, "auto, text, alpaca or chat")
+  cmd.add_option("--format", o.format, "auto, text, alpaca, chat or sharegpt")
       ->capture_default_str()
-      ->check(CLI::IsMember({"auto", "text", "alpaca", "chat"}));
+      ->check(CLI::IsMember({"auto", "text", "alpaca", "chat", "sharegpt"}));
   cmd.add_option("--chat-format", o.chat_format, "Instead of the model's own chat template");
   cmd.add_flag("--train-on-everything", o.train_on_everything, "Loss on prompts too");
   cmd.add_flag("--skip-bad-lines", o.skip_bad_lines, "Skip and count bad lines");
@@ -37,12 +37,12 @@ int run_data(const DataOptions& o) {
   const engine::DataFormat format = engine::data_format_from(o.format);
   models::Tokenizer tok = models::load_tokenizer(o.model);
   models::ChatTemplate tmpl = engine::training_chat_template(o.model, o.chat_format, format);
-  engine::Dataset d = engine::load_jsonl(o.file, tok, tmpl,
-                                         {.format = format,
-                                          .skip_bad_lines = o.skip_bad_lines,
-                                          .train_on_everything = o.train_on_everything,
-                                          .max_lines = o.max_lines,
-                                          .max_line_bytes = parse_bytes(o.max_line, "--max-line")});
+  engine::Dataset d = engine::load_data(o.file, tok, tmpl,
+                                        {.format = format,
+                                         .skip_bad_lines = o.skip_bad_lines,
+                                         .train_on_everything = o.train_on_everything,
+                                         .max_lines = o.max_lines,
+                                         .max_line_bytes = parse_bytes(o.max_line, "--max-line")});
   if (o.example >= static_cast<long long>(d.examples.size()))
     throw Error(
         fmt::format("--example {}: {} has {} examples", o.example, o.file, d.examples.size()));

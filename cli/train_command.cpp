@@ -381,9 +381,9 @@ int run_export(const ExportOptions& o) {
                  t.c_str());
   const engine::CheckpointChoice choice = engine::choose_checkpoint(o.run, o.checkpoint);
   for (const auto& [path, bad] : choice.skipped)
-    std::fprintf(
-        stderr, "%s\n",
-        join_problems("rondo: warning: " + path + " fails its checks and is skipped:", bad).c_str());
+    std::fprintf(stderr, "%s\n",
+                 join_problems("rondo: warning: " + path + " fails its checks and is skipped:", bad)
+                     .c_str());
   if (!choice.chosen)
     throw Error(o.run + (choice.skipped.empty()
                              ? ": no complete checkpoint to export"

@@ -277,8 +277,8 @@ nlohmann::json read_checkpoint(const std::string& dir, offload::LayerStore& stor
   const fs::path tensors_path = folder / kTensorsFile;
 
   // The folder proves itself before anything of it is used.
-  if (const std::vector<std::string> bad = verified ? std::vector<std::string>{}
-                                                     : checkpoint_problems(dir);
+  if (const std::vector<std::string> bad =
+          verified ? std::vector<std::string>{} : checkpoint_problems(dir);
       !bad.empty()) {
     if (bad.size() == 1) throw Error(where + ": " + bad[0]);
     throw Error(join_problems(where + ": the checkpoint is damaged", bad));
@@ -450,8 +450,9 @@ CheckpointChoice choose_checkpoint(const std::string& run_dir, const std::string
     }
     if (!out.chosen) throw Error(run_dir + ": no checkpoint " + name + " (" + names() + ")");
     if (const std::vector<std::string> bad = checkpoint_problems(out.chosen->path); !bad.empty())
-      throw Error(join_problems(out.chosen->path + " fails its checks (choose another with "
-                                                   "--checkpoint; " +
+      throw Error(join_problems(out.chosen->path +
+                                    " fails its checks (choose another with "
+                                    "--checkpoint; " +
                                     names() + "):",
                                 bad));
     return out;

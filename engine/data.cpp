@@ -16,11 +16,14 @@ namespace {
 
 using nlohmann::json;
 
-// Lines of a file, each at most `max` bytes held: a longer one is reported (too_long) and its bytes
-// are read past without being kept, so a file of one endless line (/dev/zero) costs `max` bytes.
-class LineReader {
+// The examples of a data file, each at most `max` bytes held, one at a time: the lines of a JSONL
+// file, or the elements of a file holding one JSON array ("[{...}, {...}]", told by its first
+// character). A longer example is reported (too_long) and its bytes are read past without being
+// kept, so a file of one endless line (/dev/zero) costs `max` bytes. A UTF-8 byte order mark at
+// the start is skipped.
+class ExampleReader {
  public:
-  LineReader(const std::string& path, std::uint64_t max) : path_(path), max_(max) {
+  ExampleReader(const std::string& path, std::uint64_t max) : path_(path), max_(max) {
     fd_ = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
     if (fd_ < 0) throw Error(path + ": cannot open the data file: " + std::strerror(errno));
     struct stat st {};
@@ -36,25 +39,66 @@ class LineReader {
     if (kind != nullptr) {
       ::close(fd_);
       throw Error(path + " is " + kind +
-                  ", not a data file; give a JSONL file (one example per line)");
+                  ", not a data file; give a JSONL file (one example per line) or a JSON file "
+                  "holding a list of examples");
+    }
+    try {
+      fill();
+      if (end_ >= 3 && std::memcmp(buf_.data(), "\xEF\xBB\xBF", 3) == 0) pos_ = 3;
+      // A JSON array: its first character, after white space, is '['.
+      for (std::size_t i = pos_; i < end_; ++i) {
+        const char c = buf_[i];
+        if (c == ' ' || c == '\t' || c == '\r' || c == '\n') continue;
+        array_ = c == '[';
+        break;
+      }
+      if (array_) line_ = 1;
+    } catch (...) {
+      ::close(fd_);
+      throw;
     }
   }
-  ~LineReader() { ::close(fd_); }
-  LineReader(const LineReader&) = delete;
-  LineReader& operator=(const LineReader&) = delete;
+  ~ExampleReader() { ::close(fd_); }
+  ExampleReader(const ExampleReader&) = delete;
+  ExampleReader& operator=(const ExampleReader&) = delete;
 
-  // Whether the last line's end was read (false: a too-long line left at once, its length so far).
+  bool array() const { return array_; }
+  // Whether the last example's end was read (false: a too-long one left at once, its length so
+  // far).
   bool ended() const { return ended_; }
 
-  // The next line without its '\n' into `line`; false at the end of the file. `too_long` says the
-  // line was longer than the limit (then `line` is empty and `length` is what was read of it):
-  // with `read_past` the rest of it is read and dropped, else next() returns at once (the caller
-  // stops; an endless line is never read to its end).
-  bool next(std::string& line, bool& too_long, std::uint64_t& length, bool read_past) {
-    line.clear();
+  // The next example's text into `text` (a JSONL line without its '\n'), the line it starts on
+  // into `line`; false at the end. `too_long` says it was longer than the limit (then `text` is
+  // empty and `length` is what was read of it): with `read_past` the rest of it is read and
+  // dropped, else next() returns at once (the caller stops; an endless line is never read to its
+  // end). A JSON array that breaks off or lacks a comma is an Error: nothing after it can be
+  // trusted.
+  bool next(std::string& text, bool& too_long, std::uint64_t& length, std::int64_t& line,
+            bool read_past) {
+    text.clear();
     too_long = false;
     length = 0;
     ended_ = true;
+    return array_ ? next_element(text, too_long, length, line, read_past)
+                  : next_line(text, too_long, length, line, read_past);
+  }
+
+ private:
+  // Appends one byte of an example, or counts it past the limit.
+  void put(std::string& text, char c, bool& too_long, std::uint64_t& length) {
+    ++length;
+    if (too_long) return;
+    if (length > max_) {
+      too_long = true;
+      std::string().swap(text);
+      return;
+    }
+    text.push_back(c);
+  }
+
+  bool next_line(std::string& text, bool& too_long, std::uint64_t& length, std::int64_t& line,
+                 bool read_past) {
+    line = ++line_;
     for (;;) {
       if (pos_ == end_) {
         if (eof_ || !fill()) return length > 0;
@@ -65,15 +109,14 @@ class LineReader {
       length += n;
       if (!too_long && length > max_) {
         too_long = true;
-        line.clear();
-        line.shrink_to_fit();
+        std::string().swap(text);
         if (!read_past) {
           ended_ = nl != nullptr;
           pos_ += n;
           return true;
         }
       }
-      if (!too_long) line.append(begin, n);
+      if (!too_long) text.append(begin, n);
       pos_ += n;
       if (nl) {
         ++pos_;
@@ -82,7 +125,82 @@ class LineReader {
     }
   }
 
- private:
+  int get() {
+    if (pos_ == end_ && (eof_ || !fill())) return -1;
+    const int c = static_cast<unsigned char>(buf_[pos_++]);
+    if (c == '\n') ++line_;
+    return c;
+  }
+  int skip_space() {
+    for (;;) {
+      const int c = get();
+      if (c != ' ' && c != '\t' && c != '\r' && c != '\n') return c;
+    }
+  }
+  [[noreturn]] void broken(const std::string& what) const {
+    throw Error(path_ + ":" + std::to_string(line_) + ": " + what);
+  }
+  static std::string shown(int c) {
+    return c < 0x20 || c > 0x7e ? "byte " + std::to_string(c) : "'" + std::string(1, char(c)) + "'";
+  }
+
+  bool next_element(std::string& text, bool& too_long, std::uint64_t& length, std::int64_t& line,
+                    bool read_past) {
+    if (done_) return false;
+    int c = skip_space();
+    if (!started_) {
+      started_ = true;  // c is the '[' the constructor saw
+      c = skip_space();
+    } else if (c == ',') {
+      c = skip_space();
+    } else if (c != ']') {
+      broken(c < 0 ? "the file ends inside the JSON list (no closing ']'): is it cut short?"
+                   : "expected ',' or ']' after example " + std::to_string(count_) + ", found " +
+                         shown(c));
+    }
+    if (c == ']') {  // the end (after a trailing comma too, as many writers leave one)
+      done_ = true;
+      if (skip_space() != -1) broken("more after the JSON list's closing ']'");
+      return false;
+    }
+    if (c < 0) broken("the file ends inside the JSON list (no closing ']'): is it cut short?");
+    ++count_;
+    line = line_;
+    // To the end of the value: a bracket at depth 0 closes it (an object or a list), or a ',' or
+    // ']' outside strings ends a bare value (a number, a string: not an example, said later).
+    int depth = 0;
+    bool in_string = false, escape = false;
+    for (;; c = get()) {
+      if (c < 0)
+        broken("the file ends inside example " + std::to_string(count_) + ": is it cut short?");
+      if (!in_string && depth == 0 && length > 0 && (c == ',' || c == ']')) {
+        --pos_;  // the separator is the caller's
+        break;
+      }
+      put(text, static_cast<char>(c), too_long, length);
+      if (in_string) {
+        if (escape)
+          escape = false;
+        else if (c == '\\')
+          escape = true;
+        else if (c == '"')
+          in_string = false;
+      } else if (c == '"') {
+        in_string = true;
+      } else if (c == '{' || c == '[') {
+        ++depth;
+      } else if ((c == '}' || c == ']') && --depth <= 0) {
+        if (depth < 0) broken("a '" + std::string(1, char(c)) + "' that closes nothing");
+        break;
+      }
+      if (too_long && !read_past) {
+        ended_ = false;
+        return true;
+      }
+    }
+    return true;
+  }
+
   bool fill() {
     pos_ = end_ = 0;
     for (;;) {
@@ -102,10 +220,14 @@ class LineReader {
   std::size_t pos_ = 0, end_ = 0;
   bool eof_ = false;
   bool ended_ = true;
+  bool array_ = false, started_ = false, done_ = false;
+  std::int64_t line_ = 0;   // lines begun (JSONL) or '\n's read + 1 (a JSON list)
+  std::int64_t count_ = 0;  // elements of a JSON list begun
 };
 
 DataFormat detect(const json& j) {
   if (j.contains("messages")) return DataFormat::kChat;
+  if (j.contains("conversations")) return DataFormat::kShareGpt;
   if (j.contains("instruction") || j.contains("output")) return DataFormat::kAlpaca;
   if (j.contains("text")) return DataFormat::kText;
   return DataFormat::kAuto;
@@ -121,6 +243,30 @@ std::string string_field(json& j, const char* key, bool required) {
   return std::move(j[key].get_ref<std::string&>());
 }
 
+// The turns of a conversation: `list_key` holds objects with a role (`role_key`) and a text
+// (`text_key`); `role_of` maps a role as written to system, user or assistant ("" = not one:
+// `roles` lists the accepted ones).
+template <typename RoleOf>
+void append_turns(json& j, const char* list_key, const char* role_key, const char* text_key,
+                  RoleOf role_of, const char* roles, std::vector<models::ChatMessage>& out) {
+  const std::string shape =
+      std::string("{\"") + role_key + "\": string, \"" + text_key + "\": string}";
+  if (!j.contains(list_key) || !j[list_key].is_array())
+    throw Error(std::string("'") + list_key + "' must be a list of " + shape);
+  json& list = j[list_key];
+  for (std::size_t i = 0; i < list.size(); ++i) {
+    json& m = list[i];
+    const std::string where = std::string(list_key) + "[" + std::to_string(i) + "]";
+    if (!m.is_object() || !m.contains(role_key) || !m[role_key].is_string() ||
+        !m.contains(text_key) || !m[text_key].is_string())
+      throw Error(where + " must be " + shape);
+    const std::string& written = m[role_key].get_ref<const std::string&>();
+    const std::string role = role_of(written);
+    if (role.empty()) throw Error(where + "." + role_key + " is '" + written + "' (" + roles + ")");
+    out.push_back({role, std::move(m[text_key].get_ref<std::string&>())});
+  }
+}
+
 Example to_example(json& j, DataFormat format, const models::Tokenizer& tok,
                    const models::ChatTemplate& tmpl, const DataOptions& o) {
   Example e;
@@ -132,30 +278,42 @@ Example to_example(json& j, DataFormat format, const models::Tokenizer& tok,
     return e;
   }
   std::vector<models::ChatMessage> messages;
+  // A "system" field beside the turns (alpaca, ShareGPT): the conversation's first message.
+  auto system_field = [&] {
+    std::string system = string_field(j, "system", false);
+    if (!system.empty()) messages.push_back({"system", std::move(system)});
+  };
   if (format == DataFormat::kAlpaca) {
+    system_field();
     std::string user = string_field(j, "instruction", true);
     const std::string input = string_field(j, "input", false);
     if (!input.empty()) user += "\n\n" + input;
-    messages = {{"user", user}, {"assistant", string_field(j, "output", true)}};
+    messages.push_back({"user", std::move(user)});
+    messages.push_back({"assistant", string_field(j, "output", true)});
+  } else if (format == DataFormat::kShareGpt) {
+    system_field();
+    append_turns(
+        j, "conversations", "from", "value",
+        [](const std::string& from) -> std::string {
+          if (from == "system") return "system";
+          if (from == "human" || from == "user") return "user";
+          if (from == "gpt" || from == "assistant" || from == "chatgpt" || from == "model")
+            return "assistant";
+          return "";
+        },
+        "human, gpt or system", messages);
   } else {
-    if (!j.contains("messages") || !j["messages"].is_array())
-      throw Error("'messages' must be a list of {\"role\", \"content\"}");
-    for (std::size_t i = 0; i < j["messages"].size(); ++i) {
-      json& m = j["messages"][i];
-      const std::string where = "messages[" + std::to_string(i) + "]";
-      if (!m.is_object() || !m.contains("role") || !m["role"].is_string() ||
-          !m.contains("content") || !m["content"].is_string())
-        throw Error(where + " must be {\"role\": string, \"content\": string}");
-      const std::string role = m["role"];
-      if (role != "system" && role != "user" && role != "assistant")
-        throw Error(where + ".role is '" + role + "' (system, user or assistant)");
-      messages.push_back({role, std::move(m["content"].get_ref<std::string&>())});
-    }
-    if (std::none_of(messages.begin(), messages.end(),
-                     [](const models::ChatMessage& m) { return m.role == "assistant"; }) &&
-        !o.train_on_everything)
-      throw Error("no assistant message: nothing to train on");
+    append_turns(
+        j, "messages", "role", "content",
+        [](const std::string& role) -> std::string {
+          return role == "system" || role == "user" || role == "assistant" ? role : "";
+        },
+        "system, user or assistant", messages);
   }
+  if (format != DataFormat::kAlpaca && !o.train_on_everything &&
+      std::none_of(messages.begin(), messages.end(),
+                   [](const models::ChatMessage& m) { return m.role == "assistant"; }))
+    throw Error("no assistant message: nothing to train on");
   models::RenderedChat r = models::render_chat(tok, tmpl, messages);
   e.ids = std::move(r.ids);
   e.loss_mask = o.train_on_everything ? std::vector<std::uint8_t>(e.ids.size(), 1) : r.loss_mask;
@@ -185,6 +343,8 @@ const char* to_string(DataFormat format) {
       return "alpaca";
     case DataFormat::kChat:
       return "chat";
+    case DataFormat::kShareGpt:
+      return "sharegpt";
   }
   return "?";
 }
@@ -210,28 +370,39 @@ std::string Dataset::stats_text() const {
     hi = std::max(hi, e.ids.size());
   }
   const std::int64_t n = static_cast<std::int64_t>(examples.size());
-  std::string s = with_commas(n) + " examples (" + to_string(format) + "), " +
-                  with_commas(tokens()) + " tokens, " + with_commas(trained_tokens()) + " trained";
+  std::string s = with_commas(n) + (n == 1 ? " example (" : " examples (") + to_string(format) +
+                  (json_list ? ", from a JSON list" : "") + "), " + with_commas(tokens()) +
+                  " tokens, " + with_commas(trained_tokens()) + " trained";
   if (n > 0)
     s += "; length " + with_commas(static_cast<std::int64_t>(lo)) + ".." +
          with_commas(static_cast<std::int64_t>(hi)) + ", mean " + with_commas(tokens() / n);
   if (skipped > 0)
-    s += "; " + with_commas(skipped) + (skipped == 1 ? " bad line skipped" : " bad lines skipped");
+    s += "; " + with_commas(skipped) +
+         (json_list ? (skipped == 1 ? " bad example skipped" : " bad examples skipped")
+                    : (skipped == 1 ? " bad line skipped" : " bad lines skipped"));
   return s;
 }
 
-Dataset load_jsonl(const std::string& path, const models::Tokenizer& tokenizer,
-                   const models::ChatTemplate& chat_template, const DataOptions& options) {
-  LineReader in(path, options.max_line_bytes);
+Dataset load_data(const std::string& path, const models::Tokenizer& tokenizer,
+                  const models::ChatTemplate& chat_template, const DataOptions& options) {
+  ExampleReader in(path, options.max_line_bytes);
   Dataset d;
   d.path = path;
   d.format = options.format;
-  std::string line;
+  d.json_list = in.array();
+  std::string text;
   bool too_long = false;
   std::uint64_t length = 0;
-  for (std::int64_t number = 1; in.next(line, too_long, length, options.skip_bad_lines); ++number) {
-    if (!line.empty() && line.back() == '\r') line.pop_back();
-    if (!too_long && line.find_first_not_of(" \t") == std::string::npos) continue;
+  std::int64_t line = 0;
+  for (std::int64_t number = 1; in.next(text, too_long, length, line, options.skip_bad_lines);
+       ++number) {
+    if (!in.array()) {
+      if (!text.empty() && text.back() == '\r') text.pop_back();
+      if (!too_long && text.find_first_not_of(" \t") == std::string::npos) {
+        --number;
+        continue;
+      }
+    }
     if (options.max_lines > 0 && d.lines == options.max_lines) {
       d.partial = true;
       break;
@@ -240,27 +411,38 @@ Dataset load_jsonl(const std::string& path, const models::Tokenizer& tokenizer,
     try {
       if (too_long)
         throw Error(
-            (in.ended() ? "a line of " + std::to_string(length) + " bytes, more than "
-                        : "a line of more than ") +
+            std::string(in.array() ? "an example" : "a line") +
+            (in.ended() ? " of " + std::to_string(length) + " bytes, more than "
+                        : " of more than ") +
             format_bytes(options.max_line_bytes) + " (data.max_line" +
             (in.ended() ? std::string()
                         : "; " + std::to_string(length) + " bytes read without finding its end") +
             "): not one example per line? raise data.max_line if such long examples are meant");
       json j;
       try {
-        j = json::parse(line);
+        j = json::parse(text);
       } catch (const json::exception& e) {
         throw Error(std::string("not valid JSON (") + e.what() + ")");
       }
-      // A long line is let go once parsed (its text lives on in `j`); short ones keep the buffer.
-      if (line.capacity() > (std::size_t{1} << 20)) std::string().swap(line);
+      // A long example is let go once parsed (its text lives on in `j`); short ones keep the
+      // buffer.
+      if (text.capacity() > (std::size_t{1} << 20)) std::string().swap(text);
       if (!j.is_object()) throw Error("not a JSON object");
       if (d.format == DataFormat::kAuto) {
         d.format = detect(j);
         if (d.format == DataFormat::kAuto)
           throw Error(
-              "no 'text', 'instruction'/'output' or 'messages' field: cannot tell the "
-              "format (choose one with the data format setting)");
+              "no 'text', 'instruction'/'output', 'messages' or 'conversations' field: cannot "
+              "tell the format. Rondo reads these (or choose one with the data format setting):\n"
+              "  text      {\"text\": \"...\"}\n"
+              "  alpaca    {\"instruction\": \"...\", \"input\": \"...\", \"output\": \"...\", "
+              "\"system\": \"...\"}\n"
+              "  chat      {\"messages\": [{\"role\": \"system\"|\"user\"|\"assistant\", "
+              "\"content\": \"...\"}, ...]}\n"
+              "  sharegpt  {\"conversations\": [{\"from\": \"system\"|\"human\"|\"gpt\", "
+              "\"value\": \"...\"}, ...], \"system\": \"...\"}\n"
+              "one example per line (JSONL), or a JSON file holding a list of them ('input' and "
+              "'system' may be left out)");
       }
       Example e = to_example(j, d.format, tokenizer, chat_template, options);
       if (e.ids.empty()) throw Error("no tokens");
@@ -269,7 +451,10 @@ Dataset load_jsonl(const std::string& path, const models::Tokenizer& tokenizer,
       e.loss_mask.shrink_to_fit();
       d.examples.push_back(std::move(e));
     } catch (const Error& e) {
-      const std::string what = path + ":" + std::to_string(number) + ": " + e.what();
+      const std::string what =
+          path + ":" + std::to_string(line) +
+          (in.array() ? " (example " + std::to_string(number) + ")" : std::string()) + ": " +
+          e.what();
       if (!options.skip_bad_lines) throw Error(what);
       ++d.skipped;
       if (d.skipped_reasons.size() < 5) d.skipped_reasons.push_back(what);
@@ -278,16 +463,18 @@ Dataset load_jsonl(const std::string& path, const models::Tokenizer& tokenizer,
   if (d.examples.empty())
     throw Error(path + ": no examples" +
                 (d.skipped ? " (" + std::to_string(d.skipped) +
-                                 " bad lines skipped; the first: " + d.skipped_reasons[0] + ")"
-                           : std::string(d.lines ? "" : " (the file is empty)")));
+                                 (d.json_list ? " bad examples" : " bad lines") +
+                                 " skipped; the first: " + d.skipped_reasons[0] + ")"
+                           : std::string(d.lines       ? ""
+                                         : d.json_list ? " (the list is empty)"
+                                                       : " (the file is empty)")));
   return d;
 }
 
 DataFormat data_format_from(const std::string& name) {
-  for (DataFormat f :
-       {DataFormat::kAuto, DataFormat::kText, DataFormat::kAlpaca, DataFormat::kChat})
+  for (DataFormat f : kDataFormats)
     if (name == to_string(f)) return f;
-  throw Error("data format '" + name + "' is not one of auto, text, alpaca, chat");
+  throw Error("data format '" + name + "' is not one of auto, text, alpaca, chat, sharegpt");
 }
 
 }  // namespace rondo::engine

@@ -1,15 +1,18 @@
-// Training data from JSONL: one example per line, in one of three formats, detected from the first
-// usable line or chosen:
-//   text    {"text": "..."}                                  loss on every token
-//   alpaca  {"instruction": "...", "input": "...", "output": "..."}   a user turn (instruction,
-//   then
-//           the input after a blank line when there is one) and the assistant's output
-//   chat    {"messages": [{"role": "system"|"user"|"assistant", "content": "..."}, ...]}
-// Alpaca and chat examples go through the model's chat template; the loss covers the assistant
-// replies only, unless train_on_everything. A bad line is an error naming the file and the line
-// (or, with skip_bad_lines, is skipped and counted).
+// Training data: a JSONL file (one example per line) or a JSON file holding a list of examples,
+// each in one of four formats, detected from the first usable example or chosen:
+//   text      {"text": "..."}                                    loss on every token
+//   alpaca    {"instruction": "...", "input": "...", "output": "...", "system": "..."}   a user
+//             turn (the instruction, then the input after a blank line when there is one) and the
+//             assistant's output; "input" and "system" may be left out
+//   chat      {"messages": [{"role": "system"|"user"|"assistant", "content": "..."}, ...]}
+//   sharegpt  {"conversations": [{"from": "system"|"human"|"gpt", "value": "..."}, ...],
+//              "system": "..."}   ("user", "assistant", "chatgpt" and "model" are taken too)
+// Alpaca, chat and ShareGPT examples go through the model's chat template; the loss covers the
+// assistant replies only, unless train_on_everything. A bad example is an error naming the file
+// and the line it starts on (or, with skip_bad_lines, is skipped and counted). data.max_line
+// bounds one example (a line, or an element of the list).
 //
-//   engine::Dataset d = engine::load_jsonl("data/train.jsonl", tok, tmpl, {});
+//   engine::Dataset d = engine::load_data("data/train.jsonl", tok, tmpl, {});
 //   std::printf("%s\n", d.stats_text().c_str());
 #pragma once
 
@@ -22,8 +25,11 @@
 
 namespace rondo::engine {
 
-enum class DataFormat { kAuto, kText, kAlpaca, kChat };
-const char* to_string(DataFormat format);              // "auto", "text", "alpaca", "chat"
+enum class DataFormat { kAuto, kText, kAlpaca, kChat, kShareGpt };
+inline constexpr DataFormat kDataFormats[] = {DataFormat::kAuto, DataFormat::kText,
+                                              DataFormat::kAlpaca, DataFormat::kChat,
+                                              DataFormat::kShareGpt};
+const char* to_string(DataFormat format);  // "auto", "text", "alpaca", "chat", "sharegpt"
 DataFormat data_format_from(const std::string& name);  // the reverse; throws Error for others
 
 constexpr std::uint64_t kDefaultMaxLineBytes = 16ull << 20;
@@ -52,6 +58,7 @@ struct Dataset {
   std::int64_t skipped = 0;                  // bad lines skipped (skip_bad_lines)
   std::vector<std::string> skipped_reasons;  // the first few, "line 7: ..."
   bool partial = false;                      // max_lines stopped the reading before the end
+  bool json_list = false;                    // a JSON file holding a list, not JSONL
 
   std::int64_t tokens() const;
   std::int64_t trained_tokens() const;  // tokens under the loss mask
@@ -66,9 +73,10 @@ struct Dataset {
 models::ChatTemplate training_chat_template(const std::string& model_path,
                                             const std::string& chat_format, DataFormat format);
 
-// Throws Error "file:line: what" for a bad line (without skip_bad_lines), and when nothing usable
-// is left ("no examples in ...").
-Dataset load_jsonl(const std::string& path, const models::Tokenizer& tokenizer,
-                   const models::ChatTemplate& chat_template, const DataOptions& options);
+// Throws Error "file:line: what" ("file:line (example N): what" in a JSON list) for a bad example
+// (without skip_bad_lines), for a JSON list that breaks off, and when nothing usable is left
+// ("no examples in ...").
+Dataset load_data(const std::string& path, const models::Tokenizer& tokenizer,
+                  const models::ChatTemplate& chat_template, const DataOptions& options);
 
 }  // namespace rondo::engine

@@ -35,14 +35,13 @@ bool alive(pid_t pid) {
 
 }  // namespace
 
-RunLock::RunLock(const std::string& run_dir, const std::string& what, bool reader)
-    : dir_(run_dir) {
+RunLock::RunLock(const std::string& run_dir, const std::string& what, bool reader) : dir_(run_dir) {
   const std::string path = (fs::path(run_dir) / kFile).string();
   fd_ = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
   if (fd_ < 0 && reader && (errno == EROFS || errno == EACCES || errno == EPERM)) {
     read_only_ = true;
     fd_ = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);  // flock needs no write access
-    if (fd_ < 0 && errno == ENOENT) return;  // never written by Rondo: nobody to wait for
+    if (fd_ < 0 && errno == ENOENT) return;            // never written by Rondo: nobody to wait for
   }
   if (fd_ < 0) throw Error("cannot open the run's lock file " + path + ": " + std::strerror(errno));
   int rc;

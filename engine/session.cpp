@@ -294,9 +294,9 @@ struct Session::Impl {
                   .skip_bad_lines = c.data.skip_bad_lines,
                   .train_on_everything = c.data.train_on_everything,
                   .max_line_bytes = parse_bytes(c.data.max_line, "data.max_line")};
-    train = load_jsonl(c.data.train, *tok, *tmpl, d);
+    train = engine::load_data(c.data.train, *tok, *tmpl, d);
     if (!c.data.validation.empty())
-      val = load_jsonl(c.data.validation, *tok, *tmpl, d);
+      val = engine::load_data(c.data.validation, *tok, *tmpl, d);
     else if (c.data.validation_split > 0)
       val = split_validation(train, c.data.validation_split, c.training.seed);
     if (train.trained_tokens() == 0)

@@ -49,8 +49,8 @@ std::vector<std::string> TrainConfig::validate(bool planning) const {
     add("model.double_quant", "applies to model.quantize = nf4 only");
 
   if (data.train.empty() && !planning) add("data.train", "not set; give a JSONL file");
-  if (!one_of(data.format, {"auto", "text", "alpaca", "chat"}))
-    add("data.format", "must be auto, text, alpaca or chat (got '" + data.format + "')");
+  if (!one_of(data.format, {"auto", "text", "alpaca", "chat", "sharegpt"}))
+    add("data.format", "must be auto, text, alpaca, chat or sharegpt (got '" + data.format + "')");
   if (!(data.validation_split >= 0 && data.validation_split <= 0.5))
     add("data.validation_split", "must be in [0, 0.5] (got " + str(data.validation_split) + ")");
   if (!data.validation.empty() && data.validation_split > 0)

@@ -34,7 +34,7 @@ struct DataSection {
   std::string train;                 // JSONL file
   std::string validation;            // JSONL file; "" = split off `validation_split`
   double validation_split = 0;       // share of the training examples held out, [0, 0.5]
-  std::string format = "auto";       // "auto", "text", "alpaca", "chat"
+  std::string format = "auto";       // "auto", "text", "alpaca", "chat", "sharegpt"
   std::string chat_format;           // "" = the model's own chat template
   bool train_on_everything = false;  // loss on prompts too, not only on assistant replies
   bool skip_bad_lines = false;       // count and skip bad lines instead of stopping

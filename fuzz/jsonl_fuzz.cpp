@@ -38,11 +38,10 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   static const rondo::models::ChatTemplate chatml =
       rondo::models::chat_template_from_name("chatml");
   using rondo::engine::DataFormat;
-  for (DataFormat f :
-       {DataFormat::kAuto, DataFormat::kText, DataFormat::kAlpaca, DataFormat::kChat}) {
+  for (DataFormat f : rondo::engine::kDataFormats) {
     for (bool skip : {true, false}) {
       try {
-        const rondo::engine::Dataset d = rondo::engine::load_jsonl(
+        const rondo::engine::Dataset d = rondo::engine::load_data(
             path, tokenizer(), chatml,
             {.format = f, .skip_bad_lines = skip, .max_line_bytes = 1 << 16});
         for (const rondo::engine::Example& e : d.examples)

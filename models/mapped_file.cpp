@@ -59,8 +59,7 @@ void write_file_durably(const std::string& path, const std::string& text) {
   ::close(dfd);
 }
 
-std::string read_text_file(const std::string& path, const std::string& what,
-                           std::uint64_t limit) {
+std::string read_text_file(const std::string& path, const std::string& what, std::uint64_t limit) {
   const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
   if (fd < 0) throw Error("cannot read " + path + " (" + what + "): " + std::strerror(errno));
   std::string text;
@@ -69,8 +68,8 @@ std::string read_text_file(const std::string& path, const std::string& what,
     if (::fstat(fd, &st) != 0)
       throw Error("cannot read " + path + " (" + what + "): " + std::strerror(errno));
     if (!S_ISREG(st.st_mode))
-      throw Error(path + " is " + (S_ISDIR(st.st_mode) ? "a folder" : "not a regular file") +
-                  " (" + what + "): give the path of the file itself");
+      throw Error(path + " is " + (S_ISDIR(st.st_mode) ? "a folder" : "not a regular file") + " (" +
+                  what + "): give the path of the file itself");
     char buf[1 << 16];
     for (;;) {
       const ssize_t n = ::read(fd, buf, sizeof buf);

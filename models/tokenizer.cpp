@@ -291,8 +291,7 @@ Piece apply_norm(const NormStep& step, Piece p) {
   if (auto* s = std::get_if<NormReplace>(&step))
     return replace_ranges(
         p, [&](auto&& f) { s->pattern.for_each(p.text, f); }, s->content);
-  if (auto* s = std::get_if<NormUnicode>(&step))
-    return normalize_unicode(std::move(p), s->compose);
+  if (auto* s = std::get_if<NormUnicode>(&step)) return normalize_unicode(std::move(p), s->compose);
   const auto& strip = std::get<NormStrip>(step);
   const auto [b, e] =
       unicode::strip(p.text, 0, p.text.size(), strip.left, strip.right, unicode::is_white_space);
@@ -539,7 +538,9 @@ std::vector<std::string> apply_dec(const DecStep& step, std::vector<std::string>
     for (std::string& t : tokens) {
       Piece p;
       push(p, t, 0);
-      t = replace_ranges(p, [&](auto&& f) { s->pattern.for_each(p.text, f); }, s->content).text;
+      t = replace_ranges(
+              p, [&](auto&& f) { s->pattern.for_each(p.text, f); }, s->content)
+              .text;
     }
     return tokens;
   }

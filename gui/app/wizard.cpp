@@ -157,13 +157,15 @@ SetupWizard::SetupWizard(QWidget* parent) : QWizard(parent) {
   // ---- Data ----
   auto* data = new HookPage;
   data->setTitle("Data");
-  data->setSubTitle("JSONL: text, alpaca (instruction/input/output) or chat (messages).");
+  data->setSubTitle(
+      "JSONL or a JSON list: text, alpaca (instruction/input/output), chat (messages) or "
+      "ShareGPT (conversations).");
   m_dataPath = new QLineEdit;
   m_dataPath->setObjectName("dataPath");
   auto* browseData = new QPushButton("File…");
   m_dataFormat = new QComboBox;
   m_dataFormat->setObjectName("dataFormat");
-  m_dataFormat->addItems({"auto", "text", "alpaca", "chat"});
+  m_dataFormat->addItems({"auto", "text", "alpaca", "chat", "sharegpt"});
   m_trainOnEverything = new QCheckBox("Train on prompts too, not only on the replies");
   m_validationSplit = new QDoubleSpinBox;
   m_validationSplit->setObjectName("validationSplit");
@@ -189,7 +191,8 @@ SetupWizard::SetupWizard(QWidget* parent) : QWizard(parent) {
     form->addRow(m_dataPreview);
   }
   connect(browseData, &QPushButton::clicked, this, [this] {
-    QString f = QFileDialog::getOpenFileName(this, "Training data", {}, "JSONL (*.jsonl *.json)");
+    QString f = QFileDialog::getOpenFileName(this, "Training data", {},
+                                             "JSONL or a JSON list (*.jsonl *.json)");
     if (!f.isEmpty()) m_dataPath->setText(f), refreshData();
   });
   connect(m_dataPath, &QLineEdit::editingFinished, this, &SetupWizard::refreshData);

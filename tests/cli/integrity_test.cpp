@@ -431,9 +431,9 @@ TEST_F(Integrity, FilesReadWholeAreBounded) {
     std::ofstream f(m / "config.json");  // 65 MiB of zeros, sparse: no disk used
   }
   fs::resize_file(m / "config.json", 65ull << 20);
-  check({"inspect", m.string()},
-        (m / "config.json").string() + " (a Hugging Face model folder needs config.json) is "
-                                       "larger than 64.00 MiB");
+  check({"inspect", m.string()}, (m / "config.json").string() +
+                                     " (a Hugging Face model folder needs config.json) is "
+                                     "larger than 64.00 MiB");
 }
 
 // One long example (a 24 MiB line under a 32 MiB data.max_line): reading, parsing, tokenizing and
@@ -453,15 +453,15 @@ TEST_F(Integrity, ALongLineCostsASmallMultipleOfItsSize) {
   }
   write(dir / "short.jsonl", "{\"text\": \"The quick brown fox.\"}\n");
   auto run = [&](const char* file) {
-    const Measured m = measure({"data", (dir / file).string(), "--model", model.string(),
-                                "--max-line", "32MiB"},
-                               dir / "m.log");
+    const Measured m =
+        measure({"data", (dir / file).string(), "--model", model.string(), "--max-line", "32MiB"},
+                dir / "m.log");
     EXPECT_EQ(m.code, 0) << m.out.substr(0, 2000);
     return m;
   };
   const Measured base = run("short.jsonl");
   const Measured big = run("long.jsonl");
-  EXPECT_TRUE(contains(big.out, "1 examples (text)")) << big.out.substr(0, 2000);
+  EXPECT_TRUE(contains(big.out, "1 example (text)")) << big.out.substr(0, 2000);
   const double ratio = (static_cast<double>(big.peak_rss) - static_cast<double>(base.peak_rss)) /
                        static_cast<double>(size);
   std::printf("a %zu MiB line: peak RSS %.0f MiB (one short line: %.0f MiB), %.1fx the line\n",

@@ -96,7 +96,8 @@ TEST_F(TrainCli, TomlSyntaxErrorNamesLineAndColumn) {
   EXPECT_TRUE(contains(r.out, cfg.string() + ":3:")) << r.out;
   r = run_rondo("train " + (dir / "missing.toml").string());
   EXPECT_EQ(r.code, 1) << r.out;
-  EXPECT_TRUE(contains(r.out, "cannot read " + (dir / "missing.toml").string() + " (the config file)"))
+  EXPECT_TRUE(
+      contains(r.out, "cannot read " + (dir / "missing.toml").string() + " (the config file)"))
       << r.out;
 }
 

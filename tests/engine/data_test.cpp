@@ -1,11 +1,12 @@
-// JSONL training data: format detection, what each format becomes (tokens and loss mask), and
-// the errors a user meets — each naming the file and the line.
+// Training data (JSONL, or a JSON list): format detection, what each format becomes (tokens and
+// loss mask), and the errors a user meets — each naming the file and the line.
 #include "engine/data.h"
 
 #include <gtest/gtest.h>
 
 #include <filesystem>
 #include <fstream>
+#include <nlohmann/json.hpp>
 
 #include "kernels/error.h"
 #include "tests/support/tiny_tokenizer.h"
@@ -29,7 +30,7 @@ std::string masked_text(const models::Tokenizer& tok, const Example& e, bool tra
 std::string error_of(const std::string& path, DataOptions o = {}) {
   const models::Tokenizer tok = test::tiny_tokenizer();
   try {
-    load_jsonl(path, tok, models::chat_template_from_name("chatml"), o);
+    load_data(path, tok, models::chat_template_from_name("chatml"), o);
   } catch (const Error& e) {
     return e.what();
   }
@@ -40,8 +41,8 @@ TEST(Data, EachFormatIsDetectedAndMaskedAsItSays) {
   const models::Tokenizer tok = test::tiny_tokenizer();
   const auto chatml = models::chat_template_from_name("chatml");
 
-  Dataset text = load_jsonl(
-      write("t.jsonl", "{\"text\": \"Hello world\"}\n\n{\"text\": \"Bye\"}\n"), tok, chatml, {});
+  Dataset text = load_data(write("t.jsonl", "{\"text\": \"Hello world\"}\n\n{\"text\": \"Bye\"}\n"),
+                           tok, chatml, {});
   EXPECT_EQ(text.format, DataFormat::kText);
   ASSERT_EQ(text.examples.size(), 2u);
   std::vector<std::int32_t> want = tok.encode("Hello world");
@@ -50,16 +51,16 @@ TEST(Data, EachFormatIsDetectedAndMaskedAsItSays) {
   EXPECT_EQ(masked_text(tok, text.examples[0], false), "");  // everything trained
 
   Dataset alpaca =
-      load_jsonl(write("a.jsonl", R"({"instruction": "Add", "input": "2 2", "output": "Four"})"
-                                  "\n"),
-                 tok, chatml, {});
+      load_data(write("a.jsonl", R"({"instruction": "Add", "input": "2 2", "output": "Four"})"
+                                 "\n"),
+                tok, chatml, {});
   EXPECT_EQ(alpaca.format, DataFormat::kAlpaca);
   const Example& a = alpaca.examples.at(0);
   EXPECT_NE(masked_text(tok, a, true).find("Four"), std::string::npos);
   EXPECT_EQ(masked_text(tok, a, true).find("Add"), std::string::npos) << "prompt trained";
   EXPECT_NE(masked_text(tok, a, false).find("Add\n\n2 2"), std::string::npos);
 
-  Dataset chat = load_jsonl(
+  Dataset chat = load_data(
       write("c.jsonl",
             R"({"messages": [{"role": "system", "content": "Be brief"}, )"
             R"({"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Yo"}]})"
@@ -68,11 +69,11 @@ TEST(Data, EachFormatIsDetectedAndMaskedAsItSays) {
   EXPECT_EQ(chat.format, DataFormat::kChat);
   EXPECT_NE(masked_text(tok, chat.examples[0], true).find("Yo"), std::string::npos);
   EXPECT_EQ(masked_text(tok, chat.examples[0], true).find("Hi"), std::string::npos);
-  Dataset all = load_jsonl(chat.path, tok, chatml, {.train_on_everything = true});
+  Dataset all = load_data(chat.path, tok, chatml, {.train_on_everything = true});
   EXPECT_EQ(all.trained_tokens(), all.tokens());
   EXPECT_LT(chat.trained_tokens(), chat.tokens());
 
-  EXPECT_NE(alpaca.stats_text().find("1 examples (alpaca)"), std::string::npos)
+  EXPECT_NE(alpaca.stats_text().find("1 example (alpaca)"), std::string::npos)
       << alpaca.stats_text();
 }
 
@@ -90,9 +91,12 @@ TEST(Data, BadLinesNameTheFileAndLine) {
   EXPECT_NE(error_of(role).find(role + ":1: messages[1].role is 'tool'"), std::string::npos)
       << error_of(role);
   const std::string unknown = write("unknown.jsonl", "{\"prompt\": \"a\"}\n");
-  EXPECT_NE(error_of(unknown).find(unknown + ":1: no 'text', 'instruction'/'output' or 'messages'"),
-            std::string::npos)
-      << error_of(unknown);
+  // The error lists the layouts Rondo reads, one line each.
+  for (const char* needle :
+       {":1: no 'text', 'instruction'/'output', 'messages' or 'conversations' field",
+        "\n  text      {\"text\"", "\n  alpaca    {\"instruction\"", "\n  chat      {\"messages\"",
+        "\n  sharegpt  {\"conversations\""})
+    EXPECT_NE(error_of(unknown).find(needle), std::string::npos) << needle << error_of(unknown);
   const std::string number = write("number.jsonl", "{\"text\": 7}\n");
   EXPECT_NE(error_of(number).find(":1: 'text' must be a string"), std::string::npos);
 }
@@ -102,7 +106,7 @@ TEST(Data, SkippingCountsAndEmptyDataIsAnError) {
   const auto chatml = models::chat_template_from_name("chatml");
   const std::string mixed =
       write("mixed.jsonl", "{\"text\": \"a\"}\nnot json\n{\"text\": 3}\n{\"text\": \"b\"}\n");
-  Dataset d = load_jsonl(mixed, tok, chatml, {.skip_bad_lines = true});
+  Dataset d = load_data(mixed, tok, chatml, {.skip_bad_lines = true});
   EXPECT_EQ(d.examples.size(), 2u);
   EXPECT_EQ(d.skipped, 2);
   EXPECT_EQ(d.lines, 4);
@@ -119,6 +123,127 @@ TEST(Data, SkippingCountsAndEmptyDataIsAnError) {
       << error_of(all_bad, {.skip_bad_lines = true});
   EXPECT_NE(error_of("/nonexistent/d.jsonl").find("/nonexistent/d.jsonl: cannot open"),
             std::string::npos);
+}
+
+// The same conversation as chat `messages`: what every other layout must give, id for id and mask
+// for mask (the chat path itself is checked against transformers' apply_chat_template by
+// tests/oracle/test_chat_template.py).
+Example as_chat(const models::Tokenizer& tok, const std::string& system, const std::string& user,
+                const std::string& assistant) {
+  nlohmann::json messages = nlohmann::json::array();
+  if (!system.empty()) messages.push_back({{"role", "system"}, {"content", system}});
+  messages.push_back({{"role", "user"}, {"content", user}});
+  messages.push_back({{"role", "assistant"}, {"content", assistant}});
+  return load_data(write("as_chat.jsonl", nlohmann::json{{"messages", messages}}.dump() + "\n"),
+                   tok, models::chat_template_from_name("chatml"), {})
+      .examples.at(0);
+}
+
+void expect_same(const Example& got, const Example& want) {
+  EXPECT_EQ(got.ids, want.ids);
+  EXPECT_EQ(got.loss_mask, want.loss_mask);
+}
+
+// ShareGPT (`conversations` of from/value, with human/gpt/system and a top-level "system"), and a
+// "system" beside alpaca's fields: each is the chat conversation it stands for.
+TEST(Data, ShareGptAndSystemMessagesAreTheConversationsTheyStandFor) {
+  const models::Tokenizer tok = test::tiny_tokenizer();
+  const auto chatml = models::chat_template_from_name("chatml");
+  Dataset sg = load_data(
+      write("sg.jsonl",
+            R"({"conversations": [{"from": "system", "value": "Be brief"}, )"
+            R"({"from": "human", "value": "Hi"}, {"from": "gpt", "value": "Yo"}]})"
+            "\n"
+            R"({"system": "Be kind", "conversations": [{"from": "human", "value": "Hey"}, )"
+            R"({"from": "gpt", "value": "Hello"}]})"
+            "\n"),
+      tok, chatml, {});
+  EXPECT_EQ(sg.format, DataFormat::kShareGpt);
+  ASSERT_EQ(sg.examples.size(), 2u);
+  expect_same(sg.examples[0], as_chat(tok, "Be brief", "Hi", "Yo"));
+  expect_same(sg.examples[1], as_chat(tok, "Be kind", "Hey", "Hello"));
+  EXPECT_NE(sg.stats_text().find("2 examples (sharegpt)"), std::string::npos) << sg.stats_text();
+
+  Dataset alpaca = load_data(
+      write("as.jsonl",
+            R"({"system": "Be exact", "instruction": "Add", "input": "2 2", "output": "Four"})"
+            "\n"),
+      tok, chatml, {});
+  expect_same(alpaca.examples.at(0), as_chat(tok, "Be exact", "Add\n\n2 2", "Four"));
+
+  const std::string tool =
+      write("tool.jsonl", R"({"conversations": [{"from": "tool", "value": "x"}]})"
+                          "\n");
+  EXPECT_NE(
+      error_of(tool).find(tool + ":1: conversations[0].from is 'tool' (human, gpt or system)"),
+      std::string::npos)
+      << error_of(tool);
+  const std::string shape = write("shape.jsonl", R"({"conversations": [{"from": "human"}]})"
+                                                 "\n");
+  EXPECT_NE(error_of(shape).find("conversations[0] must be {\"from\": string, \"value\": string}"),
+            std::string::npos)
+      << error_of(shape);
+  const std::string none =
+      write("none.jsonl", R"({"conversations": [{"from": "human", "value": "x"}]})"
+                          "\n");
+  EXPECT_NE(error_of(none).find("no assistant message"), std::string::npos) << error_of(none);
+}
+
+// A .json file holding a list of examples (what many datasets ship): the same examples as the
+// JSONL file, errors named by the line the example starts on and its place in the list, a byte
+// order mark skipped, and a list that breaks off refused as such.
+TEST(Data, AJsonListIsReadExampleByExample) {
+  const models::Tokenizer tok = test::tiny_tokenizer();
+  const auto chatml = models::chat_template_from_name("chatml");
+  const std::string a = R"({"instruction": "Add", "output": "Four [4], {ok}"})";
+  const std::string b = R"({"instruction": "Say \"]\"", "input": "x,y", "output": "]"})";
+  Dataset jsonl = load_data(write("l.jsonl", a + "\n" + b + "\n"), tok, chatml, {});
+  Dataset list =
+      load_data(write("l.json", "\xEF\xBB\xBF[\n  " + a + ",\n  " + b + "\n]\n"), tok, chatml, {});
+  EXPECT_TRUE(list.json_list);
+  EXPECT_EQ(list.format, DataFormat::kAlpaca);
+  ASSERT_EQ(list.examples.size(), 2u);
+  for (std::size_t i = 0; i < 2; ++i)
+    expect_same(list.examples[i], jsonl.examples.at(i));
+  EXPECT_NE(list.stats_text().find("2 examples (alpaca, from a JSON list)"), std::string::npos)
+      << list.stats_text();
+  // One line, no spaces, a trailing comma.
+  Dataset tight = load_data(write("t.json", "[" + a + "," + b + ",]"), tok, chatml, {});
+  ASSERT_EQ(tight.examples.size(), 2u);
+  expect_same(tight.examples[1], jsonl.examples[1]);
+
+  const std::string bad = write("bad.json", "[\n" + a + ",\n\n{\"instruction\": 3}\n]");
+  EXPECT_NE(error_of(bad).find(bad + ":4 (example 2): 'instruction' must be a string"),
+            std::string::npos)
+      << error_of(bad);
+  Dataset skipped = load_data(bad, tok, chatml, {.skip_bad_lines = true});
+  EXPECT_EQ(skipped.examples.size(), 1u);
+  EXPECT_NE(skipped.stats_text().find("1 bad example skipped"), std::string::npos)
+      << skipped.stats_text();
+  for (const auto& [text, what] : std::vector<std::pair<std::string, std::string>>{
+           {"[" + a + ",\n" + b, ":2: the file ends inside the JSON list (no closing ']')"},
+           {"[" + a + ", {\"instruction\": \"cut", ":1: the file ends inside example 2"},
+           {"[" + a + "\n" + b + "]", ":2: expected ',' or ']' after example 1, found '{'"},
+           {"[" + a + "] x", ":1: more after the JSON list's closing ']'"},
+           {"[]", ": no examples (the list is empty)"},
+           {"[" + a + ", 7]", ":1 (example 2): not a JSON object"}}) {
+    const std::string path = write("broken.json", text);
+    EXPECT_NE(error_of(path, {.skip_bad_lines = what.find("example 2)") == std::string::npos})
+                  .find(path + what),
+              std::string::npos)
+        << text << "\n"
+        << error_of(path);
+  }
+  // data.max_line bounds one example of a list too; skipped, the next one is read.
+  const std::string big = "{\"text\": \"" + std::string(3000, 'a') + "\"}";
+  const std::string longer = write("long.json", "[" + big + ", {\"text\": \"b\"}]");
+  EXPECT_NE(error_of(longer, {.max_line_bytes = 1024})
+                .find(longer + ":1 (example 1): an example of more than 1.00 KiB"),
+            std::string::npos)
+      << error_of(longer, {.max_line_bytes = 1024});
+  Dataset rest = load_data(longer, tok, chatml, {.skip_bad_lines = true, .max_line_bytes = 1024});
+  EXPECT_EQ(rest.examples.size(), 1u);
+  EXPECT_EQ(rest.skipped, 1);
 }
 
 // A line over data.max_line: its length when its end was read, else what was read of it; skipped
@@ -139,8 +264,8 @@ TEST(Data, ALineOverTheLimitSaysHowLongItIs) {
             std::string::npos)
       << h;
   const models::Tokenizer tok = test::tiny_tokenizer();
-  Dataset d = load_jsonl(path, tok, models::chat_template_from_name("chatml"),
-                         {.skip_bad_lines = true, .max_line_bytes = 1024});
+  Dataset d = load_data(path, tok, models::chat_template_from_name("chatml"),
+                        {.skip_bad_lines = true, .max_line_bytes = 1024});
   EXPECT_EQ(d.examples.size(), 1u);
   EXPECT_EQ(d.skipped, 1);
 }
