@@ -76,7 +76,8 @@ std::vector<Field> fields(engine::TrainConfig& c) {
       {"hardware.gpu", &c.hardware.gpu, "plan for this card: \"RTX 4090\", \"A100\", ..."},
       {"hardware.gpu_count", &c.hardware.gpu_count, "how many of hardware.gpu"},
       {"output.run_dir", &c.output.run_dir, "the run folder"},
-      {"output.exports", &c.output.exports, "at the end: adapter, merged"},
+      {"output.exports", &c.output.exports,
+       "at the end: adapter, merged (left out: adapter for LoRA, merged for full)"},
   };
 }
 
@@ -315,6 +316,9 @@ ConfigFile read_config_text(const std::string& text, const std::string& source,
       parsed = toml::table{{"v", value}};
     set(key, *parsed.get("v"), "--set " + o);
   }
+  // What a run exports follows its method unless set: a full run has no adapter to export.
+  if (!out.where.count("output.exports") && out.config.training.method == "full")
+    out.config.output.exports = {"merged"};
   out.problems = std::move(problems);
   return out;
 }

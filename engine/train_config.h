@@ -100,7 +100,9 @@ struct HardwareSection {
 
 struct OutputSection {
   std::string run_dir;                             // where the run folder goes
-  std::vector<std::string> exports = {"adapter"};  // at the end: "adapter" (LoRA), "merged"
+  // At the end: "adapter" (LoRA), "merged". Left out of a config file: "adapter" for LoRA,
+  // "merged" for a full run (cli/config_file).
+  std::vector<std::string> exports = {"adapter"};
 };
 
 struct TrainConfig {

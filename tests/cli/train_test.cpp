@@ -176,6 +176,27 @@ TEST_F(TrainCli, DryRunPrintsTheResolvedConfigAndThePlanAndTrainsNothing) {
   EXPECT_FALSE(fs::exists(dir / "run"));
 }
 
+// Left out, output.exports follows the method (a full run has no adapter: it used to fail its
+// config check on the default); set, it is kept (and 'adapter' on a full run stays an error).
+TEST_F(TrainCli, ExportsFollowTheMethodUnlessSet) {
+  const fs::path cfg = dir / "c.toml";
+  write(cfg, config("run"));
+  Result r = run_rondo("train " + cfg.string() + " --dry-run");
+  EXPECT_EQ(r.code, 0) << r.out;
+  EXPECT_TRUE(contains(r.out, "exports = [\"adapter\"]")) << r.out;
+  r = run_rondo("train " + cfg.string() + " --dry-run --set training.method=full");
+  EXPECT_EQ(r.code, 0) << r.out;
+  EXPECT_TRUE(contains(r.out, "exports = [\"merged\"]")) << r.out;
+  r = run_rondo("train " + cfg.string() + " --dry-run --set training.method=full --set " +
+                "'output.exports=[]'");
+  EXPECT_EQ(r.code, 0) << r.out;
+  EXPECT_TRUE(contains(r.out, "exports = []")) << r.out;
+  r = run_rondo("train " + cfg.string() +
+                " --dry-run --set training.method=full --set 'output.exports=[\"adapter\"]'");
+  EXPECT_EQ(r.code, 1) << r.out;
+  EXPECT_TRUE(contains(r.out, "'adapter' needs training.method = lora")) << r.out;
+}
+
 }  // namespace
 
 // In each dtype (bf16 and fp16 rebuild the streaming copies from the masters on resume; fp16 also
