@@ -10,6 +10,7 @@
 #include "models/generate.h"
 #include "models/model.h"
 #include "models/model_files.h"
+#include "models/peft_adapter.h"
 
 namespace rondo::cli {
 
@@ -34,6 +35,8 @@ void add_generate_options(CLI::App& command, GenerateOptions& o) {
       ->capture_default_str()
       ->check(CLI::Range(1e-9, 1.0));
   command.add_option("--seed", o.seed, "Seed for sampling")->capture_default_str();
+  command.add_option("--adapter", o.adapter,
+                     "A LoRA adapter to use: a PEFT folder (rondo export) or a LoRA run's folder");
   command.add_option("--dtype", o.dtype, "Weights in memory: f32 or bf16")
       ->capture_default_str()
       ->check(CLI::IsMember({"f32", "bf16"}));
@@ -59,8 +62,10 @@ int run_generate(const GenerateOptions& o) {
   }
   if (ids.empty()) throw Error("the prompt is empty after tokenization");
 
-  models::Model model = models::Model::load(
-      o.model, {.dtype = o.dtype == "bf16" ? models::DType::kBF16 : models::DType::kF32});
+  const models::LoadOptions load{.dtype = o.dtype == "bf16" ? models::DType::kBF16
+                                                            : models::DType::kF32};
+  models::Model model = o.adapter.empty() ? models::Model::load(o.model, load)
+                                          : models::load_with_adapter(o.model, o.adapter, load);
   for (std::int64_t e : model.config().eos_token_ids)
     stops.push_back(e);
   if (auto e = tok.eos_id()) stops.push_back(*e);

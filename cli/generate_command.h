@@ -20,6 +20,7 @@ struct GenerateOptions {
   double top_p = 1.0;
   unsigned long long seed = 0;
   std::string dtype = "f32";
+  std::string adapter;  // a PEFT adapter folder (or a run folder) folded into the model
 };
 
 void add_generate_options(CLI::App& command, GenerateOptions& options);

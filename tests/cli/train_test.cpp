@@ -176,6 +176,24 @@ TEST_F(TrainCli, DryRunPrintsTheResolvedConfigAndThePlanAndTrainsNothing) {
   EXPECT_FALSE(fs::exists(dir / "run"));
 }
 
+// `rondo generate --adapter` takes the run folder (its adapter/) or the PEFT folder itself, and
+// names what is missing; the tokens equal peft's (tests/oracle/test_lora.py).
+TEST_F(TrainCli, GenerateUsesARunsAdapter) {
+  const fs::path cfg = dir / "c.toml";
+  write(cfg, config("run"));
+  Result r = run_rondo("train " + cfg.string() + " --set training.steps=3");
+  ASSERT_EQ(r.code, 0) << r.out;
+  for (const fs::path& adapter : {dir / "run", dir / "run" / "adapter"}) {
+    r = run_rondo("generate " + model.string() + " -p 'hello there' -n 4 --adapter " +
+                  adapter.string());
+    EXPECT_EQ(r.code, 0) << r.out;
+    EXPECT_TRUE(contains(r.out, "generated in")) << r.out;
+  }
+  r = run_rondo("generate " + model.string() + " -p hi --adapter " + (dir / "nowhere").string());
+  EXPECT_EQ(r.code, 1) << r.out;
+  EXPECT_TRUE(contains(r.out, "no adapter_config.json")) << r.out;
+}
+
 // Left out, output.exports follows the method (a full run has no adapter: it used to fail its
 // config check on the default); set, it is kept (and 'adapter' on a full run stays an error).
 TEST_F(TrainCli, ExportsFollowTheMethodUnlessSet) {

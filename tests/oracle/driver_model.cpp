@@ -4,7 +4,8 @@
 //     writes "logits" (B, T, V) f32, "loss_sum" () f32 and "target_count" () i64, the loss over
 //     next-token targets inside each document.
 //   generate <model> <in.json> <out.json>
-//     in.json: {"prompt": [...], "max_new_tokens": n, "temperature": t, "top_p": p, "seed": s}
+//     in.json: {"prompt": [...], "max_new_tokens": n, "temperature": t, "top_p": p, "seed": s,
+//               "adapter": "<peft folder>" (optional)}
 //     out.json: {"tokens": [...]} (new tokens only)
 #include <ATen/ATen.h>
 
@@ -16,6 +17,7 @@
 #include "kernels/error.h"
 #include "models/generate.h"
 #include "models/model.h"
+#include "models/peft_adapter.h"
 #include "models/safetensors.h"
 
 namespace rondo::oracle {
@@ -43,7 +45,11 @@ int generate(const std::vector<std::string>& args) {
   if (args.size() != 3) throw Error("usage: generate <model> <in.json> <out.json>");
   nlohmann::json j;
   std::ifstream(args[1]) >> j;
-  models::Model model = models::Model::load(args[0], {.dtype = models::DType::kF32});
+  // "adapter": a PEFT folder folded in, as `rondo generate --adapter` does.
+  models::Model model = j.contains("adapter")
+                            ? models::load_with_adapter(args[0], j["adapter"].get<std::string>(),
+                                                        {.dtype = models::DType::kF32})
+                            : models::Model::load(args[0], {.dtype = models::DType::kF32});
   models::SamplingOptions options;
   options.max_new_tokens = j.value("max_new_tokens", 16);
   options.temperature = j.value("temperature", 0.0);

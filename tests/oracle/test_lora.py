@@ -69,6 +69,57 @@ def test_logits_equal_peft(family, adapter, tmp_path):
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-4 * np.abs(want).max())
 
 
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_generation_with_an_adapter_equals_peft_greedy(family, tmp_path):
+    """`rondo generate --adapter` (the driver's generate with "adapter", the same loader): the
+    greedy tokens of the base with the PEFT adapter folded in equal greedy decoding with peft's
+    model (full forward each step, fp32); a near tie (top-2 gap under 1e-4) may pick otherwise."""
+    seed = int.from_bytes(os.urandom(4), "little")
+    print("seed", seed)
+    _, model = make(tmp_path, family, "all_linear_r4", seed)
+    prompt = torch.randint(0, V, (5,), generator=torch.Generator().manual_seed(seed)).tolist()
+    ref, gaps, seq = [], [], list(prompt)
+    with torch.no_grad():
+        for _ in range(16):
+            logits = model(input_ids=torch.tensor([seq]), use_cache=False).logits[0, -1]
+            top = torch.topk(logits, 2).values
+            ref.append(int(logits.argmax()))
+            gaps.append(float(top[0] - top[1]))
+            seq.append(ref[-1])
+        base = []
+        with model.disable_adapter():
+            seq = list(prompt)
+            for _ in range(16):
+                base.append(int(model(input_ids=torch.tensor([seq]), use_cache=False).logits[0, -1].argmax()))
+                seq.append(base[-1])
+    (tmp_path / "in.json").write_text(json.dumps({"prompt": prompt, "max_new_tokens": 16,
+                                                  "adapter": str(tmp_path / "adapter")}))
+    driver("generate", tmp_path / "base", tmp_path / "in.json", tmp_path / "out.json")
+    got = json.loads((tmp_path / "out.json").read_text())["tokens"]
+    assert ref != base, "the adapter does not change what is generated: the test would not see it"
+    for i, (a, b) in enumerate(zip(got, ref)):
+        if a != b:
+            assert gaps[i] < 1e-4, f"step {i}: {a} vs {b}, top-2 gap {gaps[i]:.3g} ({got} vs {ref})"
+            return
+    assert got == ref
+
+
+def test_an_adapter_of_another_model_is_refused(tmp_path):
+    make(tmp_path / "a", "llama", "all_linear_r4", 1)
+    other = tmp_path / "b"
+    config_cls = FAMILIES["llama"][1]
+    torch.manual_seed(2)
+    T.LlamaForCausalLM(config_cls(vocab_size=V, hidden_size=48, intermediate_size=48,
+                                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                  max_position_embeddings=64)).save_pretrained(other)
+    (tmp_path / "in.json").write_text(json.dumps({"prompt": [1, 2], "max_new_tokens": 2,
+                                                  "adapter": str(tmp_path / "a" / "adapter")}))
+    with pytest.raises(DriverError) as e:
+        driver("generate", other, tmp_path / "in.json", tmp_path / "out.json")
+    assert "does not fit" in str(e.value) and "lora_A.weight is [4, 32], this base needs [4, 48]" \
+        in str(e.value), str(e.value)
+
+
 @pytest.mark.parametrize("field,value,message", [
     ("use_dora", True, "use_dora"),
     ("bias", "lora_only", "bias"),

@@ -1,0 +1,84 @@
+#include "models/peft_adapter.h"
+
+#include <ATen/ATen.h>
+
+#include <filesystem>
+#include <map>
+#include <memory>
+#include <set>
+#include <vector>
+
+#include "kernels/error.h"
+#include "models/lora.h"
+#include "models/mapped_file.h"
+#include "models/safetensors.h"
+#include "models/tensor_view.h"
+
+namespace rondo::models {
+
+namespace fs = std::filesystem;
+
+Model load_with_adapter(const std::string& model_path, const std::string& adapter,
+                        const LoadOptions& options) {
+  fs::path dir(adapter);
+  std::error_code ec;
+  if (!fs::exists(dir / "adapter_config.json", ec) &&
+      fs::exists(dir / "adapter" / "adapter_config.json", ec))
+    dir /= "adapter";  // a run folder: its final export
+  const fs::path config_path = dir / "adapter_config.json";
+  if (!fs::exists(config_path, ec))
+    throw Error(adapter +
+                ": no adapter_config.json; give a PEFT adapter folder (rondo export RUN writes "
+                "one; a finished LoRA run has it in RUN/adapter)");
+  const LoraConfig lora = parse_peft_adapter_config(
+      read_text_file(config_path.string(), "the LoRA adapter config"), config_path.string());
+  const SafetensorsFile file((dir / "adapter_model.safetensors").string());
+
+  // The merged model keeps the base's untouched tensors, which may view its file mapping: the
+  // base stays alive with it (unless every tensor is converted below).
+  auto owner = std::make_shared<Model>(Model::load(model_path, {.dtype = DType::kF32}));
+  const Model& base = *owner;
+  const std::vector<LayerSpec> specs = add_lora(base.layers(), lora);
+  std::map<std::string, at::Tensor> all;
+  std::vector<std::string> problems;
+  std::set<std::string> expected;
+  for (const LayerSpec& spec : specs)
+    for (const ParamSpec& p : spec.params) {
+      if (p.tied) continue;
+      if (!is_lora_param(p.name)) {
+        all.emplace(p.name, base.tensor(p.name));
+        continue;
+      }
+      expected.insert(p.name);
+      const TensorEntry* e = file.find(p.name);
+      if (!e) {
+        problems.push_back("no tensor " + p.name + " (adapter_config.json targets it)");
+      } else if (e->shape != p.shape) {
+        problems.push_back(p.name + " is " + shape_text(e->shape) + ", this base needs " +
+                           shape_text(p.shape));
+      } else {
+        all.emplace(p.name, e->view().to(at::kFloat, /*non_blocking=*/false, /*copy=*/true));
+      }
+    }
+  for (const TensorEntry& t : file.tensors())
+    if (!expected.count(t.name))
+      problems.push_back(t.name + " is not an adapter of this base's targeted projections");
+  if (!problems.empty())
+    throw Error(join_problems(
+        file.path() + " does not fit " + model_path + " (an adapter of another model?):",
+        problems));
+  std::map<std::string, at::Tensor> merged = merge_lora(specs, all);
+  all.clear();
+  const ModelConfig config = base.config();
+  std::shared_ptr<void> keepalive = owner;
+  if (options.dtype && *options.dtype != DType::kF32) {
+    for (auto& [name, t] : merged)
+      t = t.to(to_scalar_type(*options.dtype));  // copies: nothing views the base any more
+    keepalive.reset();
+    owner.reset();
+  }
+  return Model::from_tensors(config, std::move(merged), model_path + " with " + dir.string(),
+                             std::move(keepalive));
+}
+
+}  // namespace rondo::models
