@@ -3,16 +3,27 @@
 #include <fmt/format.h>
 #include <CLI/CLI.hpp>
 
+#include <unistd.h>
+
 #include <chrono>
 #include <cstdio>
+#include <filesystem>
+#include <iostream>
+#include <nlohmann/json.hpp>
+#include <optional>
 
+#include "cli/config_file.h"
+#include "engine/checkpoint.h"
 #include "kernels/error.h"
 #include "models/generate.h"
+#include "models/mapped_file.h"
 #include "models/model.h"
 #include "models/model_files.h"
 #include "models/peft_adapter.h"
 
 namespace rondo::cli {
+
+namespace fs = std::filesystem;
 
 void add_generate_options(CLI::App& command, GenerateOptions& o) {
   command.add_option("model", o.model, "A Hugging Face model folder or a .gguf file")->required();
@@ -42,21 +53,68 @@ void add_generate_options(CLI::App& command, GenerateOptions& o) {
       ->check(CLI::IsMember({"f32", "bf16"}));
 }
 
+namespace {
+
+// Sampling as the options say, stopping at the model's and the tokenizer's end tokens (and, for a
+// chat, the formats' end-of-turn tokens).
+models::SamplingOptions sampling_for(const models::Model& model, const models::Tokenizer& tok,
+                                     bool chat, long long max_new_tokens, double temperature,
+                                     double top_p, unsigned long long seed) {
+  models::SamplingOptions sampling;
+  sampling.max_new_tokens = max_new_tokens;
+  sampling.temperature = temperature;
+  sampling.top_p = top_p;
+  sampling.seed = seed;
+  if (chat)
+    for (const char* end : {"<|im_end|>", "<|eot_id|>", "</s>"})
+      if (auto id = tok.token_to_id(end)) sampling.stop_tokens.push_back(*id);
+  for (std::int64_t e : model.config().eos_token_ids)
+    sampling.stop_tokens.push_back(e);
+  if (auto e = tok.eos_id()) sampling.stop_tokens.push_back(*e);
+  return sampling;
+}
+
+struct Reply {
+  std::string text;
+  std::size_t tokens = 0;
+  double seconds = 0;
+};
+
+// Generates from `ids`, printing the text on stdout as it comes; returns it.
+Reply stream_reply(const models::Model& model, const models::Tokenizer& tok,
+                   const std::vector<std::int32_t>& ids, const models::SamplingOptions& sampling) {
+  models::TextStreamer streamer(tok);
+  Reply r;
+  auto print = [&](const std::string& text) {
+    r.text += text;
+    std::fwrite(text.data(), 1, text.size(), stdout);
+    std::fflush(stdout);
+  };
+  const auto start = std::chrono::steady_clock::now();
+  const std::vector<std::int64_t> prompt(ids.begin(), ids.end());
+  models::generate(model, prompt, sampling, [&](std::int64_t token) {
+    print(streamer.push(static_cast<std::int32_t>(token)));
+    return true;
+  });
+  print(streamer.finish());
+  r.tokens = streamer.ids().size();
+  r.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  return r;
+}
+
+}  // namespace
+
 int run_generate(const GenerateOptions& o) {
   if (!o.chat && (!o.chat_format.empty() || !o.system.empty()))
     throw Error("--chat-format and --system only apply with --chat");
   models::Tokenizer tok = models::load_tokenizer(o.model);
   std::vector<std::int32_t> ids;
-  std::vector<std::int64_t> stops;
   if (o.chat) {
     models::ChatTemplate tmpl = models::load_model_chat_template(o.model, o.chat_format);
     std::vector<models::ChatMessage> messages;
     if (!o.system.empty()) messages.push_back({"system", o.system});
     messages.push_back({"user", o.prompt});
     ids = models::render_chat(tok, tmpl, messages, /*add_generation_prompt=*/true).ids;
-    // A reply ends with the format's end-of-turn token.
-    for (const char* end : {"<|im_end|>", "<|eot_id|>", "</s>"})
-      if (auto id = tok.token_to_id(end)) stops.push_back(*id);
   } else {
     ids = tok.encode(o.prompt, /*add_special_tokens=*/true);
   }
@@ -66,35 +124,143 @@ int run_generate(const GenerateOptions& o) {
                                                             : models::DType::kF32};
   models::Model model = o.adapter.empty() ? models::Model::load(o.model, load)
                                           : models::load_with_adapter(o.model, o.adapter, load);
-  for (std::int64_t e : model.config().eos_token_ids)
-    stops.push_back(e);
-  if (auto e = tok.eos_id()) stops.push_back(*e);
-
-  models::SamplingOptions sampling;
-  sampling.max_new_tokens = o.max_new_tokens;
-  sampling.temperature = o.temperature;
-  sampling.top_p = o.top_p;
-  sampling.seed = o.seed;
-  sampling.stop_tokens = stops;
-
-  models::TextStreamer streamer(tok);
-  auto print = [](const std::string& text) {
-    std::fwrite(text.data(), 1, text.size(), stdout);
-    std::fflush(stdout);
-  };
-  auto start = std::chrono::steady_clock::now();
-  std::vector<std::int64_t> prompt(ids.begin(), ids.end());
-  models::generate(model, prompt, sampling, [&](std::int64_t token) {
-    print(streamer.push(static_cast<std::int32_t>(token)));
-    return true;
-  });
-  print(streamer.finish());
+  const Reply r = stream_reply(
+      model, tok, ids,
+      sampling_for(model, tok, o.chat, o.max_new_tokens, o.temperature, o.top_p, o.seed));
   std::fputc('\n', stdout);
   std::fflush(stdout);
-  double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   std::fprintf(stderr, "rondo: %zu prompt tokens, %zu generated in %.2f s (%.1f tokens/s)\n",
-               ids.size(), streamer.ids().size(), seconds,
-               streamer.ids().size() / std::max(seconds, 1e-9));
+               ids.size(), r.tokens, r.seconds, r.tokens / std::max(r.seconds, 1e-9));
+  return 0;
+}
+
+void add_chat_options(CLI::App& command, ChatOptions& o) {
+  command
+      .add_option("target", o.target, "A run folder, a Hugging Face model folder or a .gguf file")
+      ->required();
+  command.add_option("--adapter", o.adapter, "With a model: a LoRA adapter (PEFT folder) to use");
+  command.add_option("--checkpoint", o.checkpoint,
+                     "With a run folder: this checkpoint (step-N) instead of the newest");
+  command.add_option("--system", o.system, "A system message to start with");
+  command.add_option("--chat-format", o.chat_format,
+                     "Chat format instead of the model's own template: chatml, qwen3, llama3, "
+                     "mistral, mistral-v1");
+  command.add_option("--max-new-tokens,-n", o.max_new_tokens, "Most tokens of a reply")
+      ->capture_default_str()
+      ->check(CLI::Range(1LL, 1LL << 20));
+  command.add_option("--temperature,-t", o.temperature, "Sampling temperature; 0 = greedy")
+      ->capture_default_str()
+      ->check(CLI::Range(0.0, 100.0));
+  command.add_option("--top-p", o.top_p, "Sample among the most likely tokens holding this mass")
+      ->capture_default_str()
+      ->check(CLI::Range(1e-9, 1.0));
+  command.add_option("--seed", o.seed, "Seed for sampling")->capture_default_str();
+  command.add_option("--dtype", o.dtype, "Weights in memory: f32 or bf16")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"f32", "bf16"}));
+}
+
+int run_chat(const ChatOptions& o) {
+  const models::LoadOptions load{.dtype = o.dtype == "bf16" ? models::DType::kBF16
+                                                            : models::DType::kF32};
+  std::error_code ec;
+  const bool run = fs::exists(fs::path(o.target) / "config.toml", ec);
+  std::string model_path = o.target, chat_format = o.chat_format, what = o.target;
+  std::optional<models::Model> model;
+  if (run) {
+    if (!o.adapter.empty())
+      throw Error("--adapter goes with a model; " + o.target +
+                  " is a run folder, whose own weights are used");
+    const ConfigFile f = read_config((fs::path(o.target) / "config.toml").string(), {});
+    f.check();
+    const engine::TrainConfig& c = f.config;
+    model_path = c.model.path;
+    if (chat_format.empty()) chat_format = c.data.chat_format;
+    const engine::CheckpointChoice choice = engine::choose_checkpoint(o.target, o.checkpoint);
+    for (const auto& [path, bad] : choice.skipped)
+      std::fprintf(
+          stderr, "%s\n",
+          join_problems("rondo: warning: " + path + " fails its checks and is skipped:", bad)
+              .c_str());
+    if (!choice.chosen)
+      throw Error(o.target + (choice.skipped.empty()
+                                  ? ": no checkpoint yet: the run has trained nothing to chat with"
+                                  : ": no checkpoint passes its checks"));
+    const models::SafetensorsFile state(
+        (fs::path(choice.chosen->path) / "state.safetensors").string());
+    const models::LoraConfig lora = c.lora_config();
+    model.emplace(
+        models::load_with_trained(model_path, c.training.method == "lora" ? &lora : nullptr,
+                                  engine::checkpoint_weights(state), choice.chosen->path, load));
+    what = choice.chosen->path;
+  } else {
+    if (!o.checkpoint.empty())
+      throw Error("--checkpoint goes with a run folder; " + o.target + " has no config.toml");
+    model.emplace(o.adapter.empty() ? models::Model::load(o.target, load)
+                                    : models::load_with_adapter(o.target, o.adapter, load));
+    if (!o.adapter.empty()) what = o.target + " with " + o.adapter;
+  }
+  const models::Tokenizer tok = models::load_tokenizer(model_path);
+  const models::ChatTemplate tmpl = models::load_model_chat_template(model_path, chat_format);
+
+  std::string system = o.system;
+  std::vector<models::ChatMessage> conversation;
+  auto reset = [&] {
+    conversation.clear();
+    if (!system.empty()) conversation.push_back({"system", system});
+  };
+  reset();
+  const bool tty = ::isatty(STDIN_FILENO) == 1 && ::isatty(STDOUT_FILENO) == 1;
+  std::fprintf(stderr,
+               "rondo: chatting with %s. Commands: /reset, /system TEXT, /save FILE, /quit "
+               "(or Ctrl-D).\n",
+               what.c_str());
+  std::string line;
+  for (;;) {
+    if (tty) {
+      std::fputs("> ", stdout);
+      std::fflush(stdout);
+    }
+    if (!std::getline(std::cin, line)) break;
+    if (!line.empty() && line.back() == '\r') line.pop_back();
+    if (line.find_first_not_of(" \t") == std::string::npos) continue;
+    if (line[0] == '/') {
+      const std::size_t space = line.find(' ');
+      const std::string command = line.substr(0, space);
+      const std::string rest = space == std::string::npos ? "" : line.substr(space + 1);
+      if (command == "/quit" || command == "/exit") break;
+      if (command == "/reset") {
+        reset();
+        std::fprintf(stderr, "rondo: conversation cleared\n");
+      } else if (command == "/system") {
+        system = rest;
+        reset();
+        std::fprintf(stderr, "rondo: %s; conversation cleared\n",
+                     system.empty() ? "no system message" : "new system message");
+      } else if (command == "/save" && !rest.empty()) {
+        nlohmann::ordered_json messages = nlohmann::ordered_json::array();
+        for (const models::ChatMessage& m : conversation)
+          messages.push_back({{"role", m.role}, {"content", m.content}});
+        models::write_file_durably(rest,
+                                   nlohmann::ordered_json{{"messages", messages}}.dump() + "\n");
+        std::fprintf(stderr, "rondo: saved %zu messages to %s (one chat-format JSONL line)\n",
+                     conversation.size(), rest.c_str());
+      } else {
+        std::fprintf(stderr,
+                     "rondo: the commands are /reset, /system TEXT, /save FILE and /quit\n");
+      }
+      continue;
+    }
+    conversation.push_back({"user", line});
+    const std::vector<std::int32_t> ids =
+        models::render_chat(tok, tmpl, conversation, /*add_generation_prompt=*/true).ids;
+    const Reply r = stream_reply(
+        *model, tok, ids,
+        sampling_for(*model, tok, true, o.max_new_tokens, o.temperature, o.top_p, o.seed));
+    std::fputc('\n', stdout);
+    std::fflush(stdout);
+    conversation.push_back({"assistant", r.text});
+  }
   return 0;
 }
 

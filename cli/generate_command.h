@@ -26,4 +26,25 @@ struct GenerateOptions {
 void add_generate_options(CLI::App& command, GenerateOptions& options);
 int run_generate(const GenerateOptions& options);
 
+// `rondo chat TARGET`: an interactive chat in the terminal (lines on stdin, the reply streamed on
+// stdout), the conversation kept across turns and rendered with the model's chat template.
+// TARGET is a run folder (its newest sound checkpoint, or --checkpoint step-N: the trained weights
+// as they are there, LoRA or full) or a model (with --adapter, a PEFT folder). Commands: /reset,
+// /system TEXT, /save FILE (the conversation as one chat-format JSONL line: training data), /quit.
+struct ChatOptions {
+  std::string target;
+  std::string adapter;
+  std::string checkpoint;
+  std::string system;
+  std::string chat_format;
+  long long max_new_tokens = 512;
+  double temperature = 0;
+  double top_p = 1.0;
+  unsigned long long seed = 0;
+  std::string dtype = "f32";
+};
+
+void add_chat_options(CLI::App& command, ChatOptions& options);
+int run_chat(const ChatOptions& options);
+
 }  // namespace rondo::cli

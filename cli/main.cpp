@@ -43,6 +43,10 @@ int main(int argc, char** argv) {
   CLI::App* generate_cmd =
       app.add_subcommand("generate", "Generate text from a model (greedy or sampled)");
   rondo::cli::add_generate_options(*generate_cmd, generate);
+  rondo::cli::ChatOptions chat;
+  CLI::App* chat_cmd =
+      app.add_subcommand("chat", "Chat with a run's trained weights or a model, in the terminal");
+  rondo::cli::add_chat_options(*chat_cmd, chat);
 
   rondo::cli::TrainOptions train;
   CLI::App* train_cmd =
@@ -90,6 +94,7 @@ int main(int argc, char** argv) {
     if (devices_cmd->parsed()) return rondo::cli::run_devices(devices);
     if (inspect_cmd->parsed()) return rondo::cli::run_inspect(inspect);
     if (generate_cmd->parsed()) return rondo::cli::run_generate(generate);
+    if (chat_cmd->parsed()) return rondo::cli::run_chat(chat);
     if (train_cmd->parsed()) return rondo::cli::run_train(train);
     if (plan_cmd->parsed()) return rondo::cli::run_plan(plan);
     if (export_cmd->parsed()) return rondo::cli::run_export(export_options);

@@ -401,10 +401,7 @@ int run_export(const ExportOptions& o) {
   models::SafetensorsFile state((fs::path(ckpt) / "state.safetensors").string());
   // The trained tensors are the checkpoint's fp32 masters ("<name>"; moments are
   // "<name>.exp_avg"...).
-  std::map<std::string, at::Tensor> trained;
-  for (const models::TensorEntry& t : state.tensors())
-    if (t.name.find(".exp_avg") == std::string::npos && !t.name.ends_with(".stream"))
-      trained[t.name] = t.view();
+  std::map<std::string, at::Tensor> trained = engine::checkpoint_weights(state);
   if (o.format == "adapter") {
     const models::ModelConfig mc = models::inspect_model(c.model.path, 16).config;
     std::vector<models::LayerSpec> specs =

@@ -434,6 +434,14 @@ std::vector<CheckpointInfo> list_checkpoints(const std::string& run_dir) {
   return out;
 }
 
+std::map<std::string, at::Tensor> checkpoint_weights(const models::SafetensorsFile& state) {
+  std::map<std::string, at::Tensor> out;
+  for (const models::TensorEntry& t : state.tensors())
+    if (!t.name.ends_with(kExpAvg) && !t.name.ends_with(kExpAvgSq) && !t.name.ends_with(kStream))
+      out.emplace(t.name, t.view());
+  return out;
+}
+
 CheckpointChoice choose_checkpoint(const std::string& run_dir, const std::string& name) {
   const std::vector<CheckpointInfo> all = list_checkpoints(run_dir);
   auto names = [&] {

@@ -13,6 +13,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <optional>
 #include <string>
 #include <vector>
@@ -21,6 +22,7 @@
 
 #include "engine/checkpoint_state.h"
 #include "models/layers.h"
+#include "models/safetensors.h"
 #include "offload/layer_store.h"
 
 namespace rondo::engine {
@@ -76,6 +78,11 @@ struct CheckpointChoice {
   std::vector<std::pair<std::string, std::vector<std::string>>> skipped;
 };
 CheckpointChoice choose_checkpoint(const std::string& run_dir, const std::string& name = "");
+
+// The trained weights of a checkpoint's state.safetensors (its fp32 masters, by parameter name;
+// moments and streaming copies left out): what exports and `rondo chat` use. Views of `state`'s
+// mapping.
+std::map<std::string, at::Tensor> checkpoint_weights(const models::SafetensorsFile& state);
 
 // Removes all but the newest `keep` complete checkpoints (keep <= 0: keeps all), never the one
 // at step `written` (the one just written: a newer folder left from before a resume must not

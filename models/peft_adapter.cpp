@@ -33,41 +33,49 @@ Model load_with_adapter(const std::string& model_path, const std::string& adapte
   const LoraConfig lora = parse_peft_adapter_config(
       read_text_file(config_path.string(), "the LoRA adapter config"), config_path.string());
   const SafetensorsFile file((dir / "adapter_model.safetensors").string());
+  std::map<std::string, at::Tensor> trained;
+  for (const TensorEntry& t : file.tensors())
+    trained.emplace(t.name, t.view());
+  return load_with_trained(model_path, &lora, trained, file.path(), options);
+}
 
+Model load_with_trained(const std::string& model_path, const LoraConfig* lora,
+                        const std::map<std::string, at::Tensor>& trained, const std::string& source,
+                        const LoadOptions& options) {
   // The merged model keeps the base's untouched tensors, which may view its file mapping: the
   // base stays alive with it (unless every tensor is converted below).
   auto owner = std::make_shared<Model>(Model::load(model_path, {.dtype = DType::kF32}));
   const Model& base = *owner;
-  const std::vector<LayerSpec> specs = add_lora(base.layers(), lora);
+  const std::vector<LayerSpec> specs = lora ? add_lora(base.layers(), *lora) : base.layers();
   std::map<std::string, at::Tensor> all;
   std::vector<std::string> problems;
-  std::set<std::string> expected;
+  std::set<std::string> known;
   for (const LayerSpec& spec : specs)
     for (const ParamSpec& p : spec.params) {
       if (p.tied) continue;
-      if (!is_lora_param(p.name)) {
-        all.emplace(p.name, base.tensor(p.name));
-        continue;
-      }
-      expected.insert(p.name);
-      const TensorEntry* e = file.find(p.name);
-      if (!e) {
-        problems.push_back("no tensor " + p.name + " (adapter_config.json targets it)");
-      } else if (e->shape != p.shape) {
-        problems.push_back(p.name + " is " + shape_text(e->shape) + ", this base needs " +
-                           shape_text(p.shape));
-      } else {
-        all.emplace(p.name, e->view().to(at::kFloat, /*non_blocking=*/false, /*copy=*/true));
+      known.insert(p.name);
+      auto it = trained.find(p.name);
+      if (it == trained.end()) {
+        if (is_lora_param(p.name))
+          problems.push_back("no tensor " + p.name + " (the adapter config targets it)");
+        else
+          all.emplace(p.name, base.tensor(p.name));
+      } else if (it->second.sizes().vec() != p.shape) {
+        problems.push_back(p.name + " is " + shape_text(it->second.sizes().vec()) +
+                           ", this base needs " + shape_text(p.shape));
+      } else {  // a copy: `trained` may view a mapping that goes before the model does
+        all.emplace(p.name, it->second.to(at::kFloat, /*non_blocking=*/false, /*copy=*/true));
       }
     }
-  for (const TensorEntry& t : file.tensors())
-    if (!expected.count(t.name))
-      problems.push_back(t.name + " is not an adapter of this base's targeted projections");
+  for (const auto& [name, t] : trained)
+    if (!known.count(name))
+      problems.push_back(name + " is not a tensor of this base" +
+                         (lora ? "'s targeted projections" : ""));
   if (!problems.empty())
     throw Error(join_problems(
-        file.path() + " does not fit " + model_path + " (an adapter of another model?):",
+        source + " does not fit " + model_path + (lora ? " (an adapter of another model?):" : ":"),
         problems));
-  std::map<std::string, at::Tensor> merged = merge_lora(specs, all);
+  std::map<std::string, at::Tensor> merged = lora ? merge_lora(specs, all) : std::move(all);
   all.clear();
   const ModelConfig config = base.config();
   std::shared_ptr<void> keepalive = owner;
@@ -77,7 +85,7 @@ Model load_with_adapter(const std::string& model_path, const std::string& adapte
     keepalive.reset();
     owner.reset();
   }
-  return Model::from_tensors(config, std::move(merged), model_path + " with " + dir.string(),
+  return Model::from_tensors(config, std::move(merged), model_path + " with " + source,
                              std::move(keepalive));
 }
 

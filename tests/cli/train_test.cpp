@@ -194,6 +194,47 @@ TEST_F(TrainCli, GenerateUsesARunsAdapter) {
   EXPECT_TRUE(contains(r.out, "no adapter_config.json")) << r.out;
 }
 
+// `rondo chat RUN` talks to the run's trained weights (its newest checkpoint, or --checkpoint):
+// a LoRA run's first greedy reply equals `rondo generate --chat` with its exported adapter, a full
+// run's equals generate on its merged export; the conversation carries over turns, /system starts
+// a new one, /save writes it as a chat-format JSONL line.
+TEST_F(TrainCli, ChatTalksToTheRunsWeights) {
+  const fs::path cfg = dir / "c.toml";
+  for (const std::string method : {"lora", "full"}) {
+    SCOPED_TRACE(method);
+    const fs::path run = dir / method;
+    write(cfg, config(method));
+    Result r = run_rondo("train " + cfg.string() + " --set training.steps=3 --set " +
+                         "training.method=" + method);
+    ASSERT_EQ(r.code, 0) << r.out;
+    const std::string one_shot =
+        method == "lora"
+            ? "generate " + model.string() + " --chat -p hello -n 6 --adapter " + run.string()
+            : "generate " + (run / "merged").string() + " --chat -p hello -n 6";
+    const Result want = run_rondo(one_shot, /*with_stderr=*/false);
+    ASSERT_EQ(want.code, 0) << want.out;
+    ASSERT_GT(want.out.size(), 2u) << "an empty reply would make the comparison below void";
+    const fs::path saved = dir / "conv.jsonl";
+    write(dir / "in.txt",
+          "hello\nagain\n/system Be brief\nhi\n/save " + saved.string() + "\n/quit\nnever read\n");
+    r = run_rondo("chat " + run.string() + " -n 6 < " + (dir / "in.txt").string(),
+                  /*with_stderr=*/false);
+    ASSERT_EQ(r.code, 0) << r.out;
+    EXPECT_EQ(r.out.substr(0, want.out.size()), want.out) << r.out;
+    const json conv = json::parse(slurp(saved));
+    ASSERT_EQ(conv["messages"].size(), 3u) << conv.dump();
+    EXPECT_EQ(conv["messages"][0], (json{{"role", "system"}, {"content", "Be brief"}}));
+    EXPECT_EQ(conv["messages"][1], (json{{"role", "user"}, {"content", "hi"}}));
+    EXPECT_EQ(conv["messages"][2]["role"], "assistant");
+  }
+  Result r = run_rondo("chat " + (dir / "lora").string() + " --checkpoint step-99 < /dev/null");
+  EXPECT_EQ(r.code, 1) << r.out;
+  EXPECT_TRUE(contains(r.out, "no checkpoint step-99 (it has: step-3)")) << r.out;
+  r = run_rondo("chat " + model.string() + " --checkpoint step-3 < /dev/null");
+  EXPECT_EQ(r.code, 1) << r.out;
+  EXPECT_TRUE(contains(r.out, "--checkpoint goes with a run folder")) << r.out;
+}
+
 // Left out, output.exports follows the method (a full run has no adapter: it used to fail its
 // config check on the default); set, it is kept (and 'adapter' on a full run stays an error).
 TEST_F(TrainCli, ExportsFollowTheMethodUnlessSet) {
