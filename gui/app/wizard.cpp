@@ -378,7 +378,15 @@ SetupWizard::SetupWizard(QWidget* parent) : QWizard(parent) {
       out.commit();
     }
   });
-  review->init = [this] { refreshReview(); };
+  review->init = [this, review] {
+    refreshReview();
+    review->changed();
+  };
+  // Start only a run the plan says fits (or fits tightly): not one it cannot plan or fit.
+  review->complete = [this] {
+    const QString v = m_verdict->text();
+    return v == "fits" || v == "tight";
+  };
   setPage(ReviewPage, review);
 }
 

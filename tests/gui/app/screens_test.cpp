@@ -98,6 +98,8 @@ class Screens : public QObject {
                 ->text()
                 .endsWith("train " + m_dir + "/wizard-run.toml"));
     QCOMPARE(w.planResult()["steps"].toInt(), 6);
+    QVERIFY(w.currentPage()->isComplete());  // it fits: Start is offered
+    QVERIFY(w.button(QWizard::FinishButton)->isEnabled());
     img = test::screenshot(&w, "wizard_6_review");
     QVERIFY(test::colours(img) > 8);
 
@@ -110,6 +112,9 @@ class Screens : public QObject {
     QCOMPARE(w.findChild<QLabel*>("planVerdict")->text(), QString("does not fit"));
     const QString problems = w.findChild<QLabel*>("planProblems")->text();
     QVERIFY2(problems.contains("host memory: the run needs about"), qPrintable(problems));
+    // Start is refused for a run that does not fit.
+    QVERIFY(!w.currentPage()->isComplete());
+    QVERIFY(!w.button(QWizard::FinishButton)->isEnabled());
     test::screenshot(&w, "wizard_6_review_does_not_fit");
   }
 
