@@ -10,6 +10,7 @@
 #include <QLabel>
 #include <QLineSeries>
 #include <QListView>
+#include <QLocale>
 #include <QPushButton>
 #include <QSplitter>
 #include <QTabWidget>
@@ -325,13 +326,18 @@ void MonitorWidget::refresh() {
   // A child that failed before its run wrote `run_end` (or anything) has failed all the same.
   QString status = s.status();
   if (m_childFailed && (status == "empty" || status == "interrupted")) status = "failed";
+  // A finished run is "done", not "ETA 0m00s"; one that ended otherwise has no time left to show.
+  const QString left = status == "completed" ? QString("done")
+                       : status == "running" ? "ETA " + eta(s.etaSeconds())
+                                             : QString("ETA –");
+  const QLocale locale;  // steps with the user's thousands separators
   QString line =
-      QString("%1 — step %2/%3, loss %4, validation %5, lr %6, grad norm %7, %8 tokens/s, ETA %9")
+      QString("%1 — step %2/%3, loss %4, validation %5, lr %6, grad norm %7, %8 tokens/s, %9")
           .arg(status)
-          .arg(s.lastStep())
-          .arg(s.stepsTotal())
+          .arg(locale.toString(static_cast<qint64>(s.lastStep())))
+          .arg(locale.toString(static_cast<qint64>(s.stepsTotal())))
           .arg(num(s.lastLoss()), num(s.lastEvalLoss()), num(s.lastLr(), 3),
-               num(s.lastGradNorm(), 3), num(s.tokensPerSecond(), 5), eta(s.etaSeconds()));
+               num(s.lastGradNorm(), 3), num(s.tokensPerSecond(), 5), left);
   if (s.malformedLines() > 0)
     line += QString(" (%1 malformed event lines skipped)").arg(s.malformedLines());
   m_status->setText(line);

@@ -152,6 +152,7 @@ class Screens : public QObject {
     QImage timeline = m.timelineView()->grab().toImage();
     QVERIFY(test::colours(timeline) > 4);
     QVERIFY2(m.statusText().contains("completed — step 12/12"), qPrintable(m.statusText()));
+    QVERIFY2(m.statusText().endsWith(", done"), qPrintable(m.statusText()));  // not "ETA 0m00s"
     QCOMPARE(m.state()->samples()->rowCount(), 3);  // steps 0, 6, 12
   }
 
