@@ -13,6 +13,7 @@
 #include <optional>
 
 #include "cli/config_file.h"
+#include "cli/train_command.h"
 #include "engine/checkpoint.h"
 #include "kernels/error.h"
 #include "models/generate.h"
@@ -25,6 +26,29 @@ namespace rondo::cli {
 
 namespace fs = std::filesystem;
 
+namespace {
+
+// The options of sampling and of the weights' dtype, as generate and chat take them.
+void add_sampling_options(CLI::App& command, long long& max_new_tokens, const char* max_help,
+                          double& temperature, double& top_p, unsigned long long& seed,
+                          std::string& dtype) {
+  command.add_option("--max-new-tokens,-n", max_new_tokens, max_help)
+      ->capture_default_str()
+      ->check(CLI::Range(1LL, 1LL << 20));
+  command.add_option("--temperature,-t", temperature, "Sampling temperature; 0 = greedy")
+      ->capture_default_str()
+      ->check(CLI::Range(0.0, 100.0));
+  command.add_option("--top-p", top_p, "Sample among the most likely tokens holding this mass")
+      ->capture_default_str()
+      ->check(CLI::Range(1e-9, 1.0));
+  command.add_option("--seed", seed, "Seed for sampling")->capture_default_str();
+  command.add_option("--dtype", dtype, "Weights in memory: f32 or bf16")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"f32", "bf16"}));
+}
+
+}  // namespace
+
 void add_generate_options(CLI::App& command, GenerateOptions& o) {
   command.add_option("model", o.model, "A Hugging Face model folder or a .gguf file")->required();
   command
@@ -36,21 +60,10 @@ void add_generate_options(CLI::App& command, GenerateOptions& o) {
                      "Chat format instead of the model's own template: chatml, qwen3, llama3, "
                      "mistral, mistral-v1");
   command.add_option("--system", o.system, "A system message (with --chat)");
-  command.add_option("--max-new-tokens,-n", o.max_new_tokens, "Most tokens to generate")
-      ->capture_default_str()
-      ->check(CLI::Range(1LL, 1LL << 20));
-  command.add_option("--temperature,-t", o.temperature, "Sampling temperature; 0 = greedy")
-      ->capture_default_str()
-      ->check(CLI::Range(0.0, 100.0));
-  command.add_option("--top-p", o.top_p, "Sample among the most likely tokens holding this mass")
-      ->capture_default_str()
-      ->check(CLI::Range(1e-9, 1.0));
-  command.add_option("--seed", o.seed, "Seed for sampling")->capture_default_str();
+  add_sampling_options(command, o.max_new_tokens, "Most tokens to generate", o.temperature, o.top_p,
+                       o.seed, o.dtype);
   command.add_option("--adapter", o.adapter,
                      "A LoRA adapter to use: a PEFT folder (rondo export) or a LoRA run's folder");
-  command.add_option("--dtype", o.dtype, "Weights in memory: f32 or bf16")
-      ->capture_default_str()
-      ->check(CLI::IsMember({"f32", "bf16"}));
 }
 
 namespace {
@@ -145,19 +158,8 @@ void add_chat_options(CLI::App& command, ChatOptions& o) {
   command.add_option("--chat-format", o.chat_format,
                      "Chat format instead of the model's own template: chatml, qwen3, llama3, "
                      "mistral, mistral-v1");
-  command.add_option("--max-new-tokens,-n", o.max_new_tokens, "Most tokens of a reply")
-      ->capture_default_str()
-      ->check(CLI::Range(1LL, 1LL << 20));
-  command.add_option("--temperature,-t", o.temperature, "Sampling temperature; 0 = greedy")
-      ->capture_default_str()
-      ->check(CLI::Range(0.0, 100.0));
-  command.add_option("--top-p", o.top_p, "Sample among the most likely tokens holding this mass")
-      ->capture_default_str()
-      ->check(CLI::Range(1e-9, 1.0));
-  command.add_option("--seed", o.seed, "Seed for sampling")->capture_default_str();
-  command.add_option("--dtype", o.dtype, "Weights in memory: f32 or bf16")
-      ->capture_default_str()
-      ->check(CLI::IsMember({"f32", "bf16"}));
+  add_sampling_options(command, o.max_new_tokens, "Most tokens of a reply", o.temperature, o.top_p,
+                       o.seed, o.dtype);
 }
 
 int run_chat(const ChatOptions& o) {
@@ -176,23 +178,13 @@ int run_chat(const ChatOptions& o) {
     const engine::TrainConfig& c = f.config;
     model_path = c.model.path;
     if (chat_format.empty()) chat_format = c.data.chat_format;
-    const engine::CheckpointChoice choice = engine::choose_checkpoint(o.target, o.checkpoint);
-    for (const auto& [path, bad] : choice.skipped)
-      std::fprintf(
-          stderr, "%s\n",
-          join_problems("rondo: warning: " + path + " fails its checks and is skipped:", bad)
-              .c_str());
-    if (!choice.chosen)
-      throw Error(o.target + (choice.skipped.empty()
-                                  ? ": no checkpoint yet: the run has trained nothing to chat with"
-                                  : ": no checkpoint passes its checks"));
-    const models::SafetensorsFile state(
-        (fs::path(choice.chosen->path) / "state.safetensors").string());
+    const ChosenCheckpoint chosen = checkpoint_for(o.target, o.checkpoint, "to chat with");
+    const models::SafetensorsFile state((fs::path(chosen.path) / "state.safetensors").string());
     const models::LoraConfig lora = c.lora_config();
-    model.emplace(
-        models::load_with_trained(model_path, c.training.method == "lora" ? &lora : nullptr,
-                                  engine::checkpoint_weights(state), choice.chosen->path, load));
-    what = choice.chosen->path;
+    model.emplace(models::load_with_trained(model_path,
+                                            c.training.method == "lora" ? &lora : nullptr,
+                                            engine::checkpoint_weights(state), chosen.path, load));
+    what = chosen.path;
   } else {
     if (!o.checkpoint.empty())
       throw Error("--checkpoint goes with a run folder; " + o.target + " has no config.toml");

@@ -365,6 +365,20 @@ int run_plan(const TrainOptions& o) {
   return session.fits() ? 0 : 3;
 }
 
+ChosenCheckpoint checkpoint_for(const std::string& run, const std::string& name,
+                                const std::string& purpose) {
+  const engine::CheckpointChoice choice = engine::choose_checkpoint(run, name);
+  for (const auto& [path, bad] : choice.skipped)
+    std::fprintf(stderr, "%s\n",
+                 join_problems("rondo: warning: " + path + " fails its checks and is skipped:", bad)
+                     .c_str());
+  if (!choice.chosen)
+    throw Error(run + (choice.skipped.empty()
+                           ? ": no checkpoint yet: nothing " + purpose
+                           : ": no checkpoint passes its checks; nothing " + purpose));
+  return {choice.chosen->path, choice.chosen->step};
+}
+
 int run_export(const ExportOptions& o) {
   const fs::path run(o.run);
   const std::string cfg = (run / "config.toml").string();
@@ -379,17 +393,7 @@ int run_export(const ExportOptions& o) {
   for (const std::string& t : lock.remove_stale_temporaries())
     std::fprintf(stderr, "rondo: removed %s, left by a process that was stopped while writing it\n",
                  t.c_str());
-  const engine::CheckpointChoice choice = engine::choose_checkpoint(o.run, o.checkpoint);
-  for (const auto& [path, bad] : choice.skipped)
-    std::fprintf(stderr, "%s\n",
-                 join_problems("rondo: warning: " + path + " fails its checks and is skipped:", bad)
-                     .c_str());
-  if (!choice.chosen)
-    throw Error(o.run + (choice.skipped.empty()
-                             ? ": no complete checkpoint to export"
-                             : ": no checkpoint passes its checks; nothing to export"));
-  const std::string ckpt = choice.chosen->path;
-  const std::int64_t step = choice.chosen->step;
+  const auto [ckpt, step] = checkpoint_for(o.run, o.checkpoint, "to export");
   const bool lora = c.training.method == "lora";
   if (o.format == "adapter" && !lora)
     throw Error(o.run + " trained every weight (training.method = full): export --format merged");

@@ -4,6 +4,7 @@
 // second Ctrl-C exits at once.
 #pragma once
 
+#include <cstdint>
 #include <string>
 #include <vector>
 
@@ -49,6 +50,16 @@ void add_demo_options(CLI::App& command, DemoOptions& options);
 int run_train(const TrainOptions& options);
 int run_plan(const TrainOptions& options);
 int run_export(const ExportOptions& options);
+
+// The checkpoint of run folder `run` that `rondo export` or `rondo chat` reads: the one `name`
+// names, else the newest that passes its checks, each newer one that fails named on stderr.
+// Throws Error when there is none (`purpose`: "to export", "to chat with").
+struct ChosenCheckpoint {
+  std::string path;
+  std::int64_t step = 0;
+};
+ChosenCheckpoint checkpoint_for(const std::string& run, const std::string& name,
+                                const std::string& purpose);
 int run_demo(const DemoOptions& options);
 
 }  // namespace rondo::cli
