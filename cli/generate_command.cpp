@@ -3,10 +3,13 @@
 #include <fmt/format.h>
 #include <CLI/CLI.hpp>
 
+#include <fcntl.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <chrono>
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
 #include <iostream>
 #include <nlohmann/json.hpp>
@@ -17,7 +20,6 @@
 #include "engine/checkpoint.h"
 #include "kernels/error.h"
 #include "models/generate.h"
-#include "models/mapped_file.h"
 #include "models/model.h"
 #include "models/model_files.h"
 #include "models/peft_adapter.h"
@@ -113,6 +115,23 @@ Reply stream_reply(const models::Model& model, const models::Tokenizer& tok,
   r.tokens = streamer.ids().size();
   r.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   return r;
+}
+
+// Appends the conversation to `path` as one line of chat-format JSONL (training data), so that
+// saving again adds to the file instead of replacing what it held.
+void save_conversation(const std::string& path, const std::vector<models::ChatMessage>& messages) {
+  nlohmann::ordered_json list = nlohmann::ordered_json::array();
+  for (const models::ChatMessage& m : messages)
+    list.push_back({{"role", m.role}, {"content", m.content}});
+  const std::string text = nlohmann::ordered_json{{"messages", list}}.dump() + "\n";
+  const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
+  if (fd < 0) throw Error("cannot save to " + path + ": " + std::strerror(errno));
+  const ssize_t n = ::write(fd, text.data(), text.size());  // one write: a whole line or none
+  const int err = errno;
+  ::close(fd);
+  if (n != static_cast<ssize_t>(text.size()))
+    throw Error("cannot save to " + path + ": " +
+                (n < 0 ? std::strerror(err) : "the file took part of the line"));
 }
 
 }  // namespace
@@ -216,42 +235,45 @@ int run_chat(const ChatOptions& o) {
     if (!std::getline(std::cin, line)) break;
     if (!line.empty() && line.back() == '\r') line.pop_back();
     if (line.find_first_not_of(" \t") == std::string::npos) continue;
-    if (line[0] == '/') {
-      const std::size_t space = line.find(' ');
-      const std::string command = line.substr(0, space);
-      const std::string rest = space == std::string::npos ? "" : line.substr(space + 1);
-      if (command == "/quit" || command == "/exit") break;
-      if (command == "/reset") {
-        reset();
-        std::fprintf(stderr, "rondo: conversation cleared\n");
-      } else if (command == "/system") {
-        system = rest;
-        reset();
-        std::fprintf(stderr, "rondo: %s; conversation cleared\n",
-                     system.empty() ? "no system message" : "new system message");
-      } else if (command == "/save" && !rest.empty()) {
-        nlohmann::ordered_json messages = nlohmann::ordered_json::array();
-        for (const models::ChatMessage& m : conversation)
-          messages.push_back({{"role", m.role}, {"content", m.content}});
-        models::write_file_durably(rest,
-                                   nlohmann::ordered_json{{"messages", messages}}.dump() + "\n");
-        std::fprintf(stderr, "rondo: saved %zu messages to %s (one chat-format JSONL line)\n",
-                     conversation.size(), rest.c_str());
-      } else {
-        std::fprintf(stderr,
-                     "rondo: the commands are /reset, /system TEXT, /save FILE and /quit\n");
+    // A command or a turn that fails says why and leaves the conversation as it was.
+    try {
+      if (line[0] == '/') {
+        const std::size_t space = line.find(' ');
+        const std::string command = line.substr(0, space);
+        const std::string rest = space == std::string::npos ? "" : line.substr(space + 1);
+        if (command == "/quit" || command == "/exit") break;
+        if (command == "/reset") {
+          reset();
+          std::fprintf(stderr, "rondo: conversation cleared\n");
+        } else if (command == "/system") {
+          system = rest;
+          reset();
+          std::fprintf(stderr, "rondo: %s; conversation cleared\n",
+                       system.empty() ? "no system message" : "new system message");
+        } else if (command == "/save" && !rest.empty()) {
+          save_conversation(rest, conversation);
+          std::fprintf(stderr, "rondo: %zu messages appended to %s (one chat-format JSONL line)\n",
+                       conversation.size(), rest.c_str());
+        } else {
+          std::fprintf(stderr,
+                       "rondo: the commands are /reset, /system TEXT, /save FILE and /quit\n");
+        }
+        continue;
       }
-      continue;
+      std::vector<models::ChatMessage> next = conversation;
+      next.push_back({"user", line});
+      const std::vector<std::int32_t> ids =
+          models::render_chat(tok, tmpl, next, /*add_generation_prompt=*/true).ids;
+      const Reply r = stream_reply(
+          *model, tok, ids,
+          sampling_for(*model, tok, true, o.max_new_tokens, o.temperature, o.top_p, o.seed));
+      std::fputc('\n', stdout);
+      std::fflush(stdout);
+      next.push_back({"assistant", r.text});
+      conversation = std::move(next);
+    } catch (const Error& e) {
+      std::fprintf(stderr, "rondo: error: %s\n", e.what());
     }
-    conversation.push_back({"user", line});
-    const std::vector<std::int32_t> ids =
-        models::render_chat(tok, tmpl, conversation, /*add_generation_prompt=*/true).ids;
-    const Reply r = stream_reply(
-        *model, tok, ids,
-        sampling_for(*model, tok, true, o.max_new_tokens, o.temperature, o.top_p, o.seed));
-    std::fputc('\n', stdout);
-    std::fflush(stdout);
-    conversation.push_back({"assistant", r.text});
   }
   return 0;
 }

@@ -30,7 +30,8 @@ int run_generate(const GenerateOptions& options);
 // stdout), the conversation kept across turns and rendered with the model's chat template.
 // TARGET is a run folder (its newest sound checkpoint, or --checkpoint step-N: the trained weights
 // as they are there, LoRA or full) or a model (with --adapter, a PEFT folder). Commands: /reset,
-// /system TEXT, /save FILE (the conversation as one chat-format JSONL line: training data), /quit.
+// /system TEXT, /save FILE (appends the conversation as one chat-format JSONL line: training data),
+// /quit. A command or turn that fails says why and leaves the conversation as it was.
 struct ChatOptions {
   std::string target;
   std::string adapter;

@@ -368,10 +368,11 @@ int run_plan(const TrainOptions& o) {
 ChosenCheckpoint checkpoint_for(const std::string& run, const std::string& name,
                                 const std::string& purpose) {
   const engine::CheckpointChoice choice = engine::choose_checkpoint(run, name);
-  for (const auto& [path, bad] : choice.skipped)
-    std::fprintf(stderr, "%s\n",
-                 join_problems("rondo: warning: " + path + " fails its checks and is skipped:", bad)
-                     .c_str());
+  for (const engine::SkippedCheckpoint& k : choice.skipped)
+    std::fprintf(
+        stderr, "%s\n",
+        join_problems("rondo: warning: " + k.path + " fails its checks and is skipped:", k.problems)
+            .c_str());
   if (!choice.chosen)
     throw Error(run + (choice.skipped.empty()
                            ? ": no checkpoint yet: nothing " + purpose

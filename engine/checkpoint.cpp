@@ -466,12 +466,13 @@ CheckpointChoice choose_checkpoint(const std::string& run_dir, const std::string
     return out;
   }
   for (auto k = all.rbegin(); k != all.rend(); ++k) {
-    std::vector<std::string> bad = checkpoint_problems(k->path);
+    bool damaged = true;
+    std::vector<std::string> bad = checkpoint_problems(k->path, &damaged);
     if (bad.empty()) {
       out.chosen = *k;
       break;
     }
-    out.skipped.emplace_back(k->path, std::move(bad));
+    out.skipped.push_back({k->path, std::move(bad), damaged});
   }
   return out;
 }

@@ -73,9 +73,14 @@ std::vector<CheckpointInfo> list_checkpoints(const std::string& run_dir);
 // checks (checkpoint_problems). Throws Error when `name` names none of them or one that fails its
 // checks (both listing what the run has). `chosen` is empty when no checkpoint passes (or the run
 // has none); `skipped` holds the newer ones that fail, newest first, with their problems.
+struct SkippedCheckpoint {
+  std::string path;
+  std::vector<std::string> problems;
+  bool damaged = true;  // its own content is bad (not an I/O error or a newer Rondo's)
+};
 struct CheckpointChoice {
   std::optional<CheckpointInfo> chosen;
-  std::vector<std::pair<std::string, std::vector<std::string>>> skipped;
+  std::vector<SkippedCheckpoint> skipped;
 };
 CheckpointChoice choose_checkpoint(const std::string& run_dir, const std::string& name = "");
 

@@ -144,34 +144,44 @@ fs::path folder_path(const std::string& dir) {
 
 }  // namespace
 
-std::vector<std::string> checkpoint_problems(const std::string& dir) {
+std::vector<std::string> checkpoint_problems(const std::string& dir, bool* damaged) {
+  bool own = true;  // what `damaged` reports
+  const auto done = [&](std::vector<std::string> problems) {
+    if (damaged) *damaged = own && !problems.empty();
+    return problems;
+  };
   const fs::path folder = folder_path(dir);
   const fs::path state_path = folder / kStateFile;
   const fs::path tensors_path = folder / kTensorsFile;
 
-  if (!path_exists(folder)) return {"no such checkpoint folder"};
+  if (!path_exists(folder)) {
+    own = false;
+    return done({"no such checkpoint folder"});
+  }
   if (!path_exists(state_path))
-    return {std::string("not a Rondo checkpoint (no ") + kStateFile +
-            "; a folder without it is one whose writing did not finish)"};
+    return done({std::string("not a Rondo checkpoint (no ") + kStateFile +
+                 "; a folder without it is one whose writing did not finish)"});
   nlohmann::json state;
   std::string text;
   try {
     text = read_state_text(state_path.string());
   } catch (const Error& e) {
-    return {e.what()};
+    own = std::string(e.what()).find("larger than") != std::string::npos;  // else an I/O error
+    return done({e.what()});
   }
   std::vector<std::string> problems = state_problems(text, folder.filename().string(), state);
   // Nothing more to check in a state.json that is not ours or has no "meta".
   if (!state.is_object() || state.value("format", nlohmann::json()) != kFormat ||
       !state.contains("meta") || !state.contains("version") ||
       !state["version"].is_number_integer())
-    return problems;
+    return done(problems);
   const int version = state["version"].get<int>();
-  if (version < kOldestVersion || version > kVersion) return problems;
+  if (version > kVersion) own = false;  // a newer Rondo's: sound, for all this one can tell
+  if (version < kOldestVersion || version > kVersion) return done(problems);
   if (!path_exists(tensors_path)) {
     problems.push_back(std::string("no ") + kTensorsFile + " next to " + kStateFile +
                        " — the checkpoint is damaged");
-    return problems;
+    return done(problems);
   }
   if (version >= 2) {
     const nlohmann::json files = state.value("files", nlohmann::json());
@@ -185,9 +195,10 @@ std::vector<std::string> checkpoint_problems(const std::string& dir) {
       models::FileDigest d;
       try {
         d = models::file_xxh3(tensors_path.string());
-      } catch (const Error& e) {  // unreadable (EIO, a folder, ...): damaged, fall back
+      } catch (const Error& e) {  // unreadable (EIO, no permission, ...): fall back, keep it
         problems.push_back(e.what());
-        return problems;
+        own = false;
+        return done(problems);
       }
       const auto bytes = rec["bytes"].get<std::uint64_t>();
       if (d.bytes != bytes)
@@ -200,7 +211,7 @@ std::vector<std::string> checkpoint_problems(const std::string& dir) {
                            rec["xxh3_64"].get<std::string>() + "): its bytes changed on disk");
     }
   }
-  return problems;
+  return done(problems);
 }
 
 }  // namespace rondo::engine

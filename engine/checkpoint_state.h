@@ -49,6 +49,9 @@ namespace rondo::engine {
 // "optimizer_step" outside 0..step; state.safetensors missing, or its size or XXH3-64 not the ones
 // recorded. Each problem is one sentence without the folder's name. Empty: the checkpoint is sound.
 // (A version 1 checkpoint, written before checksums, is checked for all but its bytes.)
-std::vector<std::string> checkpoint_problems(const std::string& dir);
+// `damaged` (if given) says whether the problems are the folder's own content (bytes, JSON,
+// records that do not agree): false when it may be sound but cannot be read now (an I/O error,
+// no permission) or was written by a newer Rondo.
+std::vector<std::string> checkpoint_problems(const std::string& dir, bool* damaged = nullptr);
 
 }  // namespace rondo::engine

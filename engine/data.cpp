@@ -45,14 +45,22 @@ class ExampleReader {
     try {
       fill();
       if (end_ >= 3 && std::memcmp(buf_.data(), "\xEF\xBB\xBF", 3) == 0) pos_ = 3;
-      // A JSON array: its first character, after white space, is '['.
-      for (std::size_t i = pos_; i < end_; ++i) {
-        const char c = buf_[i];
-        if (c == ' ' || c == '\t' || c == '\r' || c == '\n') continue;
-        array_ = c == '[';
-        break;
+      // A JSON array: its first character, after white space, is '['. White space read past to
+      // find it (more than a block of it, or a pipe's short reads) is consumed, its lines counted.
+      std::int64_t newlines = 0;
+      for (bool found = false; !found;) {
+        for (; pos_ < end_; ++pos_) {
+          const char c = buf_[pos_];
+          if (c == '\n') ++newlines;
+          if (c != ' ' && c != '\t' && c != '\r' && c != '\n') {
+            array_ = c == '[';
+            found = true;
+            break;
+          }
+        }
+        if (!found && (eof_ || !fill())) break;
       }
-      if (array_) line_ = 1;
+      line_ = array_ ? 1 + newlines : newlines;
     } catch (...) {
       ::close(fd_);
       throw;
@@ -166,30 +174,35 @@ class ExampleReader {
     if (c < 0) broken("the file ends inside the JSON list (no closing ']'): is it cut short?");
     ++count_;
     line = line_;
-    // To the end of the value: a bracket at depth 0 closes it (an object or a list), or a ',' or
-    // ']' outside strings ends a bare value (a number, a string: not an example, said later).
+    // To the end of the value: the bracket that closes an object or a list; the closing quote of
+    // a bare string; white space or punctuation after a bare number or word (bare values are no
+    // examples, said later; a missing comma after one is still found by the caller).
+    const bool bare = c != '{' && c != '[';
     int depth = 0;
     bool in_string = false, escape = false;
     for (;; c = get()) {
       if (c < 0)
         broken("the file ends inside example " + std::to_string(count_) + ": is it cut short?");
-      if (!in_string && depth == 0 && length > 0 && (c == ',' || c == ']')) {
-        --pos_;  // the separator is the caller's
+      if (bare && !in_string && length > 0 && ends_bare_word(c)) {
+        --pos_;  // the separator (or what follows) is the caller's
+        if (c == '\n') --line_;
         break;
       }
       put(text, static_cast<char>(c), too_long, length);
       if (in_string) {
-        if (escape)
+        if (escape) {
           escape = false;
-        else if (c == '\\')
+        } else if (c == '\\') {
           escape = true;
-        else if (c == '"')
+        } else if (c == '"') {
           in_string = false;
+          if (bare) break;
+        }
       } else if (c == '"') {
         in_string = true;
-      } else if (c == '{' || c == '[') {
+      } else if (!bare && (c == '{' || c == '[')) {
         ++depth;
-      } else if ((c == '}' || c == ']') && --depth <= 0) {
+      } else if (!bare && (c == '}' || c == ']') && --depth <= 0) {
         if (depth < 0) broken("a '" + std::string(1, char(c)) + "' that closes nothing");
         break;
       }
@@ -199,6 +212,11 @@ class ExampleReader {
       }
     }
     return true;
+  }
+
+  static bool ends_bare_word(int c) {
+    return c == ',' || c == ']' || c == '}' || c == '[' || c == '{' || c == '"' || c == ' ' ||
+           c == '\t' || c == '\r' || c == '\n';
   }
 
   bool fill() {

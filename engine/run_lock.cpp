@@ -46,7 +46,9 @@ RunLock::RunLock(const std::string& run_dir, const std::string& what, bool reade
   if (fd_ < 0) throw Error("cannot open the run's lock file " + path + ": " + std::strerror(errno));
   int rc;
   do {
-    rc = ::flock(fd_, LOCK_EX | LOCK_NB);
+    // A reader's descriptor is read-only: a shared lock (an exclusive one needs write access on
+    // NFS), which a writer's exclusive lock still excludes.
+    rc = ::flock(fd_, (read_only_ ? LOCK_SH : LOCK_EX) | LOCK_NB);
   } while (rc != 0 && errno == EINTR);
   if (rc != 0) {
     const int err = errno;

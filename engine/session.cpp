@@ -261,8 +261,8 @@ struct Session::Impl {
     if (!choice.chosen) {
       if (choice.skipped.empty()) return;  // no checkpoint yet: the run starts from step 0
       std::vector<std::string> all;
-      for (const auto& [path, bad] : choice.skipped)
-        all.push_back(path + " fails its checks: " + why(bad));
+      for (const SkippedCheckpoint& k : choice.skipped)
+        all.push_back(k.path + " fails its checks: " + why(k.problems));
       throw Error(join_problems(
           dir.string() +
               ": no checkpoint passes its checks, so this run cannot be resumed; start it again "
@@ -272,16 +272,25 @@ struct Session::Impl {
     }
     from_checkpoint = choice.chosen->path;
     resumed_from = choice.chosen->step;
-    // Out of the list, so that checkpoint.keep counts good checkpoints only and no later resume
-    // meets them again.
-    for (const auto& [path, bad] : choice.skipped) {
+    // A damaged one goes out of the list, so that checkpoint.keep counts good checkpoints only
+    // and no later resume meets it again; one that may be sound (unreadable now, or a newer
+    // Rondo's) stays where it is.
+    for (const SkippedCheckpoint& k : choice.skipped) {
       if (o.dry_run) {
-        log(fmt::format("Warning: {} fails its checks; a resume skips it: {}", path, why(bad)));
+        log(fmt::format("Warning: {} fails its checks; a resume skips it: {}", k.path,
+                        why(k.problems)));
         continue;
       }
-      const std::string aside = set_aside_checkpoint(path);
-      resume_warnings.push_back(fmt::format("{} fails its checks and is skipped (moved to {}): {}",
-                                            path, aside, why(bad)));
+      std::string where = "left in place";
+      if (k.damaged) {
+        try {
+          where = "moved to " + set_aside_checkpoint(k.path);
+        } catch (const Error& e) {
+          where = std::string("left in place: ") + e.what();
+        }
+      }
+      resume_warnings.push_back(fmt::format("{} fails its checks and is skipped ({}): {}", k.path,
+                                            where, why(k.problems)));
       log("Warning: " + resume_warnings.back());
     }
   }

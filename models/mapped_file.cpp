@@ -67,7 +67,9 @@ std::string read_text_file(const std::string& path, const std::string& what, std
     struct stat st {};
     if (::fstat(fd, &st) != 0)
       throw Error("cannot read " + path + " (" + what + "): " + std::strerror(errno));
-    if (!S_ISREG(st.st_mode))
+    // A pipe (`rondo train <(...)`) is read up to the limit like a file; a folder or a device
+    // (/dev/zero, a terminal) is not one.
+    if (!S_ISREG(st.st_mode) && !S_ISFIFO(st.st_mode))
       throw Error(path + " is " + (S_ISDIR(st.st_mode) ? "a folder" : "not a regular file") + " (" +
                   what + "): give the path of the file itself");
     char buf[1 << 16];

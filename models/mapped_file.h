@@ -18,8 +18,8 @@ inline constexpr std::uint64_t kTextFileLimit = 64ull << 20;
 inline constexpr std::uint64_t kTokenizerFileLimit = 256ull << 20;
 
 // The whole of a (small) text file: config.json, tokenizer.json. Throws Error naming the path and
-// `what` it was wanted for when it cannot be read, is not a regular file (a folder, a device such
-// as /dev/zero, a pipe) or is longer than `limit` bytes (read no further than that).
+// `what` it was wanted for when it cannot be read, is not a file or a pipe (a folder, a device such
+// as /dev/zero) or is longer than `limit` bytes (read no further than that).
 std::string read_text_file(const std::string& path, const std::string& what,
                            std::uint64_t limit = kTextFileLimit);
 

@@ -50,6 +50,9 @@ class Model {
   const at::Tensor& tensor(const std::string& name) const;
   std::vector<at::Tensor> layer_tensors(std::size_t layer) const;  // in LayerSpec::params order
   std::int64_t param_count() const;
+  // What the tensors may view (a file mapping) and must outlive them; null if they own their
+  // memory.
+  const std::shared_ptr<void>& keepalive() const { return keepalive_; }
 
   // The whole model on the weights' device: fp32 logits (B, T, V).
   at::Tensor logits(const TokenBatch& batch) const;

@@ -43,9 +43,8 @@ Model load_with_trained(const std::string& model_path, const LoraConfig* lora,
                         const std::map<std::string, at::Tensor>& trained, const std::string& source,
                         const LoadOptions& options) {
   // The merged model keeps the base's untouched tensors, which may view its file mapping: the
-  // base stays alive with it (unless every tensor is converted below).
-  auto owner = std::make_shared<Model>(Model::load(model_path, {.dtype = DType::kF32}));
-  const Model& base = *owner;
+  // mapping stays alive with it (the base's other tensors go with the base).
+  const Model base = Model::load(model_path, {.dtype = DType::kF32});
   const std::vector<LayerSpec> specs = lora ? add_lora(base.layers(), *lora) : base.layers();
   std::map<std::string, at::Tensor> all;
   std::vector<std::string> problems;
@@ -77,15 +76,13 @@ Model load_with_trained(const std::string& model_path, const LoraConfig* lora,
         problems));
   std::map<std::string, at::Tensor> merged = lora ? merge_lora(specs, all) : std::move(all);
   all.clear();
-  const ModelConfig config = base.config();
-  std::shared_ptr<void> keepalive = owner;
+  std::shared_ptr<void> keepalive = base.keepalive();
   if (options.dtype && *options.dtype != DType::kF32) {
     for (auto& [name, t] : merged)
-      t = t.to(to_scalar_type(*options.dtype));  // copies: nothing views the base any more
+      t = t.to(to_scalar_type(*options.dtype));  // copies: nothing views the mapping any more
     keepalive.reset();
-    owner.reset();
   }
-  return Model::from_tensors(config, std::move(merged), model_path + " with " + source,
+  return Model::from_tensors(base.config(), std::move(merged), model_path + " with " + source,
                              std::move(keepalive));
 }
 

@@ -419,6 +419,12 @@ TEST_F(Integrity, FilesReadWholeAreBounded) {
     EXPECT_LT(r.peak_rss, 1ull << 30) << r.out;
   };
   check({"train", "/dev/zero"}, "/dev/zero is not a regular file (the config file)");
+  // A pipe is read (up to the limit) like a file.
+  write(dir / "c.toml", config("piped"));
+  const Result piped =
+      run_rondo("train /dev/stdin --dry-run", true, "cat " + (dir / "c.toml").string() + " |");
+  EXPECT_EQ(piped.code, 0) << piped.out;
+  EXPECT_TRUE(contains(piped.out, "run_dir = ")) << piped.out;
   check({"train", dir.string()}, dir.string() + " is a folder (the config file)");
   fs::remove(m / "tokenizer.json");
   fs::create_symlink("/dev/zero", m / "tokenizer.json");

@@ -215,11 +215,13 @@ TEST_F(TrainCli, ChatTalksToTheRunsWeights) {
     ASSERT_EQ(want.code, 0) << want.out;
     ASSERT_GT(want.out.size(), 2u) << "an empty reply would make the comparison below void";
     const fs::path saved = dir / "conv.jsonl";
-    write(dir / "in.txt",
-          "hello\nagain\n/system Be brief\nhi\n/save " + saved.string() + "\n/quit\nnever read\n");
+    fs::remove(saved);
+    write(dir / "in.txt", "hello\nagain\n/system Be brief\nhi\n/save " +
+                              (dir / "no" / "such" / "x.jsonl").string() + "\n/save " +
+                              saved.string() + "\n/quit\nnever read\n");
     r = run_rondo("chat " + run.string() + " -n 6 < " + (dir / "in.txt").string(),
                   /*with_stderr=*/false);
-    ASSERT_EQ(r.code, 0) << r.out;
+    ASSERT_EQ(r.code, 0) << r.out;  // the failed /save did not end the chat
     EXPECT_EQ(r.out.substr(0, want.out.size()), want.out) << r.out;
     const json conv = json::parse(slurp(saved));
     ASSERT_EQ(conv["messages"].size(), 3u) << conv.dump();

@@ -272,9 +272,10 @@ TEST_F(CheckpointTest, ProblemsFindEachDamage) {
     fs::copy(good, copy);
     harm(copy);
     std::string all;
-    for (const std::string& p : checkpoint_problems(copy.string()))
+    bool own = false;
+    for (const std::string& p : checkpoint_problems(copy.string(), &own))
       all += p + "\n";
-    return all;
+    return all.empty() ? all : all + (own ? "(damaged)" : "(not its own fault)");
   };
   auto edit_state = [](const fs::path& dir, const std::function<void(nlohmann::json&)>& f) {
     nlohmann::json j = nlohmann::json::parse(std::ifstream(dir / "state.json"));
@@ -288,6 +289,12 @@ TEST_F(CheckpointTest, ProblemsFindEachDamage) {
     f.put('\x7f');
   });
   EXPECT_NE(p.find("does not match its checksum"), std::string::npos) << p;
+  EXPECT_NE(p.find("(damaged)"), std::string::npos) << p;  // a resume sets it aside
+  // A newer Rondo's: not damaged (a resume skips it and leaves it where it is).
+  p = damaged("step-4",
+              [&](const fs::path& d) { edit_state(d, [](auto& j) { j["version"] = 99; }); });
+  EXPECT_NE(p.find("checkpoint version 99"), std::string::npos) << p;
+  EXPECT_NE(p.find("(not its own fault)"), std::string::npos) << p;
   // Truncated.
   p = damaged("step-4", [](const fs::path& d) {
     fs::resize_file(d / "state.safetensors", fs::file_size(d / "state.safetensors") - 4);

@@ -207,6 +207,15 @@ TEST(Data, AJsonListIsReadExampleByExample) {
     expect_same(list.examples[i], jsonl.examples.at(i));
   EXPECT_NE(list.stats_text().find("2 examples (alpaca, from a JSON list)"), std::string::npos)
       << list.stats_text();
+  // More white space before the '[' than one read holds: still a list, lines still counted.
+  Dataset spaced = load_data(
+      write("s.json", std::string(70000, ' ') + "\n\n[" + a + ",\n" + b + "]"), tok, chatml, {});
+  EXPECT_TRUE(spaced.json_list);
+  ASSERT_EQ(spaced.examples.size(), 2u);
+  const std::string spaced_bad =
+      write("sb.json", std::string(70000, ' ') + "\n\n[" + a + ",\n{\"instruction\": 3}]");
+  EXPECT_NE(error_of(spaced_bad).find(spaced_bad + ":4 (example 2):"), std::string::npos)
+      << error_of(spaced_bad);
   // One line, no spaces, a trailing comma.
   Dataset tight = load_data(write("t.json", "[" + a + "," + b + ",]"), tok, chatml, {});
   ASSERT_EQ(tight.examples.size(), 2u);
@@ -224,6 +233,8 @@ TEST(Data, AJsonListIsReadExampleByExample) {
            {"[" + a + ",\n" + b, ":2: the file ends inside the JSON list (no closing ']')"},
            {"[" + a + ", {\"instruction\": \"cut", ":1: the file ends inside example 2"},
            {"[" + a + "\n" + b + "]", ":2: expected ',' or ']' after example 1, found '{'"},
+           {"[\"a\" " + a + "]", ":1: expected ',' or ']' after example 1, found '{'"},
+           {"[7\n" + a + "]", ":2: expected ',' or ']' after example 1, found '{'"},
            {"[" + a + "] x", ":1: more after the JSON list's closing ']'"},
            {"[]", ": no examples (the list is empty)"},
            {"[" + a + ", 7]", ":1 (example 2): not a JSON object"}}) {
