@@ -50,6 +50,7 @@ run_one() {
     -timeout=10 -rss_limit_mb=4096 -max_len=65536 -print_final_stats=1 \
     -artifact_prefix="$BUILD/artifacts/${h}-" >"$BUILD/logs/$h.log" 2>&1
   local rc=$?
+  echo "$rc" >"$BUILD/logs/$h.rc"
   local stats
   stats=$(grep -E '^stat::number_of_executed_units|^stat::peak_rss_mb' "$BUILD/logs/$h.log" |
     sed 's/stat:://' | tr '\n' ' ')
@@ -66,20 +67,20 @@ run_one() {
 
 echo "==> fuzzing ${HARNESSES[*]} for $SECONDS_EACH s each ($JOBS at a time)"
 failed=()
-pids=()
-names=()
 for h in "${HARNESSES[@]}"; do
   if [[ ! -x "$BUILD/${h}_fuzz" ]]; then
     echo "scripts/fuzz.sh: no harness '$h' (known: ${ALL[*]})" >&2
     exit 2
   fi
+  rm -f "$BUILD/logs/$h.rc"
   run_one "$h" &
-  pids+=($!)
-  names+=("$h")
   while (($(jobs -rp | wc -l) >= JOBS)); do sleep 1; done
 done
-for i in "${!pids[@]}"; do
-  wait "${pids[$i]}" || failed+=("${names[$i]}")
+# Each harness's result from the file it wrote (`wait PID` can no longer name a job that `jobs`
+# has reaped: "not a child of this shell").
+wait
+for h in "${HARNESSES[@]}"; do
+  [[ "$(cat "$BUILD/logs/$h.rc" 2>/dev/null)" == 0 ]] || failed+=("$h")
 done
 if ((${#failed[@]})); then
   echo "scripts/fuzz.sh: FAILED: ${failed[*]}" >&2
