@@ -459,7 +459,9 @@ int run_demo(const DemoOptions& o) {
                "rondo demo: LoRA fine-tuning %s on %s for %lld steps on this machine; the model "
                "learns to start its answers with \"Rondo says:\". Samples before and after.\n",
                c.model.path.c_str(), c.data.train.c_str(), o.steps);
-  return train_with(c, to_toml(c), false, o.events, false);
+  const int rc = train_with(c, to_toml(c), false, o.events, false);
+  if (rc == 0) std::printf("Talk to the result: rondo chat %s\n", c.output.run_dir.c_str());
+  return rc;
 }
 
 }  // namespace rondo::cli

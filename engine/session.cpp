@@ -202,7 +202,11 @@ struct Session::Impl {
     for (const std::string& e : c.output.exports)
       if (e == "merged" && models::model_format(c.model.path) != models::ModelFormat::kHfFolder)
         throw Error("output.exports: 'merged' needs a Hugging Face folder as model.path (" +
-                    c.model.path + " is a GGUF file); export the adapter instead");
+                    c.model.path + " is a GGUF file); " +
+                    (c.training.method == "lora"
+                         ? std::string("export the adapter instead")
+                         : std::string("leave output.exports out (a full run's weights stay in its "
+                                       "checkpoints, which rondo chat RUN uses)")));
     summary = models::inspect_model(c.model.path, c.data.seq_len);
     const std::int64_t max_pos = summary.config.max_position_embeddings;
     if (max_pos > 0 && c.data.seq_len > max_pos)

@@ -22,6 +22,7 @@
 #include <thread>
 
 #include "../support/tiny_model_folder.h"
+#include "cli/config_file.h"
 #include "models/chat_template.h"
 #include "models/checksum.h"
 #include "train_fixture.h"
@@ -252,6 +253,10 @@ TEST_F(TrainCli, ExportsFollowTheMethodUnlessSet) {
                 "'output.exports=[]'");
   EXPECT_EQ(r.code, 0) << r.out;
   EXPECT_TRUE(contains(r.out, "exports = []")) << r.out;
+  // A full run on a GGUF base: nothing to merge into yet, so no export unless asked for.
+  const rondo::cli::ConfigFile gguf = rondo::cli::read_config_text(
+      "[model]\npath = \"base.gguf\"\n[training]\nmethod = \"full\"\n", "gguf.toml", {});
+  EXPECT_TRUE(gguf.config.output.exports.empty());
   r = run_rondo("train " + cfg.string() +
                 " --dry-run --set training.method=full --set 'output.exports=[\"adapter\"]'");
   EXPECT_EQ(r.code, 1) << r.out;
