@@ -17,6 +17,7 @@
 #include <QPlainTextEdit>
 #include <QPushButton>
 #include <QRadioButton>
+#include <QRegularExpression>
 #include <QSaveFile>
 #include <QScopeGuard>
 #include <QSpinBox>
@@ -45,6 +46,46 @@ class HookPage : public QWizardPage {
   }
   void changed() { emit completeChanged(); }
 };
+
+// A message from the CLI in the wizard's words: the temporary config it planned from is not
+// named, and each config key becomes the field that sets it, with its page.
+QString inWizardWords(QString text) {
+  static const QRegularExpression tempConfig(R"([^\s:]*review\.toml(:\d+)*:\s*)");
+  text.remove(tempConfig);
+  static const std::pair<const char*, const char*> kFields[] = {
+      {"model.path", "Model (Model page)"},
+      {"model.dtype", "Train in (Model page)"},
+      {"data.train_on_everything", "Train on prompts too (Data page)"},
+      {"data.validation_split", "Validation share (Data page)"},
+      {"data.train", "Training file (Data page)"},
+      {"data.format", "Format (Data page)"},
+      {"data.seq_len", "Sequence length (Training page)"},
+      {"lora.rank", "Rank (Method page)"},
+      {"lora.alpha", "Alpha (Method page)"},
+      {"lora.targets", "Targets (Method page)"},
+      {"training.method", "Method (Method page)"},
+      {"training.steps", "Steps (Training page)"},
+      {"training.epochs", "Epochs (Training page)"},
+      {"training.batch_rows", "Rows per microbatch (Training page)"},
+      {"training.grad_accum", "Microbatches per step (Training page)"},
+      {"training.lr", "Learning rate (Training page)"},
+      {"training.schedule", "Schedule (Training page)"},
+      {"training.warmup_steps", "Warmup steps (Training page)"},
+      {"checkpoint.every", "Checkpoint every (Training page)"},
+      {"eval.sample_every", "Samples every (Training page)"},
+      {"eval.every", "Validation loss every (Training page)"},
+      {"eval.prompts", "Sample prompts (Training page)"},
+      {"hardware.sim_devices", "Simulated GPUs (Hardware page)"},
+      {"hardware.memory_cap", "GPU memory cap (Hardware page)"},
+      {"hardware.host_memory", "Host memory budget (Hardware page)"},
+      {"hardware.offload_dir", "NVMe folder (Hardware page)"},
+      {"output.run_dir", "Run folder (Training page)"},
+  };
+  for (const auto& [key, field] : kFields)
+    text.replace(QRegularExpression("\\b" + QRegularExpression::escape(key) + "\\b"),
+                 QString("\"%1\"").arg(field));
+  return text;
+}
 
 QString quoted(const QString& s) {
   QString o = "\"";
@@ -544,7 +585,8 @@ void SetupWizard::refreshReview() {
   m_plan = RondoCli::runJson({"plan", cfg, "--json"}, &error);
   if (m_plan.isEmpty()) {
     m_verdict->setText("cannot plan");
-    m_problems->setText("<span style='color:#b00020'>" + error.toHtmlEscaped() + "</span>");
+    m_problems->setText("<span style='color:#b00020'>" + inWizardWords(error).toHtmlEscaped() +
+                        "</span>");
     m_speed->clear();
     return;
   }
@@ -577,9 +619,9 @@ void SetupWizard::refreshReview() {
                             m_plan["plan"].toString()));
   QStringList notes;
   for (const QJsonValue& v : m_plan["problems"].toArray())
-    notes << "• " + v.toString();
+    notes << "• " + inWizardWords(v.toString());
   for (const QJsonValue& v : m_plan["warnings"].toArray())
-    notes << "• " + v.toString();
+    notes << "• " + inWizardWords(v.toString());
   m_problems->setText(notes.join("\n"));
 }
 

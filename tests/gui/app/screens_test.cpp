@@ -115,6 +115,18 @@ class Screens : public QObject {
     // Start is refused for a run that does not fit.
     QVERIFY(!w.currentPage()->isComplete());
     QVERIFY(!w.button(QWizard::FinishButton)->isEnabled());
+    QVERIFY2(problems.contains("\"Host memory budget (Hardware page)\""), qPrintable(problems));
+
+    // An error names the wizard's field, not the temporary config or its key.
+    w.findChild<QLineEdit*>("hostMemory")->setText("");
+    w.back();
+    w.findChild<QSpinBox*>("seqLen")->setValue(100000);
+    w.next();
+    QCOMPARE(w.findChild<QLabel*>("planVerdict")->text(), QString("cannot plan"));
+    const QString error = w.findChild<QLabel*>("planProblems")->text();
+    QVERIFY2(error.contains("Sequence length (Training page)"), qPrintable(error));
+    QVERIFY2(!error.contains("review.toml") && !error.contains("data.seq_len"), qPrintable(error));
+    QVERIFY(!w.button(QWizard::FinishButton)->isEnabled());
     test::screenshot(&w, "wizard_6_review_does_not_fit");
   }
 
