@@ -1,29 +1,16 @@
 #include "engine/checkpoint_state.h"
 
-#include <fcntl.h>
-#include <unistd.h>
-
-#include <cerrno>
 #include <charconv>
-#include <cstring>
 #include <filesystem>
 #include <nlohmann/json.hpp>
 #include <system_error>
 
 #include "kernels/error.h"
 #include "models/checksum.h"
+#include "models/mapped_file.h"
 
 namespace rondo::engine {
 namespace checkpoint_state {
-namespace {
-
-namespace fs = std::filesystem;
-
-[[noreturn]] void fail(const std::string& what, const fs::path& path, int err) {
-  throw Error(what + " " + path.string() + ": " + std::strerror(err));
-}
-
-}  // namespace
 
 // The checksum of "meta" as state.json records it: XXH3-64 of its compact JSON (nlohmann writes
 // objects with sorted keys and numbers in their shortest round-trip form, so parsing and dumping
@@ -47,29 +34,7 @@ std::optional<std::int64_t> step_of_folder(const std::string& name) {
 
 // state.json's text, at most kMaxStateBytes.
 std::string read_state_text(const std::string& path) {
-  const fs::path state_path(path);
-  std::string text;
-  int fd = ::open(state_path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) fail("cannot open", state_path, errno);
-  char buf[1 << 16];
-  for (;;) {
-    ssize_t n = ::read(fd, buf, sizeof buf);
-    if (n < 0 && errno == EINTR) continue;
-    if (n < 0) {
-      int err = errno;
-      ::close(fd);
-      fail("cannot read", state_path, err);
-    }
-    if (n == 0) break;
-    text.append(buf, static_cast<std::size_t>(n));
-    if (text.size() > kMaxStateBytes) {
-      ::close(fd);
-      throw Error(state_path.string() + ": larger than " + std::to_string(kMaxStateBytes >> 20) +
-                  " MiB; a checkpoint's state.json holds a few kilobytes — it is damaged");
-    }
-  }
-  if (::close(fd) != 0) fail("cannot close", state_path, errno);
-  return text;
+  return models::read_text_file(path, "a checkpoint's state.json, a few kilobytes", kMaxStateBytes);
 }
 
 std::vector<std::string> state_problems(const std::string& text, const std::string& folder_name,
@@ -166,7 +131,8 @@ std::vector<std::string> checkpoint_problems(const std::string& dir, bool* damag
   try {
     text = read_state_text(state_path.string());
   } catch (const Error& e) {
-    own = std::string(e.what()).find("larger than") != std::string::npos;  // else an I/O error
+    std::error_code ec;  // too large: damaged; else unreadable now (an I/O error, no permission)
+    own = fs::file_size(state_path, ec) > kMaxStateBytes && !ec;
     return done({e.what()});
   }
   std::vector<std::string> problems = state_problems(text, folder.filename().string(), state);

@@ -99,7 +99,7 @@ struct HardwareSection {
 };
 
 struct OutputSection {
-  std::string run_dir;                             // where the run folder goes
+  std::string run_dir;  // where the run folder goes
   // At the end: "adapter" (LoRA), "merged". Left out of a config file: "adapter" for LoRA,
   // "merged" for a full run (cli/config_file).
   std::vector<std::string> exports = {"adapter"};

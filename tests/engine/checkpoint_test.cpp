@@ -295,6 +295,10 @@ TEST_F(CheckpointTest, ProblemsFindEachDamage) {
               [&](const fs::path& d) { edit_state(d, [](auto& j) { j["version"] = 99; }); });
   EXPECT_NE(p.find("checkpoint version 99"), std::string::npos) << p;
   EXPECT_NE(p.find("(not its own fault)"), std::string::npos) << p;
+  // A state.json far larger than any checkpoint writes: refused unread, and damaged.
+  p = damaged("step-4", [](const fs::path& d) { fs::resize_file(d / "state.json", 17u << 20); });
+  EXPECT_NE(p.find("is larger than 16.00 MiB"), std::string::npos) << p;
+  EXPECT_NE(p.find("(damaged)"), std::string::npos) << p;
   // Truncated.
   p = damaged("step-4", [](const fs::path& d) {
     fs::resize_file(d / "state.safetensors", fs::file_size(d / "state.safetensors") - 4);

@@ -164,7 +164,8 @@ class Screens : public QObject {
     QImage timeline = m.timelineView()->grab().toImage();
     QVERIFY(test::colours(timeline) > 4);
     QVERIFY2(m.statusText().contains("completed — step 12/12"), qPrintable(m.statusText()));
-    QVERIFY2(m.statusText().endsWith(", done"), qPrintable(m.statusText()));  // not "ETA 0m00s"
+    // A finished run says "done", not "ETA 0m00s".
+    QVERIFY2(m.statusText().endsWith(", done"), qPrintable(m.statusText()));
     QCOMPARE(m.state()->samples()->rowCount(), 3);  // steps 0, 6, 12
   }
 
