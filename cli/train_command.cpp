@@ -22,6 +22,8 @@
 #include "engine/session.h"
 #include "kernels/error.h"
 #include "models/export.h"
+#include "models/gguf.h"
+#include "models/gguf_export.h"
 #include "models/inspect.h"
 #include "models/layers.h"
 #include "models/lora.h"
@@ -246,6 +248,12 @@ int train_with(const engine::TrainConfig& config, const std::string& config_toml
   return 0;
 }
 
+void make_folder(const std::string& dir) {
+  std::error_code ec;
+  fs::create_directories(dir, ec);
+  if (ec) throw Error("cannot create the folder " + dir + ": " + ec.message());
+}
+
 fs::path find_demo_model() {
   if (const char* m = std::getenv("RONDO_DEMO_MODEL")) return m;
   std::vector<fs::path> venvs;
@@ -302,9 +310,15 @@ void add_export_options(CLI::App& cmd, ExportOptions& o) {
   cmd.add_option("run", o.run, "Run folder")->required();
   cmd.add_option("--checkpoint", o.checkpoint,
                  "Checkpoint to export: step-N or a path (default: the newest)");
-  cmd.add_option("--format", o.format, "adapter (PEFT folder) or merged (Hugging Face folder)")
+  cmd.add_option("--format", o.format,
+                 "adapter (PEFT folder), merged (Hugging Face folder), gguf (merged model for "
+                 "llama.cpp, Ollama, LM Studio) or gguf-adapter (LoRA for llama.cpp's --lora)")
       ->capture_default_str()
-      ->check(CLI::IsMember({"adapter", "merged"}));
+      ->check(CLI::IsMember({"adapter", "merged", "gguf", "gguf-adapter"}));
+  cmd.add_option("--type", o.type,
+                 std::string("--format gguf: the matrices' type, one of ") +
+                     models::kGgufExportTypes + " (default: base, each as in the base file)")
+      ->check(CLI::IsMember({"f32", "f16", "bf16", "q8_0", "q4_k_m", "base"}));
   cmd.add_option("--out", o.out, "Output folder (default: <run>/export-<format>-step-N)");
 }
 
@@ -396,22 +410,38 @@ int run_export(const ExportOptions& o) {
                  t.c_str());
   const auto [ckpt, step] = checkpoint_for(o.run, o.checkpoint, "to export");
   const bool lora = c.training.method == "lora";
-  if (o.format == "adapter" && !lora)
-    throw Error(o.run + " trained every weight (training.method = full): export --format merged");
-  if (o.format == "merged" && models::model_format(c.model.path) != models::ModelFormat::kHfFolder)
+  const bool gguf_base = models::model_format(c.model.path) == models::ModelFormat::kGguf;
+  if ((o.format == "adapter" || o.format == "gguf-adapter") && !lora)
+    throw Error(o.run + " trained every weight (training.method = full): export --format " +
+                (gguf_base ? "gguf" : "merged"));
+  if (o.format == "merged" && gguf_base)
     throw Error("--format merged needs a Hugging Face folder as the base model (" + c.model.path +
-                " is a GGUF file); export the adapter");
+                " is a GGUF file); export --format gguf (a merged GGUF) or the adapter");
+  if (o.format == "gguf" && !gguf_base)
+    throw Error("--format gguf is written from a GGUF base; " + c.model.path +
+                " is a Hugging Face folder: export --format merged and convert that folder with "
+                "llama.cpp's convert_hf_to_gguf.py, or export --format gguf-adapter for a GGUF of "
+                "the base");
+  if (!o.type.empty() && o.format != "gguf")
+    throw Error("--type chooses the types of a merged GGUF: use it with --format gguf");
   const std::string out =
       !o.out.empty() ? o.out : (run / fmt::format("export-{}-step-{}", o.format, step)).string();
   models::SafetensorsFile state((fs::path(ckpt) / "state.safetensors").string());
   // The trained tensors are the checkpoint's fp32 masters ("<name>"; moments are
   // "<name>.exp_avg"...).
   std::map<std::string, at::Tensor> trained = engine::checkpoint_weights(state);
-  if (o.format == "adapter") {
+  std::string written = out;
+  if (o.format == "adapter" || o.format == "gguf-adapter") {
     const models::ModelConfig mc = models::inspect_model(c.model.path, 16).config;
     std::vector<models::LayerSpec> specs =
         models::add_lora(models::layer_specs(mc), c.lora_config());
-    models::write_peft_adapter(out, specs, trained, c.lora_config(), c.model.path);
+    if (o.format == "adapter") {
+      models::write_peft_adapter(out, specs, trained, c.lora_config(), c.model.path);
+    } else {
+      make_folder(out);
+      written = (fs::path(out) / "adapter.gguf").string();
+      models::write_gguf_adapter(written, mc, specs, trained, c.lora_config());
+    }
   } else {
     // The base as the run streamed it (model.dtype), so that this equals the run's own export.
     models::Model base = models::Model::load(
@@ -425,11 +455,28 @@ int run_export(const ExportOptions& o) {
         if (!p.tied && !all.count(p.name))
           all[p.name] =
               c.model.dtype == "fp16" ? base.tensor(p.name).to(at::kHalf) : base.tensor(p.name);
-    models::write_merged(out, specs, all, c.model.path,
-                         c.model.dtype == "fp32" ? models::DType::kF32 : models::DType::kBF16);
+    if (o.format == "merged") {
+      models::write_merged(out, specs, all, c.model.path,
+                           c.model.dtype == "fp32" ? models::DType::kF32 : models::DType::kBF16);
+    } else {
+      const models::GgufExportType type =
+          models::parse_gguf_export_type(o.type.empty() ? "base" : o.type);
+      make_folder(out);
+      written = (fs::path(out) / fmt::format("model-{}.gguf", models::to_string(type))).string();
+      int shown = -1;
+      models::write_gguf_merged(
+          written, base.config(), specs, [&](std::size_t) { return all; },
+          models::GgufFile(c.model.path), type,
+          [&](std::size_t done, std::size_t total) {
+            const int tenth = static_cast<int>(done * 10 / total);
+            if (tenth == shown) return;
+            shown = tenth;
+            std::fprintf(stderr, "rondo: writing %s: %d%%\n", written.c_str(), tenth * 10);
+          });
+    }
   }
   std::fprintf(stderr, "rondo: exported %s (step %lld) to %s\n", ckpt.c_str(),
-               static_cast<long long>(step), out.c_str());
+               static_cast<long long>(step), written.c_str());
   return 0;
 }
 

@@ -32,8 +32,9 @@ struct TrainOptions {
 struct ExportOptions {
   std::string run;         // run folder
   std::string checkpoint;  // "" = the newest; "step-40" or a path
-  std::string format = "adapter";
-  std::string out;  // "" = <run>/export-<format>-step-N
+  std::string format = "adapter";  // adapter, merged, gguf, gguf-adapter
+  std::string type;                // gguf: models::GgufExportType ("" = base)
+  std::string out;                 // "" = <run>/export-<format>-step-N
 };
 
 struct DemoOptions {

@@ -59,25 +59,6 @@ std::uint16_t load_u16(const std::uint8_t* p) {
   return v;
 }
 
-// The quantised types Rondo reads are kernels' formats: one implementation of their blocks
-// (kernels/quant_blocks.h), shared with the device kernels. kNone for every other type.
-kernels::QuantType quant_type(GgmlType type) {
-  switch (type) {
-    case GgmlType::kQ8_0:
-      return kernels::QuantType::kQ8_0;
-    case GgmlType::kQ4_0:
-      return kernels::QuantType::kQ4_0;
-    case GgmlType::kQ4_1:
-      return kernels::QuantType::kQ4_1;
-    case GgmlType::kQ4_K:
-      return kernels::QuantType::kQ4_K;
-    case GgmlType::kQ6_K:
-      return kernels::QuantType::kQ6_K;
-    default:
-      return kernels::QuantType::kNone;
-  }
-}
-
 [[noreturn]] void not_dequantizable(GgmlType type) {
   throw Error("ggml tensor data " + ggml_not_dequantizable(type));
 }
@@ -165,7 +146,7 @@ void dequantize_to_f32(GgmlType type, const std::uint8_t* src, float* dst, std::
     default:
       break;
   }
-  const kernels::QuantType q = quant_type(type);
+  const kernels::QuantType q = ggml_quant_type(type);
   if (q == kernels::QuantType::kNone) not_dequantizable(type);
   if (n > 0) kernels::dequantize({.type = q}, src, 1, n, kernels::FloatDType::kF32, dst);
 }
@@ -192,9 +173,28 @@ void dequantize_to_bf16(GgmlType type, const std::uint8_t* src, std::uint16_t* d
     default:
       break;
   }
-  const kernels::QuantType q = quant_type(type);
+  const kernels::QuantType q = ggml_quant_type(type);
   if (q == kernels::QuantType::kNone) not_dequantizable(type);
   if (n > 0) kernels::dequantize({.type = q}, src, 1, n, kernels::FloatDType::kBF16, dst);
+}
+
+// The quantised types Rondo reads are kernels' formats: one implementation of their blocks
+// (kernels/quant_blocks.h), shared with the device kernels. kNone for every other type.
+kernels::QuantType ggml_quant_type(GgmlType type) {
+  switch (type) {
+    case GgmlType::kQ8_0:
+      return kernels::QuantType::kQ8_0;
+    case GgmlType::kQ4_0:
+      return kernels::QuantType::kQ4_0;
+    case GgmlType::kQ4_1:
+      return kernels::QuantType::kQ4_1;
+    case GgmlType::kQ4_K:
+      return kernels::QuantType::kQ4_K;
+    case GgmlType::kQ6_K:
+      return kernels::QuantType::kQ6_K;
+    default:
+      return kernels::QuantType::kNone;
+  }
 }
 
 }  // namespace rondo::models

@@ -12,6 +12,8 @@
 #include <cstdint>
 #include <string>
 
+#include "kernels/quant.h"
+
 namespace rondo::models {
 
 // The numbers are ggml's `enum ggml_type`; GGUF tensor infos store them as uint32. Gaps are
@@ -69,6 +71,11 @@ const char* ggml_dequantizable_types();
 // The end of the error for a type Rondo cannot dequantise, after its subject ("<file>: tensor
 // 'x'"): "has type Q5_K, which Rondo cannot dequantise (supported: ...); requantise ...".
 std::string ggml_not_dequantizable(GgmlType type);
+
+// The kernels' format of a quantised ggml type Rondo reads and writes (Q8_0, Q4_0, Q4_1, Q4_K,
+// Q6_K; one implementation of their blocks, kernels/quant_blocks.h, shared with the device
+// kernels); kNone for every other type.
+kernels::QuantType ggml_quant_type(GgmlType type);
 
 // Scalar conversions. f32_to_bf16 rounds to nearest, ties to even; a NaN stays a NaN (quiet, sign
 // and top payload bits kept) instead of rounding into an infinity.

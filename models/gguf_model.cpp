@@ -203,7 +203,20 @@ ModelConfig config_from_gguf(const GgufFile& file) {
   return c;
 }
 
-std::vector<GgufTensorMapping> gguf_tensor_mapping(const GgufFile& file, const ModelConfig& c) {
+const char* gguf_architecture(Family family) {
+  switch (family) {
+    case Family::kLlama:
+    case Family::kMistral:
+      return "llama";
+    case Family::kQwen2:
+      return "qwen2";
+    case Family::kQwen3:
+      return "qwen3";
+  }
+  return "?";
+}
+
+std::vector<GgufTensorMapping> gguf_names(const ModelConfig& c) {
   const std::int64_t C = c.hidden_size, H = c.num_heads, KV = c.num_kv_heads, D = c.head_dim;
   const std::int64_t V = c.vocab_size, F = c.intermediate_size;
   // llama.cpp permutes q/k rows for llama only (Note [llama.cpp rotary permutation]).
@@ -244,7 +257,11 @@ std::vector<GgufTensorMapping> gguf_tensor_mapping(const GgufFile& file, const M
   }
   add("output_norm.weight", "model.norm.weight", {C});
   if (!c.tie_word_embeddings) add("output.weight", "lm_head.weight", {V, C});
+  return out;
+}
 
+std::vector<GgufTensorMapping> gguf_tensor_mapping(const GgufFile& file, const ModelConfig& c) {
+  std::vector<GgufTensorMapping> out = gguf_names(c);
   std::unordered_set<std::string> expected;
   for (const GgufTensorMapping& m : out) {
     expected.insert(m.gguf_name);
@@ -281,6 +298,16 @@ at::Tensor load_hf_tensor(const GgufFile& file, const GgufTensorMapping& m, DTyp
     t = t.reshape(view).transpose(1, 2).reshape(m.shape).contiguous();
   }
   return t;
+}
+
+at::Tensor permute_for_gguf(const at::Tensor& t, std::int64_t heads) {
+  if (heads <= 0) return t;
+  // HF rows per head are (2, D/2); llama.cpp's are (D/2, 2). See the note at the top.
+  const std::vector<std::int64_t> shape = t.sizes().vec();
+  RONDO_ASSERT(shape[0] % (2 * heads) == 0);
+  std::vector<std::int64_t> view = {heads, 2, shape[0] / heads / 2};
+  view.insert(view.end(), shape.begin() + 1, shape.end());
+  return t.reshape(view).transpose(1, 2).reshape(shape).contiguous();
 }
 
 }  // namespace rondo::models

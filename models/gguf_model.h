@@ -36,12 +36,25 @@ struct GgufTensorMapping {
                                      // heads (llama only)
 };
 
-// Every tensor the config needs, in HF order (embedding, layers, norm, head). Throws Error naming
+// Every tensor a model of this config has, in HF order (embedding, layers, norm, head), under
+// llama.cpp's names: what a GGUF of the model holds (besides rope_freqs.weight for llama3 rope
+// scaling).
+std::vector<GgufTensorMapping> gguf_names(const ModelConfig& config);
+
+// llama.cpp's `general.architecture` for a family: llama (Mistral too), qwen2, qwen3.
+const char* gguf_architecture(Family family);
+
+// The same as gguf_names(config), checked against a file. Throws Error naming
 // the file and tensor when one is missing, has another shape, has a type Rondo cannot dequantise,
 // or when the file holds a tensor the config does not use.
 std::vector<GgufTensorMapping> gguf_tensor_mapping(const GgufFile& file, const ModelConfig& config);
 
 // The tensor under its HF name and layout, dequantised to `target` (F32 or BF16).
 at::Tensor load_hf_tensor(const GgufFile& file, const GgufTensorMapping& mapping, DType target);
+
+// The rows of an HF tensor (its first dimension) in llama.cpp's order when mapping.unpermute_heads
+// > 0 (the inverse of what load_hf_tensor undoes), else `t` itself. Any leading shape (H*D, ...),
+// so that it serves a LoRA B (H*D, r) as well as the weight.
+at::Tensor permute_for_gguf(const at::Tensor& t, std::int64_t heads);
 
 }  // namespace rondo::models

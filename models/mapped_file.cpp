@@ -22,34 +22,43 @@ void release_mapped_pages(const void* data, std::size_t bytes) noexcept {
   if (last > first) ::madvise(reinterpret_cast<void*>(first), last - first, MADV_DONTNEED);
 }
 
-void write_file_durably(const std::string& path, const std::string& text) {
-  const std::string tmp = path + ".tmp";
-  auto fail = [&](const std::string& what, const std::string& file) {
-    const int e = errno;
-    ::unlink(tmp.c_str());
-    throw Error("cannot write " + file + ": " + what + ": " + std::strerror(e));
-  };
-  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-  if (fd < 0) fail("open", tmp);
-  for (std::size_t done = 0; done < text.size();) {
-    const ssize_t n = ::write(fd, text.data() + done, text.size() - done);
+DurableFile::DurableFile(std::string path, std::string tmp_suffix)
+    : path_(std::move(path)),
+      tmp_(path_ + (tmp_suffix.empty() ? ".tmp." + std::to_string(::getpid()) : tmp_suffix)) {
+  fd_ = ::open(tmp_.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (fd_ < 0) throw Error("cannot create " + tmp_ + ": " + std::strerror(errno));
+}
+
+DurableFile::~DurableFile() {
+  if (fd_ >= 0) ::close(fd_);
+  if (!tmp_.empty()) ::unlink(tmp_.c_str());
+}
+
+void DurableFile::write(const void* data, std::size_t bytes) {
+  RONDO_ASSERT(fd_ >= 0);
+  const char* p = static_cast<const char*>(data);
+  while (bytes > 0) {
+    const ssize_t n = ::write(fd_, p, bytes);
     if (n < 0 && errno == EINTR) continue;
-    if (n < 0) {
-      ::close(fd);
-      fail("write", tmp);
-    }
-    done += static_cast<std::size_t>(n);
+    if (n < 0) throw Error("cannot write " + tmp_ + ": " + std::strerror(errno));
+    p += n;
+    bytes -= static_cast<std::size_t>(n);
   }
-  if (::fsync(fd) != 0) {
-    ::close(fd);
-    fail("fsync", tmp);
-  }
-  if (::close(fd) != 0) fail("close", tmp);
-  if (::rename(tmp.c_str(), path.c_str()) != 0) fail("rename", path);
-  const std::size_t slash = path.rfind('/');
+}
+
+void DurableFile::commit() {
+  RONDO_ASSERT(fd_ >= 0);
+  if (::fsync(fd_) != 0) throw Error("cannot write " + tmp_ + ": fsync: " + std::strerror(errno));
+  const int fd = std::exchange(fd_, -1);
+  if (::close(fd) != 0) throw Error("cannot write " + tmp_ + ": close: " + std::strerror(errno));
+  if (::rename(tmp_.c_str(), path_.c_str()) != 0)
+    throw Error("cannot rename " + tmp_ + " to " + path_ + ": " + std::strerror(errno));
+  tmp_.clear();  // nothing left to remove
+  // Make the rename itself durable.
+  const std::size_t slash = path_.rfind('/');
   const std::string dir = slash == std::string::npos ? "."
                           : slash == 0               ? "/"
-                                                     : path.substr(0, slash);
+                                                     : path_.substr(0, slash);
   const int dfd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
   if (dfd < 0 || ::fsync(dfd) != 0) {
     const int e = errno;
@@ -57,6 +66,12 @@ void write_file_durably(const std::string& path, const std::string& text) {
     throw Error("cannot sync the folder " + dir + ": " + std::strerror(e));
   }
   ::close(dfd);
+}
+
+void write_file_durably(const std::string& path, const std::string& text) {
+  DurableFile f(path, ".tmp");
+  f.write(text.data(), text.size());
+  f.commit();
 }
 
 std::string read_text_file(const std::string& path, const std::string& what, std::uint64_t limit) {

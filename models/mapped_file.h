@@ -28,6 +28,32 @@ std::string read_text_file(const std::string& path, const std::string& what,
 // the path and the failed call.
 void write_file_durably(const std::string& path, const std::string& text);
 
+// A file written the same way, piece by piece (large files produced while they are written): the
+// bytes go to "<path><tmp_suffix>" (default ".tmp.<pid>", which a later run's sweep recognises as
+// left by a stopped process), and commit() fsyncs it, renames it over `path` and fsyncs the folder.
+// Destroyed without commit (an exception on the way), the temporary is removed. Errors name the
+// file and the failed call.
+//
+//   DurableFile f(path);
+//   f.write(header.data(), header.size());
+//   f.commit();
+class DurableFile {
+ public:
+  explicit DurableFile(std::string path, std::string tmp_suffix = {});
+  ~DurableFile();
+  DurableFile(const DurableFile&) = delete;
+  DurableFile& operator=(const DurableFile&) = delete;
+
+  void write(const void* data, std::size_t bytes);
+  void commit();
+  const std::string& temporary() const { return tmp_; }
+
+ private:
+  std::string path_;
+  std::string tmp_;
+  int fd_ = -1;
+};
+
 // Drops the pages of a read-only file mapping inside [data, data + bytes) from this process
 // (madvise MADV_DONTNEED on the whole pages inside the range): they stop counting in its resident
 // set, and are read from the file again if touched. Loading calls it after copying a tensor out,

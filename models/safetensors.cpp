@@ -271,21 +271,6 @@ DType dtype_of(const at::Tensor& t) {
   }
 }
 
-namespace {
-void write_all(int fd, const void* data, std::size_t n, const std::string& path) {
-  const char* p = static_cast<const char*>(data);
-  while (n > 0) {
-    ssize_t w = ::write(fd, p, n);
-    if (w < 0) {
-      if (errno == EINTR) continue;
-      throw Error("writing " + path + ": " + std::strerror(errno));
-    }
-    p += w;
-    n -= static_cast<std::size_t>(w);
-  }
-}
-}  // namespace
-
 void write_safetensors(const std::string& path,
                        const std::vector<std::pair<std::string, at::Tensor>>& tensors,
                        const std::map<std::string, std::string>& metadata) {
@@ -327,53 +312,25 @@ std::uint64_t write_safetensors(
   while (text.size() % 8 != 0)
     text.push_back(' ');
 
-  fs::path target(path);
-  fs::path tmp = target;
-  tmp += ".tmp." + std::to_string(::getpid());
-  int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-  if (fd < 0) throw Error("cannot create " + tmp.string() + ": " + std::strerror(errno));
+  DurableFile file(path);
   Xxh3 checksum;
-  try {
-    std::uint64_t n = text.size();
-    write_all(fd, &n, 8, tmp.string());
-    write_all(fd, text.data(), text.size(), tmp.string());
-    checksum.update(&n, 8);
-    checksum.update(text.data(), text.size());
-    for (std::size_t i = 0; i < entries.size(); ++i) {
-      std::uint64_t written = 0;
-      produce(i, [&](const void* data, std::size_t bytes) {
-        write_all(fd, data, bytes, tmp.string());
-        checksum.update(data, bytes);
-        written += bytes;
-      });
-      if (written != sizes[i])
-        throw InternalError("write_safetensors: " + std::to_string(written) + " bytes given for '" +
-                            entries[i].name + "', which has " + std::to_string(sizes[i]));
-    }
-    if (::fsync(fd) != 0) throw Error("fsync " + tmp.string() + ": " + std::strerror(errno));
-  } catch (...) {
-    ::close(fd);
-    ::unlink(tmp.c_str());
-    throw;
+  std::uint64_t n = text.size();
+  file.write(&n, 8);
+  file.write(text.data(), text.size());
+  checksum.update(&n, 8);
+  checksum.update(text.data(), text.size());
+  for (std::size_t i = 0; i < entries.size(); ++i) {
+    std::uint64_t written = 0;
+    produce(i, [&](const void* data, std::size_t bytes) {
+      file.write(data, bytes);
+      checksum.update(data, bytes);
+      written += bytes;
+    });
+    if (written != sizes[i])
+      throw InternalError("write_safetensors: " + std::to_string(written) + " bytes given for '" +
+                          entries[i].name + "', which has " + std::to_string(sizes[i]));
   }
-  if (::close(fd) != 0) {
-    ::unlink(tmp.c_str());
-    throw Error("closing " + tmp.string() + ": " + std::strerror(errno));
-  }
-  if (::rename(tmp.c_str(), target.c_str()) != 0) {
-    int err = errno;
-    ::unlink(tmp.c_str());
-    throw Error("cannot rename " + tmp.string() + " to " + path + ": " + std::strerror(err));
-  }
-  // Make the rename itself durable.
-  fs::path parent = target.has_parent_path() ? target.parent_path() : fs::path(".");
-  int dfd = ::open(parent.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  if (dfd < 0)
-    throw Error("cannot open " + parent.string() + " to sync it: " + std::strerror(errno));
-  int rc = ::fsync(dfd);
-  int err = errno;
-  ::close(dfd);
-  if (rc != 0) throw Error("fsync " + parent.string() + ": " + std::strerror(err));
+  file.commit();
   return checksum.digest();
 }
 

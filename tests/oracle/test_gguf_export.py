@@ -1,0 +1,251 @@
+"""GGUF exports (`rondo export --format gguf | gguf-adapter`) against independent readers.
+
+A small Llama (C = 256 so that every matrix holds whole K-quant blocks) is written as a Q8_0 GGUF
+the way llama.cpp's converter writes it (test_quantised_base.write_model_gguf: names, q/k row
+permutation, byte-level BPE tokenizer, ChatML template). `rondo train` fine-tunes it with LoRA, and
+Rondo's own logits with the trained state come from rondo_oracle_driver run-logits (the run's
+config and checkpoint, not an exported file).
+
+- The adapter GGUF: gguf-py reads it; its metadata is llama.cpp's adapter layout; applied with
+  llama.cpp's semantics (W + alpha / r * B A in ggml's layout, r from lora_b, as
+  llama_adapter_lora_weight::get_scale) to gguf-py's dequantisation of the base, with llama.cpp's
+  q/k permutation undone, a transformers LlamaForCausalLM gives Rondo's logits within 1e-4.
+- The merged GGUF in every type: gguf-py reads it; the tokenizer, chat template and architecture
+  keys are the base's. Every tensor equals the merged weight (the f32 export, itself within 1e-5 of
+  Rondo's logits) as an independent quantiser makes it: numpy's f16, torch's bf16, gguf-py's Q8_0,
+  bit for bit; Q4_K and Q6_K (which gguf-py cannot make) lie within a relative RMS error of 0.12
+  and 0.03. transformers loads the file (gguf_file=: its own reader, dequantiser and q/k
+  permutation) with the logits of those weights within 1e-4, and the error each type adds to
+  Rondo's logits is printed and bounded (relative RMS: f32 1e-5, f16 2e-3, bf16 2e-2, q8_0 5e-2,
+  base (Q8_0 here) 5e-2; q4_k_m: less than gguf-py's Q4_0 of the same weights).
+"""
+import json
+import subprocess
+
+import gguf
+import numpy as np
+import pytest
+import torch
+import transformers as T
+from safetensors.numpy import load_file
+
+import tokenizer_builders as tb
+from rondo_oracle import RONDO, driver
+from test_gguf import gguf_name, llama_cpp_inverse_permute, llama_cpp_permute
+from test_quantised_base import CHATML, QA, SEED, write_model_gguf
+
+QT = gguf.GGMLQuantizationType
+# The relative RMS error of the logits a type may add (a random model of a trained one's weight
+# scale; test_quantised_base states the same errors for bases kept in these types).
+TOLERANCE = {"f32": 1e-5, "f16": 2e-3, "bf16": 2e-2, "q8_0": 5e-2, "base": 5e-2}
+
+
+def rondo(*args):
+    p = subprocess.run([RONDO, *map(str, args)], capture_output=True, text=True, timeout=900)
+    assert p.returncode == 0, p.stdout + p.stderr
+    return p.stdout + p.stderr
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    print(f"seed {SEED}")
+    torch.manual_seed(SEED)
+    d = tmp_path_factory.mktemp("gguf-export")
+    tok = tb.qwen2()
+    cfg = T.LlamaConfig(vocab_size=tok.get_vocab_size(), hidden_size=256, intermediate_size=512,
+                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                        max_position_embeddings=256, tie_word_embeddings=False,
+                        rms_norm_eps=1e-5, attn_implementation="eager")
+    model = T.LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for _, p in model.named_parameters():
+            p.normal_(1.0, 0.1) if p.dim() == 1 else p.normal_(0.0, 0.05)
+    base = d / "base-Q8_0.gguf"
+    base_tensors = write_model_gguf(model, tok, base, QT.Q8_0, d)  # {hf name: dequantised}
+    data = d / "chat.jsonl"
+    data.write_text("".join(json.dumps({"messages": [{"role": "user", "content": q},
+                                                     {"role": "assistant", "content": a}]}) + "\n"
+                            for q, a in QA))
+    run = d / "run"
+    (d / "run.toml").write_text(f"""
+[model]
+path = "{base}"
+dtype = "fp32"
+[data]
+train = "{data}"
+seq_len = 64
+[lora]
+rank = 8
+alpha = 16
+[training]
+steps = 6
+batch_rows = 2
+lr = 0.01
+warmup_steps = 1
+seed = 7
+[output]
+run_dir = "{run}"
+exports = []
+""")
+    rondo("train", d / "run.toml")
+    g = torch.Generator().manual_seed(SEED)
+    tokens = torch.randint(0, cfg.vocab_size, (2, 17), generator=g)
+    (d / "batch.json").write_text(json.dumps({"tokens": tokens.tolist()}))
+    driver("run-logits", run, d / "batch.json", d / "rondo.safetensors")
+    logits = load_file(d / "rondo.safetensors")["logits"]
+    return dict(dir=d, base=base, base_tensors=base_tensors, model=model, run=run,
+                tokens=tokens, logits=logits)
+
+
+def logits_with(config, tensors, tokens):
+    m = T.LlamaForCausalLM(config).eval()
+    m.load_state_dict({k: torch.from_numpy(np.ascontiguousarray(v, np.float32))
+                       for k, v in tensors.items()}, strict=True)
+    with torch.no_grad():
+        return m(input_ids=tokens).logits.float().numpy()
+
+
+def field(reader, key):
+    f = reader.fields[key]
+    return f.contents()
+
+
+def test_adapter_gguf_is_llama_cpp_layout_and_gives_rondo_logits(trained):
+    out = trained["dir"] / "gguf-adapter"
+    rondo("export", trained["run"], "--format", "gguf-adapter", "--out", out)
+    r = gguf.GGUFReader(str(out / "adapter.gguf"))
+    assert field(r, "general.architecture") == "llama"
+    assert field(r, "general.type") == "adapter"
+    assert field(r, "adapter.type") == "lora"
+    alpha = field(r, "adapter.lora.alpha")
+    assert alpha == pytest.approx(16.0)
+    cfg = trained["model"].config
+    H, KV = cfg.num_attention_heads, cfg.num_key_value_heads
+    pairs = {}
+    for t in r.tensors:
+        assert t.tensor_type == QT.F32, t.name
+        stem, part = t.name.rsplit(".", 1)
+        pairs.setdefault(stem, {})[part] = np.array(t.data, np.float32)
+    # all-linear: seven projections in each of the two blocks
+    assert len(pairs) == 14, sorted(pairs)
+    gguf_to_hf = {gguf_name(hf): hf for hf in trained["base_tensors"]}
+    tensors = {k: np.array(v, np.float32) for k, v in trained["base_tensors"].items()}
+    for stem, ab in pairs.items():
+        a, b = ab["lora_a"], ab["lora_b"]  # numpy shapes: ne reversed, (r, in) and (out, r)
+        rank = b.shape[1]  # ggml's b->ne[0]
+        assert a.shape[0] == rank == 8, stem
+        delta = (alpha / rank) * (b.astype(np.float64) @ a.astype(np.float64))  # ggml row order
+        hf = gguf_to_hf[stem]
+        heads = H if ".q_proj." in hf else KV if ".k_proj." in hf else None
+        if heads:
+            delta = llama_cpp_inverse_permute(delta, heads)
+        assert delta.shape == tensors[hf].shape, stem
+        assert np.abs(delta).max() > 0, f"{stem}: the adapter learned nothing"
+        tensors[hf] = (tensors[hf] + delta).astype(np.float32)
+    want = logits_with(cfg, tensors, trained["tokens"])
+    got = trained["logits"]
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-4 * np.abs(want).max())
+    # A permutation mistake is caught: the same with q/k left in ggml's order differs.
+    assert not np.allclose(llama_cpp_permute(tensors["model.layers.0.self_attn.q_proj.weight"], H),
+                           tensors["model.layers.0.self_attn.q_proj.weight"])
+
+
+def rel_rms(got, want):
+    return float(np.sqrt(np.mean((got - want) ** 2)) / np.sqrt(np.mean(want ** 2)))
+
+
+@pytest.mark.parametrize("qtype", ["f32", "f16", "bf16", "q8_0", "q4_k_m", "base"])
+def test_merged_gguf_loads_in_transformers_with_rondo_logits(trained, qtype):
+    out = trained["dir"] / f"gguf-{qtype}"
+    rondo("export", trained["run"], "--format", "gguf", "--type", qtype, "--out", out)
+    path = out / f"model-{qtype}.gguf"
+    r = gguf.GGUFReader(str(path))
+    base = gguf.GGUFReader(str(trained["base"]))
+    for key in ("general.architecture", "tokenizer.ggml.model", "tokenizer.ggml.pre",
+                "tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type",
+                "tokenizer.ggml.eos_token_id", "tokenizer.chat_template", "llama.block_count",
+                "llama.attention.head_count_kv", "llama.rope.freq_base"):
+        assert field(r, key) == field(base, key), key
+    types = {t.name: t.tensor_type for t in r.tensors}
+    assert sorted(types) == sorted(t.name for t in base.tensors)
+    for name, t in types.items():
+        if name.endswith("_norm.weight"):
+            assert t == QT.F32, name
+    if qtype == "q4_k_m":
+        # llama.cpp's mix for 2 layers: Q6_K output and layer 1's attn_v / ffn_down, Q4_K else
+        assert types["output.weight"] == QT.Q6_K
+        assert types["blk.1.attn_v.weight"] == QT.Q6_K
+        assert types["blk.1.ffn_down.weight"] == QT.Q6_K
+        assert types["blk.0.attn_v.weight"] == QT.Q4_K
+        assert types["blk.0.attn_q.weight"] == QT.Q4_K
+    expect_type = {"f32": QT.F32, "f16": QT.F16, "bf16": QT.BF16, "q8_0": QT.Q8_0,
+                   "base": QT.Q8_0}.get(qtype)
+    if expect_type is not None:
+        assert types["blk.0.attn_q.weight"] == expect_type
+
+    # Each tensor against the merged weight it stands for (the f32 export's, whose logits are
+    # Rondo's within 1e-5), quantised by an independent quantiser where there is one: numpy's f16,
+    # torch's bf16, gguf-py's Q8_0 (bit for bit). gguf-py cannot make Q4_K or Q6_K blocks: those
+    # must lie within a relative RMS error of 0.12 and 0.03 of the weight.
+    f32 = trained["dir"] / "gguf-f32" / "model-f32.gguf"
+    if not f32.exists():
+        rondo("export", trained["run"], "--format", "gguf", "--type", "f32", "--out", f32.parent)
+    exact = {t.name: np.array(t.data, np.float32) for t in gguf.GGUFReader(str(f32)).tensors}
+    cfg = trained["model"].config
+    H, KV = cfg.num_attention_heads, cfg.num_key_value_heads
+    reference = {}
+    for t in r.tensors:
+        got = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32)
+        want = exact[t.name].reshape(got.shape)
+        if t.tensor_type == QT.F32:
+            assert np.array_equal(got, want), t.name
+        elif t.tensor_type == QT.F16:
+            assert np.array_equal(got, want.astype(np.float16).astype(np.float32)), t.name
+        elif t.tensor_type == QT.BF16:
+            assert np.array_equal(got, torch.from_numpy(want).bfloat16().float().numpy()), t.name
+        elif t.tensor_type == QT.Q8_0:
+            ref = gguf.quants.quantize(want, QT.Q8_0)
+            assert np.array_equal(np.array(t.data).reshape(ref.shape), ref), t.name
+        else:
+            assert t.tensor_type in (QT.Q4_K, QT.Q6_K), (t.name, t.tensor_type)
+            bound = 0.12 if t.tensor_type == QT.Q4_K else 0.03
+            assert rel_rms(got, want) < bound, (t.name, rel_rms(got, want))
+        reference[t.name] = got
+    def logits_of(tensors):  # by GGUF name, in ggml's row order
+        hf = {}
+        for name in trained["base_tensors"]:
+            x = tensors[gguf_name(name)]
+            heads = H if ".q_proj." in name else KV if ".k_proj." in name else None
+            hf[name] = llama_cpp_inverse_permute(x, heads) if heads else x
+        return logits_with(cfg, hf, trained["tokens"])
+
+    want = logits_of(reference)
+
+    # transformers reads the file as those weights: its own GGUF loader, dequantiser and q/k
+    # permutation.
+    m = T.AutoModelForCausalLM.from_pretrained(out, gguf_file=path.name, dtype=torch.float32)
+    with torch.no_grad():
+        got = m.eval()(input_ids=trained["tokens"]).logits.float().numpy()
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-4 * np.abs(want).max())
+    # The type's own error, against Rondo's logits with the trained state, stated.
+    err = rel_rms(got, trained["logits"])
+    print(f"{qtype}: logits relative RMS error against Rondo's {err:.2e}")
+    if qtype == "q4_k_m":
+        # No fixed figure: the mix must err less than the plainest 4-bit type, gguf-py's Q4_0 of
+        # the same weights.
+        q4_0 = {n: gguf.quants.dequantize(gguf.quants.quantize(x, QT.Q4_0), QT.Q4_0)
+                if x.ndim == 2 else x for n, x in exact.items()}
+        q4_0_err = rel_rms(logits_of(q4_0), trained["logits"])
+        print(f"gguf-py Q4_0 of the same weights: {q4_0_err:.2e}")
+        assert err < q4_0_err, (err, q4_0_err)
+    else:
+        assert err < TOLERANCE[qtype], (qtype, err)
+
+
+def test_gguf_exports_refuse_what_they_cannot_write(trained):
+    p = subprocess.run([RONDO, "export", str(trained["run"]), "--format", "merged"],
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode != 0 and "--format gguf" in p.stderr, p.stderr
+    p = subprocess.run([RONDO, "export", str(trained["run"]), "--format", "adapter", "--type",
+                        "q8_0"], capture_output=True, text=True, timeout=300)
+    assert p.returncode != 0 and "--type" in p.stderr, p.stderr
