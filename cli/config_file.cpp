@@ -77,8 +77,8 @@ std::vector<Field> fields(engine::TrainConfig& c) {
       {"hardware.gpu_count", &c.hardware.gpu_count, "how many of hardware.gpu"},
       {"output.run_dir", &c.output.run_dir, "the run folder"},
       {"output.exports", &c.output.exports,
-       "at the end: adapter, merged (left out: adapter for LoRA, merged for full; none for full "
-       "on a GGUF base)"},
+       "at the end: adapter, merged, gguf, gguf-adapter (left out: adapter for LoRA, merged for "
+       "full; gguf for full on a GGUF base)"},
   };
 }
 
@@ -318,12 +318,11 @@ ConfigFile read_config_text(const std::string& text, const std::string& source,
     set(key, *parsed.get("v"), "--set " + o);
   }
   // What a run exports follows its method unless set: a full run has no adapter to export, and
-  // is merged into a Hugging Face folder (not yet from a GGUF base: then its checkpoints hold the
-  // weights, which `rondo chat RUN` and `rondo export` read).
+  // is merged into a checkpoint of its base's format (a Hugging Face folder, or a GGUF in the
+  // base's types).
   if (!out.where.count("output.exports") && out.config.training.method == "full") {
     const bool gguf = out.config.model.path.ends_with(".gguf");
-    out.config.output.exports =
-        gguf ? std::vector<std::string>{} : std::vector<std::string>{"merged"};
+    out.config.output.exports = {gguf ? "gguf" : "merged"};
   }
   out.problems = std::move(problems);
   return out;

@@ -507,7 +507,12 @@ int run_demo(const DemoOptions& o) {
                "learns to start its answers with \"Rondo says:\". Samples before and after.\n",
                c.model.path.c_str(), c.data.train.c_str(), o.steps);
   const int rc = train_with(c, to_toml(c), false, o.events, false);
-  if (rc == 0) std::printf("Talk to the result: rondo chat %s\n", c.output.run_dir.c_str());
+  if (rc == 0)
+    std::printf(
+        "Talk to the result: rondo chat %s\n"
+        "Use it in llama.cpp, Ollama or LM Studio: rondo export %s --format gguf (or "
+        "gguf-adapter)\n",
+        c.output.run_dir.c_str(), c.output.run_dir.c_str());
   return rc;
 }
 

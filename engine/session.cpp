@@ -199,14 +199,15 @@ struct Session::Impl {
       throw Error(join_problems(fmt::format("The config has {} problem{}:", problems.size(),
                                             problems.size() == 1 ? "" : "s"),
                                 problems));
+    const bool gguf_base = models::model_format(c.model.path) == models::ModelFormat::kGguf;
     for (const std::string& e : c.output.exports)
-      if (e == "merged" && models::model_format(c.model.path) != models::ModelFormat::kHfFolder)
+      if (e == "merged" && gguf_base)
         throw Error("output.exports: 'merged' needs a Hugging Face folder as model.path (" +
-                    c.model.path + " is a GGUF file); " +
-                    (c.training.method == "lora"
-                         ? std::string("export the adapter instead")
-                         : std::string("leave output.exports out (a full run's weights stay in its "
-                                       "checkpoints, which rondo chat RUN uses)")));
+                    c.model.path + " is a GGUF file); export 'gguf' (a merged GGUF) instead");
+      else if (e == "gguf" && !gguf_base)
+        throw Error("output.exports: 'gguf' is written from a GGUF base (" + c.model.path +
+                    " is a Hugging Face folder); export 'merged' and convert it with llama.cpp's "
+                    "convert_hf_to_gguf.py, or 'gguf-adapter'");
     summary = models::inspect_model(c.model.path, c.data.seq_len);
     const std::int64_t max_pos = summary.config.max_position_embeddings;
     if (max_pos > 0 && c.data.seq_len > max_pos)
@@ -773,13 +774,22 @@ struct Session::Impl {
     result.steps = s;
     for (const std::string& x : c.output.exports) {
       const std::string path = (run_dir() / x).string();
-      if (x == "adapter")
+      std::string written = path;
+      if (x == "adapter") {
         export_peft_adapter(path, store, specs, lc, c.model.path);
-      else
+      } else if (x == "merged") {
         export_merged(path, store, specs, c.model.path,
                       sd == kernels::FloatDType::kF32 ? models::DType::kF32 : models::DType::kBF16);
-      log("Exported " + path);
-      if (result.export_path.empty()) result.export_path = path;
+      } else if (x == "gguf-adapter") {
+        written = path + "/adapter.gguf";
+        export_gguf_adapter(written, store, specs, summary.config, lc);
+      } else {
+        written = path + "/model-base.gguf";
+        export_gguf_merged(written, store, specs, summary.config, c.model.path,
+                           models::GgufExportType::kBase);
+      }
+      log("Exported " + written);
+      if (result.export_path.empty()) result.export_path = written;
     }
     return result;
   }

@@ -148,10 +148,10 @@ std::vector<std::string> TrainConfig::validate(bool planning) const {
   if (output.run_dir.empty() && !planning)
     add("output.run_dir", "not set; give the folder the run writes");
   for (const std::string& e : output.exports) {
-    if (!one_of(e, {"adapter", "merged"}))
-      add("output.exports", "'" + e + "' is not adapter or merged");
-    else if (e == "adapter" && training.method == "full")
-      add("output.exports", "'adapter' needs training.method = lora; use merged");
+    if (!one_of(e, {"adapter", "merged", "gguf", "gguf-adapter"}))
+      add("output.exports", "'" + e + "' is not adapter, merged, gguf or gguf-adapter");
+    else if ((e == "adapter" || e == "gguf-adapter") && training.method == "full")
+      add("output.exports", "'" + e + "' needs training.method = lora; use merged or gguf");
   }
   return p;
 }

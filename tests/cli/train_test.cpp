@@ -253,14 +253,18 @@ TEST_F(TrainCli, ExportsFollowTheMethodUnlessSet) {
                 "'output.exports=[]'");
   EXPECT_EQ(r.code, 0) << r.out;
   EXPECT_TRUE(contains(r.out, "exports = []")) << r.out;
-  // A full run on a GGUF base: nothing to merge into yet, so no export unless asked for.
+  // A full run on a GGUF base is merged into a GGUF in the base's types.
   const rondo::cli::ConfigFile gguf = rondo::cli::read_config_text(
       "[model]\npath = \"base.gguf\"\n[training]\nmethod = \"full\"\n", "gguf.toml", {});
-  EXPECT_TRUE(gguf.config.output.exports.empty());
+  EXPECT_EQ(gguf.config.output.exports, std::vector<std::string>{"gguf"});
   r = run_rondo("train " + cfg.string() +
                 " --dry-run --set training.method=full --set 'output.exports=[\"adapter\"]'");
   EXPECT_EQ(r.code, 1) << r.out;
   EXPECT_TRUE(contains(r.out, "'adapter' needs training.method = lora")) << r.out;
+  // A GGUF export of a Hugging Face base: what to do instead.
+  r = run_rondo("train " + cfg.string() + " --dry-run --set 'output.exports=[\"gguf\"]'");
+  EXPECT_EQ(r.code, 1) << r.out;
+  EXPECT_TRUE(contains(r.out, "convert_hf_to_gguf.py")) << r.out;
 }
 
 }  // namespace

@@ -85,7 +85,7 @@ warmup_steps = 1
 seed = 7
 [output]
 run_dir = "{run}"
-exports = []
+exports = ["gguf-adapter", "gguf"]
 """)
     rondo("train", d / "run.toml")
     g = torch.Generator().manual_seed(SEED)
@@ -240,6 +240,43 @@ def test_merged_gguf_loads_in_transformers_with_rondo_logits(trained, qtype):
         assert err < q4_0_err, (err, q4_0_err)
     else:
         assert err < TOLERANCE[qtype], (qtype, err)
+
+
+def test_run_exports_equal_rondo_export_of_its_last_checkpoint(trained):
+    """output.exports writes from the run's state at the end; `rondo export` from its last
+    checkpoint: the same bytes."""
+    run, d = trained["run"], trained["dir"]
+    rondo("export", run, "--format", "gguf-adapter", "--out", d / "again-adapter")
+    rondo("export", run, "--format", "gguf", "--out", d / "again-gguf")
+    assert (run / "gguf-adapter" / "adapter.gguf").read_bytes() == \
+        (d / "again-adapter" / "adapter.gguf").read_bytes()
+    assert (run / "gguf" / "model-base.gguf").read_bytes() == \
+        (d / "again-gguf" / "model-base.gguf").read_bytes()
+
+
+def test_full_run_on_a_gguf_base_exports_a_gguf(trained):
+    """A full fine-tune of a GGUF base exports a merged GGUF in the base's types by default, which
+    transformers loads with Rondo's logits within Q8_0's error."""
+    d = trained["dir"]
+    cfg = (d / "run.toml").read_text().replace('[lora]\nrank = 8\nalpha = 16\n', '')
+    cfg = cfg.replace('exports = ["gguf-adapter", "gguf"]\n', '')
+    cfg = cfg.replace(f'run_dir = "{trained["run"]}"', f'run_dir = "{d / "full"}"')
+    cfg = cfg.replace("[training]\n", '[training]\nmethod = "full"\n').replace("lr = 0.01", "lr = 1e-4")
+    (d / "full.toml").write_text(cfg)
+    rondo("train", d / "full.toml")
+    path = d / "full" / "gguf" / "model-base.gguf"
+    r = gguf.GGUFReader(str(path))
+    assert {t.tensor_type for t in r.tensors} == {QT.Q8_0, QT.F32}
+    driver("run-logits", d / "full", d / "batch.json", d / "full.safetensors")
+    rondo_logits = load_file(d / "full.safetensors")["logits"]
+    assert rel_rms(rondo_logits, trained["logits"]) > 1e-3  # the full run changed the model
+    m = T.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
+                                               dtype=torch.float32)
+    with torch.no_grad():
+        got = m.eval()(input_ids=trained["tokens"]).logits.float().numpy()
+    err = rel_rms(got, rondo_logits)
+    print(f"full run, exported in the base's Q8_0: logits relative RMS error {err:.2e}")
+    assert err < TOLERANCE["base"], err
 
 
 def test_gguf_exports_refuse_what_they_cannot_write(trained):
