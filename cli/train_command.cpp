@@ -414,9 +414,6 @@ int run_export(const ExportOptions& o) {
   if ((o.format == "adapter" || o.format == "gguf-adapter") && !lora)
     throw Error(o.run + " trained every weight (training.method = full): export --format " +
                 (gguf_base ? "gguf" : "merged"));
-  if (o.format == "merged" && gguf_base)
-    throw Error("--format merged needs a Hugging Face folder as the base model (" + c.model.path +
-                " is a GGUF file); export --format gguf (a merged GGUF) or the adapter");
   if (o.format == "gguf" && !gguf_base)
     throw Error("--format gguf is written from a GGUF base; " + c.model.path +
                 " is a Hugging Face folder: export --format merged and convert that folder with "

@@ -201,10 +201,7 @@ struct Session::Impl {
                                 problems));
     const bool gguf_base = models::model_format(c.model.path) == models::ModelFormat::kGguf;
     for (const std::string& e : c.output.exports)
-      if (e == "merged" && gguf_base)
-        throw Error("output.exports: 'merged' needs a Hugging Face folder as model.path (" +
-                    c.model.path + " is a GGUF file); export 'gguf' (a merged GGUF) instead");
-      else if (e == "gguf" && !gguf_base)
+      if (e == "gguf" && !gguf_base)
         throw Error("output.exports: 'gguf' is written from a GGUF base (" + c.model.path +
                     " is a Hugging Face folder); export 'merged' and convert it with llama.cpp's "
                     "convert_hf_to_gguf.py, or 'gguf-adapter'");

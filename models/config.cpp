@@ -261,4 +261,58 @@ ModelConfig load_hf_config(const std::string& path) {
                          path);
 }
 
+std::string hf_config_json(const ModelConfig& c, DType dtype) {
+  using ojson = nlohmann::ordered_json;
+  static const char* kModelType[] = {"llama", "mistral", "qwen2", "qwen3"};
+  ojson j = {{"architectures", {c.architecture}},
+             {"model_type", kModelType[static_cast<int>(c.family)]},
+             {"vocab_size", c.vocab_size},
+             {"hidden_size", c.hidden_size},
+             {"intermediate_size", c.intermediate_size},
+             {"num_hidden_layers", c.num_layers},
+             {"num_attention_heads", c.num_heads},
+             {"num_key_value_heads", c.num_kv_heads},
+             {"head_dim", c.head_dim},
+             {"hidden_act", "silu"},
+             {"max_position_embeddings", c.max_position_embeddings},
+             {"rms_norm_eps", c.rms_norm_eps},
+             {"rope_theta", c.rope.theta},
+             {"tie_word_embeddings", c.tie_word_embeddings},
+             {"attention_dropout", c.attention_dropout},
+             {"torch_dtype", dtype == DType::kBF16  ? "bfloat16"
+                             : dtype == DType::kF16 ? "float16"
+                                                    : "float32"}};
+  if (c.rope.type == "llama3")
+    j["rope_scaling"] = {
+        {"rope_type", "llama3"},
+        {"factor", c.rope.factor},
+        {"low_freq_factor", c.rope.low_freq_factor},
+        {"high_freq_factor", c.rope.high_freq_factor},
+        {"original_max_position_embeddings", c.rope.original_max_position_embeddings}};
+  switch (c.family) {
+    case Family::kLlama:
+      if (c.attention_bias != c.attention_out_bias)
+        throw Error(
+            "config.json: this Llama has biases on q/k/v but not on o_proj (or the reverse), which "
+            "transformers' attention_bias cannot say");
+      j["attention_bias"] = c.attention_bias;
+      j["mlp_bias"] = c.mlp_bias;
+      break;
+    case Family::kMistral:
+      if (c.sliding_window > 0) j["sliding_window"] = c.sliding_window;
+      break;
+    case Family::kQwen2:
+      j["use_sliding_window"] = false;
+      break;
+    case Family::kQwen3:
+      j["attention_bias"] = c.attention_bias;
+      j["use_sliding_window"] = false;
+      break;
+  }
+  if (c.bos_token_id >= 0) j["bos_token_id"] = c.bos_token_id;
+  if (c.eos_token_ids.size() == 1) j["eos_token_id"] = c.eos_token_ids[0];
+  if (c.eos_token_ids.size() > 1) j["eos_token_id"] = c.eos_token_ids;
+  return j.dump(2) + "\n";
+}
+
 }  // namespace rondo::models

@@ -58,4 +58,9 @@ struct ModelConfig {
 ModelConfig parse_hf_config(const std::string& json_text, const std::string& source);
 ModelConfig load_hf_config(const std::string& path);
 
+// config.json for the config (transformers' keys for its family; the weights declared as
+// `dtype`), so that parse_hf_config and transformers read back the same model. Throws Error for
+// what transformers' config cannot say (Llama biases on q/k/v but not on o_proj).
+std::string hf_config_json(const ModelConfig& config, DType dtype);
+
 }  // namespace rondo::models

@@ -9,7 +9,10 @@
 #include <nlohmann/json.hpp>
 
 #include "kernels/error.h"
+#include "models/gguf_model.h"
 #include "models/mapped_file.h"
+#include "models/model.h"
+#include "models/model_files.h"
 #include "models/safetensors.h"
 #include "models/tensor_view.h"
 
@@ -21,6 +24,27 @@ void make_dir(const std::string& dir) {
   std::error_code ec;
   fs::create_directories(dir, ec);
   if (ec) throw Error("cannot create the folder " + dir + ": " + ec.message());
+}
+
+// What peft can load the base from: a Hugging Face folder as it is; for a GGUF file, the Hugging
+// Face repository its metadata says it was converted from, when it says so, else the file (peft's
+// PeftModel.from_pretrained takes a model loaded with transformers' gguf_file= instead).
+std::string peft_base_name(const std::string& base_model) {
+  std::error_code ec;
+  if (!base_model.ends_with(".gguf") || !fs::is_regular_file(base_model, ec)) return base_model;
+  const GgufFile f(base_model);
+  std::string repo = f.get_string("general.source.huggingface.repository", "");
+  const std::string url = f.get_string("general.source.url", "");
+  const std::string hub = "huggingface.co/";
+  if (repo.empty() && url.find(hub) != std::string::npos) {
+    repo = url.substr(url.find(hub) + hub.size());
+    // org/name, without a revision or file path after it
+    const std::size_t first = repo.find('/');
+    const std::size_t second = first == std::string::npos ? first : repo.find('/', first + 1);
+    if (second != std::string::npos) repo.resize(second);
+    if (first == std::string::npos) repo.clear();
+  }
+  return repo.empty() ? base_model : repo;
 }
 
 }  // namespace
@@ -46,7 +70,7 @@ void write_peft_adapter(const std::string& dir, const std::vector<LayerSpec>& sp
   }
   nlohmann::json config = {{"peft_type", "LORA"},
                            {"task_type", "CAUSAL_LM"},
-                           {"base_model_name_or_path", base_model},
+                           {"base_model_name_or_path", peft_base_name(base_model)},
                            {"r", lora.rank},
                            {"lora_alpha", lora.alpha},
                            {"lora_dropout", lora.dropout},
@@ -60,6 +84,21 @@ void write_peft_adapter(const std::string& dir, const std::vector<LayerSpec>& sp
   write_file_durably((fs::path(dir) / "adapter_config.json").string(), config.dump(2) + "\n");
 }
 
+std::vector<std::pair<std::string, std::string>> hf_files_from_gguf(const std::string& path,
+                                                                    DType dtype) {
+  const GgufFile base(path);
+  const ModelConfig config = config_from_gguf(base);
+  const TokenizerSpec tokenizer = tokenizer_spec_from_gguf(base);
+  nlohmann::ordered_json generation = {{"_from_model_config", true}};
+  if (config.bos_token_id >= 0) generation["bos_token_id"] = config.bos_token_id;
+  if (!config.eos_token_ids.empty()) generation["eos_token_id"] = config.eos_token_ids;
+  return {{"config.json", hf_config_json(config, dtype)},
+          {"generation_config.json", generation.dump(2) + "\n"},
+          {"tokenizer.json", tokenizer_json(tokenizer, path)},
+          {"tokenizer_config.json",
+           tokenizer_config_json(tokenizer, base, config.max_position_embeddings)}};
+}
+
 void write_merged(const std::string& dir, const std::vector<LayerSpec>& specs,
                   const std::map<std::string, at::Tensor>& all, const std::string& base_dir,
                   DType dtype) {
@@ -71,6 +110,10 @@ void write_merged(
     const std::string& dir, const std::vector<LayerSpec>& specs,
     const std::function<std::map<std::string, at::Tensor>(std::size_t)>& layer_tensors,
     const std::string& base_dir, DType dtype) {
+  // A GGUF base: the Hugging Face files rebuilt from its metadata, before any weight is written
+  // (a tokenizer that cannot be rebuilt stops the export here).
+  std::vector<std::pair<std::string, std::string>> generated;
+  if (model_format(base_dir) == ModelFormat::kGguf) generated = hf_files_from_gguf(base_dir, dtype);
   make_dir(dir);
   // In spec order (the safetensors header lists them so); one layer merged at a time.
   std::vector<SafetensorsEntry> entries;
@@ -93,6 +136,11 @@ void write_merged(
                           merged.at(entries[i].name).to(to_scalar_type(dtype)).contiguous();
                       sink(t.data_ptr(), t.nbytes());
                     });
+  if (!generated.empty()) {
+    for (const auto& [name, text] : generated)
+      write_file_durably((fs::path(dir) / name).string(), text);
+    return;
+  }
   for (const char* name : {"config.json", "generation_config.json", "tokenizer.json",
                            "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                            "vocab.json", "merges.txt", "chat_template.jinja"}) {

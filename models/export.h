@@ -3,8 +3,10 @@
 //  - A PEFT adapter folder: adapter_config.json and adapter_model.safetensors (f32, PEFT's names),
 //    which peft.PeftModel.from_pretrained loads onto the base model.
 //  - A merged checkpoint: the base weights with each adapter folded in (W + B A * scaling), in
-//    `dtype`, with config.json and the tokenizer files copied from the base folder — a plain
-//    Hugging Face folder transformers loads.
+//    `dtype`, with config.json and the tokenizer files copied from the base folder (or, for a GGUF
+//    base, rebuilt from its metadata: config.json, generation_config.json, tokenizer.json and
+//    tokenizer_config.json with the chat template) — a plain Hugging Face folder transformers
+//    loads.
 // Every file is written under a temporary name, fsynced and renamed.
 #pragma once
 
@@ -13,6 +15,7 @@
 #include <functional>
 #include <map>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "models/dtype.h"
@@ -21,12 +24,21 @@
 
 namespace rondo::models {
 
-// `tensors`: at least every adapter of `specs` by name.
+// `tensors`: at least every adapter of `specs` by name. `base_model`: the base's path; a GGUF file
+// is named in base_model_name_or_path by the Hugging Face repository its metadata names
+// (general.source.huggingface.repository or a huggingface.co general.source.url), when it does.
 void write_peft_adapter(const std::string& dir, const std::vector<LayerSpec>& specs,
                         const std::map<std::string, at::Tensor>& tensors, const LoraConfig& lora,
                         const std::string& base_model);
 
-// `tensors`: every owned parameter of `specs` by name (adapters, if any, are merged).
+// The Hugging Face files of a GGUF model besides its weights (declared as `dtype`), rebuilt from
+// its metadata: name and text of config.json, generation_config.json, tokenizer.json and
+// tokenizer_config.json. Throws Error for what cannot be rebuilt (a SentencePiece tokenizer).
+std::vector<std::pair<std::string, std::string>> hf_files_from_gguf(const std::string& path,
+                                                                    DType dtype);
+
+// `tensors`: every owned parameter of `specs` by name (adapters, if any, are merged). `base_dir`:
+// the base model, a Hugging Face folder or a .gguf file.
 void write_merged(const std::string& dir, const std::vector<LayerSpec>& specs,
                   const std::map<std::string, at::Tensor>& tensors, const std::string& base_dir,
                   DType dtype);

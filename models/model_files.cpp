@@ -1,6 +1,8 @@
 #include "models/model_files.h"
 
+#include <algorithm>
 #include <filesystem>
+#include <nlohmann/json.hpp>
 
 #include "kernels/error.h"
 #include "models/model.h"
@@ -8,7 +10,7 @@
 namespace rondo::models {
 namespace fs = std::filesystem;
 
-Tokenizer tokenizer_from_gguf(const GgufFile& f) {
+TokenizerSpec tokenizer_spec_from_gguf(const GgufFile& f) {
   const std::string model = f.get_string("tokenizer.ggml.model");
   TokenizerSpec spec;
   if (model == "gpt2") {
@@ -79,7 +81,127 @@ Tokenizer tokenizer_from_gguf(const GgufFile& f) {
                   "' is not supported (supported: llama-bpe, qwen2, smollm, gpt2, default)");
     }
   }
-  return Tokenizer::from_spec(spec, f.path());
+  return spec;
+}
+
+Tokenizer tokenizer_from_gguf(const GgufFile& f) {
+  return Tokenizer::from_spec(tokenizer_spec_from_gguf(f), f.path());
+}
+
+std::string tokenizer_json(const TokenizerSpec& spec, const std::string& source) {
+  using json = nlohmann::ordered_json;
+  if (spec.kind != TokenizerKind::kByteLevelBpe)
+    throw Error(source +
+                ": a SentencePiece tokenizer cannot be written as tokenizer.json by Rondo yet; "
+                "export the adapter, or --format gguf");
+  auto token = [&](std::int32_t id) { return spec.tokens[static_cast<std::size_t>(id)]; };
+  std::vector<bool> added(spec.tokens.size(), false);
+  json added_tokens = json::array();
+  std::vector<std::pair<std::int32_t, bool>> extra;  // id, special
+  for (std::int32_t id : spec.special_ids)
+    extra.emplace_back(id, true);
+  for (std::int32_t id : spec.added_ids)
+    extra.emplace_back(id, false);
+  std::sort(extra.begin(), extra.end());
+  for (const auto& [id, special] : extra) {
+    added[static_cast<std::size_t>(id)] = true;
+    added_tokens.push_back({{"id", id},
+                            {"content", token(id)},
+                            {"single_word", false},
+                            {"lstrip", false},
+                            {"rstrip", false},
+                            {"normalized", false},
+                            {"special", special}});
+  }
+  // Every token in the model's vocabulary (added ones too, as transformers' own files do for
+  // Llama 3): one id per string.
+  json vocab = json::object();
+  for (std::size_t id = 0; id < spec.tokens.size(); ++id) {
+    if (vocab.contains(spec.tokens[id])) {
+      if (added[id]) continue;  // matched as an added token first
+      throw Error(source + ": token '" + spec.tokens[id] +
+                  "' appears twice in the vocabulary (ids " +
+                  std::to_string(vocab[spec.tokens[id]].get<std::int64_t>()) + " and " +
+                  std::to_string(id) + "); tokenizer.json cannot hold that");
+    }
+    vocab[spec.tokens[id]] = id;
+  }
+  json merges = json::array();
+  for (const auto& [a, b] : spec.merges)
+    merges.push_back({a, b});
+  json pre = json::array();
+  for (const std::string& r : spec.split_regexes)
+    pre.push_back({{"type", "Split"},
+                   {"pattern", {{"Regex", r}}},
+                   {"behavior", "Isolated"},
+                   {"invert", false}});
+  pre.push_back({{"type", "ByteLevel"},
+                 {"add_prefix_space", false},
+                 {"trim_offsets", true},
+                 {"use_regex", spec.split_regexes.empty() || spec.gpt2_split_after}});
+  json post = nullptr;
+  if (spec.add_bos || spec.add_eos) {
+    json single = json::array(), pair = json::array(), specials = json::object();
+    auto special = [&](std::int32_t id, int type_id) {
+      specials[token(id)] = {{"id", token(id)}, {"ids", {id}}, {"tokens", {token(id)}}};
+      return json{{"SpecialToken", {{"id", token(id)}, {"type_id", type_id}}}};
+    };
+    for (int seq = 0; seq < 2; ++seq) {
+      json& out = seq == 0 ? single : pair;
+      for (int part = 0; part <= seq; ++part) {
+        if (spec.add_bos && spec.bos_id >= 0) out.push_back(special(spec.bos_id, part));
+        out.push_back({{"Sequence", {{"id", part == 0 ? "A" : "B"}, {"type_id", part}}}});
+        if (spec.add_eos && spec.eos_id >= 0) out.push_back(special(spec.eos_id, part));
+      }
+    }
+    post = {{"type", "TemplateProcessing"},
+            {"single", single},
+            {"pair", pair},
+            {"special_tokens", specials}};
+  }
+  const json out = {{"version", "1.0"},
+                    {"truncation", nullptr},
+                    {"padding", nullptr},
+                    {"added_tokens", added_tokens},
+                    {"normalizer", spec.nfc ? json{{"type", "NFC"}} : json(nullptr)},
+                    {"pre_tokenizer", {{"type", "Sequence"}, {"pretokenizers", pre}}},
+                    {"post_processor", post},
+                    {"decoder",
+                     {{"type", "ByteLevel"},
+                      {"add_prefix_space", true},
+                      {"trim_offsets", true},
+                      {"use_regex", true}}},
+                    {"model",
+                     {{"type", "BPE"},
+                      {"dropout", nullptr},
+                      {"unk_token", spec.unk_id >= 0 ? json(token(spec.unk_id)) : json(nullptr)},
+                      {"continuing_subword_prefix", nullptr},
+                      {"end_of_word_suffix", nullptr},
+                      {"fuse_unk", false},
+                      {"byte_fallback", false},
+                      {"ignore_merges", spec.ignore_merges},
+                      {"vocab", vocab},
+                      {"merges", merges}}}};
+  return out.dump(2) + "\n";
+}
+
+std::string tokenizer_config_json(const TokenizerSpec& spec, const GgufFile& file,
+                                  std::int64_t model_max_length) {
+  using json = nlohmann::ordered_json;
+  auto token = [&](std::int32_t id) {
+    return id >= 0 ? json(spec.tokens[static_cast<std::size_t>(id)]) : json(nullptr);
+  };
+  json out = {{"tokenizer_class", "PreTrainedTokenizerFast"},
+              {"bos_token", token(spec.bos_id)},
+              {"eos_token", token(spec.eos_id)},
+              {"unk_token", token(spec.unk_id)},
+              {"add_bos_token", spec.add_bos},
+              {"add_eos_token", spec.add_eos},
+              {"clean_up_tokenization_spaces", false},
+              {"model_max_length", model_max_length}};
+  if (file.has("tokenizer.chat_template"))
+    out["chat_template"] = file.get_string("tokenizer.chat_template");
+  return out.dump(2) + "\n";
 }
 
 Tokenizer load_tokenizer(const std::string& model_path) {

@@ -6,6 +6,7 @@
 //   models::ChatTemplate t = models::load_model_chat_template(model_path, "");  // or "chatml"
 #pragma once
 
+#include <cstdint>
 #include <string>
 
 #include "models/chat_template.h"
@@ -15,7 +16,16 @@
 namespace rondo::models {
 
 // From GGUF metadata (see the mapping on TokenizerSpec). Throws Error naming the file and key.
+TokenizerSpec tokenizer_spec_from_gguf(const GgufFile& file);
 Tokenizer tokenizer_from_gguf(const GgufFile& file);
+
+// The Hugging Face files of a GGUF model's tokenizer, for a merged export: tokenizer.json (the
+// spec as `tokenizers` describes it) and tokenizer_config.json (BOS/EOS, whether BOS is added,
+// the chat template, `model_max_length`). Byte-level BPE only: a SentencePiece GGUF throws Error
+// saying so.
+std::string tokenizer_json(const TokenizerSpec& spec, const std::string& source);
+std::string tokenizer_config_json(const TokenizerSpec& spec, const GgufFile& file,
+                                  std::int64_t model_max_length);
 
 // The tokenizer of a model folder or .gguf file.
 Tokenizer load_tokenizer(const std::string& model_path);

@@ -71,6 +71,23 @@ else
   echo "    Python environment up to date ($RONDO_VENV)"
 fi
 
+# --- llama.cpp, opt-in: RONDO_WITH_LLAMA_CPP=1 ---------------------------------------------------
+# llama-cpp-python from PyPI, compiled here (10-20 minutes on 2 cores), for tests/oracle/
+# test_llama_cpp.py (skipped without it). Portable AVX2 code, not -march=native: a native build
+# uses AMX where the CPU has it, and crashed (SIGSEGV) on Q8_0 models in a VM that does not enable
+# AMX for processes.
+LLAMA_CPP_VERSION=0.3.36
+if [[ "${RONDO_WITH_LLAMA_CPP:-0}" == 1 ]]; then
+  if "$RONDO_VENV/bin/python" -c "import llama_cpp, sys; sys.exit(llama_cpp.__version__ != '$LLAMA_CPP_VERSION')" 2>/dev/null; then
+    echo "    llama-cpp-python $LLAMA_CPP_VERSION already installed"
+  else
+    step "building llama.cpp into the Python environment (llama-cpp-python $LLAMA_CPP_VERSION; 10-20 minutes)"
+    CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON" \
+      CMAKE_BUILD_PARALLEL_LEVEL="$(nproc)" \
+      "$RONDO_VENV/bin/python" -m pip install -q --no-cache-dir "llama-cpp-python==$LLAMA_CPP_VERSION"
+  fi
+fi
+
 # --- Configure and build -----------------------------------------------------------------------
 if [[ ! -f "$BUILD/build.ninja" ]]; then
   step "configuring $BUILD"

@@ -11,8 +11,10 @@
 #include <vector>
 
 #include "driver.h"
+#include "models/export.h"
 #include "models/gguf.h"
 #include "models/gguf_model.h"
+#include "models/mapped_file.h"
 
 namespace rondo::oracle {
 namespace {
@@ -162,6 +164,17 @@ int gguf_model(const std::vector<std::string>& args) {
   return 0;
 }
 
+// gguf-hf-files <file.gguf> <out_dir>: the Hugging Face files a merged export of the model writes
+// beside its weights (config.json, generation_config.json, tokenizer.json, tokenizer_config.json).
+int gguf_hf_files(const std::vector<std::string>& args) {
+  if (args.size() != 2) throw std::runtime_error("usage: gguf-hf-files <file.gguf> <out_dir>");
+  fs::create_directories(args[1]);
+  for (const auto& [name, text] : models::hf_files_from_gguf(args[0], models::DType::kF32))
+    models::write_file_durably((fs::path(args[1]) / name).string(), text);
+  return 0;
+}
+
+RegisterCommand hf_files_cmd("gguf-hf-files", "<file.gguf> <out_dir>", gguf_hf_files);
 RegisterCommand meta_cmd("gguf-meta", "<file.gguf> <out.json>", gguf_meta);
 RegisterCommand dequant_cmd("gguf-dequant", "<file.gguf> <out_dir> <f32|bf16>", gguf_dequant);
 RegisterCommand model_cmd("gguf-model", "<file.gguf> <out_dir> <f32|bf16>", gguf_model);

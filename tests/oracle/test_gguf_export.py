@@ -10,6 +10,8 @@ config and checkpoint, not an exported file).
   llama.cpp's semantics (W + alpha / r * B A in ggml's layout, r from lora_b, as
   llama_adapter_lora_weight::get_scale) to gguf-py's dequantisation of the base, with llama.cpp's
   q/k permutation undone, a transformers LlamaForCausalLM gives Rondo's logits within 1e-4.
+- The merged Hugging Face folder (tokenizer rebuilt from the GGUF) and the PEFT adapter: transformers
+  and peft load them with Rondo's logits; the tokenizer gives the original tokenizer's ids.
 - The merged GGUF in every type: gguf-py reads it; the tokenizer, chat template and architecture
   keys are the base's. Every tensor equals the merged weight (the f32 export, itself within 1e-5 of
   Rondo's logits) as an independent quantiser makes it: numpy's f16, torch's bf16, gguf-py's Q8_0,
@@ -93,7 +95,7 @@ exports = ["gguf-adapter", "gguf"]
     (d / "batch.json").write_text(json.dumps({"tokens": tokens.tolist()}))
     driver("run-logits", run, d / "batch.json", d / "rondo.safetensors")
     logits = load_file(d / "rondo.safetensors")["logits"]
-    return dict(dir=d, base=base, base_tensors=base_tensors, model=model, run=run,
+    return dict(dir=d, base=base, base_tensors=base_tensors, model=model, run=run, tok=tok,
                 tokens=tokens, logits=logits)
 
 
@@ -242,6 +244,52 @@ def test_merged_gguf_loads_in_transformers_with_rondo_logits(trained, qtype):
         assert err < TOLERANCE[qtype], (qtype, err)
 
 
+def test_merged_hf_folder_from_a_gguf_base(trained):
+    """--format merged of a GGUF base: a Hugging Face folder (config, generation config, tokenizer
+    rebuilt from the GGUF's metadata) that transformers loads with Rondo's logits (fp32, 1e-4),
+    whose tokenizer gives the ids of the tokenizer the GGUF was made from (`tokenizers`; Qwen2's
+    NFC and split regex, which transformers' own GGUF tokenizer conversion drops) and its chat
+    template."""
+    import random
+
+    from test_tokenizer import HARD, random_strings
+    out = trained["dir"] / "merged"
+    rondo("export", trained["run"], "--format", "merged", "--out", out)
+    m = T.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    with torch.no_grad():
+        got = m(input_ids=trained["tokens"]).logits.float().numpy()
+    want = trained["logits"]
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-4 * np.abs(want).max())
+    ours = T.AutoTokenizer.from_pretrained(out)
+    for text in HARD + random_strings(random.Random(SEED), 100):
+        ids = ours(text)["input_ids"]
+        assert ids == trained["tok"].encode(text).ids, (SEED, text)
+        assert ours.decode(ids) == trained["tok"].decode(ids, skip_special_tokens=False), text
+    assert ours.chat_template == CHATML and ours.eos_token == "<|im_end|>"
+    chat = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
+    assert ours.apply_chat_template(chat, tokenize=False) == \
+        "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\nHello<|im_end|>\n"
+
+
+def test_peft_adapter_of_a_gguf_base_loads_onto_transformers_gguf_model(trained):
+    """The PEFT adapter of a GGUF base: peft loads it onto the base as transformers reads the GGUF
+    (gguf_file=), with Rondo's logits (1e-4); with no repository named in the GGUF's metadata,
+    base_model_name_or_path is the file."""
+    import peft
+    out = trained["dir"] / "peft"
+    rondo("export", trained["run"], "--format", "adapter", "--out", out)
+    config = json.loads((out / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == str(trained["base"])
+    base = trained["base"]
+    m = T.AutoModelForCausalLM.from_pretrained(base.parent, gguf_file=base.name,
+                                               dtype=torch.float32)
+    with torch.no_grad():
+        got = peft.PeftModel.from_pretrained(m, out).eval()(
+            input_ids=trained["tokens"]).logits.float().numpy()
+    want = trained["logits"]
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-4 * np.abs(want).max())
+
+
 def test_run_exports_equal_rondo_export_of_its_last_checkpoint(trained):
     """output.exports writes from the run's state at the end; `rondo export` from its last
     checkpoint: the same bytes."""
@@ -280,9 +328,6 @@ def test_full_run_on_a_gguf_base_exports_a_gguf(trained):
 
 
 def test_gguf_exports_refuse_what_they_cannot_write(trained):
-    p = subprocess.run([RONDO, "export", str(trained["run"]), "--format", "merged"],
-                       capture_output=True, text=True, timeout=300)
-    assert p.returncode != 0 and "--format gguf" in p.stderr, p.stderr
     p = subprocess.run([RONDO, "export", str(trained["run"]), "--format", "adapter", "--type",
                         "q8_0"], capture_output=True, text=True, timeout=300)
     assert p.returncode != 0 and "--type" in p.stderr, p.stderr

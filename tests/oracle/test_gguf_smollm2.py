@@ -125,3 +125,50 @@ def test_logits_equal_transformers_on_the_same_file(tmp_path):
     assert abs(loss - ref.loss.item()) < 1e-4, (loss, ref.loss.item())
     # Same argmax everywhere: what a user would see in generation.
     assert (out["logits"].argmax(-1) == ref.logits.numpy().argmax(-1)).all()
+
+
+def test_hf_files_rebuilt_from_the_gguf_tokenize_as_the_gguf(tmp_path):
+    """What a merged export of a GGUF base writes beside the weights (rondo_oracle_driver
+    gguf-hf-files): transformers loads the tokenizer from the rebuilt tokenizer.json and
+    tokenizer_config.json with the ids of a reference on the hard strings and random ones:
+    transformers' own GGUF tokenizer of the same file with SmolLM2's published pre-tokenizer
+    (individual digits, then GPT-2's byte-level split; transformers' conversion keeps only the
+    latter, so that '①' tokenizes differently from SmolLM2's tokenizer.json and from
+    llama.cpp), and llama.cpp's own where llama-cpp-python is installed. The chat template renders
+    the same; config.json gives transformers' GGUF config."""
+    import random
+
+    import transformers as tf
+    from test_tokenizer import HARD, random_strings
+    path = smollm2_path()
+    out = tmp_path / "hf"
+    driver("gguf-hf-files", path, out)
+    ours = tf.AutoTokenizer.from_pretrained(out)
+    ref = tf.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    from tokenizers import pre_tokenizers
+    ref.backend_tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Digits(individual_digits=True),
+         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
+    seed = int.from_bytes(os.urandom(4), "little")
+    texts = HARD + random_strings(random.Random(seed), 200)
+    llama = None
+    if importlib.util.find_spec("llama_cpp") is not None:
+        from llama_cpp import Llama
+        llama = Llama(model_path=str(path), vocab_only=True, verbose=False)
+    for text in texts:
+        ids = ours(text, add_special_tokens=True)["input_ids"]
+        assert ids == ref(text, add_special_tokens=True)["input_ids"], (seed, text)
+        if llama is not None:
+            assert ids == llama.tokenize(text.encode(), add_bos=False, special=True), (seed, text)
+        assert ours.decode(ids) == ref.decode(ids), (seed, text)
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}]
+    assert ours.apply_chat_template(chat, tokenize=False, add_generation_prompt=True) == \
+        ref.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+    assert (ours.bos_token, ours.eos_token) == (ref.bos_token, ref.eos_token)
+    config = tf.AutoConfig.from_pretrained(out)
+    want = tf.AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+    for field in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                  "num_attention_heads", "num_key_value_heads", "max_position_embeddings",
+                  "tie_word_embeddings", "bos_token_id", "eos_token_id"):
+        assert getattr(config, field) == getattr(want, field), field
+    assert config.rms_norm_eps == pytest.approx(want.rms_norm_eps, rel=1e-6)
