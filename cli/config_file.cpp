@@ -318,8 +318,7 @@ ConfigFile read_config_text(const std::string& text, const std::string& source,
     set(key, *parsed.get("v"), "--set " + o);
   }
   // What a run exports follows its method unless set: a full run has no adapter to export, and
-  // is merged into a checkpoint of its base's format (a Hugging Face folder, or a GGUF in the
-  // base's types).
+  // is merged into a checkpoint of its base's format (a Hugging Face folder, or a Q8_0 GGUF).
   if (!out.where.count("output.exports") && out.config.training.method == "full") {
     const bool gguf = out.config.model.path.ends_with(".gguf");
     out.config.output.exports = {gguf ? "gguf" : "merged"};

@@ -11,6 +11,7 @@
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
+#include <functional>
 #include <iostream>
 #include <nlohmann/json.hpp>
 #include <optional>
@@ -96,12 +97,18 @@ struct Reply {
 };
 
 // Generates from `ids`, printing the text on stdout as it comes; returns it.
+// `out` takes each piece of text as it is decoded (default: written to stdout at once).
 Reply stream_reply(const models::Model& model, const models::Tokenizer& tok,
-                   const std::vector<std::int32_t>& ids, const models::SamplingOptions& sampling) {
+                   const std::vector<std::int32_t>& ids, const models::SamplingOptions& sampling,
+                   const std::function<void(const std::string&)>& out = {}) {
   models::TextStreamer streamer(tok);
   Reply r;
   auto print = [&](const std::string& text) {
     r.text += text;
+    if (out) {
+      if (!text.empty()) out(text);
+      return;
+    }
     std::fwrite(text.data(), 1, text.size(), stdout);
     std::fflush(stdout);
   };
@@ -179,6 +186,9 @@ void add_chat_options(CLI::App& command, ChatOptions& o) {
                      "mistral, mistral-v1");
   add_sampling_options(command, o.max_new_tokens, "Most tokens of a reply", o.temperature, o.top_p,
                        o.seed, o.dtype);
+  command.add_flag("--jsonl", o.jsonl,
+                   "For programs: stdin lines are JSON strings, stdout is one JSON object per line "
+                   "(ready, token, reply, info, error)");
 }
 
 int run_chat(const ChatOptions& o) {
@@ -221,11 +231,28 @@ int run_chat(const ChatOptions& o) {
     if (!system.empty()) conversation.push_back({"system", system});
   };
   reset();
-  const bool tty = ::isatty(STDIN_FILENO) == 1 && ::isatty(STDOUT_FILENO) == 1;
-  std::fprintf(stderr,
-               "rondo: chatting with %s. Commands: /reset, /system TEXT, /save FILE, /quit "
-               "(or Ctrl-D).\n",
-               what.c_str());
+  const bool tty = !o.jsonl && ::isatty(STDIN_FILENO) == 1 && ::isatty(STDOUT_FILENO) == 1;
+  auto emit = [](const nlohmann::ordered_json& j) {
+    const std::string line =
+        j.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace) + "\n";
+    std::fwrite(line.data(), 1, line.size(), stdout);
+    std::fflush(stdout);
+  };
+  // What the chat says besides replies: on stderr for people, as a JSON line for programs.
+  auto say = [&](const char* type, const std::string& text) {
+    if (o.jsonl)
+      emit({{"type", type}, {"text", text}});
+    else
+      std::fprintf(stderr, "rondo: %s%s\n", std::string(type) == "error" ? "error: " : "",
+                   text.c_str());
+  };
+  if (o.jsonl)
+    emit({{"type", "ready"}, {"text", what}});
+  else
+    std::fprintf(stderr,
+                 "rondo: chatting with %s. Commands: /reset, /system TEXT, /save FILE, /quit "
+                 "(or Ctrl-D).\n",
+                 what.c_str());
   std::string line;
   for (;;) {
     if (tty) {
@@ -234,7 +261,15 @@ int run_chat(const ChatOptions& o) {
     }
     if (!std::getline(std::cin, line)) break;
     if (!line.empty() && line.back() == '\r') line.pop_back();
-    if (line.find_first_not_of(" \t") == std::string::npos) continue;
+    if (o.jsonl && line.find_first_not_of(" \t") != std::string::npos) {
+      const nlohmann::json j = nlohmann::json::parse(line, nullptr, /*allow_exceptions=*/false);
+      if (!j.is_string()) {
+        say("error", "each input line must be one JSON string (--jsonl)");
+        continue;
+      }
+      line = j.get<std::string>();
+    }
+    if (line.find_first_not_of(" \t\n") == std::string::npos) continue;
     // A command or a turn that fails says why and leaves the conversation as it was.
     try {
       if (line[0] == '/') {
@@ -244,19 +279,18 @@ int run_chat(const ChatOptions& o) {
         if (command == "/quit" || command == "/exit") break;
         if (command == "/reset") {
           reset();
-          std::fprintf(stderr, "rondo: conversation cleared\n");
+          say("info", "conversation cleared");
         } else if (command == "/system") {
           system = rest;
           reset();
-          std::fprintf(stderr, "rondo: %s; conversation cleared\n",
-                       system.empty() ? "no system message" : "new system message");
+          say("info", std::string(system.empty() ? "no system message" : "new system message") +
+                          "; conversation cleared");
         } else if (command == "/save" && !rest.empty()) {
           save_conversation(rest, conversation);
-          std::fprintf(stderr, "rondo: %zu messages appended to %s (one chat-format JSONL line)\n",
-                       conversation.size(), rest.c_str());
+          say("info", std::to_string(conversation.size()) + " messages appended to " + rest +
+                          " (one chat-format JSONL line)");
         } else {
-          std::fprintf(stderr,
-                       "rondo: the commands are /reset, /system TEXT, /save FILE and /quit\n");
+          say("info", "the commands are /reset, /system TEXT, /save FILE and /quit");
         }
         continue;
       }
@@ -264,15 +298,21 @@ int run_chat(const ChatOptions& o) {
       next.push_back({"user", line});
       const std::vector<std::int32_t> ids =
           models::render_chat(tok, tmpl, next, /*add_generation_prompt=*/true).ids;
-      const Reply r = stream_reply(
-          *model, tok, ids,
-          sampling_for(*model, tok, true, o.max_new_tokens, o.temperature, o.top_p, o.seed));
-      std::fputc('\n', stdout);
-      std::fflush(stdout);
+      const models::SamplingOptions sampling =
+          sampling_for(*model, tok, true, o.max_new_tokens, o.temperature, o.top_p, o.seed);
+      std::function<void(const std::string&)> out;
+      if (o.jsonl) out = [&](const std::string& t) { emit({{"type", "token"}, {"text", t}}); };
+      const Reply r = stream_reply(*model, tok, ids, sampling, out);
+      if (o.jsonl) {
+        emit({{"type", "reply"}, {"text", r.text}, {"tokens", r.tokens}, {"seconds", r.seconds}});
+      } else {
+        std::fputc('\n', stdout);
+        std::fflush(stdout);
+      }
       next.push_back({"assistant", r.text});
       conversation = std::move(next);
     } catch (const Error& e) {
-      std::fprintf(stderr, "rondo: error: %s\n", e.what());
+      say("error", e.what());
     }
   }
   return 0;

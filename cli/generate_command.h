@@ -43,6 +43,10 @@ struct ChatOptions {
   double top_p = 1.0;
   unsigned long long seed = 0;
   std::string dtype = "f32";
+  // For programs (the GUI's chat tab): each stdin line is a JSON string (a message or a /command),
+  // and stdout is one JSON object per line: {"type": "ready"|"token"|"reply"|"info"|"error",
+  // "text": ...} (a reply also has "tokens" and "seconds").
+  bool jsonl = false;
 };
 
 void add_chat_options(CLI::App& command, ChatOptions& options);

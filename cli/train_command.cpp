@@ -317,7 +317,9 @@ void add_export_options(CLI::App& cmd, ExportOptions& o) {
       ->check(CLI::IsMember({"adapter", "merged", "gguf", "gguf-adapter"}));
   cmd.add_option("--type", o.type,
                  std::string("--format gguf: the matrices' type, one of ") +
-                     models::kGgufExportTypes + " (default: base, each as in the base file)")
+                     models::kGgufExportTypes +
+                     " (default: q8_0; a LoRA merged back into a 4-bit base's types can lose what "
+                     "it learned)")
       ->check(CLI::IsMember({"f32", "f16", "bf16", "q8_0", "q4_k_m", "base"}));
   cmd.add_option("--out", o.out, "Output folder (default: <run>/export-<format>-step-N)");
 }
@@ -457,7 +459,7 @@ int run_export(const ExportOptions& o) {
                            c.model.dtype == "fp32" ? models::DType::kF32 : models::DType::kBF16);
     } else {
       const models::GgufExportType type =
-          models::parse_gguf_export_type(o.type.empty() ? "base" : o.type);
+          models::parse_gguf_export_type(o.type.empty() ? "q8_0" : o.type);
       make_folder(out);
       written = (fs::path(out) / fmt::format("model-{}.gguf", models::to_string(type))).string();
       int shown = -1;

@@ -781,9 +781,9 @@ struct Session::Impl {
         written = path + "/adapter.gguf";
         export_gguf_adapter(written, store, specs, summary.config, lc);
       } else {
-        written = path + "/model-base.gguf";
+        written = path + "/model-q8_0.gguf";
         export_gguf_merged(written, store, specs, summary.config, c.model.path,
-                           models::GgufExportType::kBase);
+                           models::GgufExportType::kQ8_0);
       }
       log("Exported " + written);
       if (result.export_path.empty()) result.export_path = written;

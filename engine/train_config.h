@@ -101,7 +101,7 @@ struct HardwareSection {
 struct OutputSection {
   std::string run_dir;  // where the run folder goes
   // At the end: "adapter" (LoRA, PEFT), "merged" (HF folder; HF base), "gguf" (merged GGUF in
-  // the base's types; GGUF base), "gguf-adapter" (LoRA, llama.cpp). Left out of a config file:
+  // Q8_0; GGUF base), "gguf-adapter" (LoRA, llama.cpp). Left out of a config file:
   // "adapter" for LoRA, "merged" for a full run, "gguf" for a full run on a GGUF base
   // (cli/config_file).
   std::vector<std::string> exports = {"adapter"};

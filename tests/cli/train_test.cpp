@@ -229,6 +229,29 @@ TEST_F(TrainCli, ChatTalksToTheRunsWeights) {
     EXPECT_EQ(conv["messages"][0], (json{{"role", "system"}, {"content", "Be brief"}}));
     EXPECT_EQ(conv["messages"][1], (json{{"role", "user"}, {"content", "hi"}}));
     EXPECT_EQ(conv["messages"][2]["role"], "assistant");
+
+    // --jsonl (the GUI's chat tab): JSON strings in, one JSON object per line out; the tokens
+    // add up to the reply, which is the same reply; a bad line is an error and the chat goes on.
+    write(dir / "in.jsonl", "\"hello\"\nnot json\n\"/reset\"\n");
+    r = run_rondo("chat " + run.string() + " -n 6 --jsonl < " + (dir / "in.jsonl").string(),
+                  /*with_stderr=*/false);
+    ASSERT_EQ(r.code, 0) << r.out;
+    std::vector<json> lines;
+    std::istringstream in(r.out);
+    for (std::string line; std::getline(in, line);)
+      lines.push_back(json::parse(line));
+    ASSERT_GE(lines.size(), 5u) << r.out;
+    EXPECT_EQ(lines.front()["type"], "ready");
+    std::string tokens;
+    std::size_t i = 1;
+    for (; i < lines.size() && lines[i]["type"] == "token"; ++i)
+      tokens += lines[i]["text"].get<std::string>();
+    ASSERT_LT(i + 2, lines.size()) << r.out;
+    EXPECT_EQ(lines[i]["type"], "reply");
+    EXPECT_EQ(lines[i]["text"], tokens);
+    EXPECT_EQ(tokens, want.out.substr(0, want.out.size() - 1)) << r.out;  // generate ends with \n
+    EXPECT_EQ(lines[i + 1]["type"], "error");
+    EXPECT_EQ(lines[i + 2], (json{{"type", "info"}, {"text", "conversation cleared"}}));
   }
   Result r = run_rondo("chat " + (dir / "lora").string() + " --checkpoint step-99 < /dev/null");
   EXPECT_EQ(r.code, 1) << r.out;

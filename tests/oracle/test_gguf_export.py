@@ -298,12 +298,12 @@ def test_run_exports_equal_rondo_export_of_its_last_checkpoint(trained):
     rondo("export", run, "--format", "gguf", "--out", d / "again-gguf")
     assert (run / "gguf-adapter" / "adapter.gguf").read_bytes() == \
         (d / "again-adapter" / "adapter.gguf").read_bytes()
-    assert (run / "gguf" / "model-base.gguf").read_bytes() == \
-        (d / "again-gguf" / "model-base.gguf").read_bytes()
+    assert (run / "gguf" / "model-q8_0.gguf").read_bytes() == \
+        (d / "again-gguf" / "model-q8_0.gguf").read_bytes()
 
 
 def test_full_run_on_a_gguf_base_exports_a_gguf(trained):
-    """A full fine-tune of a GGUF base exports a merged GGUF in the base's types by default, which
+    """A full fine-tune of a GGUF base exports a merged GGUF (Q8_0) by default, which
     transformers loads with Rondo's logits within Q8_0's error."""
     d = trained["dir"]
     cfg = (d / "run.toml").read_text().replace('[lora]\nrank = 8\nalpha = 16\n', '')
@@ -312,7 +312,7 @@ def test_full_run_on_a_gguf_base_exports_a_gguf(trained):
     cfg = cfg.replace("[training]\n", '[training]\nmethod = "full"\n').replace("lr = 0.01", "lr = 1e-4")
     (d / "full.toml").write_text(cfg)
     rondo("train", d / "full.toml")
-    path = d / "full" / "gguf" / "model-base.gguf"
+    path = d / "full" / "gguf" / "model-q8_0.gguf"
     r = gguf.GGUFReader(str(path))
     assert {t.tensor_type for t in r.tensors} == {QT.Q8_0, QT.F32}
     driver("run-logits", d / "full", d / "batch.json", d / "full.safetensors")
