@@ -21,6 +21,8 @@
 #include <cmath>
 #include <csignal>
 
+#include "gui/app/chat_panel.h"
+#include "gui/app/export_dialog.h"
 #include "gui/app/format.h"
 #include "gui/app/rondo_cli.h"
 #include "gui/app/timeline_view.h"
@@ -47,11 +49,15 @@ QChart* makeChart(const QString& title, std::initializer_list<QLineSeries*> seri
   auto* chart = new QChart;
   chart->setTitle(title);
   chart->legend()->setVisible(series.size() > 1);
+  // Beside the plot, not above it: above, it took the height the step axis needs for its labels
+  // (they were elided to "...").
+  chart->legend()->setAlignment(Qt::AlignRight);
   chart->setMargins(QMargins(4, 4, 4, 4));
   auto* x = new QValueAxis;
   x->setTitleText("step");
   x->setLabelFormat("%d");
   auto* y = new QValueAxis;
+  y->setLabelFormat("%g");
   chart->addAxis(x, Qt::AlignBottom);
   chart->addAxis(y, Qt::AlignLeft);
   for (QLineSeries* s : series) {
@@ -86,8 +92,10 @@ void fill(QChart* chart, std::initializer_list<std::pair<QLineSeries*, const Ser
     if (!v) continue;
     if (a->orientation() == Qt::Horizontal)
       v->setRange(x0, x1 > x0 ? x1 : x0 + 1);
-    else if (std::isfinite(y0))
+    else if (std::isfinite(y0)) {
       v->setRange(y0, y1 > y0 ? y1 + 0.05 * (y1 - y0) : y0 + 1);
+      v->applyNiceNumbers();  // ticks on round values (15000, 20000, ...), not 14238.7
+    }
   }
 }
 
@@ -134,6 +142,13 @@ MonitorWidget::MonitorWidget(QWidget* parent) : QWidget(parent) {
   m_stopSave->setEnabled(false);
   connect(m_stop, &QPushButton::clicked, this, &MonitorWidget::stop);
   connect(m_stopSave, &QPushButton::clicked, this, &MonitorWidget::stopAndSave);
+  m_export = new QPushButton("Export…");
+  m_export->setObjectName("exportButton");
+  m_export->setToolTip(
+      "Write the newest checkpoint as a LoRA adapter (PEFT or llama.cpp), a merged Hugging Face "
+      "folder or a merged GGUF");
+  m_export->setEnabled(false);
+  connect(m_export, &QPushButton::clicked, this, &MonitorWidget::exportRun);
 
   m_loss = new QLineSeries;
   m_loss->setName("training loss");
@@ -176,12 +191,15 @@ MonitorWidget::MonitorWidget(QWidget* parent) : QWidget(parent) {
   auto* tabs = new QTabWidget;
   tabs->addTab(m_samples, "Samples");
   tabs->addTab(m_log, "Log");
+  m_chat = new ChatPanel;
+  tabs->addTab(m_chat, "Chat");
 
   auto* top = new QHBoxLayout;
   auto* labels = new QVBoxLayout;
   labels->addWidget(m_title);
   labels->addWidget(m_status);
   top->addLayout(labels, 1);
+  top->addWidget(m_export);
   top->addWidget(m_stopSave);
   top->addWidget(m_stop);
   auto* layout = new QVBoxLayout(this);
@@ -215,6 +233,7 @@ bool MonitorWidget::attach(const QString& runDir, QString* error) {
       info.eventsPath.isEmpty() ? QDir(runDir).filePath("events.jsonl") : info.eventsPath;
   m_title->setText(QDir::cleanPath(runDir));
   m_banner->hide();
+  m_chat->setRun(runDir);
   tryOpenEvents();
   if (!m_tail->isOpen()) m_openTimer->start();
   refresh();
@@ -233,6 +252,7 @@ bool MonitorWidget::launch(const QString& configPath, const QString& runDir, QSt
   m_eventsPath = QDir(runDir).filePath("events.jsonl");
   m_title->setText(QDir::cleanPath(runDir));
   m_banner->hide();
+  m_chat->setRun(runDir);
   m_childFailed = false;
   delete m_child;
   m_child = new QProcess(this);
@@ -289,6 +309,11 @@ void MonitorWidget::stopAndSave() {
   }
 }
 
+void MonitorWidget::exportRun() {
+  ExportDialog dialog(m_runDir, this);
+  dialog.exec();
+}
+
 void MonitorWidget::onChildFinished(int code, QProcess::ExitStatus status) {
   if (m_child->bytesAvailable() > 0) {
     for (const QByteArray& l : m_child->readAll().split('\n'))
@@ -341,6 +366,10 @@ void MonitorWidget::refresh() {
   if (s.malformedLines() > 0)
     line += QString(" (%1 malformed event lines skipped)").arg(s.malformedLines());
   m_status->setText(line);
+  // Export what a run has checkpointed once it is not training.
+  m_export->setEnabled(
+      !m_runDir.isEmpty() && !childRunning() && status != "running" &&
+      !QDir(QDir(m_runDir).filePath("checkpoints")).entryList({"step-*"}, QDir::Dirs).isEmpty());
   if (!s.model().isEmpty())
     m_title->setText(QString("%1 — %2 on %3")
                          .arg(QDir::cleanPath(s.runDir().isEmpty() ? m_runDir : s.runDir()),

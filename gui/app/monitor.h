@@ -1,6 +1,7 @@
 // The monitor: a run's loss and validation loss, learning rate, gradient norm and tokens/s charts,
 // ETA, per-device memory, busy share and link traffic, the pipeline timeline, sample generations
-// and a log — from the run's events.jsonl (gui/model), live or finished. It can also launch
+// and a log — from the run's events.jsonl (gui/model), live or finished; a Chat tab that talks to
+// the run's trained weights, and Export (a run that is not training). It can also launch
 // `rondo train` as a child process and stop it (Stop: at once; Stop and save: the CLI finishes
 // the step and writes a checkpoint). A failed child shows the `error` event and the last log lines.
 #pragma once
@@ -21,6 +22,7 @@ class QLineSeries;
 
 namespace rondo::gui {
 
+class ChatPanel;
 class EventTail;
 class RunState;
 class TimelineView;
@@ -41,6 +43,7 @@ class MonitorWidget : public QWidget {
   QLineSeries* lossSeries() const { return m_loss; }
   QLineSeries* evalSeries() const { return m_eval; }
   TimelineView* timelineView() const { return m_timeline; }
+  ChatPanel* chatPanel() const { return m_chat; }
   QString statusText() const;
   bool childRunning() const;
   void refresh();  // charts and labels now (normally at most every 250 ms)
@@ -48,6 +51,7 @@ class MonitorWidget : public QWidget {
  public slots:
   void stop();         // the child at once (no checkpoint)
   void stopAndSave();  // SIGINT: the CLI finishes the steps under way, checkpoints and exits
+  void exportRun();    // the export dialog, for a run that is not training
 
  signals:
   void finished(const QString& status);  // the run ended (run_end read, or the child exited)
@@ -69,6 +73,8 @@ class MonitorWidget : public QWidget {
   QLabel* m_banner;
   QPushButton* m_stop;
   QPushButton* m_stopSave;
+  QPushButton* m_export;
+  ChatPanel* m_chat;
   QChart* m_lossChart;
   QChart* m_lrChart;
   QChart* m_normChart;

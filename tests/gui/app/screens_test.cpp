@@ -1,7 +1,8 @@
-// Every wizard page and the monitor, rendered offscreen to PNG in the build folder (wizard_*.png,
-// monitor.png), with checks that they show something: labels filled from the real rondo CLI, the
-// chart has points, the timeline has bars. Also: a folder that is not a run, and a child that
-// fails before its run starts (its error and last log lines are shown).
+// Every wizard page, the monitor, its Chat tab and the export dialog, rendered offscreen to PNG in
+// the build folder (wizard_*.png, monitor.png, monitor_chat.png, export_dialog.png), with checks
+// that they show something: labels filled from the real rondo CLI, the chart has points, the
+// timeline has bars. Also: a folder that is not a run, and a child that fails before its run starts
+// (its error and last log lines are shown).
 #include <QCheckBox>
 #include <QComboBox>
 #include <QLabel>
@@ -10,11 +11,18 @@
 #include <QListWidget>
 #include <QPlainTextEdit>
 #include <QProcess>
+#include <QProgressBar>
+#include <QPushButton>
+#include <QSignalSpy>
 #include <QSpinBox>
+#include <QStandardItemModel>
+#include <QTabWidget>
 #include <QTableWidget>
 #include <QTest>
 #include <QTextEdit>
 
+#include "gui/app/chat_panel.h"
+#include "gui/app/export_dialog.h"
 #include "gui/app/monitor.h"
 #include "gui/app/rondo_cli.h"
 #include "gui/app/timeline_view.h"
@@ -167,6 +175,74 @@ class Screens : public QObject {
     // A finished run says "done", not "ETA 0m00s".
     QVERIFY2(m.statusText().endsWith(", done"), qPrintable(m.statusText()));
     QCOMPARE(m.state()->samples()->rowCount(), 3);  // steps 0, 6, 12
+  }
+
+  // After the run (monitorOfARecordedRun's): Export writes a merged folder with progress and says
+  // where; the Chat tab talks to the trained weights across turns; a run with no checkpoint yet
+  // says so in the tab.
+  void exportAndChatAfterTheRun() {
+    const QString run = m_dir + "/recorded";
+    if (!QFileInfo::exists(run + "/config.toml")) QSKIP("needs monitorOfARecordedRun's run");
+    MonitorWidget m;
+    m.resize(1100, 860);
+    QString error;
+    QVERIFY2(m.attach(run, &error), qPrintable(error));
+    m.show();
+    QVERIFY(QTest::qWaitForWindowExposed(&m));
+    QTRY_COMPARE(m.state()->status(), QString("completed"));
+    m.refresh();
+    QVERIFY(m.findChild<QPushButton*>("exportButton")->isEnabled());
+
+    ExportDialog d(run);
+    d.show();
+    QVERIFY(QTest::qWaitForWindowExposed(&d));
+    auto* format = d.findChild<QComboBox*>("exportFormat");
+    auto* items = qobject_cast<QStandardItemModel*>(format->model());
+    // A LoRA run on a Hugging Face folder: both adapters and the merged folder; no merged GGUF.
+    for (const char* f : {"adapter", "gguf-adapter", "merged"})
+      QVERIFY2(items->item(format->findData(f))->isEnabled(), f);
+    QVERIFY(!items->item(format->findData("gguf"))->isEnabled());
+    format->setCurrentIndex(format->findData("merged"));
+    QVERIFY(!d.findChild<QComboBox*>("exportType")->isEnabled());
+    QSignalSpy done(&d, &ExportDialog::done);
+    d.start();
+    QVERIFY(d.running());
+    QVERIFY(done.wait(120000));
+    QVERIFY2(done.at(0).at(0).toBool(), qPrintable(d.resultText()));
+    QVERIFY2(QFileInfo::exists(d.writtenPath() + "/model.safetensors"), qPrintable(d.resultText()));
+    QCOMPARE(d.findChild<QProgressBar*>("exportProgress")->value(), 100);
+    QVERIFY2(d.resultText().startsWith("Exported to " + run + "/export-merged-step-12"),
+             qPrintable(d.resultText()));
+    QImage img = test::screenshot(&d, "export_dialog");
+    QVERIFY(test::colours(img) > 8);
+
+    ChatPanel* chat = m.chatPanel();
+    m.findChild<QTabWidget*>()->setCurrentWidget(chat);
+    QSignalSpy replied(chat, &ChatPanel::replied);
+    chat->send("sky?");
+    QVERIFY2(replied.wait(120000), qPrintable(chat->statusText()));
+    chat->send("hi");
+    QVERIFY2(replied.wait(120000), qPrintable(chat->statusText()));
+    const QString transcript = chat->transcript();
+    QVERIFY2(
+        transcript.startsWith("You: sky?\nModel: ") && transcript.contains("\nYou: hi\nModel: "),
+        qPrintable(transcript));
+    QVERIFY(chat->chatting());  // one process across turns: the conversation carries over
+    QVERIFY2(chat->statusText().startsWith("Replied in"), qPrintable(chat->statusText()));
+    img = test::screenshot(&m, "monitor_chat");
+    QVERIFY(test::colours(img) > 30);
+
+    // A run that has not checkpointed yet: the tab says why.
+    QDir().mkpath(m_dir + "/no-checkpoint");
+    QFile::copy(run + "/config.toml", m_dir + "/no-checkpoint/config.toml");
+    ChatPanel early;
+    early.setRun(m_dir + "/no-checkpoint");
+    QSignalSpy failed(&early, &ChatPanel::failed);
+    early.send("hello");
+    QVERIFY(failed.wait(60000));
+    QVERIFY2(failed.at(0).at(0).toString().contains("no checkpoint yet"),
+             qPrintable(failed.at(0).at(0).toString()));
+    QVERIFY2(early.transcript().contains("Error: "), qPrintable(early.transcript()));
   }
 
   void aFolderThatIsNotARunSaysSo() {
