@@ -59,9 +59,10 @@ void add_generate_options(CLI::App& command, GenerateOptions& o) {
       ->required();
   command.add_flag("--chat", o.chat,
                    "Render the prompt as a user turn with the model's chat template");
-  command.add_option("--chat-format", o.chat_format,
-                     "Chat format instead of the model's own template: chatml, qwen3, llama3, "
-                     "mistral, mistral-v1");
+  command.add_option(
+      "--chat-format", o.chat_format,
+      "Chat format instead of the model's own template: chatml, qwen3, llama3, llama3.1, "
+      "mistral, mistral-v1");
   command.add_option("--system", o.system, "A system message (with --chat)");
   add_sampling_options(command, o.max_new_tokens, "Most tokens to generate", o.temperature, o.top_p,
                        o.seed, o.dtype);
@@ -181,9 +182,10 @@ void add_chat_options(CLI::App& command, ChatOptions& o) {
   command.add_option("--checkpoint", o.checkpoint,
                      "With a run folder: this checkpoint (step-N) instead of the newest");
   command.add_option("--system", o.system, "A system message to start with");
-  command.add_option("--chat-format", o.chat_format,
-                     "Chat format instead of the model's own template: chatml, qwen3, llama3, "
-                     "mistral, mistral-v1");
+  command.add_option(
+      "--chat-format", o.chat_format,
+      "Chat format instead of the model's own template: chatml, qwen3, llama3, llama3.1, "
+      "mistral, mistral-v1");
   add_sampling_options(command, o.max_new_tokens, "Most tokens of a reply", o.temperature, o.top_p,
                        o.seed, o.dtype);
   command.add_flag("--jsonl", o.jsonl,

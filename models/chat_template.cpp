@@ -14,7 +14,9 @@ namespace rondo::models {
 namespace {
 
 constexpr const char* kChooseFormat =
-    "choose a format explicitly with --chat-format chatml|qwen3|llama3|mistral|mistral-v1";
+    "choose a format explicitly with --chat-format chatml|qwen3|llama3|llama3.1|mistral|mistral-v1";
+// The date Llama 3.1/3.2/3.3's templates write when they are given none.
+constexpr const char* kLlamaDate = "26 Jul 2024";
 
 bool contains(const std::string& s, std::string_view needle) {
   return s.find(needle) != std::string::npos;
@@ -185,9 +187,24 @@ void render_chatml(const ChatTemplate& t, const std::vector<ChatMessage>& ms, Bu
   }
 }
 
-void render_llama3(const Tokenizer& tok, const std::vector<ChatMessage>& ms, Builder& b) {
+void render_llama3(const Tokenizer& tok, const ChatTemplate& t, const std::vector<ChatMessage>& ms,
+                   Builder& b) {
   b.add(token_text(tok, tok.bos_id(), "bos"));
-  for (const ChatMessage& m : ms) {
+  std::size_t first = 0;
+  if (!t.llama_date.empty()) {
+    // 3.1/3.2/3.3: the system header comes first whether or not there is a system message.
+    std::string system;
+    if (ms[0].role == "system") {
+      system = py_strip(ms[0].content);
+      first = 1;
+    }
+    b.add(
+        "<|start_header_id|>system<|end_header_id|>\n\nCutting Knowledge Date: December "
+        "2023\nToday Date: " +
+        t.llama_date + "\n\n" + system + "<|eot_id|>");
+  }
+  for (std::size_t i = first; i < ms.size(); ++i) {
+    const ChatMessage& m = ms[i];
     b.add("<|start_header_id|>" + m.role + "<|end_header_id|>\n\n");
     if (m.role == "assistant")
       b.reply(py_strip(m.content) + "<|eot_id|>");
@@ -254,6 +271,9 @@ ChatTemplate chat_template_from_name(std::string_view name) {
     t.thinking = true;
   } else if (name == "llama3") {
     t.format = ChatFormat::kLlama3;
+  } else if (name == "llama3.1") {
+    t.format = ChatFormat::kLlama3;
+    t.llama_date = kLlamaDate;
   } else if (name == "mistral") {
     t.format = ChatFormat::kMistral;
   } else if (name == "mistral-v1") {
@@ -261,7 +281,7 @@ ChatTemplate chat_template_from_name(std::string_view name) {
     t.mistral_v1 = true;
   } else {
     throw Error("chat format '" + std::string(name) +
-                "' is not known (known: chatml, qwen3, llama3, mistral, mistral-v1)");
+                "' is not known (known: chatml, qwen3, llama3, llama3.1, mistral, mistral-v1)");
   }
   return t;
 }
@@ -278,10 +298,8 @@ ChatTemplate recognise_chat_template(const std::string& jinja, const std::string
     return t;
   }
   if (contains(jinja, "<|start_header_id|>")) {
-    if (contains(jinja, "Cutting Knowledge Date"))
-      throw unknown(
-          "a Llama 3.1/3.2 template with a dated system header, which Rondo does not render yet");
     t.format = ChatFormat::kLlama3;
+    if (contains(jinja, "Cutting Knowledge Date")) t.llama_date = kLlamaDate;
     return t;
   }
   if (contains(jinja, "[INST]")) {
@@ -339,7 +357,7 @@ RenderedChat render_chat(const Tokenizer& tokenizer, const ChatTemplate& tmpl,
       if (add_generation_prompt) b.add("<|im_start|>assistant\n");
       break;
     case ChatFormat::kLlama3:
-      render_llama3(tokenizer, messages, b);
+      render_llama3(tokenizer, tmpl, messages, b);
       if (add_generation_prompt) b.add("<|start_header_id|>assistant<|end_header_id|>\n\n");
       break;
     case ChatFormat::kMistral:

@@ -43,9 +43,15 @@ struct ChatTemplate {
   // Mistral: v0.1 ("[INST] u [/INST]a</s>", no system role) rather than v0.3 ("[INST] u[/INST]
   // a</s>", the system prompt put before the last user message).
   bool mistral_v1 = false;
+  // Llama 3.1, 3.2, 3.3: a system header always comes first, with "Cutting Knowledge Date:
+  // December 2023" and "Today Date: <date>" before the system message (if any). "" = Llama 3's
+  // plain headers. Rondo writes the templates' own fallback date, "26 Jul 2024", where 3.2's
+  // template (in transformers) would write today's: training data must not change with the day.
+  std::string llama_date;
 };
 
-// By name: "chatml", "qwen3" (ChatML with thinking), "llama3", "mistral" (v0.3), "mistral-v1".
+// By name: "chatml", "qwen3" (ChatML with thinking), "llama3", "llama3.1" (the dated system
+// header of 3.1, 3.2 and 3.3), "mistral" (v0.3), "mistral-v1".
 // Throws Error listing the names.
 ChatTemplate chat_template_from_name(std::string_view name);
 

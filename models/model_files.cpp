@@ -223,14 +223,14 @@ ChatTemplate load_model_chat_template(const std::string& model_path, const std::
     if (!fs::exists(p))
       throw Error(model_path +
                   " has no tokenizer_config.json with a chat template; choose a "
-                  "format with --chat-format chatml|qwen3|llama3|mistral|mistral-v1");
+                  "format with --chat-format chatml|qwen3|llama3|llama3.1|mistral|mistral-v1");
     return load_chat_template(p.string());
   }
   GgufFile f(model_path);
   if (!f.has("tokenizer.chat_template"))
     throw Error(model_path +
                 " has no tokenizer.chat_template; choose a format with "
-                "--chat-format chatml|qwen3|llama3|mistral|mistral-v1");
+                "--chat-format chatml|qwen3|llama3|llama3.1|mistral|mistral-v1");
   return recognise_chat_template(f.get_string("tokenizer.chat_template"),
                                  model_path + " (tokenizer.chat_template)");
 }

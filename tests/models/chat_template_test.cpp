@@ -113,8 +113,7 @@ TEST(ChatTemplate, AFormatNeedsItsMarkerTokens) {
 
 TEST(ChatTemplate, UnknownTemplatesSayHowToChoose) {
   for (const char* jinja : {"{% for m in messages %}### {{ m.content }}{% endfor %}",
-                            "[INST] <<SYS>>\\n{{ system }}<</SYS>>",
-                            "<|start_header_id|>system<|end_header_id|>Cutting Knowledge Date"}) {
+                            "[INST] <<SYS>>\\n{{ system }}<</SYS>>"}) {
     try {
       recognise_chat_template(jinja, "model/tokenizer_config.json");
       FAIL() << jinja;
@@ -126,6 +125,12 @@ TEST(ChatTemplate, UnknownTemplatesSayHowToChoose) {
   }
   EXPECT_THROW(chat_template_from_name("vicuna"), Error);
   EXPECT_EQ(chat_template_from_name("llama3").format, ChatFormat::kLlama3);
+  // Llama 3.1/3.2/3.3's dated header is rendered (tests/oracle/test_chat_template.py).
+  const ChatTemplate dated = recognise_chat_template(
+      "<|start_header_id|>system<|end_header_id|>Cutting Knowledge Date", "x");
+  EXPECT_EQ(dated.format, ChatFormat::kLlama3);
+  EXPECT_EQ(dated.llama_date, "26 Jul 2024");
+  EXPECT_EQ(chat_template_from_name("llama3.1").llama_date, "26 Jul 2024");
 }
 
 TEST(ChatTemplate, LoadsFromTokenizerConfigOrItsAbsence) {

@@ -1,5 +1,6 @@
 """Rondo's chat rendering against transformers' apply_chat_template with the real public Jinja templates
-of Qwen2.5, Qwen3, Llama 3 and Mistral 7B Instruct (v0.1, v0.3): the rendered text, the token ids,
+of Qwen2.5, Qwen3, Llama 3, Llama 3.1 (= 3.3), Llama 3.2 and Mistral 7B Instruct (v0.1, v0.3): the
+rendered text, the token ids,
 and the loss mask, which must equal transformers' assistant mask for the same template with
 {% generation %} around the assistant output (the tagged copy is checked to render the same text)."""
 import json
@@ -268,6 +269,215 @@ QWEN3 = """{%- if tools %}
 {%- endif %}"""
 
 
+# Llama 3.1-8B-Instruct's chat_template (3.3-70B-Instruct's is the same text) and Llama
+# 3.2-3B-Instruct's, as published by Meta; here from the copies llama.cpp keeps in
+# models/templates/ (vendored in the llama-cpp-python 0.3.36 sdist on PyPI).
+LLAMA31 = r"""{{- bos_token }}
+{%- if custom_tools is defined %}
+    {%- set tools = custom_tools %}
+{%- endif %}
+{%- if not tools_in_user_message is defined %}
+    {%- set tools_in_user_message = true %}
+{%- endif %}
+{%- if not date_string is defined %}
+    {%- set date_string = "26 Jul 2024" %}
+{%- endif %}
+{%- if not tools is defined %}
+    {%- set tools = none %}
+{%- endif %}
+
+{#- This block extracts the system message, so we can slot it into the right place. #}
+{%- if messages[0]['role'] == 'system' %}
+    {%- set system_message = messages[0]['content']|trim %}
+    {%- set messages = messages[1:] %}
+{%- else %}
+    {%- set system_message = "" %}
+{%- endif %}
+
+{#- System message + builtin tools #}
+{{- "<|start_header_id|>system<|end_header_id|>\n\n" }}
+{%- if builtin_tools is defined or tools is not none %}
+    {{- "Environment: ipython\n" }}
+{%- endif %}
+{%- if builtin_tools is defined %}
+    {{- "Tools: " + builtin_tools | reject('equalto', 'code_interpreter') | join(", ") + "\n\n"}}
+{%- endif %}
+{{- "Cutting Knowledge Date: December 2023\n" }}
+{{- "Today Date: " + date_string + "\n\n" }}
+{%- if tools is not none and not tools_in_user_message %}
+    {{- "You have access to the following functions. To call a function, please respond with JSON for a function call." }}
+    {{- 'Respond in the format {"name": function name, "parameters": dictionary of argument name and its value}.' }}
+    {{- "Do not use variables.\n\n" }}
+    {%- for t in tools %}
+        {{- t | tojson(indent=4) }}
+        {{- "\n\n" }}
+    {%- endfor %}
+{%- endif %}
+{{- system_message }}
+{{- "<|eot_id|>" }}
+
+{#- Custom tools are passed in a user message with some extra guidance #}
+{%- if tools_in_user_message and not tools is none %}
+    {#- Extract the first user message so we can plug it in here #}
+    {%- if messages | length != 0 %}
+        {%- set first_user_message = messages[0]['content']|trim %}
+        {%- set messages = messages[1:] %}
+    {%- else %}
+        {{- raise_exception("Cannot put tools in the first user message when there's no first user message!") }}
+{%- endif %}
+    {{- '<|start_header_id|>user<|end_header_id|>\n\n' -}}
+    {{- "Given the following functions, please respond with a JSON for a function call " }}
+    {{- "with its proper arguments that best answers the given prompt.\n\n" }}
+    {{- 'Respond in the format {"name": function name, "parameters": dictionary of argument name and its value}.' }}
+    {{- "Do not use variables.\n\n" }}
+    {%- for t in tools %}
+        {{- t | tojson(indent=4) }}
+        {{- "\n\n" }}
+    {%- endfor %}
+    {{- first_user_message + "<|eot_id|>"}}
+{%- endif %}
+
+{%- for message in messages %}
+    {%- if not (message.role == 'ipython' or message.role == 'tool' or 'tool_calls' in message) %}
+        {{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n'+ message['content'] | trim + '<|eot_id|>' }}
+    {%- elif 'tool_calls' in message %}
+        {%- if not message.tool_calls|length == 1 %}
+            {{- raise_exception("This model only supports single tool-calls at once!") }}
+        {%- endif %}
+        {%- set tool_call = message.tool_calls[0].function %}
+        {%- if builtin_tools is defined and tool_call.name in builtin_tools %}
+            {{- '<|start_header_id|>assistant<|end_header_id|>\n\n' -}}
+            {{- "<|python_tag|>" + tool_call.name + ".call(" }}
+            {%- for arg_name, arg_val in tool_call.arguments | items %}
+                {{- arg_name + '="' + arg_val + '"' }}
+                {%- if not loop.last %}
+                    {{- ", " }}
+                {%- endif %}
+                {%- endfor %}
+            {{- ")" }}
+        {%- else  %}
+            {{- '<|start_header_id|>assistant<|end_header_id|>\n\n' -}}
+            {{- '{"name": "' + tool_call.name + '", ' }}
+            {{- '"parameters": ' }}
+            {{- tool_call.arguments | tojson }}
+            {{- "}" }}
+        {%- endif %}
+        {%- if builtin_tools is defined %}
+            {#- This means we're in ipython mode #}
+            {{- "<|eom_id|>" }}
+        {%- else %}
+            {{- "<|eot_id|>" }}
+        {%- endif %}
+    {%- elif message.role == "tool" or message.role == "ipython" %}
+        {{- "<|start_header_id|>ipython<|end_header_id|>\n\n" }}
+        {%- if message.content is mapping or message.content is iterable %}
+            {{- message.content | tojson }}
+        {%- else %}
+            {{- message.content }}
+        {%- endif %}
+        {{- "<|eot_id|>" }}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|start_header_id|>assistant<|end_header_id|>\n\n' }}
+{%- endif %}
+"""
+LLAMA32 = r"""{{- bos_token }}
+{%- if custom_tools is defined %}
+    {%- set tools = custom_tools %}
+{%- endif %}
+{%- if not tools_in_user_message is defined %}
+    {%- set tools_in_user_message = true %}
+{%- endif %}
+{%- if not date_string is defined %}
+    {%- if strftime_now is defined %}
+        {%- set date_string = strftime_now("%d %b %Y") %}
+    {%- else %}
+        {%- set date_string = "26 Jul 2024" %}
+    {%- endif %}
+{%- endif %}
+{%- if not tools is defined %}
+    {%- set tools = none %}
+{%- endif %}
+
+{#- This block extracts the system message, so we can slot it into the right place. #}
+{%- if messages[0]['role'] == 'system' %}
+    {%- set system_message = messages[0]['content']|trim %}
+    {%- set messages = messages[1:] %}
+{%- else %}
+    {%- set system_message = "" %}
+{%- endif %}
+
+{#- System message #}
+{{- "<|start_header_id|>system<|end_header_id|>\n\n" }}
+{%- if tools is not none %}
+    {{- "Environment: ipython\n" }}
+{%- endif %}
+{{- "Cutting Knowledge Date: December 2023\n" }}
+{{- "Today Date: " + date_string + "\n\n" }}
+{%- if tools is not none and not tools_in_user_message %}
+    {{- "You have access to the following functions. To call a function, please respond with JSON for a function call." }}
+    {{- 'Respond in the format {"name": function name, "parameters": dictionary of argument name and its value}.' }}
+    {{- "Do not use variables.\n\n" }}
+    {%- for t in tools %}
+        {{- t | tojson(indent=4) }}
+        {{- "\n\n" }}
+    {%- endfor %}
+{%- endif %}
+{{- system_message }}
+{{- "<|eot_id|>" }}
+
+{#- Custom tools are passed in a user message with some extra guidance #}
+{%- if tools_in_user_message and not tools is none %}
+    {#- Extract the first user message so we can plug it in here #}
+    {%- if messages | length != 0 %}
+        {%- set first_user_message = messages[0]['content']|trim %}
+        {%- set messages = messages[1:] %}
+    {%- else %}
+        {{- raise_exception("Cannot put tools in the first user message when there's no first user message!") }}
+{%- endif %}
+    {{- '<|start_header_id|>user<|end_header_id|>\n\n' -}}
+    {{- "Given the following functions, please respond with a JSON for a function call " }}
+    {{- "with its proper arguments that best answers the given prompt.\n\n" }}
+    {{- 'Respond in the format {"name": function name, "parameters": dictionary of argument name and its value}.' }}
+    {{- "Do not use variables.\n\n" }}
+    {%- for t in tools %}
+        {{- t | tojson(indent=4) }}
+        {{- "\n\n" }}
+    {%- endfor %}
+    {{- first_user_message + "<|eot_id|>"}}
+{%- endif %}
+
+{%- for message in messages %}
+    {%- if not (message.role == 'ipython' or message.role == 'tool' or 'tool_calls' in message) %}
+        {{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n'+ message['content'] | trim + '<|eot_id|>' }}
+    {%- elif 'tool_calls' in message %}
+        {%- if not message.tool_calls|length == 1 %}
+            {{- raise_exception("This model only supports single tool-calls at once!") }}
+        {%- endif %}
+        {%- set tool_call = message.tool_calls[0].function %}
+        {{- '<|start_header_id|>assistant<|end_header_id|>\n\n' -}}
+        {{- '{"name": "' + tool_call.name + '", ' }}
+        {{- '"parameters": ' }}
+        {{- tool_call.arguments | tojson }}
+        {{- "}" }}
+        {{- "<|eot_id|>" }}
+    {%- elif message.role == "tool" or message.role == "ipython" %}
+        {{- "<|start_header_id|>ipython<|end_header_id|>\n\n" }}
+        {%- if message.content is mapping or message.content is iterable %}
+            {{- message.content | tojson }}
+        {%- else %}
+            {{- message.content }}
+        {%- endif %}
+        {{- "<|eot_id|>" }}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|start_header_id|>assistant<|end_header_id|>\n\n' }}
+{%- endif %}
+"""
+
+
 def tagged(template, replacements):
     """The template with {% generation %} around the assistant output."""
     for old, new in replacements:
@@ -291,6 +501,14 @@ LLAMA3_TAGGED = (
     "{% if message['role'] == 'assistant' %}" + GEN + "{{ message['content'] | trim + '<|eot_id|>' }}" +
     END + "{% else %}{{ message['content'] | trim + '<|eot_id|>' }}{% endif %}{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}")
+LLAMA31_LOOP = (r"""        {{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n'+ """
+                r"""message['content'] | trim + '<|eot_id|>' }}""")
+LLAMA31_LOOP_TAGGED = (
+    r"""        {%- if message['role'] == 'assistant' %}{{- '<|start_header_id|>assistant"""
+    r"""<|end_header_id|>\n\n' }}""" + GEN + r"""{{- message['content'] | trim + '<|eot_id|>' }}""" +
+    END + "{%- else %}" + LLAMA31_LOOP + "{%- endif %}")
+LLAMA31_TAGGED = tagged(LLAMA31, [(LLAMA31_LOOP, LLAMA31_LOOP_TAGGED)])
+LLAMA32_TAGGED = tagged(LLAMA32, [(LLAMA31_LOOP, LLAMA31_LOOP_TAGGED)])
 MISTRAL_V1_TAGGED = tagged(MISTRAL_V1, [("{{ message['content'] + eos_token}}",
                                          GEN + "{{ message['content'] + eos_token}}" + END)])
 MISTRAL_V3_TAGGED = tagged(MISTRAL_V3, [('{{- " " + message["content"]|trim + eos_token}}',
@@ -325,6 +543,8 @@ FAMILIES = {
     "qwen2.5": (tb.qwen2, QWEN25, QWEN25_TAGGED, None, "<|im_end|>", True),
     "qwen3": (tb.qwen2, QWEN3, QWEN3_TAGGED, None, "<|im_end|>", True),
     "llama3": (tb.llama3, LLAMA3, LLAMA3_TAGGED, "<|begin_of_text|>", "<|eot_id|>", True),
+    "llama3.1": (tb.llama3, LLAMA31, LLAMA31_TAGGED, "<|begin_of_text|>", "<|eot_id|>", True),
+    "llama3.2": (tb.llama3, LLAMA32, LLAMA32_TAGGED, "<|begin_of_text|>", "<|eot_id|>", True),
     "mistral-v0.3": (tb.mistral, MISTRAL_V3, MISTRAL_V3_TAGGED, "<s>", "</s>", True),
     "mistral-v0.1": (tb.llama2, MISTRAL_V1, MISTRAL_V1_TAGGED, "<s>", "</s>", False),
 }
@@ -374,17 +594,23 @@ def setup_family(name, folder):
     return path, hf, template, tagged_template
 
 
-def expected(hf, template, tagged_template, messages, gen):
+# Llama 3.2's template writes today's date (transformers gives it strftime_now); Rondo writes the
+# templates' own fallback date so that training data does not change with the day: the reference
+# is rendered with that date passed in (the template's `date_string`).
+TEMPLATE_KWARGS = {"llama3.2": {"date_string": "26 Jul 2024"}}
+
+
+def expected(hf, template, tagged_template, messages, gen, **kwargs):
     text = hf.apply_chat_template(messages, chat_template=template, tokenize=False,
-                                  add_generation_prompt=gen)
+                                  add_generation_prompt=gen, **kwargs)
     out = hf.apply_chat_template(messages, chat_template=template, tokenize=True,
-                                 add_generation_prompt=gen, return_dict=True)
+                                 add_generation_prompt=gen, return_dict=True, **kwargs)
     tagged_text = hf.apply_chat_template(messages, chat_template=tagged_template, tokenize=False,
-                                         add_generation_prompt=gen)
+                                         add_generation_prompt=gen, **kwargs)
     assert tagged_text == text, "the tagged template must render what the real one renders"
     masked = hf.apply_chat_template(messages, chat_template=tagged_template, tokenize=True,
                                     add_generation_prompt=gen, return_dict=True,
-                                    return_assistant_tokens_mask=True)
+                                    return_assistant_tokens_mask=True, **kwargs)
     assert list(masked["input_ids"]) == list(out["input_ids"])
     return text, list(out["input_ids"]), list(masked["assistant_masks"])
 
@@ -414,7 +640,8 @@ def test_rendering_ids_and_mask_equal_transformers(name, tmp_path):
         for gen in (False, True):
             if name.startswith("mistral") and gen:
                 continue  # Mistral's templates have no generation prompt: the prompt ends in [/INST]
-            text, ids, mask = expected(hf, template, tagged_template, messages, gen)
+            text, ids, mask = expected(hf, template, tagged_template, messages, gen,
+                                       **TEMPLATE_KWARGS.get(name, {}))
             got = rondo_chat(folder, messages, gen)
             where = f"conversation {i} {messages!r} (generation prompt {gen})"
             assert got["text"] == text, where
@@ -431,6 +658,12 @@ def test_formats_are_recognised_and_can_be_chosen(tmp_path):
     setup_family("llama3", folder)
     msgs = CONVERSATIONS[0]
     assert rondo_chat(folder, msgs, False)["format"] == "llama3"
+    # Llama 3.1/3.2: recognised, and "llama3.1" chosen by name renders the same dated header.
+    folder = str(tmp_path / "llama31")
+    setup_family("llama3.1", folder)
+    got = rondo_chat(folder, msgs, False)
+    assert got["format"] == "llama3" and "Today Date: 26 Jul 2024\n\n<|eot_id|>" in got["text"]
+    assert rondo_chat(folder, msgs, False, "llama3.1")["text"] == got["text"]
     folder = str(tmp_path / "qwen")
     setup_family("qwen2.5", folder)
     got = rondo_chat(folder, msgs, False)
