@@ -416,11 +416,6 @@ int run_export(const ExportOptions& o) {
   if ((o.format == "adapter" || o.format == "gguf-adapter") && !lora)
     throw Error(o.run + " trained every weight (training.method = full): export --format " +
                 (gguf_base ? "gguf" : "merged"));
-  if (o.format == "gguf" && !gguf_base)
-    throw Error("--format gguf is written from a GGUF base; " + c.model.path +
-                " is a Hugging Face folder: export --format merged and convert that folder with "
-                "llama.cpp's convert_hf_to_gguf.py, or export --format gguf-adapter for a GGUF of "
-                "the base");
   if (!o.type.empty() && o.format != "gguf")
     throw Error("--type chooses the types of a merged GGUF: use it with --format gguf");
   const std::string out =
@@ -464,8 +459,7 @@ int run_export(const ExportOptions& o) {
       written = (fs::path(out) / fmt::format("model-{}.gguf", models::to_string(type))).string();
       int shown = -1;
       models::write_gguf_merged(
-          written, base.config(), specs, [&](std::size_t) { return all; },
-          models::GgufFile(c.model.path), type,
+          written, base.config(), specs, [&](std::size_t) { return all; }, c.model.path, type,
           [&](std::size_t done, std::size_t total) {
             const int tenth = static_cast<int>(done * 10 / total);
             if (tenth == shown) return;

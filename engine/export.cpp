@@ -80,8 +80,8 @@ void export_gguf_merged(const std::string& path, offload::LayerStore& store,
                         models::GgufExportType type) {
   make_parent(path);
   models::write_gguf_merged(
-      path, config, specs, [&](std::size_t l) { return layer_tensors(store, specs, l); },
-      models::GgufFile(base_gguf), type);
+      path, config, specs, [&](std::size_t l) { return layer_tensors(store, specs, l); }, base_gguf,
+      type);
 }
 
 }  // namespace rondo::engine

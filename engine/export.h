@@ -33,7 +33,8 @@ void export_gguf_adapter(const std::string& path, offload::LayerStore& store,
                          const std::vector<models::LayerSpec>& specs,
                          const models::ModelConfig& config, const models::LoraConfig& lora);
 
-// `base_gguf`: the GGUF file the base came from (metadata copied); adapters are merged.
+// `base_gguf`: the base model (a GGUF file, whose metadata is copied, or a Hugging Face folder);
+// adapters are merged.
 void export_gguf_merged(const std::string& path, offload::LayerStore& store,
                         const std::vector<models::LayerSpec>& specs,
                         const models::ModelConfig& config, const std::string& base_gguf,

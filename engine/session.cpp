@@ -199,12 +199,6 @@ struct Session::Impl {
       throw Error(join_problems(fmt::format("The config has {} problem{}:", problems.size(),
                                             problems.size() == 1 ? "" : "s"),
                                 problems));
-    const bool gguf_base = models::model_format(c.model.path) == models::ModelFormat::kGguf;
-    for (const std::string& e : c.output.exports)
-      if (e == "gguf" && !gguf_base)
-        throw Error("output.exports: 'gguf' is written from a GGUF base (" + c.model.path +
-                    " is a Hugging Face folder); export 'merged' and convert it with llama.cpp's "
-                    "convert_hf_to_gguf.py, or 'gguf-adapter'");
     summary = models::inspect_model(c.model.path, c.data.seq_len);
     const std::int64_t max_pos = summary.config.max_position_embeddings;
     if (max_pos > 0 && c.data.seq_len > max_pos)

@@ -4,9 +4,11 @@
 //    tensor `<gguf name>.lora_a` (ggml ne [in, r]) and `.lora_b` (ne [r, out]) in f32, B's rows in
 //    llama.cpp's q/k order for llama models. llama.cpp scales by alpha / r; rsLoRA's
 //    alpha / sqrt(r) is written as alpha' = alpha * sqrt(r).
-//  - A merged model (every adapter folded in) from a GGUF base: the base's metadata (architecture,
-//    tokenizer, chat template) with each weight in the chosen type (GgufExportType), so that it
-//    loads as the downloaded model did.
+//  - A merged model (every adapter folded in), each weight in the chosen type (GgufExportType):
+//    from a GGUF base with the base's metadata (architecture, tokenizer, chat template), so that it
+//    loads as the downloaded model did; from a Hugging Face folder with the metadata llama.cpp's
+//    converter writes (architecture keys, rope_freqs.weight for Llama 3 rope scaling, the
+//    byte-level BPE tokenizer with llama.cpp's name for its pre-tokenizer, the chat template).
 // Files are written under a temporary name, fsynced and renamed.
 #pragma once
 
@@ -51,7 +53,7 @@ const char* to_string(GgufExportType type);
 void write_gguf_merged(
     const std::string& path, const ModelConfig& config, const std::vector<LayerSpec>& specs,
     const std::function<std::map<std::string, at::Tensor>(std::size_t)>& layer_tensors,
-    const GgufFile& base, GgufExportType type,
+    const std::string& base_path, GgufExportType type,
     const std::function<void(std::size_t, std::size_t)>& progress = {});
 
 }  // namespace rondo::models

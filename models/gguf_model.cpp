@@ -20,28 +20,6 @@ namespace {
 
 constexpr const char* kRopeFreqs = "rope_freqs.weight";
 
-// llama3 frequency factors for given parameters, as llama.cpp's converter computes them into
-// rope_freqs.weight (one factor per rotary pair; the rotation frequency is divided by it).
-std::vector<double> llama3_factors(const RopeConfig& r, std::int64_t head_dim) {
-  std::vector<double> out;
-  const double low_wavelen = r.original_max_position_embeddings / r.low_freq_factor;
-  const double high_wavelen = r.original_max_position_embeddings / r.high_freq_factor;
-  for (std::int64_t i = 0; i < head_dim; i += 2) {
-    const double freq = 1.0 / std::pow(r.theta, static_cast<double>(i) / head_dim);
-    const double wavelen = 2 * M_PI / freq;
-    if (wavelen < high_wavelen) {
-      out.push_back(1.0);
-    } else if (wavelen > low_wavelen) {
-      out.push_back(r.factor);
-    } else {
-      const double smooth = (r.original_max_position_embeddings / wavelen - r.low_freq_factor) /
-                            (r.high_freq_factor - r.low_freq_factor);
-      out.push_back(1.0 / ((1 - smooth) / r.factor + smooth));
-    }
-  }
-  return out;
-}
-
 // llama.cpp keeps no llama3 rope parameters, only their result: rope_freqs.weight. Recover them:
 // the largest factor is `factor`; between the two plateaus 1/f is linear in position/wavelength,
 // which gives low_freq_factor and high_freq_factor for the original context length (scaling all
@@ -91,7 +69,7 @@ void recover_llama3_rope(const GgufFile& file, ModelConfig& c, const std::string
     r.low_freq_factor = x1 - s1 / slope;
     r.high_freq_factor = r.low_freq_factor + 1.0 / slope;
   }  // else keep Llama 3's defaults (1, 4) if they reproduce the factors
-  const std::vector<double> expect = llama3_factors(r, c.head_dim);
+  const std::vector<double> expect = llama3_rope_factors(r, c.head_dim);
   for (std::size_t i = 0; i < f.size(); ++i)
     if (!(std::abs(expect[i] - f[i]) <= kTol * std::max(1.0, std::abs(f[i]))))  // NaN fails
       fail("factor " + std::to_string(i) + " is " + std::to_string(f[i]) +
@@ -101,6 +79,28 @@ void recover_llama3_rope(const GgufFile& file, ModelConfig& c, const std::string
 }
 
 }  // namespace
+
+// llama3 frequency factors for given parameters, as llama.cpp's converter computes them into
+// rope_freqs.weight (one factor per rotary pair; the rotation frequency is divided by it).
+std::vector<double> llama3_rope_factors(const RopeConfig& r, std::int64_t head_dim) {
+  std::vector<double> out;
+  const double low_wavelen = r.original_max_position_embeddings / r.low_freq_factor;
+  const double high_wavelen = r.original_max_position_embeddings / r.high_freq_factor;
+  for (std::int64_t i = 0; i < head_dim; i += 2) {
+    const double freq = 1.0 / std::pow(r.theta, static_cast<double>(i) / head_dim);
+    const double wavelen = 2 * M_PI / freq;
+    if (wavelen < high_wavelen) {
+      out.push_back(1.0);
+    } else if (wavelen > low_wavelen) {
+      out.push_back(r.factor);
+    } else {
+      const double smooth = (r.original_max_position_embeddings / wavelen - r.low_freq_factor) /
+                            (r.high_freq_factor - r.low_freq_factor);
+      out.push_back(1.0 / ((1 - smooth) / r.factor + smooth));
+    }
+  }
+  return out;
+}
 
 ModelConfig config_from_gguf(const GgufFile& file) {
   const std::string arch = file.get_string("general.architecture");

@@ -41,6 +41,10 @@ struct GgufTensorMapping {
 // scaling).
 std::vector<GgufTensorMapping> gguf_names(const ModelConfig& config);
 
+// rope_freqs.weight for Llama 3 rope scaling, as llama.cpp's converter computes it: one factor per
+// rotary pair (the rotation frequency is divided by it).
+std::vector<double> llama3_rope_factors(const RopeConfig& rope, std::int64_t head_dim);
+
 // llama.cpp's `general.architecture` for a family: llama (Mistral too), qwen2, qwen3.
 const char* gguf_architecture(Family family);
 

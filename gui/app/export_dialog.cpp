@@ -41,12 +41,9 @@ ExportDialog::ExportDialog(const QString& runDir, QWidget* parent)
   auto* items = qobject_cast<QStandardItemModel*>(m_format->model());
   for (int i = 0; i < m_format->count(); ++i) {
     const QString f = m_format->itemData(i).toString();
-    const bool ok = (f == "adapter" || f == "gguf-adapter") ? m_lora
-                    : f == "gguf"                           ? m_ggufBase
-                                                            : true;
-    items->item(i)->setEnabled(ok);
+    items->item(i)->setEnabled(f == "adapter" || f == "gguf-adapter" ? m_lora : true);
   }
-  m_format->setCurrentIndex(m_lora ? 0 : m_ggufBase ? 3 : 2);
+  m_format->setCurrentIndex(m_lora ? 0 : 2);
   m_type = new QComboBox;
   m_type->setObjectName("exportType");
   m_type->addItem("Q8_0 (8-bit; keeps what a LoRA learned)", "q8_0");
@@ -55,6 +52,10 @@ ExportDialog::ExportDialog(const QString& runDir, QWidget* parent)
   m_type->addItem("BF16", "bf16");
   m_type->addItem("F32", "f32");
   m_type->addItem("As the base file", "base");
+  // Only a GGUF base has types of its own to keep.
+  qobject_cast<QStandardItemModel*>(m_type->model())
+      ->item(m_type->count() - 1)
+      ->setEnabled(m_ggufBase);
   m_out = new QLineEdit;
   m_out->setObjectName("exportOut");
   m_out->setPlaceholderText("default: a folder export-<format>-step-N in the run folder");
@@ -67,13 +68,6 @@ ExportDialog::ExportDialog(const QString& runDir, QWidget* parent)
   m_result->setObjectName("exportResult");
   m_result->setWordWrap(true);
   m_result->setTextInteractionFlags(Qt::TextSelectableByMouse);
-  auto* note =
-      new QLabel(m_ggufBase ? ""
-                            : "A merged GGUF is written from a GGUF base; for this Hugging Face "
-                              "base, export the merged folder and convert it with llama.cpp's "
-                              "convert_hf_to_gguf.py.");
-  note->setWordWrap(true);
-  note->setVisible(!m_ggufBase);
 
   auto* form = new QFormLayout;
   form->addRow("Format", m_format);
@@ -88,7 +82,6 @@ ExportDialog::ExportDialog(const QString& runDir, QWidget* parent)
   connect(m_format, &QComboBox::currentIndexChanged, this, &ExportDialog::updateChoices);
   auto* layout = new QVBoxLayout(this);
   layout->addLayout(form);
-  layout->addWidget(note);
   layout->addWidget(m_progress);
   layout->addWidget(m_result);
   layout->addWidget(buttons);

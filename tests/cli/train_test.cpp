@@ -284,10 +284,10 @@ TEST_F(TrainCli, ExportsFollowTheMethodUnlessSet) {
                 " --dry-run --set training.method=full --set 'output.exports=[\"adapter\"]'");
   EXPECT_EQ(r.code, 1) << r.out;
   EXPECT_TRUE(contains(r.out, "'adapter' needs training.method = lora")) << r.out;
-  // A GGUF export of a Hugging Face base: what to do instead.
-  r = run_rondo("train " + cfg.string() + " --dry-run --set 'output.exports=[\"gguf\"]'");
+  r = run_rondo("train " + cfg.string() +
+                " --dry-run --set training.method=full --set 'output.exports=[\"gguf-adapter\"]'");
   EXPECT_EQ(r.code, 1) << r.out;
-  EXPECT_TRUE(contains(r.out, "convert_hf_to_gguf.py")) << r.out;
+  EXPECT_TRUE(contains(r.out, "'gguf-adapter' needs training.method = lora")) << r.out;
 }
 
 }  // namespace

@@ -331,3 +331,107 @@ def test_gguf_exports_refuse_what_they_cannot_write(trained):
     p = subprocess.run([RONDO, "export", str(trained["run"]), "--format", "adapter", "--type",
                         "q8_0"], capture_output=True, text=True, timeout=300)
     assert p.returncode != 0 and "--type" in p.stderr, p.stderr
+
+
+@pytest.fixture(scope="module", params=["default", "llama3"])
+def hf_trained(request, tmp_path_factory):
+    """A small Llama saved as a Hugging Face folder (Qwen2-style byte-level tokenizer, ChatML),
+    with default or Llama 3 rope scaling, fine-tuned with LoRA by `rondo train`."""
+    torch.manual_seed(SEED)
+    d = tmp_path_factory.mktemp(f"hf-{request.param}")
+    tok = tb.qwen2()
+    base = d / "base"
+    tb.save(tok, base)
+    (base / "tokenizer_config.json").write_text(json.dumps(
+        {"chat_template": CHATML, "eos_token": "<|im_end|>", "bos_token": None}))
+    rope = None
+    if request.param == "llama3":
+        rope = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0,
+                "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64}
+    cfg = T.LlamaConfig(vocab_size=tok.get_vocab_size() + 6, hidden_size=256,  # 6 padding rows
+                        intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+                        num_key_value_heads=2, max_position_embeddings=256,
+                        tie_word_embeddings=True, rms_norm_eps=1e-5, rope_scaling=rope,
+                        attn_implementation="eager")
+    model = T.LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for _, p in model.named_parameters():
+            p.normal_(1.0, 0.1) if p.dim() == 1 else p.normal_(0.0, 0.05)
+    model.save_pretrained(base, safe_serialization=True)
+    data = d / "chat.jsonl"
+    data.write_text("".join(json.dumps({"messages": [{"role": "user", "content": q},
+                                                     {"role": "assistant", "content": a}]}) + "\n"
+                            for q, a in QA))
+    run = d / "run"
+    (d / "run.toml").write_text(f"""
+[model]
+path = "{base}"
+dtype = "fp32"
+[data]
+train = "{data}"
+seq_len = 64
+[lora]
+rank = 8
+alpha = 16
+[training]
+steps = 4
+batch_rows = 2
+lr = 0.01
+warmup_steps = 1
+seed = 7
+[output]
+run_dir = "{run}"
+exports = []
+""")
+    rondo("train", d / "run.toml")
+    g = torch.Generator().manual_seed(SEED)
+    tokens = torch.randint(0, tok.get_vocab_size(), (2, 17), generator=g)
+    (d / "batch.json").write_text(json.dumps({"tokens": tokens.tolist()}))
+    driver("run-logits", run, d / "batch.json", d / "rondo.safetensors")
+    return dict(dir=d, base=base, run=run, tok=tok, model=model, rope=request.param,
+                tokens=tokens, logits=load_file(d / "rondo.safetensors")["logits"])
+
+
+def test_merged_gguf_from_a_hugging_face_base(hf_trained):
+    """--format gguf of a Hugging Face base: llama.cpp's metadata written here (architecture keys,
+    the tokenizer in id order with padding tokens for the embedding's extra rows, its merges,
+    llama.cpp's name for its pre-tokenizer, the chat template; rope_freqs.weight for Llama 3 rope
+    scaling equal to llama.cpp's converter's formula), read by gguf-py; with default rope,
+    transformers loads the file with Rondo's logits (f32: 1e-4)."""
+    from test_gguf import llama3_rope_freqs
+    d, tok = hf_trained["dir"], hf_trained["tok"]
+    out = d / "gguf"
+    rondo("export", hf_trained["run"], "--format", "gguf", "--type", "f32", "--out", out)
+    path = out / "model-f32.gguf"
+    r = gguf.GGUFReader(str(path))
+    cfg = hf_trained["model"].config
+    assert field(r, "general.architecture") == "llama"
+    assert field(r, "llama.block_count") == 2 and field(r, "llama.embedding_length") == 256
+    assert field(r, "llama.attention.head_count_kv") == 2
+    assert field(r, "llama.context_length") == 256
+    assert field(r, "tokenizer.ggml.model") == "gpt2" and field(r, "tokenizer.ggml.pre") == "qwen2"
+    vocab = tok.get_vocab(with_added_tokens=True)
+    want = sorted(vocab, key=vocab.get) + [f"[PAD{i}]" for i in range(len(vocab), cfg.vocab_size)]
+    assert field(r, "tokenizer.ggml.tokens") == want
+    merges = json.loads(tok.to_str())["model"]["merges"]
+    assert field(r, "tokenizer.ggml.merges") == [m if isinstance(m, str) else " ".join(m)
+                                                  for m in merges]
+    types = field(r, "tokenizer.ggml.token_type")
+    assert types[vocab["<|im_end|>"]] == 3 and types[vocab["a"]] == 1 and types[-1] == 5
+    assert field(r, "tokenizer.ggml.eos_token_id") == vocab["<|im_end|>"]
+    assert field(r, "tokenizer.chat_template") == CHATML
+    names = {t.name for t in r.tensors}
+    assert "output.weight" not in names  # tied
+    if hf_trained["rope"] == "llama3":
+        freqs = next(t for t in r.tensors if t.name == "rope_freqs.weight")
+        np.testing.assert_allclose(np.array(freqs.data), llama3_rope_freqs(
+            {"rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+             "high_freq_factor": 4.0, "original_max_position_embeddings": 64}, 64), rtol=1e-6)
+        return  # transformers' GGUF loader does not read rope_freqs: test_llama_cpp.py runs it
+    assert "rope_freqs.weight" not in names
+    m = T.AutoModelForCausalLM.from_pretrained(out, gguf_file=path.name, dtype=torch.float32)
+    with torch.no_grad():
+        got = m.eval()(input_ids=hf_trained["tokens"]).logits.float().numpy()
+    want_logits = hf_trained["logits"]
+    np.testing.assert_allclose(got, want_logits, rtol=0, atol=1e-4 * np.abs(want_logits).max())

@@ -1,6 +1,7 @@
 """llama.cpp itself runs what Rondo exports: llama-cpp-python (compiled into the Python environment
 by the opt-in `RONDO_WITH_LLAMA_CPP=1 scripts/setup.sh`) loads the merged GGUF of every type, and
-the Q8_0 base with the adapter GGUF (`--lora`), and its logits are close to Rondo's with the
+the Q8_0 base with the adapter GGUF (`--lora`), and the merged GGUF of a Hugging Face base (with
+and without Llama 3 rope scaling, whose rope_freqs.weight only llama.cpp reads), and its logits are close to Rondo's with the
 trained state (rondo_oracle_driver run-logits). Skipped when llama_cpp is not installed.
 
 Tolerances (relative RMS error of the logits): llama.cpp computes with its own kernels, an f16
@@ -16,7 +17,7 @@ import pytest
 import torch
 import transformers as T
 
-from test_gguf_export import rel_rms, rondo, trained  # noqa: F401 (trained: a fixture)
+from test_gguf_export import hf_trained, rel_rms, rondo, trained  # noqa: F401 (fixtures)
 
 if importlib.util.find_spec("llama_cpp") is None:
     pytest.skip("llama-cpp-python is not installed (RONDO_WITH_LLAMA_CPP=1 scripts/setup.sh "
@@ -59,3 +60,26 @@ def test_llama_cpp_applies_the_adapter_gguf(trained):  # noqa: F811
     print(f"base + adapter: {err:.2e}; base alone: {base_err:.2e} (relative RMS against Rondo)")
     assert err < 5e-2, err
     assert err < base_err / 4, (err, base_err)
+
+
+def test_llama_cpp_runs_the_gguf_of_a_hugging_face_base(hf_trained):  # noqa: F811
+    """Logits within 2e-3 of Rondo's (f32), and llama.cpp's tokenizer built from the written
+    metadata gives the Hugging Face tokenizer's ids on the hard strings, NFC-normalised first:
+    llama.cpp's qwen2 pre-tokenizer does not normalise (so for any Qwen2 GGUF, text that is not
+    NFC tokenizes differently from transformers)."""
+    import random
+    import unicodedata
+
+    from test_tokenizer import HARD, random_strings
+    out = hf_trained["dir"] / "llama-gguf"
+    rondo("export", hf_trained["run"], "--format", "gguf", "--type", "f32", "--out", out)
+    path = str(out / "model-f32.gguf")
+    got = llama_logits(hf_trained["tokens"], model_path=path)
+    err = rel_rms(got, hf_trained["logits"])
+    print(f"{hf_trained['rope']} rope: llama.cpp {err:.2e} (relative RMS against Rondo)")
+    assert err < 2e-3, err
+    llm = Llama(model_path=path, vocab_only=True, verbose=False)
+    for text in HARD + random_strings(random.Random(0), 50):
+        text = unicodedata.normalize("NFC", text)
+        want = hf_trained["tok"].encode(text).ids
+        assert llm.tokenize(text.encode(), add_bos=False, special=True) == want, text

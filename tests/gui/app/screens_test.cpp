@@ -198,10 +198,13 @@ class Screens : public QObject {
     QVERIFY(QTest::qWaitForWindowExposed(&d));
     auto* format = d.findChild<QComboBox*>("exportFormat");
     auto* items = qobject_cast<QStandardItemModel*>(format->model());
-    // A LoRA run on a Hugging Face folder: both adapters and the merged folder; no merged GGUF.
-    for (const char* f : {"adapter", "gguf-adapter", "merged"})
+    // A LoRA run: every format; a Hugging Face base has no GGUF types of its own to keep.
+    for (const char* f : {"adapter", "gguf-adapter", "merged", "gguf"})
       QVERIFY2(items->item(format->findData(f))->isEnabled(), f);
-    QVERIFY(!items->item(format->findData("gguf"))->isEnabled());
+    auto* type = d.findChild<QComboBox*>("exportType");
+    QVERIFY(!qobject_cast<QStandardItemModel*>(type->model())
+                 ->item(type->findData("base"))
+                 ->isEnabled());
     format->setCurrentIndex(format->findData("merged"));
     QVERIFY(!d.findChild<QComboBox*>("exportType")->isEnabled());
     QSignalSpy done(&d, &ExportDialog::done);
