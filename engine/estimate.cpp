@@ -690,6 +690,7 @@ std::string RunEstimate::json() const {
                       {"host_overhead_bytes", host_overhead},
                       {"checkpoint_bytes", checkpoint_bytes},
                       {"steps", steps},
+                      {"steps_per_epoch", steps_per_epoch},
                       {"tokens_per_step", tokens_per_step},
                       {"tokens_per_s", tokens_per_s},
                       {"seconds", seconds}};

@@ -68,6 +68,7 @@ struct RunEstimate {
   PlanPrediction prediction;
   double weights_up_unquantised = 0;  // bytes of weights a step would upload without quantisation
   std::int64_t steps = 0, tokens_per_step = 0;
+  std::int64_t steps_per_epoch = 0;      // optimizer steps in one pass over the data (0: no data)
   double tokens_per_s = 0, seconds = 0;  // predicted (compute speeds are estimates)
   std::string verdict;                   // "fits", "tight", "does not fit"
   std::vector<std::string> problems;     // why it does not fit, each with what to change

@@ -239,6 +239,7 @@ struct Session::Impl {
     }
     est = estimate_run(c, summary, devices, steps, tokens_per_step, o.host_free, o.disk_free,
                        resume_point);
+    if (batcher) est.steps_per_epoch = batcher->steps_per_epoch();
     if (!est.problems.empty() && !o.plan_only)
       throw Error(join_problems("This run does not fit:", est.problems));
   }

@@ -14,6 +14,7 @@
 #include <QLabel>
 #include <QLineEdit>
 #include <QListWidget>
+#include <QLocale>
 #include <QPlainTextEdit>
 #include <QPushButton>
 #include <QRadioButton>
@@ -63,11 +64,13 @@ QString inWizardWords(QString text) {
       {"lora.rank", "Rank (Method page)"},
       {"lora.alpha", "Alpha (Method page)"},
       {"lora.targets", "Targets (Method page)"},
+      {"lora.dropout", "LoRA dropout (Method page)"},
+      {"lora.rslora", "rsLoRA (Method page)"},
       {"training.method", "Method (Method page)"},
       {"training.steps", "Steps (Training page)"},
       {"training.epochs", "Epochs (Training page)"},
-      {"training.batch_rows", "Rows per microbatch (Training page)"},
-      {"training.grad_accum", "Microbatches per step (Training page)"},
+      {"training.batch_rows", "Batch size (Training page)"},
+      {"training.grad_accum", "Gradient accumulation (Training page)"},
       {"training.lr", "Learning rate (Training page)"},
       {"training.schedule", "Schedule (Training page)"},
       {"training.warmup_steps", "Warmup steps (Training page)"},
@@ -133,7 +136,8 @@ QString WizardConfig::toToml() const {
        "\nvalidation_split = " + fmtNumber(validationSplit) +
        "\nseq_len = " + QString::number(seqLen) + "\n";
   t += "\n[lora]\nrank = " + QString::number(loraRank) + "\nalpha = " + fmtNumber(loraAlpha) +
-       "\ntargets = " + list(loraTargets) + "\n";
+       "\ntargets = " + list(loraTargets) + "\ndropout = " + fmtNumber(loraDropout) +
+       "\nrslora = " + (rslora ? "true" : "false") + "\n";
   t += "\n[training]\nmethod = " + quoted(method) + "\nsteps = " + QString::number(steps) +
        "\nepochs = " + fmtNumber(epochs) + "\nbatch_rows = " + QString::number(batchRows) +
        "\ngrad_accum = " + QString::number(gradAccum) + "\nlr = " + fmtNumber(lr) +
@@ -259,6 +263,14 @@ SetupWizard::SetupWizard(QWidget* parent) : QWizard(parent) {
   m_alpha->setObjectName("loraAlpha");
   m_alpha->setRange(0.01, 1e6);
   m_alpha->setValue(32);
+  m_loraDropout = new QDoubleSpinBox;
+  m_loraDropout->setObjectName("loraDropout");
+  m_loraDropout->setRange(0, 0.9);
+  m_loraDropout->setSingleStep(0.05);
+  m_loraDropout->setToolTip("Dropout on the adapters' input while training (0: none)");
+  m_rslora = new QCheckBox("rsLoRA: scale by alpha / sqrt(rank) instead of alpha / rank");
+  m_rslora->setObjectName("loraRslora");
+  m_rslora->setToolTip("Keeps the adapters' effect steady at high ranks");
   auto* targets = new QHBoxLayout;
   for (const char* t : {"all-linear", "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
                         "up_proj", "down_proj"}) {
@@ -274,10 +286,12 @@ SetupWizard::SetupWizard(QWidget* parent) : QWizard(parent) {
     form->addRow(m_full);
     form->addRow("Rank", m_rank);
     form->addRow("Alpha", m_alpha);
+    form->addRow("LoRA dropout", m_loraDropout);
+    form->addRow("", m_rslora);
     form->addRow("Targets", targets);
   }
   auto loraOn = [this] {
-    for (QWidget* w : std::initializer_list<QWidget*>{m_rank, m_alpha})
+    for (QWidget* w : std::initializer_list<QWidget*>{m_rank, m_alpha, m_loraDropout, m_rslora})
       w->setEnabled(m_lora->isChecked());
     for (QCheckBox* c : m_targets)
       c->setEnabled(m_lora->isChecked());
@@ -320,6 +334,8 @@ SetupWizard::SetupWizard(QWidget* parent) : QWizard(parent) {
     form->addRow("NVMe folder", m_nvmeDir);
   }
   hw->init = [this] { refreshDevices(); };
+  // The list shows what a run would use: the simulated devices when there are some.
+  connect(m_simDevices, &QSpinBox::valueChanged, this, &SetupWizard::refreshDevices);
   setPage(HardwarePage, hw);
 
   // ---- Training ----
@@ -340,7 +356,12 @@ SetupWizard::SetupWizard(QWidget* parent) : QWizard(parent) {
   m_warmup = spin("warmupSteps", 0, 10000000, 0);
   m_seqLen = spin("seqLen", 2, 1 << 20, 1024);
   m_batchRows = spin("batchRows", 1, 65536, 1);
+  m_batchRows->setToolTip("Sequences a device processes at once (training.batch_rows)");
   m_gradAccum = spin("gradAccum", 1, 65536, 1);
+  m_gradAccum->setToolTip(
+      "Batches whose gradients add up before each optimizer step (training.grad_accum)");
+  m_effectiveBatch = new QLabel;
+  m_effectiveBatch->setObjectName("effectiveBatch");
   m_checkpointEvery = spin("checkpointEvery", 0, 10000000, 0);
   m_evalEvery = spin("evalEvery", 0, 10000000, 0);
   m_sampleEvery = spin("sampleEvery", 0, 10000000, 0);
@@ -358,8 +379,9 @@ SetupWizard::SetupWizard(QWidget* parent) : QWizard(parent) {
     form->addRow("Schedule", m_schedule);
     form->addRow("Warmup steps", m_warmup);
     form->addRow("Sequence length", m_seqLen);
-    form->addRow("Rows per microbatch", m_batchRows);
-    form->addRow("Microbatches per step", m_gradAccum);
+    form->addRow("Batch size", m_batchRows);
+    form->addRow("Gradient accumulation", m_gradAccum);
+    form->addRow("", m_effectiveBatch);
     form->addRow("Checkpoint every (steps)", m_checkpointEvery);
     form->addRow("Validation loss every", m_evalEvery);
     form->addRow("Samples every", m_sampleEvery);
@@ -371,6 +393,15 @@ SetupWizard::SetupWizard(QWidget* parent) : QWizard(parent) {
     const double lr = m_lr->text().toDouble(&ok);
     return ok && lr > 0 && lr < 1 && !m_runDir->text().trimmed().isEmpty();
   };
+  auto effective = [this] {
+    const qint64 rows = static_cast<qint64>(m_batchRows->value()) * m_gradAccum->value();
+    m_effectiveBatch->setText(
+        QString("Effective batch: %1 sequences of up to %2 tokens per optimizer step")
+            .arg(QLocale().toString(rows), QLocale().toString(m_seqLen->value())));
+  };
+  for (QSpinBox* s : {m_batchRows, m_gradAccum, m_seqLen})
+    connect(s, &QSpinBox::valueChanged, this, effective);
+  effective();
   connect(m_lr, &QLineEdit::textChanged, tr, &HookPage::changed);
   connect(m_runDir, &QLineEdit::textChanged, tr, &HookPage::changed);
   setPage(TrainingPage, tr);
@@ -443,6 +474,8 @@ WizardConfig SetupWizard::config() const {
   c.method = m_lora->isChecked() ? "lora" : "full";
   c.loraRank = m_rank->value();
   c.loraAlpha = m_alpha->value();
+  c.loraDropout = m_loraDropout->value();
+  c.rslora = m_rslora->isChecked();
   c.loraTargets.clear();
   for (QCheckBox* t : m_targets)
     if (t->isChecked()) c.loraTargets << t->text();
@@ -552,7 +585,9 @@ void SetupWizard::refreshDevices() {
   const auto done = qScopeGuard([this] { m_busy = false; });
   m_devices->clear();
   QString error;
-  QJsonObject j = RondoCli::runJson({"devices", "--json"}, &error);
+  QStringList args = {"devices", "--json"};
+  if (m_simDevices->value() > 0) args << "--sim" << QString::number(m_simDevices->value());
+  QJsonObject j = RondoCli::runJson(args, &error);
   if (j.isEmpty()) {
     m_devices->addItem("Could not list devices: " + error);
     return;
@@ -562,7 +597,10 @@ void SetupWizard::refreshDevices() {
     m_devices->addItem(
         QString("%1 — %2").arg(d["name"].toString(), bytesText(d["bytes_cap"].toDouble())));
   }
-  if (j["mode"].toString() != "cuda")
+  if (j["mode"].toString() == "sim")
+    m_devices->addItem(
+        QString("%1 simulated on the CPU (Simulated GPUs)").arg(m_simDevices->value()));
+  else if (j["mode"].toString() != "cuda")
     m_devices->addItem("No CUDA GPU: " + j["why_no_gpu"].toString());
 }
 
@@ -608,15 +646,23 @@ void SetupWizard::refreshReview() {
         new QTableWidgetItem(cap > 0 ? QString::number(100.0 * peak / cap, 'f', 1) + "%" : "?"));
   }
   const QJsonObject host = m_plan["host"].toObject();
-  m_speed->setText(QString("About %1 tokens/s (estimated); %2 steps of %3 tokens: about %4. Host "
-                           "memory %5 of %6 available; plan %7.")
-                       .arg(m_plan["tokens_per_s"].toDouble(), 0, 'f', 0)
-                       .arg(m_plan["steps"].toInteger())
-                       .arg(m_plan["tokens_per_step"].toInteger())
-                       .arg(durationText(m_plan["seconds"].toDouble()),
-                            bytesText(host["needed_bytes"].toDouble()),
-                            bytesText(host["available_bytes"].toDouble()),
-                            m_plan["plan"].toString()));
+  // Steps and epochs, each in terms of the other: how long a pass over the data is.
+  const QLocale locale;
+  const qint64 steps = m_plan["steps"].toInteger();
+  const qint64 perEpoch = m_plan["steps_per_epoch"].toInteger();
+  const QString epochs =
+      perEpoch > 0 ? QString(" (%1 epochs; one epoch is %2 steps)")
+                         .arg(locale.toString(static_cast<double>(steps) / perEpoch, 'g', 3),
+                              locale.toString(perEpoch))
+                   : QString();
+  m_speed->setText(
+      QString("About %1 tokens/s (estimated); %2 steps%3 of %4 tokens: about %5. "
+              "Host memory %6 of %7 available; plan %8.")
+          .arg(locale.toString(m_plan["tokens_per_s"].toDouble(), 'f', 0), locale.toString(steps),
+               epochs, locale.toString(m_plan["tokens_per_step"].toInteger()))
+          .arg(durationText(m_plan["seconds"].toDouble()),
+               bytesText(host["needed_bytes"].toDouble()),
+               bytesText(host["available_bytes"].toDouble()), m_plan["plan"].toString()));
   QStringList notes;
   for (const QJsonValue& v : m_plan["problems"].toArray())
     notes << "• " + inWizardWords(v.toString());

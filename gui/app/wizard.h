@@ -34,6 +34,8 @@ struct WizardConfig {
   QString method = "lora";
   int loraRank = 16;
   double loraAlpha = 32;
+  double loraDropout = 0;
+  bool rslora = false;
   QStringList loraTargets = {"all-linear"};
   qint64 steps = 0;
   double epochs = 1;
@@ -98,6 +100,8 @@ class SetupWizard : public QWizard {
   QRadioButton* m_full;
   QSpinBox* m_rank;
   QDoubleSpinBox* m_alpha;
+  QDoubleSpinBox* m_loraDropout;
+  QCheckBox* m_rslora;
   QList<QCheckBox*> m_targets;
   // Hardware
   QListWidget* m_devices;
@@ -108,6 +112,7 @@ class SetupWizard : public QWizard {
   // Training
   QSpinBox* m_steps;
   QDoubleSpinBox* m_epochs;
+  QLabel* m_effectiveBatch;
   QLineEdit* m_lr;
   QComboBox* m_schedule;
   QSpinBox* m_warmup;

@@ -5,10 +5,12 @@
 // (its error and last log lines are shown).
 #include <QCheckBox>
 #include <QComboBox>
+#include <QDoubleSpinBox>
 #include <QLabel>
 #include <QLineEdit>
 #include <QLineSeries>
 #include <QListWidget>
+#include <QLocale>
 #include <QPlainTextEdit>
 #include <QProcess>
 #include <QProgressBar>
@@ -77,13 +79,26 @@ class Screens : public QObject {
     // Method.
     w.next();
     w.findChild<QSpinBox*>("loraRank")->setValue(4);
+    // LoRA dropout and rsLoRA are set here and reach the config.
+    w.findChild<QDoubleSpinBox*>("loraDropout")->setValue(0.05);
+    w.findChild<QCheckBox*>("loraRslora")->setChecked(true);
+    QVERIFY(w.config().toToml().contains("dropout = 0.05\nrslora = true"));
+    w.findChild<QCheckBox*>("loraRslora")->setChecked(false);
+    w.findChild<QDoubleSpinBox*>("loraDropout")->setValue(0);
     img = test::screenshot(&w, "wizard_3_method");
     QVERIFY(test::colours(img) > 8);
 
     // Hardware: the devices rondo found (here the CPU, or simulated GPUs on request).
     w.next();
-    QVERIFY(w.findChild<QListWidget*>("devices")->count() > 0);
+    auto* devices = w.findChild<QListWidget*>("devices");
+    QVERIFY(devices->count() > 0);
+    // The list follows the number of simulated GPUs: two of them, and a line that says so.
     w.findChild<QSpinBox*>("simDevices")->setValue(2);
+    QCOMPARE(devices->count(), 3);
+    QVERIFY2(devices->item(0)->text().startsWith("sim0") &&
+                 devices->item(1)->text().startsWith("sim1") &&
+                 devices->item(2)->text().contains("2 simulated"),
+             qPrintable(devices->item(0)->text()));
     img = test::screenshot(&w, "wizard_4_hardware");
     QVERIFY(test::colours(img) > 8);
 
@@ -93,6 +108,12 @@ class Screens : public QObject {
     w.findChild<QSpinBox*>("seqLen")->setValue(64);
     w.findChild<QLineEdit*>("lr")->setText("0.01");
     w.findChild<QLineEdit*>("runDir")->setText(m_dir + "/wizard-run");
+    // The words users know, and the batch they add up to.
+    w.findChild<QSpinBox*>("batchRows")->setValue(2);
+    w.findChild<QSpinBox*>("gradAccum")->setValue(3);
+    QCOMPARE(w.findChild<QLabel*>("effectiveBatch")->text(),
+             QString("Effective batch: 6 sequences of up to 64 tokens per optimizer step"));
+    w.findChild<QSpinBox*>("gradAccum")->setValue(1);
     QVERIFY(w.currentPage()->isComplete());
     img = test::screenshot(&w, "wizard_5_training");
     QVERIFY(test::colours(img) > 8);
@@ -101,7 +122,15 @@ class Screens : public QObject {
     w.next();
     QCOMPARE(w.findChild<QLabel*>("planVerdict")->text(), QString("fits"));
     QCOMPARE(w.findChild<QTableWidget*>("planDevices")->rowCount(), 2);
-    QVERIFY(w.findChild<QLabel*>("planSpeed")->text().contains("tokens/s"));
+    const QString speed = w.findChild<QLabel*>("planSpeed")->text();
+    QVERIFY2(speed.contains("tokens/s"), qPrintable(speed));
+    // Steps in epochs: one epoch of the fixture's data is planResult()'s steps_per_epoch.
+    const qint64 perEpoch = w.planResult()["steps_per_epoch"].toInteger();
+    QVERIFY(perEpoch > 0);
+    QVERIFY2(speed.contains(QString("6 steps (%1 epochs; one epoch is %2 steps)")
+                                .arg(QLocale().toString(6.0 / perEpoch, 'g', 3))
+                                .arg(perEpoch)),
+             qPrintable(speed));
     QVERIFY(w.findChild<QLineEdit*>("cliCommand")
                 ->text()
                 .endsWith("train " + m_dir + "/wizard-run.toml"));
