@@ -170,6 +170,10 @@ void EventSink::emit(const CheckpointEvent& e) {
   write("checkpoint", json{{"step", e.step}, {"path", e.path}, {"bytes", e.bytes}}.dump());
 }
 
+void EventSink::emit(const LoadEvent& e) {
+  write("load", json{{"layers_done", e.layers_done}, {"layers_total", e.layers_total}}.dump());
+}
+
 void EventSink::warning(const std::string& message) {
   write("warning", json{{"message", message}}.dump(-1, ' ', false, json::error_handler_t::replace));
 }

@@ -87,6 +87,12 @@ struct SpanEvent {
   double start = 0, end = 0;  // seconds since the run started
 };
 
+// Loading the model into the host state (and NVMe tier) before the first step, layer by layer.
+struct LoadEvent {
+  std::int64_t layers_done = 0;
+  std::int64_t layers_total = 0;
+};
+
 struct CheckpointEvent {
   std::int64_t step = 0;
   std::string path;
@@ -128,6 +134,7 @@ class EventSink {
   void emit(const DeviceEvent& e);
   void emit(const SpanEvent& e);
   void emit(const CheckpointEvent& e);
+  void emit(const LoadEvent& e);
   void warning(const std::string& message);
   void error(const std::string& message);
   void emit(const RunEndEvent& e);

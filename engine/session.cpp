@@ -573,7 +573,16 @@ struct Session::Impl {
     // kept in the format chosen (est.placement).
     offload::LayerStore store(arena, est.placement.layers, sd, kernels::FloatDType::kF32,
                               nvme.get());
-    load_weights(store, specs, reader, adapters);
+    // Progress while loading (a large model takes minutes): at most about twice a second, and the
+    // last layer always.
+    double last_load_event = -1;
+    load_weights(store, specs, reader, adapters, [&](std::size_t done, std::size_t total) {
+      const double now = sink.now();
+      if (done < total && now - last_load_event < 0.5) return;
+      last_load_event = now;
+      sink.emit(LoadEvent{.layers_done = static_cast<std::int64_t>(done),
+                          .layers_total = static_cast<std::int64_t>(total)});
+    });
     adapters.clear();
 
     EngineState state;

@@ -161,6 +161,7 @@ void load_weights(offload::LayerStore& store, const std::vector<models::LayerSpe
       }
       if (source.done) source.done(p.name);
     }
+    if (source.progress) source.progress(l + 1, store.layers());
   }
   store.flush();
 }
@@ -172,7 +173,8 @@ void load_weights(offload::LayerStore& store, const std::vector<models::LayerSpe
 
 void load_weights(offload::LayerStore& store, const std::vector<models::LayerSpec>& specs,
                   const models::WeightReader& reader,
-                  const std::map<std::string, at::Tensor>& extra) {
+                  const std::map<std::string, at::Tensor>& extra,
+                  const std::function<void(std::size_t, std::size_t)>& progress) {
   const models::DType dtype = store.stream_dtype() == kernels::FloatDType::kBF16
                                   ? models::DType::kBF16
                                   : models::DType::kF32;
@@ -191,7 +193,8 @@ void load_weights(offload::LayerStore& store, const std::vector<models::LayerSpe
                             .done =
                                 [&](const std::string& n) {
                                   if (!extra.count(n)) reader.release(n);
-                                }});
+                                },
+                            .progress = progress});
 }
 
 }  // namespace rondo::engine

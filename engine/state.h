@@ -41,6 +41,8 @@ struct WeightSource {
   std::function<std::optional<at::Tensor>(const std::string&)> blocks;
   // Optional: called once a tensor has been copied into the store (the reader drops its pages).
   std::function<void(const std::string&)> done;
+  // Optional: called after each layer with (layers done, layers in all).
+  std::function<void(std::size_t, std::size_t)> progress;
 };
 
 // Fills every owned tensor's streaming copy (rounded to the store's dtype, or quantised into the
@@ -57,7 +59,8 @@ void load_weights(offload::LayerStore& store, const std::vector<models::LayerSpe
 // soon as a tensor is in; `extra` (LoRA adapters) by name before the file.
 void load_weights(offload::LayerStore& store, const std::vector<models::LayerSpec>& specs,
                   const models::WeightReader& reader,
-                  const std::map<std::string, at::Tensor>& extra = {});
+                  const std::map<std::string, at::Tensor>& extra = {},
+                  const std::function<void(std::size_t, std::size_t)>& progress = {});
 
 enum class StateView { kStream, kMaster, kGrad, kM, kV };
 // A CPU tensor viewing one tensor of the store (no copy), shaped as its spec. Throws Error when

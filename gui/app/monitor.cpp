@@ -11,6 +11,7 @@
 #include <QLineSeries>
 #include <QListView>
 #include <QLocale>
+#include <QProgressBar>
 #include <QPushButton>
 #include <QSplitter>
 #include <QTabWidget>
@@ -18,6 +19,7 @@
 #include <QTimer>
 #include <QVBoxLayout>
 #include <QValueAxis>
+#include <climits>
 #include <cmath>
 #include <csignal>
 
@@ -128,6 +130,10 @@ MonitorWidget::MonitorWidget(QWidget* parent) : QWidget(parent) {
   m_status = new QLabel;
   m_status->setObjectName("runStatus");
   m_status->setTextInteractionFlags(Qt::TextSelectableByMouse);
+  m_progress = new QProgressBar;
+  m_progress->setObjectName("runProgress");
+  m_progress->setRange(0, 1);
+  m_progress->setValue(0);
   m_banner = new QLabel;
   m_banner->setObjectName("errorBanner");
   m_banner->setWordWrap(true);
@@ -198,6 +204,7 @@ MonitorWidget::MonitorWidget(QWidget* parent) : QWidget(parent) {
   auto* labels = new QVBoxLayout;
   labels->addWidget(m_title);
   labels->addWidget(m_status);
+  labels->addWidget(m_progress);
   top->addLayout(labels, 1);
   top->addWidget(m_export);
   top->addWidget(m_stopSave);
@@ -356,6 +363,23 @@ void MonitorWidget::refresh() {
                        : status == "running" ? "ETA " + eta(s.etaSeconds())
                                              : QString("ETA –");
   const QLocale locale;  // steps with the user's thousands separators
+  // The bar: the model loading (layers), then the run (steps).
+  if (s.loading()) {
+    status = QString("loading the model (%1 of %2 layers)")
+                 .arg(locale.toString(s.layersLoaded()), locale.toString(s.layersTotal()));
+    m_progress->setRange(0, static_cast<int>(s.layersTotal()));
+    m_progress->setValue(static_cast<int>(s.layersLoaded()));
+    m_progress->setFormat("Loading the model: %v of %m layers");
+  } else if (s.stepsTotal() > 0) {
+    m_progress->setRange(0, static_cast<int>(std::min<qint64>(s.stepsTotal(), INT_MAX)));
+    m_progress->setValue(static_cast<int>(std::min(s.lastStep(), s.stepsTotal())));
+    m_progress->setFormat(QString("%p% — step %1 of %2")
+                              .arg(locale.toString(s.lastStep()), locale.toString(s.stepsTotal())));
+  } else {
+    m_progress->setRange(0, 1);
+    m_progress->setValue(0);
+    m_progress->setFormat("");
+  }
   QString line =
       QString("%1 — step %2/%3, loss %4, validation %5, lr %6, grad norm %7, %8 tokens/s, %9")
           .arg(status)

@@ -13,6 +13,7 @@
 
 class QLabel;
 class QListView;
+class QProgressBar;
 class QPushButton;
 class QTableWidget;
 class QTimer;
@@ -71,6 +72,7 @@ class MonitorWidget : public QWidget {
   QLabel* m_title;
   QLabel* m_status;
   QLabel* m_banner;
+  QProgressBar* m_progress;
   QPushButton* m_stop;
   QPushButton* m_stopSave;
   QPushButton* m_export;

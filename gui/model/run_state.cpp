@@ -74,6 +74,7 @@ const TypeRules kRules[] = {
       {"config", Expect::String},
       {"resumed_from", Expect::IntOpt}}},
     {"checkpoint", {{"step", Expect::Int}, {"path", Expect::String}, {"bytes", Expect::UIntOpt}}},
+    {"load", {{"layers_done", Expect::Int}, {"layers_total", Expect::Int}}},
     {"warning", {{"message", Expect::String}}},
     {"error", {{"message", Expect::String}}},
     {"run_end",
@@ -137,6 +138,7 @@ void RunState::reset() {
   m_pendingSignals.clear();
   m_changed = false;
   m_status = QStringLiteral("empty");
+  m_layersLoaded = m_layersTotal = 0;
   m_runDir.clear();
   m_model.clear();
   m_method.clear();
@@ -271,6 +273,8 @@ void RunState::processLine(Line line) {
     onPlan();
   } else if (type == "checkpoint") {
     onCheckpoint();
+  } else if (type == "load") {
+    onLoad();
   } else if (type == "warning") {
     m_pendingLog.append(tr("warning: %1").arg(m_line.string("message")));
   } else if (type == "error") {
@@ -303,6 +307,7 @@ void RunState::onRunStart() {
   m_configToml = m_line.string("config");
   if (auto total = m_line.integer("steps_total")) m_stepsTotal = *total;
   m_resumedFrom = resumed;
+  m_layersLoaded = m_layersTotal = 0;  // a resume loads again
   m_status = QStringLiteral("running");
   m_errorMessage.clear();
   m_exportPath.clear();
@@ -398,6 +403,12 @@ bool RunState::onSpan(Line line) {
   if (m_pendingSpans.size() >= 2 * capacity)
     m_pendingSpans.erase(m_pendingSpans.begin(), m_pendingSpans.end() - capacity);
   return true;
+}
+
+void RunState::onLoad() {
+  m_layersLoaded = std::max<qint64>(0, m_line.integer("layers_done").value_or(0));
+  m_layersTotal = std::max<qint64>(m_layersLoaded, m_line.integer("layers_total").value_or(0));
+  m_changed = true;
 }
 
 void RunState::onCheckpoint() {

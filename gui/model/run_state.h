@@ -52,6 +52,14 @@ class RunState : public QObject {
 
   qint64 stepsTotal() const { return m_stepsTotal; }
   qint64 lastStep() const { return m_lastStep; }  // 0 before the first step
+  // Loading the model before the first step (`load` events): layers loaded and in all; loading()
+  // while the latest run (or resume) has loaded some but not all and trained no step yet.
+  qint64 layersLoaded() const { return m_layersLoaded; }
+  qint64 layersTotal() const { return m_layersTotal; }
+  bool loading() const {
+    return m_status == QLatin1String("running") && m_layersTotal > 0 &&
+           m_layersLoaded < m_layersTotal;
+  }
   qint64 resumedFrom() const { return m_resumedFrom; }
 
   // NaN when unknown. Elapsed adds up the segments of a resumed run.
@@ -97,6 +105,7 @@ class RunState : public QObject {
   bool onDevice(Line line);
   bool onSpan(Line line);
   void onCheckpoint();
+  void onLoad();
   void onRunEnd();
   void flushPending();
   void emitPending();
@@ -119,6 +128,7 @@ class RunState : public QObject {
   QString m_status;
   QString m_runDir, m_model, m_method, m_configToml, m_plan, m_errorMessage, m_exportPath;
   qint64 m_stepsTotal = 0, m_lastStep = 0, m_resumedFrom = 0;
+  qint64 m_layersLoaded = 0, m_layersTotal = 0;
   int m_runStarts = 0;
   double m_lastLoss, m_lastEvalLoss, m_lastLr, m_lastGradNorm, m_tokensPerSecond, m_etaSeconds;
   double m_lastT;        // "t" of the latest event: the clock restarts with each run_start

@@ -538,10 +538,25 @@ TEST_F(TrainCli, EventsGoToStdoutWithEventsDash) {
   std::istringstream lines(out);
   std::string line;
   std::vector<std::string> types;
-  while (std::getline(lines, line))
-    types.push_back(json::parse(line)["type"]);  // every stdout line is an event
+  json last_load;
+  while (std::getline(lines, line)) {
+    const json e = json::parse(line);  // every stdout line is an event
+    types.push_back(e["type"]);
+    if (e["type"] == "load") {
+      EXPECT_TRUE(std::count(types.begin(), types.end(), "step") == 0) << "load after a step";
+      last_load = e;
+    }
+  }
   ASSERT_FALSE(types.empty());
   EXPECT_EQ(types.front(), "run_start");
+  // Loading ends with every layer in (the tiny model: embedding, 2 blocks, head).
+  EXPECT_EQ(last_load, (json{{"v", 1},
+                             {"type", "load"},
+                             {"t", last_load["t"]},
+                             {"time", last_load["time"]},
+                             {"layers_done", 4},
+                             {"layers_total", 4}}))
+      << last_load.dump();
   EXPECT_EQ(std::count(types.begin(), types.end(), "step"), 3);
   EXPECT_EQ(types.back(), "run_end");
   EXPECT_FALSE(fs::exists(dir / "run" / "events.jsonl"));

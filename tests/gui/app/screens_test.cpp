@@ -204,6 +204,12 @@ class Screens : public QObject {
     // A finished run says "done", not "ETA 0m00s".
     QVERIFY2(m.statusText().endsWith(", done"), qPrintable(m.statusText()));
     QCOMPARE(m.state()->samples()->rowCount(), 3);  // steps 0, 6, 12
+    // The run loaded its 4 layers (embedding, 2 blocks, head) before training; the bar is full.
+    QCOMPARE(m.state()->layersLoaded(), 4);
+    QCOMPARE(m.state()->layersTotal(), 4);
+    auto* bar = m.findChild<QProgressBar*>("runProgress");
+    QCOMPARE(bar->maximum(), 12);
+    QCOMPARE(bar->value(), 12);
   }
 
   // After the run (monitorOfARecordedRun's): Export writes a merged folder with progress and says

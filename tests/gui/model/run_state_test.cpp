@@ -527,6 +527,38 @@ class RunStateTest : public QObject {
     QVERIFY(s.log()->lines().last().startsWith(QStringLiteral("run interrupted")));
   }
 
+  // `load` events: loading() while some but not all layers are in and no step has run; a resume
+  // loads again; a malformed one is skipped and counted.
+  void loadingTheModel() {
+    RunState s;
+    QByteArray bytes;
+    RunSpec spec;
+    spec.steps = 0;
+    spec.runEnd = false;
+    writeRunStart(bytes, spec);
+    s.feed(bytes);
+    QVERIFY(!s.loading());
+    QByteArray load;
+    Line(load, "load", 1).integer("layers_done", 3).integer("layers_total", 32).end();
+    s.feed(load);
+    QVERIFY(s.loading());
+    QCOMPARE(s.layersLoaded(), 3);
+    QCOMPARE(s.layersTotal(), 32);
+    load.clear();
+    Line(load, "load", 2).integer("layers_done", 32).integer("layers_total", 32).end();
+    Line(load, "load", 3).str("layers_done", "x").integer("layers_total", 32).end();
+    s.feed(load);
+    QVERIFY(!s.loading());
+    QCOMPARE(s.layersLoaded(), 32);
+    QCOMPARE(s.malformedLines(), 1);
+    QByteArray resume;
+    writeRunStart(resume, spec);
+    Line(resume, "load", 1).integer("layers_done", 1).integer("layers_total", 32).end();
+    s.feed(resume);
+    QVERIFY(s.loading());
+    QCOMPARE(s.layersLoaded(), 1);
+  }
+
   void finishInputParsesTheLastLine() {
     QByteArray bytes;
     Line(bytes, "step", 1).num("loss", 2.5).integer("step", 1).end();
