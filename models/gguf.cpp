@@ -12,6 +12,28 @@
 
 namespace rondo::models {
 
+std::uint64_t gguf_value_size(GgufValueType t) {
+  switch (t) {
+    case GgufValueType::kU8:
+    case GgufValueType::kI8:
+    case GgufValueType::kBool:
+      return 1;
+    case GgufValueType::kU16:
+    case GgufValueType::kI16:
+      return 2;
+    case GgufValueType::kU32:
+    case GgufValueType::kI32:
+    case GgufValueType::kF32:
+      return 4;
+    case GgufValueType::kU64:
+    case GgufValueType::kI64:
+    case GgufValueType::kF64:
+      return 8;
+    default:
+      return 0;
+  }
+}
+
 const char* to_string(GgufValueType type) {
   switch (type) {
     case GgufValueType::kU8:
@@ -57,34 +79,11 @@ bool known_value_type(std::uint32_t t) {
   return t <= static_cast<std::uint32_t>(GgufValueType::kF64);
 }
 
-// Bytes of one fixed-size value; 0 for strings and arrays.
-std::uint64_t fixed_size(GgufValueType t) {
-  switch (t) {
-    case GgufValueType::kU8:
-    case GgufValueType::kI8:
-    case GgufValueType::kBool:
-      return 1;
-    case GgufValueType::kU16:
-    case GgufValueType::kI16:
-      return 2;
-    case GgufValueType::kU32:
-    case GgufValueType::kI32:
-    case GgufValueType::kF32:
-      return 4;
-    case GgufValueType::kU64:
-    case GgufValueType::kI64:
-    case GgufValueType::kF64:
-      return 8;
-    default:
-      return 0;
-  }
-}
-
 // The fewest bytes a value of this type can take: bounds every count before anything is reserved.
 std::uint64_t min_size(GgufValueType t) {
   if (t == GgufValueType::kString) return 8;  // u64 length
   if (t == GgufValueType::kArray) return 12;  // u32 type + u64 count
-  return fixed_size(t);
+  return gguf_value_size(t);
 }
 
 bool is_signed_int(GgufValueType t) {
@@ -188,7 +187,7 @@ GgufValue GgufValue::at(std::uint64_t i) const {
   if (element_type_ == GgufValueType::kArray) return arrays_[i];
   GgufValue v;
   v.type_ = element_type_;
-  const std::uint64_t size = fixed_size(element_type_);
+  const std::uint64_t size = gguf_value_size(element_type_);
   v.bits_ = load_le(raw_ + i * size, size);
   return v;
 }
@@ -316,7 +315,7 @@ class GgufParser {
       return v;
     }
     if (type != GgufValueType::kArray) {
-      const std::uint64_t n = fixed_size(type);
+      const std::uint64_t n = gguf_value_size(type);
       v.bits_ = load_le(take(n, "value"), n);
       if (type == GgufValueType::kBool && v.bits_ > 1)
         fail("a bool holds " + std::to_string(v.bits_) + " (only 0 and 1 are valid)");
@@ -341,7 +340,7 @@ class GgufParser {
       for (std::uint64_t i = 0; i < v.count_; ++i)
         v.arrays_.push_back(value(GgufValueType::kArray, depth + 1));
     } else {
-      const std::uint64_t size = fixed_size(v.element_type_);
+      const std::uint64_t size = gguf_value_size(v.element_type_);
       v.raw_ = take(v.count_ * size, "array");  // count <= remaining / size: no overflow
       if (v.element_type_ == GgufValueType::kBool)
         for (std::uint64_t i = 0; i < v.count_; ++i)

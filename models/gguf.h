@@ -46,6 +46,8 @@ enum class GgufValueType : std::uint32_t {
   kF64 = 12,
 };
 const char* to_string(GgufValueType type);  // "UINT8", ..., as gguf-py names them
+// Bytes of one fixed-size value; 0 for strings and arrays.
+std::uint64_t gguf_value_size(GgufValueType type);
 
 // One metadata value. Strings and the elements of arrays point into the mapped file: a value
 // lives as long as its GgufFile.

@@ -22,28 +22,6 @@ void put_string(std::string& out, std::string_view s) {
   out.append(s);
 }
 
-std::size_t scalar_size(GgufValueType t) {
-  switch (t) {
-    case GgufValueType::kU8:
-    case GgufValueType::kI8:
-    case GgufValueType::kBool:
-      return 1;
-    case GgufValueType::kU16:
-    case GgufValueType::kI16:
-      return 2;
-    case GgufValueType::kU32:
-    case GgufValueType::kI32:
-    case GgufValueType::kF32:
-      return 4;
-    case GgufValueType::kU64:
-    case GgufValueType::kI64:
-    case GgufValueType::kF64:
-      return 8;
-    default:
-      return 0;
-  }
-}
-
 // A value's payload (without its type), re-encoded from what the reader decoded.
 void put_value(std::string& out, const GgufValue& v) {
   const GgufValueType t = v.type();
@@ -62,7 +40,7 @@ void put_value(std::string& out, const GgufValue& v) {
   const std::uint64_t bits = v.to_int() ? static_cast<std::uint64_t>(*v.to_int()) : *v.to_uint();
   char bytes[8];
   std::memcpy(bytes, &bits, 8);
-  out.append(bytes, scalar_size(t));
+  out.append(bytes, gguf_value_size(t));
 }
 
 }  // namespace

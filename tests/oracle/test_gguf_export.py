@@ -48,22 +48,21 @@ def rondo(*args):
     return p.stdout + p.stderr
 
 
-@pytest.fixture(scope="module")
-def trained(tmp_path_factory):
-    print(f"seed {SEED}")
-    torch.manual_seed(SEED)
-    d = tmp_path_factory.mktemp("gguf-export")
-    tok = tb.qwen2()
-    cfg = T.LlamaConfig(vocab_size=tok.get_vocab_size(), hidden_size=256, intermediate_size=512,
-                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                        max_position_embeddings=256, tie_word_embeddings=False,
-                        rms_norm_eps=1e-5, attn_implementation="eager")
+def small_llama(tok, **config):
+    """A small Llama (C = 256: whole K-quant blocks) with weights of a trained model's scale."""
+    cfg = T.LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                        rms_norm_eps=1e-5, attn_implementation="eager", **config)
     model = T.LlamaForCausalLM(cfg).eval()
     with torch.no_grad():
         for _, p in model.named_parameters():
             p.normal_(1.0, 0.1) if p.dim() == 1 else p.normal_(0.0, 0.05)
-    base = d / "base-Q8_0.gguf"
-    base_tensors = write_model_gguf(model, tok, base, QT.Q8_0, d)  # {hf name: dequantised}
+    return model
+
+
+def train_lora(d, base, steps, exports, vocab):
+    """`rondo train` LoRA on `base` with the QA chat data in folder d, and Rondo's logits with the
+    trained state for fresh tokens (rondo_oracle_driver run-logits)."""
     data = d / "chat.jsonl"
     data.write_text("".join(json.dumps({"messages": [{"role": "user", "content": q},
                                                      {"role": "assistant", "content": a}]}) + "\n"
@@ -80,21 +79,33 @@ seq_len = 64
 rank = 8
 alpha = 16
 [training]
-steps = 6
+steps = {steps}
 batch_rows = 2
 lr = 0.01
 warmup_steps = 1
 seed = 7
 [output]
 run_dir = "{run}"
-exports = ["gguf-adapter", "gguf"]
+exports = {json.dumps(exports)}
 """)
     rondo("train", d / "run.toml")
     g = torch.Generator().manual_seed(SEED)
-    tokens = torch.randint(0, cfg.vocab_size, (2, 17), generator=g)
+    tokens = torch.randint(0, vocab, (2, 17), generator=g)
     (d / "batch.json").write_text(json.dumps({"tokens": tokens.tolist()}))
     driver("run-logits", run, d / "batch.json", d / "rondo.safetensors")
-    logits = load_file(d / "rondo.safetensors")["logits"]
+    return run, tokens, load_file(d / "rondo.safetensors")["logits"]
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    print(f"seed {SEED}")
+    torch.manual_seed(SEED)
+    d = tmp_path_factory.mktemp("gguf-export")
+    tok = tb.qwen2()
+    model = small_llama(tok, vocab_size=tok.get_vocab_size(), tie_word_embeddings=False)
+    base = d / "base-Q8_0.gguf"
+    base_tensors = write_model_gguf(model, tok, base, QT.Q8_0, d)  # {hf name: dequantised}
+    run, tokens, logits = train_lora(d, base, 6, ["gguf-adapter", "gguf"], tok.get_vocab_size())
     return dict(dir=d, base=base, base_tensors=base_tensors, model=model, run=run, tok=tok,
                 tokens=tokens, logits=logits)
 
@@ -349,48 +360,12 @@ def hf_trained(request, tmp_path_factory):
         rope = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0,
                 "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                 "original_max_position_embeddings": 64}
-    cfg = T.LlamaConfig(vocab_size=tok.get_vocab_size() + 6, hidden_size=256,  # 6 padding rows
-                        intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
-                        num_key_value_heads=2, max_position_embeddings=256,
-                        tie_word_embeddings=True, rms_norm_eps=1e-5, rope_scaling=rope,
-                        attn_implementation="eager")
-    model = T.LlamaForCausalLM(cfg).eval()
-    with torch.no_grad():
-        for _, p in model.named_parameters():
-            p.normal_(1.0, 0.1) if p.dim() == 1 else p.normal_(0.0, 0.05)
+    model = small_llama(tok, vocab_size=tok.get_vocab_size() + 6,  # 6 padding rows
+                        tie_word_embeddings=True, rope_scaling=rope)
     model.save_pretrained(base, safe_serialization=True)
-    data = d / "chat.jsonl"
-    data.write_text("".join(json.dumps({"messages": [{"role": "user", "content": q},
-                                                     {"role": "assistant", "content": a}]}) + "\n"
-                            for q, a in QA))
-    run = d / "run"
-    (d / "run.toml").write_text(f"""
-[model]
-path = "{base}"
-dtype = "fp32"
-[data]
-train = "{data}"
-seq_len = 64
-[lora]
-rank = 8
-alpha = 16
-[training]
-steps = 4
-batch_rows = 2
-lr = 0.01
-warmup_steps = 1
-seed = 7
-[output]
-run_dir = "{run}"
-exports = []
-""")
-    rondo("train", d / "run.toml")
-    g = torch.Generator().manual_seed(SEED)
-    tokens = torch.randint(0, tok.get_vocab_size(), (2, 17), generator=g)
-    (d / "batch.json").write_text(json.dumps({"tokens": tokens.tolist()}))
-    driver("run-logits", run, d / "batch.json", d / "rondo.safetensors")
+    run, tokens, logits = train_lora(d, base, 4, [], tok.get_vocab_size())
     return dict(dir=d, base=base, run=run, tok=tok, model=model, rope=request.param,
-                tokens=tokens, logits=load_file(d / "rondo.safetensors")["logits"])
+                tokens=tokens, logits=logits)
 
 
 def test_merged_gguf_from_a_hugging_face_base(hf_trained):
