@@ -76,7 +76,9 @@ void print_text(const models::ModelSummary& s) {
              c.hidden_size, c.intermediate_size, c.num_heads, c.num_kv_heads, c.head_dim,
              c.vocab_size);
   fmt::print("  positions     {} max, rope theta {:g}{}\n", c.max_position_embeddings, c.rope.theta,
-             c.rope.type == "llama3" ? fmt::format(", llama3 scaling x{:g}", c.rope.factor) : "");
+             c.rope.type != "default"
+                 ? fmt::format(", {} scaling x{:g}", c.rope.type, c.rope.factor)
+                 : "");
   std::string features;
   auto add = [&](bool on, const char* what) {
     if (on) features += (features.empty() ? "" : ", ") + std::string(what);

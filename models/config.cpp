@@ -1,5 +1,6 @@
 #include "models/config.h"
 
+#include <cmath>
 #include <nlohmann/json.hpp>
 
 #include "kernels/error.h"
@@ -53,8 +54,19 @@ std::vector<std::string> ModelConfig::problems() const {
   if (!(attention_dropout >= 0 && attention_dropout < 1))
     out.push_back("attention_dropout must be in [0, 1)");
   if (!(rope.theta > 0)) out.push_back("rope_theta must be positive");
-  if (rope.type != "default" && rope.type != "llama3")
-    out.push_back("rope type '" + rope.type + "' is not supported (supported: default, llama3)");
+  if (rope.type != "default" && rope.type != "llama3" && rope.type != "linear" &&
+      rope.type != "dynamic" && rope.type != "yarn")
+    out.push_back("rope type '" + rope.type +
+                  "' is not supported (supported: default, linear, dynamic, yarn, llama3)");
+  if ((rope.type == "linear" || rope.type == "dynamic" || rope.type == "yarn") &&
+      !(rope.factor > 0))
+    out.push_back(rope.type + " rope scaling needs factor > 0");
+  if (rope.type == "yarn" &&
+      (rope.original_max_position_embeddings <= 0 || !(rope.attention_factor > 0) ||
+       !(rope.beta_fast > 0) || !(rope.beta_slow > 0)))
+    out.push_back(
+        "yarn rope scaling needs original_max_position_embeddings, attention_factor, beta_fast "
+        "and beta_slow > 0");
   if (rope.type == "llama3" && (!(rope.factor > 0) || !(rope.low_freq_factor > 0) ||
                                 !(rope.high_freq_factor > rope.low_freq_factor) ||
                                 rope.original_max_position_embeddings <= 0))
@@ -226,6 +238,35 @@ ModelConfig parse_hf_config_json(const json& j, const std::string& source) {
       c.rope.high_freq_factor = r.number(*scaling, "high_freq_factor", 4.0);
       c.rope.original_max_position_embeddings =
           static_cast<std::int64_t>(r.number(*scaling, "original_max_position_embeddings", 8192));
+    } else if (type == "linear" || type == "dynamic") {
+      c.rope.factor = r.number(*scaling, "factor", 1.0);
+    } else if (type == "yarn") {
+      // As transformers' standardize_rope_params and _compute_yarn_parameters: a top-level
+      // original_max_position_embeddings first, then the rope dict's, then max_position_embeddings.
+      c.rope.original_max_position_embeddings = static_cast<std::int64_t>(
+          r.number(j, "original_max_position_embeddings",
+                   r.number(*scaling, "original_max_position_embeddings",
+                            static_cast<double>(c.max_position_embeddings))));
+      c.rope.factor = r.number(*scaling, "factor",
+                               c.rope.original_max_position_embeddings > 0
+                                   ? static_cast<double>(c.max_position_embeddings) /
+                                         c.rope.original_max_position_embeddings
+                                   : 1.0);
+      auto mscale = [](double scale, double m) {
+        return scale <= 1 ? 1.0 : 0.1 * m * std::log(scale) + 1.0;
+      };
+      const double m = r.number(*scaling, "mscale", 0),
+                   m_all = r.number(*scaling, "mscale_all_dim", 0);
+      c.rope.attention_factor =
+          r.number(*scaling, "attention_factor",
+                   m != 0 && m_all != 0 ? mscale(c.rope.factor, m) / mscale(c.rope.factor, m_all)
+                                        : mscale(c.rope.factor, 1));
+      // `or` in transformers: 0 (or null) means the default.
+      c.rope.beta_fast = r.number(*scaling, "beta_fast", 0);
+      if (c.rope.beta_fast == 0) c.rope.beta_fast = 32;
+      c.rope.beta_slow = r.number(*scaling, "beta_slow", 0);
+      if (c.rope.beta_slow == 0) c.rope.beta_slow = 1;
+      c.rope.truncate = scaling->value("truncate", true);
     }
   }
 
@@ -282,6 +323,17 @@ std::string hf_config_json(const ModelConfig& c, DType dtype) {
              {"torch_dtype", dtype == DType::kBF16  ? "bfloat16"
                              : dtype == DType::kF16 ? "float16"
                                                     : "float32"}};
+  if (c.rope.type == "linear" || c.rope.type == "dynamic")
+    j["rope_scaling"] = {{"rope_type", c.rope.type}, {"factor", c.rope.factor}};
+  if (c.rope.type == "yarn")
+    j["rope_scaling"] = {
+        {"rope_type", "yarn"},
+        {"factor", c.rope.factor},
+        {"original_max_position_embeddings", c.rope.original_max_position_embeddings},
+        {"attention_factor", c.rope.attention_factor},
+        {"beta_fast", c.rope.beta_fast},
+        {"beta_slow", c.rope.beta_slow},
+        {"truncate", c.rope.truncate}};
   if (c.rope.type == "llama3")
     j["rope_scaling"] = {
         {"rope_type", "llama3"},

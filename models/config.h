@@ -16,14 +16,26 @@ namespace rondo::models {
 enum class Family { kLlama, kMistral, kQwen2, kQwen3 };
 const char* to_string(Family family);  // "llama", "mistral", "qwen2", "qwen3"
 
+// Rotary position embeddings as transformers computes them (modeling_rope_utils): "default";
+// "linear" (positions divided by factor); "dynamic" (NTK: the base grows with the sequence once it
+// is longer than max_position_embeddings, computed from the longest position of the batch);
+// "yarn" (frequencies ramped between extrapolation and interpolation by factor, cos and sin
+// scaled by attention_factor); "llama3".
 struct RopeConfig {
-  std::string type = "default";  // "default" or "llama3"
-  double theta = 10000.0;        // base
-  // llama3 only:
+  std::string type = "default";
+  double theta = 10000.0;  // base
+  // linear, dynamic, yarn, llama3:
   double factor = 1.0;
+  // llama3:
   double low_freq_factor = 1.0;
   double high_freq_factor = 4.0;
+  // llama3, yarn: the pretraining context
   std::int64_t original_max_position_embeddings = 8192;
+  // yarn: the rotation counts bounding the ramp, whether its ends are rounded to whole dimensions,
+  // and the factor on cos and sin (from factor, or mscale / mscale_all_dim, unless given).
+  double beta_fast = 32, beta_slow = 1;
+  bool truncate = true;
+  double attention_factor = 1.0;
 };
 
 struct ModelConfig {

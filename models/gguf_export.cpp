@@ -204,9 +204,14 @@ void set_hf_metadata(GgufWriter& w, const std::string& dir, const ModelConfig& c
   w.set_f32(key("rope.freq_base"), static_cast<float>(c.rope.theta));
   w.set_f32(key("attention.layer_norm_rms_epsilon"), static_cast<float>(c.rms_norm_eps));
   w.set_u32(key("vocab_size"), u32(c.vocab_size));
-  if (c.rope.type == "llama3")
+  if (c.rope.type == "llama3" || c.rope.type == "yarn")
     w.set_u32(key("rope.scaling.original_context_length"),
               u32(c.rope.original_max_position_embeddings));
+  // Dynamic (NTK) rope is the default within max_position_embeddings; llama.cpp has no such type.
+  if (c.rope.type == "linear" || c.rope.type == "yarn") {
+    w.set_string(key("rope.scaling.type"), c.rope.type);
+    w.set_f32(key("rope.scaling.factor"), static_cast<float>(c.rope.factor));
+  }
 
   const std::string path = dir + "/tokenizer.json";
   const nlohmann::json j =

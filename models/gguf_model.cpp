@@ -145,10 +145,21 @@ ModelConfig config_from_gguf(const GgufFile& file) {
                 ": it must be the number of positions the model supports");
   c.rms_norm_eps = file.get_float(key("attention.layer_norm_rms_epsilon"));
   c.rope.theta = file.get_float(key("rope.freq_base"), 10000.0);
+  // Rope scaling as llama.cpp's converter writes it: type, factor and, for yarn, the pretraining
+  // context (the yarn parameters llama.cpp does not store take transformers' defaults).
   const std::string scaling = file.get_string(key("rope.scaling.type"), "none");
-  if (scaling != "none")
+  if (scaling == "linear" || scaling == "yarn") {
+    c.rope.type = scaling;
+    c.rope.factor = file.get_float(key("rope.scaling.factor"));
+    if (scaling == "yarn") {
+      c.rope.original_max_position_embeddings =
+          file.get_int(key("rope.scaling.original_context_length"), c.max_position_embeddings);
+      c.rope.attention_factor = c.rope.factor <= 1 ? 1.0 : 0.1 * std::log(c.rope.factor) + 1.0;
+    }
+  } else if (scaling != "none") {
     throw Error(file.path() + ": metadata '" + key("rope.scaling.type") + "' is '" + scaling +
-                "'; Rondo supports no rope scaling or Llama 3's (stored as rope_freqs.weight)");
+                "'; Rondo supports none, linear, yarn and Llama 3's (stored as rope_freqs.weight)");
+  }
 
   if (file.has("tokenizer.ggml.tokens")) {
     const GgufValue& tokens = *file.find("tokenizer.ggml.tokens");

@@ -136,11 +136,48 @@ std::vector<LayerSpec> layer_specs(const ModelConfig& c) {
 namespace {
 
 // Rotary inverse frequencies, in fp32 as transformers computes them (so that logits agree to
-// fp32 rounding, not just to the mathematically exact value).
-at::Tensor inverse_frequencies(const ModelConfig& c) {
+// fp32 rounding, not just to the mathematically exact value). `seq_len`: 1 + the largest position
+// of the batch, which dynamic (NTK) scaling grows the base with past max_position_embeddings
+// (within it, as in every training row Rondo makes, dynamic is the default rope).
+at::Tensor inverse_frequencies(const ModelConfig& c, std::int64_t seq_len) {
   const std::int64_t D = c.head_dim;
   at::Tensor exponent = at::arange(0, D, 2, at::kLong).to(at::kFloat) / static_cast<double>(D);
-  at::Tensor inv = 1.0 / at::pow(at::scalar_tensor(c.rope.theta, at::kFloat), exponent);
+  at::Tensor pos_freqs = at::pow(at::scalar_tensor(c.rope.theta, at::kFloat), exponent);
+  if (c.rope.type == "dynamic" && seq_len > c.max_position_embeddings) {
+    // transformers computes the grown base in fp32 tensors (seq_len is one there).
+    const double factor = c.rope.factor;
+    at::Tensor s = at::scalar_tensor(seq_len, at::kLong);
+    at::Tensor base =
+        at::pow(s * factor / static_cast<double>(c.max_position_embeddings) - (factor - 1),
+                static_cast<double>(D) / static_cast<double>(D - 2)) *
+        c.rope.theta;
+    pos_freqs = at::pow(base, exponent);
+  }
+  at::Tensor inv = 1.0 / pos_freqs;
+  if (c.rope.type == "linear") inv = inv / c.rope.factor;
+  if (c.rope.type == "yarn") {
+    // The dimensions whose wavelengths fit the pretraining context many times keep their
+    // frequency (extrapolation); the slow ones are divided by factor (interpolation); a linear
+    // ramp between, its ends found from beta_fast and beta_slow rotations.
+    const double theta = c.rope.theta,
+                 orig = static_cast<double>(c.rope.original_max_position_embeddings);
+    auto correction_dim = [&](double rotations) {
+      return (static_cast<double>(D) * std::log(orig / (rotations * 2 * M_PI))) /
+             (2 * std::log(theta));
+    };
+    double low = correction_dim(c.rope.beta_fast), high = correction_dim(c.rope.beta_slow);
+    if (c.rope.truncate) {
+      low = std::floor(low);
+      high = std::ceil(high);
+    }
+    low = std::max(low, 0.0);
+    high = std::min(high, static_cast<double>(D - 1));
+    if (low == high) high += 0.001;  // as transformers: no singular ramp
+    at::Tensor ramp = at::clamp((at::arange(D / 2, at::kFloat) - low) / (high - low), 0, 1);
+    at::Tensor extrapolation = 1 - ramp;
+    at::Tensor interpolated = 1.0 / (c.rope.factor * pos_freqs);
+    inv = interpolated * (1 - extrapolation) + inv * extrapolation;
+  }
   if (c.rope.type == "llama3") {
     const double factor = c.rope.factor, low = c.rope.low_freq_factor,
                  high = c.rope.high_freq_factor;
@@ -155,6 +192,20 @@ at::Tensor inverse_frequencies(const ModelConfig& c) {
     inv = at::where(medium, smoothed, scaled);
   }
   return inv;
+}
+
+// cos and sin of the angles (B, T, D/2), as (B, 1, T, D) in `dtype`; yarn scales both by its
+// attention factor first, in fp32, as transformers does.
+void set_cos_sin(const ModelConfig& c, const at::Tensor& freqs, at::ScalarType dtype,
+                 AttentionContext& ctx) {
+  at::Tensor emb = at::cat({freqs, freqs}, -1);
+  at::Tensor cos = emb.cos(), sin = emb.sin();
+  if (c.rope.attention_factor != 1.0) {
+    cos = cos * c.rope.attention_factor;
+    sin = sin * c.rope.attention_factor;
+  }
+  ctx.cos = cos.to(dtype).unsqueeze(1);
+  ctx.sin = sin.to(dtype).unsqueeze(1);
 }
 
 at::Tensor rotate_half(const at::Tensor& x) {
@@ -225,11 +276,12 @@ AttentionContext make_attention_context(const ModelConfig& c, const TokenBatch& 
         ctx.mask.defined() ? ctx.mask : window.unsqueeze(0).unsqueeze(0).expand({B, 1, T, T});
     ctx.mask = base & window;
   }
-  at::Tensor inv = inverse_frequencies(c).to(tokens.device());
+  // Only dynamic rope needs the longest position (a host sync).
+  const std::int64_t seq_len =
+      c.rope.type == "dynamic" ? ctx.positions.max().item<std::int64_t>() + 1 : 0;
+  at::Tensor inv = inverse_frequencies(c, seq_len).to(tokens.device());
   at::Tensor freqs = ctx.positions.to(at::kFloat).unsqueeze(-1) * inv;  // (B, T, D/2)
-  at::Tensor emb = at::cat({freqs, freqs}, -1);
-  ctx.cos = emb.cos().to(dtype).unsqueeze(1);
-  ctx.sin = emb.sin().to(dtype).unsqueeze(1);
+  set_cos_sin(c, freqs, dtype, ctx);
   return ctx;
 }
 
@@ -244,10 +296,9 @@ AttentionContext make_decode_context(const ModelConfig& c, std::int64_t offset, 
   if (c.sliding_window > 0) allowed = allowed & ((i - j) < c.sliding_window);
   if (count > 1 || (c.sliding_window > 0 && offset + count > c.sliding_window))
     ctx.mask = allowed.unsqueeze(0).unsqueeze(0);  // (1, 1, count, offset + count)
-  at::Tensor freqs = ctx.positions.to(at::kFloat).unsqueeze(-1) * inverse_frequencies(c).to(device);
-  at::Tensor emb = at::cat({freqs, freqs}, -1);
-  ctx.cos = emb.cos().to(dtype).unsqueeze(1);
-  ctx.sin = emb.sin().to(dtype).unsqueeze(1);
+  at::Tensor freqs = ctx.positions.to(at::kFloat).unsqueeze(-1) *
+                     inverse_frequencies(c, offset + count).to(device);
+  set_cos_sin(c, freqs, dtype, ctx);
   return ctx;
 }
 

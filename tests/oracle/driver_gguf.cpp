@@ -142,6 +142,7 @@ int gguf_model(const std::vector<std::string>& args) {
               {"rope_low_freq_factor", c.rope.low_freq_factor},
               {"rope_high_freq_factor", c.rope.high_freq_factor},
               {"rope_original_max_position_embeddings", c.rope.original_max_position_embeddings},
+              {"rope_attention_factor", c.rope.attention_factor},
               {"tie_word_embeddings", c.tie_word_embeddings},
               {"attention_bias", c.attention_bias},
               {"attention_out_bias", c.attention_out_bias},

@@ -390,8 +390,18 @@ def convert(model, path, arch, quant=None, drop=(), extra=()):
             expected[name] = x
     if rope.get("rope_type") == "llama3":
         tensors.append(("rope_freqs.weight", llama3_rope_freqs(rope, D), None))
+    scaling = {"linear": gguf.RopeScalingType.LINEAR, "yarn": gguf.RopeScalingType.YARN}.get(
+        rope.get("rope_type"))
+
+    def kv_scaled(w):  # as llama.cpp's converter writes linear and yarn scaling
+        kv(w)
+        if scaling is not None:
+            w.add_rope_scaling_type(scaling)
+            w.add_rope_scaling_factor(rope["factor"])
+            if scaling == gguf.RopeScalingType.YARN:
+                w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
     tensors = [t for t in tensors if t[0] not in drop] + [(n, a, None) for n, a in extra]
-    write_gguf(path, arch, tensors, kv=kv)
+    write_gguf(path, arch, tensors, kv=kv_scaled)
     return expected
 
 
@@ -422,6 +432,18 @@ def tiny(kind):
                              num_attention_heads=4, num_key_value_heads=2,
                              tie_word_embeddings=True, **common)
         return tf.Qwen2ForCausalLM(cfg), "qwen2"
+    if kind == "qwen2-yarn":
+        cfg = tf.Qwen2Config(vocab_size=93, hidden_size=64, intermediate_size=80,
+                             num_attention_heads=4, num_key_value_heads=2,
+                             tie_word_embeddings=True,
+                             rope_scaling={"rope_type": "yarn", "factor": 4.0,
+                                           "original_max_position_embeddings": 32768}, **common)
+        return tf.Qwen2ForCausalLM(cfg), "qwen2"
+    if kind == "llama-linear":
+        cfg = tf.LlamaConfig(vocab_size=77, hidden_size=48, intermediate_size=64,
+                             num_attention_heads=6, num_key_value_heads=3,
+                             rope_scaling={"rope_type": "linear", "factor": 2.0}, **common)
+        return tf.LlamaForCausalLM(cfg), "llama"
     if kind == "qwen3-headdim":
         cfg = tf.Qwen3Config(vocab_size=97, hidden_size=48, intermediate_size=80,
                              num_attention_heads=4, num_key_value_heads=2, head_dim=16,
@@ -430,7 +452,8 @@ def tiny(kind):
     raise ValueError(kind)
 
 
-MODELS = ["llama-gqa-llama3", "llama-gqa-llama3-ramp-only", "llama-tied-bias-headdim", "qwen2-tied", "qwen3-headdim"]
+MODELS = ["llama-gqa-llama3", "llama-gqa-llama3-ramp-only", "llama-tied-bias-headdim", "qwen2-tied",
+          "qwen3-headdim", "qwen2-yarn", "llama-linear"]
 
 
 def random_model(kind):
@@ -491,6 +514,23 @@ def test_model_tensors_and_config_equal_transformers(tmp_path, kind):
             for k in ("factor", "low_freq_factor", "high_freq_factor",
                       "original_max_position_embeddings"):
                 assert c[f"rope_{k}"] == pytest.approx(rope[k], rel=1e-5), k
+    elif rope.get("rope_type") in ("linear", "yarn"):
+        # The scaling llama.cpp stores: transformers' inverse frequencies and attention factor
+        # from Rondo's parameters equal those from the HF config.
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+        kind_ = rope["rope_type"]
+        assert c["rope_type"] == kind_ and c["rope_factor"] == rope["factor"]
+        mine = copy.deepcopy(cfg)
+        mine.rope_parameters = dict(rope, factor=c["rope_factor"])
+        if kind_ == "yarn":
+            assert c["rope_original_max_position_embeddings"] == \
+                rope["original_max_position_embeddings"]
+            mine.rope_parameters["original_max_position_embeddings"] = \
+                c["rope_original_max_position_embeddings"]
+        inv_hf, scale_hf = ROPE_INIT_FUNCTIONS[kind_](cfg, torch.device("cpu"))
+        inv_rondo, _ = ROPE_INIT_FUNCTIONS[kind_](mine, torch.device("cpu"))
+        torch.testing.assert_close(inv_rondo, inv_hf, rtol=0, atol=0)
+        assert c["rope_attention_factor"] == pytest.approx(scale_hf, rel=1e-12)
     else:
         assert c["rope_type"] == "default"
 

@@ -1,8 +1,9 @@
 """llama.cpp itself runs what Rondo exports: llama-cpp-python (compiled into the Python environment
 by the opt-in `RONDO_WITH_LLAMA_CPP=1 scripts/setup.sh`) loads the merged GGUF of every type, and
 the Q8_0 base with the adapter GGUF (`--lora`), and the merged GGUF of a Hugging Face base (with
-and without Llama 3 rope scaling, whose rope_freqs.weight only llama.cpp reads), and its logits are close to Rondo's with the
-trained state (rondo_oracle_driver run-logits). Skipped when llama_cpp is not installed.
+and without Llama 3 rope scaling, whose rope_freqs.weight only llama.cpp reads), and its logits
+are close to Rondo's with the trained state (rondo_oracle_driver run-logits). Skipped when
+llama_cpp is not installed.
 
 Tolerances (relative RMS error of the logits): llama.cpp computes with its own kernels, an f16
 KV cache and, for quantised matrices, activations quantised to 8 bits, so its error on a file may

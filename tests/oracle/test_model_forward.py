@@ -1,6 +1,7 @@
 """Rondo's forward pass against transformers on the CPU in fp32, for every family and the shapes
 that break naive implementations (GQA, tied embeddings, head_dim != hidden/heads, QKV bias, q/k
-norm, llama3 rope scaling, sliding window), loaded from single-file and sharded safetensors.
+norm, llama3, linear, yarn (with mscale and untruncated ramp) and dynamic rope scaling, sliding
+window), loaded from single-file and sharded safetensors.
 Tolerance: 1e-4 absolute on logits and loss (fp32 accumulation-order differences are ~1e-6 here).
 """
 import json
@@ -34,14 +35,35 @@ VARIANTS = {
         num_attention_heads=4, num_key_value_heads=1)),
     "qwen3_qk_norm": (T.Qwen3ForCausalLM, T.Qwen3Config, dict(
         num_attention_heads=4, num_key_value_heads=2, head_dim=24, tie_word_embeddings=True)),
+    "llama_linear_rope": (T.LlamaForCausalLM, T.LlamaConfig, dict(
+        num_attention_heads=4, num_key_value_heads=2,
+        rope_scaling={"rope_type": "linear", "factor": 4.0})),
+    "qwen2_yarn_rope": (T.Qwen2ForCausalLM, T.Qwen2Config, dict(
+        num_attention_heads=4, num_key_value_heads=2,
+        rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64})),
+    "qwen3_yarn_mscale": (T.Qwen3ForCausalLM, T.Qwen3Config, dict(
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        rope_scaling={"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 32,
+                      "beta_fast": 16, "beta_slow": 2, "mscale": 1.0, "mscale_all_dim": 0.5,
+                      "truncate": False})),
+    # Dynamic (NTK) rope grows its base once the batch's longest position passes
+    # max_position_embeddings: 16 here, so that the 23-token rows below do.
+    "mistral_dynamic_rope": (T.MistralForCausalLM, T.MistralConfig, dict(
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16,
+        rope_scaling={"rope_type": "dynamic", "factor": 2.0})),
 }
+# Dynamic rope depends on the batch's longest position, so documents packed into one row are not
+# each what they are alone past max_position_embeddings (transformers is the same); training rows
+# never pass it (data.seq_len <= max_position_embeddings).
+PACKED_VARIANTS = sorted(v for v in VARIANTS if "dynamic" not in v)
 
 
 def make_model(name, seed):
     model_cls, config_cls, extra = VARIANTS[name]
     torch.manual_seed(seed)
-    config = config_cls(vocab_size=V, hidden_size=32, intermediate_size=56, num_hidden_layers=3,
-                        max_position_embeddings=256, rms_norm_eps=1e-5, **extra)
+    config = config_cls(**{**dict(vocab_size=V, hidden_size=32, intermediate_size=56,
+                                  num_hidden_layers=3, max_position_embeddings=256,
+                                  rms_norm_eps=1e-5), **extra})
     model = model_cls(config).eval()
     with torch.no_grad():  # no zeros and no ones: biases and norm weights matter
         for p in model.parameters():
@@ -82,7 +104,7 @@ def test_logits_and_loss_match_transformers(name, sharded, tmp_path):
     assert abs(float(loss) - ref.loss.item()) < TOL, (float(loss), ref.loss.item())
 
 
-@pytest.mark.parametrize("name", sorted(VARIANTS))
+@pytest.mark.parametrize("name", PACKED_VARIANTS)
 def test_packed_rows_equal_documents_run_separately(name, tmp_path):
     seed = int.from_bytes(os.urandom(4), "little")
     print("seed", seed)
