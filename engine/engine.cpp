@@ -661,7 +661,8 @@ struct Engine::Impl {
     models::AttentionContext ctx{.positions = on_device(hctx.positions, dev),
                                  .cos = on_device(hctx.cos, dev),
                                  .sin = on_device(hctx.sin, dev),
-                                 .mask = on_device(hctx.mask, dev)};
+                                 .mask = on_device(hctx.mask, dev),
+                                 .window_mask = on_device(hctx.window_mask, dev)};
     // Training: attention and LoRA dropout (when the model has them) draw from this seed.
     ctx.dropout_seed = dropout_seed(options.seed, step.step_no, m);
     const at::Tensor tokens = on_device(mb.batch.tokens, dev);

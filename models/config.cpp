@@ -209,15 +209,35 @@ ModelConfig parse_hf_config_json(const json& j, const std::string& source) {
       break;
   }
   // Sliding windows: Mistral applies one to every layer whenever set. Qwen applies one only with
-  // use_sliding_window, and then only to layers from max_window_layers on: per-layer windows are
-  // not modelled, so such a config is refused rather than computed differently.
+  // use_sliding_window, and then per layer, as transformers does: to the layers layer_types calls
+  // "sliding_attention", or without layer_types to the layers from max_window_layers on.
   if (c.family == Family::kMistral && r.has("sliding_window"))
     c.sliding_window = r.integer("sliding_window", 0, false);
   if ((c.family == Family::kQwen2 || c.family == Family::kQwen3) &&
-      r.boolean("use_sliding_window", false))
-    problems.push_back(
-        "use_sliding_window: true (a window on layers from max_window_layers on) "
-        "is not supported; set it to false if the model was trained without it");
+      r.boolean("use_sliding_window", false)) {
+    c.sliding_window = r.integer("sliding_window", 4096, false);
+    c.sliding_layers.assign(static_cast<std::size_t>(std::max<std::int64_t>(c.num_layers, 0)),
+                            false);
+    if (r.has("layer_types")) {
+      const json& types = j.at("layer_types");
+      if (!types.is_array() || types.size() != c.sliding_layers.size()) {
+        problems.push_back("field 'layer_types' must list one type per layer (" +
+                           std::to_string(c.num_layers) + ")");
+      } else {
+        for (std::size_t i = 0; i < types.size(); ++i) {
+          const std::string t = types[i].is_string() ? types[i].get<std::string>() : "";
+          if (t != "full_attention" && t != "sliding_attention")
+            problems.push_back("layer_types[" + std::to_string(i) + "] is " + types[i].dump() +
+                               "; Rondo knows full_attention and sliding_attention");
+          c.sliding_layers[i] = t == "sliding_attention";
+        }
+      }
+    } else {
+      const std::int64_t from = r.integer("max_window_layers", 28, false);
+      for (std::size_t i = 0; i < c.sliding_layers.size(); ++i)
+        c.sliding_layers[i] = static_cast<std::int64_t>(i) >= from;
+    }
+  }
 
   // Rotary: transformers 5 writes rope_parameters (with rope_theta inside); older files have
   // rope_theta and rope_scaling at the top level.
@@ -354,11 +374,16 @@ std::string hf_config_json(const ModelConfig& c, DType dtype) {
       if (c.sliding_window > 0) j["sliding_window"] = c.sliding_window;
       break;
     case Family::kQwen2:
-      j["use_sliding_window"] = false;
-      break;
     case Family::kQwen3:
-      j["attention_bias"] = c.attention_bias;
-      j["use_sliding_window"] = false;
+      if (c.family == Family::kQwen3) j["attention_bias"] = c.attention_bias;
+      j["use_sliding_window"] = c.sliding_window > 0;
+      if (c.sliding_window > 0) {
+        j["sliding_window"] = c.sliding_window;
+        std::vector<std::string> types;
+        for (std::int64_t l = 0; l < c.num_layers; ++l)
+          types.push_back(c.windowed(l) ? "sliding_attention" : "full_attention");
+        j["layer_types"] = types;
+      }
       break;
   }
   if (c.bos_token_id >= 0) j["bos_token_id"] = c.bos_token_id;

@@ -58,6 +58,13 @@ struct ModelConfig {
   bool mlp_bias = false;             // bias on gate/up/down (Llama mlp_bias)
   bool qk_norm = false;              // RMSNorm on q and k per head (Qwen3)
   std::int64_t sliding_window = 0;   // 0 = full attention
+  // Which layers the window applies to: empty = all of them (Mistral); else one flag per layer
+  // (Qwen2/Qwen3's use_sliding_window: layer_types, or the layers from max_window_layers on).
+  std::vector<bool> sliding_layers;
+  bool windowed(std::int64_t layer) const {
+    return sliding_window > 0 &&
+           (sliding_layers.empty() || sliding_layers[static_cast<std::size_t>(layer)]);
+  }
   DType dtype = DType::kF32;         // dtype the checkpoint declares
   std::vector<std::int64_t> eos_token_ids;
   std::int64_t bos_token_id = -1;  // -1 = none

@@ -269,12 +269,13 @@ AttentionContext make_attention_context(const ModelConfig& c, const TokenBatch& 
     ctx.positions = at::arange(T, longs).unsqueeze(0).expand({B, T});
   }
   if (c.sliding_window > 0 && T > c.sliding_window) {
-    // Keys more than sliding_window - 1 positions back are out of reach.
+    // Keys more than sliding_window - 1 positions back are out of reach: in every layer
+    // (Mistral), or in the windowed ones only (Qwen's per-layer windows).
     at::Tensor i = at::arange(T, longs).unsqueeze(1), j = at::arange(T, longs).unsqueeze(0);
     at::Tensor window = ((i - j) < c.sliding_window) & (j <= i);
     at::Tensor base =
         ctx.mask.defined() ? ctx.mask : window.unsqueeze(0).unsqueeze(0).expand({B, 1, T, T});
-    ctx.mask = base & window;
+    (c.sliding_layers.empty() ? ctx.mask : ctx.window_mask) = base & window;
   }
   // Only dynamic rope needs the longest position (a host sync).
   const std::int64_t seq_len =
@@ -292,10 +293,12 @@ AttentionContext make_decode_context(const ModelConfig& c, std::int64_t offset, 
   ctx.positions = at::arange(offset, offset + count, longs).unsqueeze(0);
   at::Tensor i = ctx.positions.squeeze(0).unsqueeze(1);           // query positions
   at::Tensor j = at::arange(offset + count, longs).unsqueeze(0);  // key positions
-  at::Tensor allowed = j <= i;
-  if (c.sliding_window > 0) allowed = allowed & ((i - j) < c.sliding_window);
-  if (count > 1 || (c.sliding_window > 0 && offset + count > c.sliding_window))
-    ctx.mask = allowed.unsqueeze(0).unsqueeze(0);  // (1, 1, count, offset + count)
+  const at::Tensor causal = j <= i;
+  if (count > 1) ctx.mask = causal.unsqueeze(0).unsqueeze(0);  // (1, 1, count, offset + count)
+  if (c.sliding_window > 0 && offset + count > c.sliding_window) {
+    const at::Tensor windowed = (causal & ((i - j) < c.sliding_window)).unsqueeze(0).unsqueeze(0);
+    (c.sliding_layers.empty() ? ctx.mask : ctx.window_mask) = windowed;
+  }
   at::Tensor freqs = ctx.positions.to(at::kFloat).unsqueeze(-1) *
                      inverse_frequencies(c, offset + count).to(device);
   set_cos_sin(c, freqs, dtype, ctx);
@@ -416,7 +419,10 @@ at::Tensor block_forward(const ModelConfig& c, const BlockWeights& w, const at::
   v = v.transpose(1, 2);
   q = q * ctx.cos + rotate_half(q) * ctx.sin;
   k = k * ctx.cos + rotate_half(k) * ctx.sin;
-  bool causal = !ctx.mask.defined();
+  // This layer's mask: the windowed one where the layer has a window of its own.
+  const at::Tensor& layer_mask =
+      ctx.window_mask.defined() && c.windowed(w.block) ? ctx.window_mask : ctx.mask;
+  bool causal = !layer_mask.defined();
   if (cache != nullptr) {
     if (cache->k.defined()) {
       k = at::cat({cache->k, k}, 2);
@@ -429,7 +435,7 @@ at::Tensor block_forward(const ModelConfig& c, const BlockWeights& w, const at::
     causal = false;
   }
   std::optional<at::Tensor> mask;
-  if (ctx.mask.defined()) mask = ctx.mask;
+  if (layer_mask.defined()) mask = layer_mask;
   at::Tensor a;
   if (c.attention_dropout > 0 && ctx.dropout_seed >= 0) {
     // Training with attention dropout: the plain path (as transformers' eager attention), because

@@ -71,6 +71,9 @@ struct AttentionContext {
   at::Tensor positions;  // (B, T) int64
   at::Tensor cos, sin;   // (B, 1, T, D) in the compute dtype
   at::Tensor mask;       // (B, 1, T, T) bool, true = may attend; undefined = plain causal
+  // Per-layer windows (ModelConfig::sliding_layers): the mask of the windowed layers, when it
+  // differs from `mask`; undefined = every layer uses `mask`.
+  at::Tensor window_mask;
   // Training: >= 0 turns dropout on (the config's attention_dropout). Every random draw is a pure
   // function of (dropout_seed, block, element), with no generator state, so a recompute from a
   // checkpoint — on any device, in any order — draws exactly what the forward drew. The engine

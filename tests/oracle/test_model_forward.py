@@ -1,7 +1,7 @@
 """Rondo's forward pass against transformers on the CPU in fp32, for every family and the shapes
 that break naive implementations (GQA, tied embeddings, head_dim != hidden/heads, QKV bias, q/k
 norm, llama3, linear, yarn (with mscale and untruncated ramp) and dynamic rope scaling, sliding
-window), loaded from single-file and sharded safetensors.
+window in every layer or per layer), loaded from single-file and sharded safetensors.
 Tolerance: 1e-4 absolute on logits and loss (fp32 accumulation-order differences are ~1e-6 here).
 """
 import json
@@ -46,6 +46,14 @@ VARIANTS = {
         rope_scaling={"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 32,
                       "beta_fast": 16, "beta_slow": 2, "mscale": 1.0, "mscale_all_dim": 0.5,
                       "truncate": False})),
+    # Qwen's per-layer windows: the layers from max_window_layers on, or as layer_types says.
+    "qwen2_window_layers": (T.Qwen2ForCausalLM, T.Qwen2Config, dict(
+        num_attention_heads=4, num_key_value_heads=2, use_sliding_window=True, sliding_window=5,
+        max_window_layers=1)),
+    "qwen3_layer_types": (T.Qwen3ForCausalLM, T.Qwen3Config, dict(
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, use_sliding_window=True,
+        sliding_window=4,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"])),
     # Dynamic (NTK) rope grows its base once the batch's longest position passes
     # max_position_embeddings: 16 here, so that the 23-token rows below do.
     "mistral_dynamic_rope": (T.MistralForCausalLM, T.MistralConfig, dict(
