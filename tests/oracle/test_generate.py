@@ -1,7 +1,8 @@
 """Generation with Rondo's KV cache against greedy decoding with transformers' full forward on
 the CPU in fp32 (the model's definition: every step recomputes the whole sequence, no cache).
-The tokens must be the same. The mistral variant's window (9) is shorter than prompt + output, so
-the cached path must apply the sliding window exactly as the full forward does. (transformers'
+The tokens must be the same. The mistral variant's window (9) and the Qwen per-layer windows (5, 4)
+are shorter than prompt + output, so the cached path must apply the sliding windows exactly as
+the full forward does. (transformers'
 own cached generate() was seen to differ from its full forward once the sequence reaches the
 window, so it is not the reference here.)"""
 import json
@@ -13,6 +14,11 @@ import torch
 from rondo_oracle import driver
 from test_model_forward import V, VARIANTS, make_model
 
+# Dynamic rope past max_position_embeddings: the full-forward reference rotates every position
+# with the base grown to the whole sequence, a KV cache (Rondo's, and transformers' own cached
+# generate) keeps earlier keys as they were rotated; the two are different computations.
+CACHED_VARIANTS = sorted(v for v in VARIANTS if "dynamic" not in v)
+
 
 def rondo_generate(model_dir, tmp_path, prompt, **options):
     (tmp_path / "in.json").write_text(json.dumps({"prompt": prompt, **options}))
@@ -20,7 +26,7 @@ def rondo_generate(model_dir, tmp_path, prompt, **options):
     return json.loads((tmp_path / "out.json").read_text())["tokens"]
 
 
-@pytest.mark.parametrize("name", sorted(VARIANTS))
+@pytest.mark.parametrize("name", CACHED_VARIANTS)
 def test_greedy_generation_matches_transformers(name, tmp_path):
     seed = int.from_bytes(os.urandom(4), "little")
     print("seed", seed)
