@@ -25,14 +25,23 @@ endif()
 
 if(RONDO_WITH_CUDA)
   if(NOT DEFINED CMAKE_CUDA_ARCHITECTURES)
-    # An explicit list: "native" fails on machines without a GPU (CI, this build host).
+    # An explicit list: "native" fails on machines without a GPU (CI, this build host). Only the
+    # architectures this nvcc knows: sm_120 came with CUDA 12.8.
+    execute_process(COMMAND "${CMAKE_CUDA_COMPILER}" --version OUTPUT_VARIABLE _nvcc_out
+                    ERROR_QUIET)
+    string(REGEX MATCH "release ([0-9]+\\.[0-9]+)" _ "${_nvcc_out}")
+    set(_nvcc_version "${CMAKE_MATCH_1}")
     set(CMAKE_CUDA_ARCHITECTURES
         80   # A100
         86   # RTX 3090 / A6000 (Ampere consumer)
         89   # RTX 4090 / L40 (Ada)
         90   # H100 / H200 (Hopper)
-        120  # RTX 5090 (Blackwell consumer)
     )
+    if(_nvcc_version VERSION_GREATER_EQUAL 12.8)
+      list(APPEND CMAKE_CUDA_ARCHITECTURES 120)  # RTX 5090 (Blackwell consumer)
+    else()
+      message(STATUS "CUDA: nvcc ${_nvcc_version} predates sm_120 (RTX 50xx): not built for it")
+    endif()
   endif()
   # We link the runtime ourselves (below), never the toolkit's static one.
   set(CMAKE_CUDA_RUNTIME_LIBRARY None)

@@ -57,6 +57,29 @@ add_library(rondo_torch INTERFACE)
 add_library(rondo::torch ALIAS rondo_torch)
 target_link_libraries(rondo_torch INTERFACE
   "${RONDO_LIB_torch}" "${RONDO_LIB_torch_cpu}" "${RONDO_LIB_c10}" Threads::Threads)
+# libtorch_cuda arrives through libtorch.so's own needs, which a linker with --as-needed (Ubuntu's
+# default) drops since nothing of ours names its symbols: torch would then see no GPU and every
+# `cuda` test would skip. So it is named here, outside --as-needed (tests/support/check_linking.sh
+# checks the binaries need it).
+set(RONDO_TORCH_CUDA_LIB "")
+if(EXISTS "${RONDO_TORCH_LIBDIR}/libtorch_cuda.so")
+  set(RONDO_TORCH_CUDA_LIB "${RONDO_TORCH_LIBDIR}/libtorch_cuda.so")
+  target_link_libraries(rondo_torch INTERFACE
+    "-Wl,--push-state,--no-as-needed" "${RONDO_TORCH_CUDA_LIB}" "-Wl,--pop-state")
+endif()
+# Kernels compiled by one CUDA major version and run on another's runtime fail at launch.
+if(RONDO_WITH_CUDA AND RONDO_TORCH_CUDA_VERSION)
+  string(REGEX MATCH "^[0-9]+" _torch_cuda_major "${RONDO_TORCH_CUDA_VERSION}")
+  string(REGEX MATCH "^[0-9]+" _nvcc_major "${CMAKE_CUDA_COMPILER_VERSION}")
+  if(NOT _torch_cuda_major STREQUAL _nvcc_major)
+    message(FATAL_ERROR
+      "nvcc ${CMAKE_CUDA_COMPILER_VERSION} is CUDA ${_nvcc_major}, but the torch wheel "
+      "(${RONDO_TORCH_LIBDIR}) runs CUDA ${RONDO_TORCH_CUDA_VERSION}: our kernels would be built "
+      "for one runtime and loaded with the other. Install a CUDA ${_torch_cuda_major} toolkit "
+      "(CMAKE_CUDA_COMPILER), use a torch wheel built for CUDA ${_nvcc_major}, or configure with "
+      "-DRONDO_CUDA=OFF.")
+  endif()
+endif()
 target_include_directories(rondo_torch SYSTEM INTERFACE
   "${_torch_include}" "${_torch_include}/torch/csrc/api/include")
 # The wheel ships fmt 12 headers in its include folder, which shadow Debian's fmt 9 for every target
@@ -70,8 +93,10 @@ set(RONDO_TORCH_RPATH "${RONDO_TORCH_CUDA_LIBDIR};${RONDO_TORCH_LIBDIR}")
 list(FILTER RONDO_TORCH_RPATH EXCLUDE REGEX "^$")
 
 # rondo_torch_binary(<target>): an executable that links torch; the wheel's folders go first in
-# its run path so the process loads exactly one CUDA runtime, torch's.
+# its run path so the process loads exactly one CUDA runtime, torch's. As DT_RPATH, not RUNPATH:
+# an LD_LIBRARY_PATH naming another CUDA cannot swap the runtime under torch.
 function(rondo_torch_binary target)
   set_target_properties(${target} PROPERTIES BUILD_RPATH "${RONDO_TORCH_RPATH}"
                                              INSTALL_RPATH "${RONDO_TORCH_RPATH}")
+  target_link_options(${target} PRIVATE "-Wl,--disable-new-dtags")
 endfunction()

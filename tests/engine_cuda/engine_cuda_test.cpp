@@ -10,13 +10,14 @@
 #include "engine/devices.h"
 #include "engine/engine.h"
 #include "engine/state.h"
+#include "tests/support/cuda_or_skip.h"
 #include "tests/support/plain_loop.h"
 
 namespace rondo::engine {
 namespace {
 
 TEST(EngineCuda, TrainsLikeThePlainLoopOnOneGpu) {
-  if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
+  RONDO_CUDA_OR_SKIP();
   at::globalContext().setAllowTF32CuBLAS(false);
   at::globalContext().setAllowTF32CuDNN(false);
   DevicePlan dp = plan_devices({.memory_cap = 2ull << 30});

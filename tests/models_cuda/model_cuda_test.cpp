@@ -7,6 +7,7 @@
 
 #include "models/layers.h"
 #include "models/model.h"
+#include "tests/support/cuda_or_skip.h"
 
 namespace rondo::models {
 namespace {
@@ -14,7 +15,7 @@ namespace {
 class ModelCuda : public ::testing::Test {
  protected:
   void SetUp() override {
-    if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
+    RONDO_CUDA_OR_SKIP();
     at::globalContext().setAllowTF32CuBLAS(false);
     at::globalContext().setAllowTF32CuDNN(false);
   }
