@@ -418,6 +418,11 @@ int run_export(const ExportOptions& o) {
                 (gguf_base ? "gguf" : "merged"));
   if (!o.type.empty() && o.format != "gguf")
     throw Error("--type chooses the types of a merged GGUF: use it with --format gguf");
+  // What cannot be written from this base is refused before the weights are loaded.
+  if (o.format == "merged") models::check_mergeable(c.model.path);
+  if (o.format == "gguf")
+    models::check_gguf_mergeable(c.model.path,
+                                 models::parse_gguf_export_type(o.type.empty() ? "q8_0" : o.type));
   const std::string out =
       !o.out.empty() ? o.out : (run / fmt::format("export-{}-step-{}", o.format, step)).string();
   models::SafetensorsFile state((fs::path(ckpt) / "state.safetensors").string());

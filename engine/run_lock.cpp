@@ -124,7 +124,8 @@ std::vector<std::string> RunLock::remove_stale_temporaries() const {
   for (fs::directory_iterator it(dir_, ec), end; !ec && it != end; it.increment(ec)) {
     std::error_code ignored;
     const std::string name = it->path().filename().string();
-    const bool export_folder = name == "adapter" || name == "merged" || name.starts_with("export-");
+    const bool export_folder = name == "adapter" || name == "merged" || name == "gguf" ||
+                               name == "gguf-adapter" || name.starts_with("export-");
     if (export_folder && it->is_directory(ignored) && !it->is_symlink(ignored))
       sweep(it->path(), false);
   }

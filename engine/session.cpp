@@ -30,7 +30,9 @@
 #include "engine/state.h"
 #include "kernels/error.h"
 #include "models/chat_template.h"
+#include "models/export.h"
 #include "models/generate.h"
+#include "models/gguf_export.h"
 #include "models/inspect.h"
 #include "models/lora.h"
 #include "models/mapped_file.h"
@@ -199,6 +201,12 @@ struct Session::Impl {
       throw Error(join_problems(fmt::format("The config has {} problem{}:", problems.size(),
                                             problems.size() == 1 ? "" : "s"),
                                 problems));
+    // Exports that cannot be written from this base are refused now, not after the training.
+    if (!o.plan_only)
+      for (const std::string& e : c.output.exports) {
+        if (e == "merged") models::check_mergeable(c.model.path);
+        if (e == "gguf") models::check_gguf_mergeable(c.model.path, models::GgufExportType::kQ8_0);
+      }
     summary = models::inspect_model(c.model.path, c.data.seq_len);
     const std::int64_t max_pos = summary.config.max_position_embeddings;
     if (max_pos > 0 && c.data.seq_len > max_pos)

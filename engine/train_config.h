@@ -100,8 +100,8 @@ struct HardwareSection {
 
 struct OutputSection {
   std::string run_dir;  // where the run folder goes
-  // At the end: "adapter" (LoRA, PEFT), "merged" (HF folder; HF base), "gguf" (merged GGUF in
-  // Q8_0; GGUF base), "gguf-adapter" (LoRA, llama.cpp). Left out of a config file:
+  // At the end: "adapter" (LoRA, PEFT), "merged" (HF folder), "gguf" (merged GGUF in Q8_0),
+  // "gguf-adapter" (LoRA, llama.cpp), from either kind of base. Left out of a config file:
   // "adapter" for LoRA, "merged" for a full run, "gguf" for a full run on a GGUF base
   // (cli/config_file).
   std::vector<std::string> exports = {"adapter"};

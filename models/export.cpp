@@ -84,6 +84,12 @@ void write_peft_adapter(const std::string& dir, const std::vector<LayerSpec>& sp
   write_file_durably((fs::path(dir) / "adapter_config.json").string(), config.dump(2) + "\n");
 }
 
+void check_mergeable(const std::string& base_dir) {
+  if (model_format(base_dir) != ModelFormat::kGguf) return;  // its files are copied
+  const GgufFile base(base_dir);
+  tokenizer_json(tokenizer_spec_from_gguf(base), base_dir);
+}
+
 std::vector<std::pair<std::string, std::string>> hf_files_from_gguf(const std::string& path,
                                                                     DType dtype) {
   const GgufFile base(path);

@@ -31,6 +31,10 @@ void write_peft_adapter(const std::string& dir, const std::vector<LayerSpec>& sp
                         const std::map<std::string, at::Tensor>& tensors, const LoraConfig& lora,
                         const std::string& base_model);
 
+// Throws the Error write_merged would throw for this base before any weight is written (a GGUF
+// whose tokenizer cannot be rebuilt as tokenizer.json), so that a run can refuse before it trains.
+void check_mergeable(const std::string& base_dir);
+
 // The Hugging Face files of a GGUF model besides its weights (declared as `dtype`), rebuilt from
 // its metadata: name and text of config.json, generation_config.json, tokenizer.json and
 // tokenizer_config.json. Throws Error for what cannot be rebuilt (a SentencePiece tokenizer).

@@ -165,6 +165,23 @@ std::string llama_cpp_pre(const nlohmann::json& j, const std::string& source) {
               "convert_hf_to_gguf.py instead");
 }
 
+// A Hugging Face folder's tokenizer.json, checked to be what a merged GGUF can carry: byte-level
+// BPE (its pre-tokenizer is checked by llama_cpp_pre).
+nlohmann::json hf_tokenizer_json(const std::string& dir) {
+  const std::string path = dir + "/tokenizer.json";
+  nlohmann::json j = nlohmann::json::parse(read_text_file(path, "tokenizer", kTokenizerFileLimit),
+                                           nullptr, /*allow_exceptions=*/false);
+  if (!j.is_object() || !j.contains("model") || !j["model"].is_object())
+    throw Error(path + ": not a tokenizer.json with a model");
+  const nlohmann::json& model = j["model"];
+  if (model.value("type", "") != "BPE" || model.value("byte_fallback", false))
+    throw Error(path +
+                ": a merged GGUF is written for byte-level BPE tokenizers (Llama 3, Qwen, "
+                "SmolLM, GPT-2); for this one, convert a merged export with llama.cpp's "
+                "convert_hf_to_gguf.py");
+  return j;
+}
+
 // The chat template text of a Hugging Face folder: tokenizer_config.json's chat_template (a string
 // or the "default" entry of a list), else chat_template.jinja; "" when there is none.
 std::string hf_chat_template(const std::string& dir) {
@@ -214,14 +231,8 @@ void set_hf_metadata(GgufWriter& w, const std::string& dir, const ModelConfig& c
   }
 
   const std::string path = dir + "/tokenizer.json";
-  const nlohmann::json j =
-      nlohmann::json::parse(read_text_file(path, "tokenizer", kTokenizerFileLimit));
+  const nlohmann::json j = hf_tokenizer_json(dir);
   const nlohmann::json& model = j.at("model");
-  if (model.value("type", "") != "BPE" || model.value("byte_fallback", false))
-    throw Error(path +
-                ": a merged GGUF is written for byte-level BPE tokenizers (Llama 3, Qwen, "
-                "SmolLM, GPT-2); for this one, convert a merged export with llama.cpp's "
-                "convert_hf_to_gguf.py");
   const std::string pre = llama_cpp_pre(j, path);
   // Token strings by id: the vocabulary, then added tokens; rows of the embedding beyond the
   // tokenizer are padding, as llama.cpp's converter names them.
@@ -328,6 +339,14 @@ void write_gguf_adapter(const std::string& path, const ModelConfig& config,
           [&](std::size_t i, const GgufSink& sink) { sink(data[i].data_ptr(), data[i].nbytes()); });
 }
 
+void check_gguf_mergeable(const std::string& base_path, GgufExportType type) {
+  if (model_format(base_path) == ModelFormat::kGguf) return;  // its own metadata is copied
+  if (type == GgufExportType::kBase)
+    throw Error("--type base keeps a GGUF base's types; " + base_path +
+                " is a Hugging Face folder: choose f32, f16, bf16, q8_0 or q4_k_m");
+  llama_cpp_pre(hf_tokenizer_json(base_path), base_path + "/tokenizer.json");
+}
+
 void write_gguf_merged(
     const std::string& path, const ModelConfig& config, const std::vector<LayerSpec>& specs,
     const std::function<std::map<std::string, at::Tensor>(std::size_t)>& layer_tensors,
@@ -340,9 +359,7 @@ void write_gguf_merged(
     for (const auto& [key, value] : base->metadata())
       if (key != "general.alignment" && !key.starts_with("split.")) w.copy(key, value);
   } else {
-    if (type == GgufExportType::kBase)
-      throw Error("--type base keeps a GGUF base's types; " + base_path +
-                  " is a Hugging Face folder: choose f32, f16, bf16, q8_0 or q4_k_m");
+    check_gguf_mergeable(base_path, type);
     set_hf_metadata(w, base_path, config);
   }
   // `base` keeps the base's file type (its types, where Rondo can write them).

@@ -41,12 +41,18 @@ void write_gguf_adapter(const std::string& path, const ModelConfig& config,
 //   base:   each tensor in its type in the base file (Q8_0 where that is a type Rondo cannot
 //           write).
 // A matrix whose rows are not whole blocks of the type (Q4_K and Q6_K: 256 elements) is written
-// in Q8_0 (32), or F16 when that does not fit either; llama.cpp's quantiser falls back the same
-// way.
+// in Q8_0 (32), or F16 when that does not fit either. (llama.cpp's quantiser falls back from
+// Q4_K to Q5_0, which Rondo cannot write, and from Q6_K to Q8_0; its mix also raises attn_v to Q5_K
+// for 70B-class models, which this one does not.)
 enum class GgufExportType { kF32, kF16, kBF16, kQ8_0, kQ4_K_M, kBase };
 inline constexpr const char* kGgufExportTypes = "f32, f16, bf16, q8_0, q4_k_m, base";
 GgufExportType parse_gguf_export_type(const std::string& text);  // throws Error listing the types
 const char* to_string(GgufExportType type);
+
+// Throws the Error write_gguf_merged would throw for what it cannot write from this base (a Hugging
+// Face tokenizer that is not byte-level BPE, or whose pre-tokenizer llama.cpp has no name for;
+// --type base of a Hugging Face base), so that a run can refuse before it trains.
+void check_gguf_mergeable(const std::string& base_path, GgufExportType type);
 
 // `layer_tensors(l)`: layer l's tensors by HF name (its own and its adapters'). `progress(done,
 // total)` after each tensor written, when given.

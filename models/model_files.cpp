@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <filesystem>
 #include <nlohmann/json.hpp>
+#include <string_view>
+#include <unordered_map>
 
 #include "kernels/error.h"
 #include "models/model.h"
@@ -89,7 +91,9 @@ Tokenizer tokenizer_from_gguf(const GgufFile& f) {
 }
 
 std::string tokenizer_json(const TokenizerSpec& spec, const std::string& source) {
-  using json = nlohmann::ordered_json;
+  // Plain (sorted) JSON objects: key order means nothing to tokenizers, and ordered_json looks
+  // keys up one by one, which for a 150k vocabulary takes minutes.
+  using json = nlohmann::json;
   if (spec.kind != TokenizerKind::kByteLevelBpe)
     throw Error(source +
                 ": a SentencePiece tokenizer cannot be written as tokenizer.json by Rondo yet; "
@@ -115,13 +119,15 @@ std::string tokenizer_json(const TokenizerSpec& spec, const std::string& source)
   }
   // Every token in the model's vocabulary (added ones too, as transformers' own files do for
   // Llama 3): one id per string.
+  std::unordered_map<std::string_view, std::size_t> first_id;
+  first_id.reserve(spec.tokens.size());
   json vocab = json::object();
   for (std::size_t id = 0; id < spec.tokens.size(); ++id) {
-    if (vocab.contains(spec.tokens[id])) {
+    const auto [it, fresh] = first_id.emplace(spec.tokens[id], id);
+    if (!fresh) {
       if (added[id]) continue;  // matched as an added token first
       throw Error(source + ": token '" + spec.tokens[id] +
-                  "' appears twice in the vocabulary (ids " +
-                  std::to_string(vocab[spec.tokens[id]].get<std::int64_t>()) + " and " +
+                  "' appears twice in the vocabulary (ids " + std::to_string(it->second) + " and " +
                   std::to_string(id) + "); tokenizer.json cannot hold that");
     }
     vocab[spec.tokens[id]] = id;

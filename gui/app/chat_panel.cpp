@@ -81,6 +81,7 @@ QString ChatPanel::statusText() const {
 }
 
 void ChatPanel::start() {
+  if (m_proc) m_proc->deleteLater();  // an earlier chat that ended
   m_proc = new QProcess(this);
   m_ready = false;
   m_stderr.clear();
@@ -88,6 +89,13 @@ void ChatPanel::start() {
   connect(m_proc, &QProcess::readyReadStandardError, this,
           [this] { m_stderr += m_proc->readAllStandardError(); });
   connect(m_proc, &QProcess::finished, this, &ChatPanel::onFinished);
+  // A program that does not start emits no `finished`: the same ending, said so.
+  connect(m_proc, &QProcess::errorOccurred, this, [this](QProcess::ProcessError e) {
+    if (e == QProcess::FailedToStart) {
+      m_stderr = ("cannot start " + RondoCli::program() + ": " + m_proc->errorString()).toUtf8();
+      onFinished(-1, QProcess::CrashExit);
+    }
+  });
   m_status->setText("Loading the model and the checkpoint…");
   m_proc->start(RondoCli::program(), {"chat", m_run, "--jsonl", "-n", "256"});
 }
@@ -114,7 +122,7 @@ void ChatPanel::write(const QString& text) {
   QByteArray line = QJsonDocument(QJsonArray{text}).toJson(QJsonDocument::Compact);
   line = line.mid(1, line.size() - 2) + '\n';
   m_proc->write(line);
-  m_status->setText("The model is answering…");
+  if (!text.startsWith('/')) m_status->setText("The model is answering…");
 }
 
 void ChatPanel::readOutput() {
@@ -141,6 +149,7 @@ void ChatPanel::readOutput() {
       emit replied(text);
     } else if (type == "info" || type == "error") {
       m_entries.push_back({type == "info" ? "note" : "error", text});
+      m_status->setText(type == "info" ? text : "The model could not answer: " + text);
       render();
     }
   }

@@ -31,6 +31,7 @@ class ChatPanel : public QWidget {
   QString transcript() const;  // the conversation as plain text, "You: ..." / "Model: ..."
   QString statusText() const;
   bool chatting() const;
+  qint64 processId() const { return m_proc ? m_proc->processId() : 0; }  // 0: no chat
 
  signals:
   void replied(const QString& text);  // a whole reply

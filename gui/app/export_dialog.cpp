@@ -90,11 +90,20 @@ ExportDialog::ExportDialog(const QString& runDir, QWidget* parent)
 }
 
 ExportDialog::~ExportDialog() {
-  if (running()) {
+  if (running()) {  // closing waits for the export (reject() keeps the dialog open until then)
     m_proc->disconnect(this);
-    m_proc->kill();  // its file is written under a temporary name: nothing half-written remains
-    m_proc->waitForFinished(3000);
+    m_proc->waitForFinished(-1);
   }
+}
+
+void ExportDialog::reject() {
+  // Stopping an export midway would leave its temporary file behind: the dialog stays until it
+  // ends.
+  if (running()) {
+    m_result->setText("Still exporting: this closes once the export is written.");
+    return;
+  }
+  QDialog::reject();
 }
 
 bool ExportDialog::running() const {
@@ -121,6 +130,11 @@ void ExportDialog::start() {
   m_written.clear();
   connect(m_proc, &QProcess::readyReadStandardError, this, &ExportDialog::readProgress);
   connect(m_proc, &QProcess::finished, this, &ExportDialog::onFinished);
+  connect(m_proc, &QProcess::errorOccurred, this, [this](QProcess::ProcessError e) {
+    if (e != QProcess::FailedToStart) return;
+    m_err = ("cannot start " + RondoCli::program() + ": " + m_proc->errorString()).toUtf8();
+    onFinished(-1, QProcess::CrashExit);
+  });
   m_progress->setRange(0, 0);  // busy until a share is known
   m_result->setText("Exporting…");
   m_export->setEnabled(false);
@@ -151,7 +165,7 @@ void ExportDialog::onFinished(int code, QProcess::ExitStatus status) {
   m_progress->setRange(0, 100);
   m_progress->setValue(ok ? 100 : 0);
   if (ok) {
-    static const QRegularExpression to(R"(exported .* to (.*)$)");
+    static const QRegularExpression to(R"(\(step \d+\) to (.*)$)");
     const QRegularExpressionMatch m = to.match(last);
     m_written = m.hasMatch() ? m.captured(1) : QString();
     m_result->setText("Exported to " + m_written);

@@ -24,6 +24,7 @@ class ExportDialog : public QDialog {
 
   void start();  // runs the export chosen (the Export button)
   bool running() const;
+  void reject() override;  // not while an export is being written
   QString resultText() const;
   QString writtenPath() const { return m_written; }  // after a successful export
 

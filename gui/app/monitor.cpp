@@ -392,7 +392,7 @@ void MonitorWidget::refresh() {
   m_status->setText(line);
   // Export what a run has checkpointed once it is not training.
   m_export->setEnabled(
-      !m_runDir.isEmpty() && !childRunning() && status != "running" &&
+      !m_runDir.isEmpty() && !childRunning() && s.status() != "running" &&
       !QDir(QDir(m_runDir).filePath("checkpoints")).entryList({"step-*"}, QDir::Dirs).isEmpty());
   if (!s.model().isEmpty())
     m_title->setText(QString("%1 — %2 on %3")

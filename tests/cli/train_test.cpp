@@ -288,6 +288,21 @@ TEST_F(TrainCli, ExportsFollowTheMethodUnlessSet) {
                 " --dry-run --set training.method=full --set 'output.exports=[\"gguf-adapter\"]'");
   EXPECT_EQ(r.code, 1) << r.out;
   EXPECT_TRUE(contains(r.out, "'gguf-adapter' needs training.method = lora")) << r.out;
+  // An export the base cannot give is refused before training, not after it: a tokenizer whose
+  // pre-tokenizer llama.cpp has no name for cannot go into a GGUF.
+  const fs::path odd = dir / "odd-model";
+  fs::copy(model, odd, fs::copy_options::recursive);
+  json tok = json::parse(slurp(odd / "tokenizer.json"));
+  tok["pre_tokenizer"] = {{"type", "Sequence"},
+                          {"pretokenizers",
+                           {{{"type", "Digits"}, {"individual_digits", false}},
+                            {{"type", "ByteLevel"}, {"add_prefix_space", false}}}}};
+  write(odd / "tokenizer.json", tok.dump());
+  r = run_rondo("train " + cfg.string() + " --dry-run --set model.path=" + odd.string() +
+                " --set 'output.exports=[\"gguf\"]'");
+  EXPECT_EQ(r.code, 1) << r.out;
+  EXPECT_TRUE(contains(r.out, "convert_hf_to_gguf.py")) << r.out;
+  EXPECT_FALSE(contains(r.out, "step 1")) << r.out;
 }
 
 }  // namespace

@@ -246,13 +246,16 @@ class Screens : public QObject {
     QSignalSpy replied(chat, &ChatPanel::replied);
     chat->send("sky?");
     QVERIFY2(replied.wait(120000), qPrintable(chat->statusText()));
+    const qint64 pid = chat->processId();
     chat->send("hi");
     QVERIFY2(replied.wait(120000), qPrintable(chat->statusText()));
     const QString transcript = chat->transcript();
     QVERIFY2(
         transcript.startsWith("You: sky?\nModel: ") && transcript.contains("\nYou: hi\nModel: "),
         qPrintable(transcript));
-    QVERIFY(chat->chatting());  // one process across turns: the conversation carries over
+    // One chat process across turns (it keeps the conversation: tests/cli TrainCli.ChatTalks...).
+    QVERIFY(chat->chatting());
+    QCOMPARE(chat->processId(), pid);
     QVERIFY2(chat->statusText().startsWith("Replied in"), qPrintable(chat->statusText()));
     img = test::screenshot(&m, "monitor_chat");
     QVERIFY(test::colours(img) > 30);
