@@ -315,10 +315,11 @@ TEST(Config, AbsurdDimensionsAndWrongTypesAreRejected) {
       [] {
         parse_hf_config(R"({"architectures":["Qwen2ForCausalLM"],"vocab_size":10,"hidden_size":8,
           "intermediate_size":8,"num_hidden_layers":1,"num_attention_heads":2,
-          "use_sliding_window":true,"sliding_window":4,"max_window_layers":1})",
+          "use_sliding_window":true,"sliding_window":4,
+          "layer_types":["full_attention","sliding_attention"]})",
                         "qwen.json");
       },
-      {"qwen.json", "use_sliding_window", "not supported"});
+      {"qwen.json", "layer_types", "one type per layer (1)"});
 }
 
 // 0 is not "no limit": a config that states it is broken, and the error says what to do.
