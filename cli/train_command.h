@@ -30,8 +30,8 @@ struct TrainOptions {
 };
 
 struct ExportOptions {
-  std::string run;         // run folder
-  std::string checkpoint;  // "" = the newest; "step-40" or a path
+  std::string run;                 // run folder
+  std::string checkpoint;          // "" = the newest; "step-40" or a path
   std::string format = "adapter";  // adapter, merged, gguf, gguf-adapter
   std::string type;                // gguf: models::GgufExportType ("" = q8_0)
   std::string out;                 // "" = <run>/export-<format>-step-N

@@ -65,7 +65,7 @@ struct ModelConfig {
     return sliding_window > 0 &&
            (sliding_layers.empty() || sliding_layers[static_cast<std::size_t>(layer)]);
   }
-  DType dtype = DType::kF32;         // dtype the checkpoint declares
+  DType dtype = DType::kF32;  // dtype the checkpoint declares
   std::vector<std::int64_t> eos_token_ids;
   std::int64_t bos_token_id = -1;  // -1 = none
 
