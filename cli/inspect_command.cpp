@@ -47,6 +47,9 @@ nlohmann::json to_json(const models::ModelSummary& s) {
           {"architecture", c.architecture},
           {"family", models::to_string(c.family)},
           {"params", s.params},
+          {"active_params", s.active_params},
+          {"num_experts", c.num_experts},
+          {"experts_per_token", c.experts_per_token},
           {"bytes_stored", s.bytes_stored},
           {"dtypes", s.dtypes},
           {"vocab_size", c.vocab_size},
@@ -71,6 +74,13 @@ void print_text(const models::ModelSummary& s) {
   fmt::print("{} ({}) from {}\n", c.architecture, models::to_string(c.family), s.path);
   fmt::print("  parameters    {} ({} stored as {}, {})\n", millions(s.params),
              format_bytes(s.bytes_stored), s.format, s.dtypes);
+  if (c.num_experts > 0)
+    fmt::print(
+        "  experts       {} per sparse block ({} of {} blocks), {} per token, width {}: {} "
+        "parameters active per token of {} (every expert still streams)\n",
+        c.num_experts, c.sparse_layer_count(), c.num_layers, c.experts_per_token,
+        c.moe_intermediate_size, millions(static_cast<std::int64_t>(s.active_params)),
+        millions(s.params));
   fmt::print("  layers        embedding + {} blocks + head\n", c.num_layers);
   fmt::print("  dimensions    hidden {}, MLP {}, heads {} (kv {}, head dim {}), vocab {}\n",
              c.hidden_size, c.intermediate_size, c.num_heads, c.num_kv_heads, c.head_dim,

@@ -115,6 +115,8 @@ struct StepData {
   std::int64_t step_no = 0;     // 1-based, across train() calls
   std::vector<float> loss_sum;  // per tail job (one): downloaded there
   double loss_scale = 1;        // fp16 scale this step's backward uses
+  // MoE: each microbatch's routing, recorded by its forward and read by its backward.
+  std::vector<std::shared_ptr<models::RoutingRecord>> routing;
 };
 
 struct DeviceCtx {
@@ -665,6 +667,16 @@ struct Engine::Impl {
                                  .window_mask = on_device(hctx.window_mask, dev)};
     // Training: attention and LoRA dropout (when the model has them) draw from this seed.
     ctx.dropout_seed = dropout_seed(options.seed, step.step_no, m);
+    // MoE: the first forward of a block records its routing, the backward's recompute replays
+    // it; the router load-balancing loss (when the model asks for it) counts each microbatch
+    // with weight 1 / M.
+    if (!step.routing.empty()) {
+      ctx.routing = step.routing[static_cast<std::size_t>(m)];
+      ctx.record_routing = js.kind != JobKind::kBackward;
+      if (config.output_router_logits)
+        ctx.aux_loss_weight =
+            step.loss_scale * config.router_aux_loss_coef / static_cast<double>(step.mb.size());
+    }
     const at::Tensor tokens = on_device(mb.batch.tokens, dev);
     const int head = static_cast<int>(specs.size()) - 1;
     auto grads_of = [&](int l) -> std::vector<at::Tensor>* {
@@ -776,6 +788,10 @@ struct Engine::Impl {
         res.targets = step->targets;
         res.loss =
             step->loss_sum[0] / static_cast<double>(std::max<std::int64_t>(step->targets, 1));
+        if (config.output_router_logits)
+          for (const auto& routing : step->routing)
+            res.loss += config.router_aux_loss_coef * models::router_aux_loss(config, *routing) /
+                        static_cast<double>(step->routing.size());
         res.loss_scale = step->loss_scale;
         optimizer.set_grad_unscale(1.0 / step->loss_scale);
         const double norm = optimizer.begin_step(&partial);
@@ -924,6 +940,8 @@ struct Engine::Impl {
                     " is outside the vocabulary (0.." + std::to_string(config.vocab_size - 1) +
                     ")");
       step->ctx.push_back(models::make_attention_context(config, b.batch, act_dtype));
+      if (config.num_experts > 0)
+        step->routing.push_back(std::make_shared<models::RoutingRecord>());
       step->tokens += b.batch.tokens.numel();
       step->targets += b.targets.ne(-100).sum().item<std::int64_t>();
     }

@@ -254,6 +254,10 @@ RunEstimate estimate_run(const TrainConfig& config, const models::ModelSummary& 
   pl.layers = layer_descs(specs, trainable);
   std::map<std::string, std::uint64_t> format_bytes_of;  // frozen base bytes by kept format
   std::uint64_t largest_tensor = 0;
+  e.experts = model.config.num_experts;
+  e.experts_per_token = model.config.experts_per_token;
+  for (const models::LayerSpec& s : specs)
+    e.active_params += s.active_param_count();
   for (std::size_t l = 0; l < specs.size(); ++l)
     for (std::size_t i = 0; i < specs[l].params.size(); ++i) {
       const models::ParamSpec& p = specs[l].params[i];
@@ -583,6 +587,12 @@ std::string RunEstimate::text() const {
   std::ostringstream o;
   o << fmt::format("Parameters  {}, {} trained\n", format_count(params),
                    format_count(trained_params));
+  if (experts > 0)
+    o << fmt::format(
+        "Experts     {} per sparse block, {} per token: {} parameters active per token of {} "
+        "(compute counts the active ones; every expert's weights stream)\n",
+        experts, experts_per_token, format_count(static_cast<std::int64_t>(active_params)),
+        format_count(params));
   o << fmt::format("Devices     {} ({}{})\n", devices.devices.size(), to_string(devices.mode),
                    devices.mode == DeviceMode::kPlanned ? ": " + devices.why_no_gpu : "");
   if (!plan.forward.empty() || plan.tail.end > 0) {
@@ -647,6 +657,9 @@ std::string RunEstimate::json() const {
                       {"warnings", warnings},
                       {"params", params},
                       {"trained_params", trained_params},
+                      {"active_params", active_params},
+                      {"experts", experts},
+                      {"experts_per_token", experts_per_token},
                       {"mode", to_string(devices.mode)},
                       {"devices", devs},
                       {"plan", plan.forward.empty() && plan.tail.end == 0 ? "" : plan.describe()},

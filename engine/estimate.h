@@ -55,6 +55,10 @@ struct Placement {
 
 struct RunEstimate {
   std::int64_t params = 0, trained_params = 0;
+  // A mixture of experts: the parameters a token uses (its experts count top-k / E) and the
+  // expert counts; every parameter still streams. active_params == params for a dense model.
+  double active_params = 0;
+  std::int64_t experts = 0, experts_per_token = 0;
   HostNeeds host;
   std::uint64_t host_available = 0;  // hardware.host_memory, or what the OS reports free
   std::uint64_t host_overhead = 0;   // outside the budget: the process itself (Note [Host budget])

@@ -208,6 +208,17 @@ struct Session::Impl {
         if (e == "gguf") models::check_gguf_mergeable(c.model.path, models::GgufExportType::kQ8_0);
       }
     summary = models::inspect_model(c.model.path, c.data.seq_len);
+    if (!o.plan_only && c.training.method == "lora" && summary.config.num_experts > 0 &&
+        std::find(c.output.exports.begin(), c.output.exports.end(), "gguf-adapter") !=
+            c.output.exports.end())
+      for (const std::string& t : c.lora_config().targets)
+        if (t == "all-linear" || t == "gate_proj" || t == "up_proj" || t == "down_proj")
+          throw Error(
+              "output.exports: a GGUF adapter of LoRA on experts is not supported yet (lora "
+              "targets " +
+              t + " of " + summary.config.architecture +
+              "); export a PEFT adapter or a merged model, or target only q_proj, k_proj, "
+              "v_proj, o_proj");
     const std::int64_t max_pos = summary.config.max_position_embeddings;
     if (max_pos > 0 && c.data.seq_len > max_pos)
       throw Error(fmt::format(

@@ -1,5 +1,6 @@
 #include "models/config.h"
 
+#include <algorithm>
 #include <cmath>
 #include <nlohmann/json.hpp>
 
@@ -18,8 +19,19 @@ const char* to_string(Family family) {
       return "qwen2";
     case Family::kQwen3:
       return "qwen3";
+    case Family::kQwen3Moe:
+      return "qwen3_moe";
+    case Family::kMixtral:
+      return "mixtral";
   }
   return "?";
+}
+
+std::int64_t ModelConfig::sparse_layer_count() const {
+  std::int64_t n = 0;
+  for (std::int64_t l = 0; l < num_layers; ++l)
+    n += sparse(l) ? 1 : 0;
+  return n;
 }
 
 std::vector<std::string> ModelConfig::problems() const {
@@ -74,6 +86,19 @@ std::vector<std::string> ModelConfig::problems() const {
         "llama3 rope scaling needs factor > 0, 0 < low_freq_factor < high_freq_factor "
         "and original_max_position_embeddings > 0");
   if (sliding_window < 0) out.push_back("sliding_window must not be negative");
+  if (num_experts < 0 || num_experts > 4096)
+    out.push_back("num_experts of " + std::to_string(num_experts) + " is out of range (0..4096)");
+  if (num_experts > 0) {
+    if (experts_per_token <= 0 || experts_per_token > num_experts)
+      out.push_back("num_experts_per_tok (" + std::to_string(experts_per_token) +
+                    ") must be between 1 and the number of experts (" +
+                    std::to_string(num_experts) + ")");
+    bounded(moe_intermediate_size, "moe_intermediate_size", 1 << 20);
+    if (!sparse_layers.empty() && static_cast<std::int64_t>(sparse_layers.size()) != num_layers)
+      out.push_back("the sparse-layer list has " + std::to_string(sparse_layers.size()) +
+                    " entries for " + std::to_string(num_layers) + " layers");
+    if (!(router_aux_loss_coef >= 0)) out.push_back("router_aux_loss_coef must not be negative");
+  }
   return out;
 }
 
@@ -162,19 +187,24 @@ ModelConfig parse_hf_config_json(const json& j, const std::string& source) {
     c.family = Family::kQwen2;
   } else if (arch == "Qwen3ForCausalLM" || (arch.empty() && model_type == "qwen3")) {
     c.family = Family::kQwen3;
+  } else if (arch == "Qwen3MoeForCausalLM" || (arch.empty() && model_type == "qwen3_moe")) {
+    c.family = Family::kQwen3Moe;
+  } else if (arch == "MixtralForCausalLM" || (arch.empty() && model_type == "mixtral")) {
+    c.family = Family::kMixtral;
   } else {
     throw Error(source + ": architecture '" + (arch.empty() ? model_type : arch) +
                 "' is not supported (supported: LlamaForCausalLM, MistralForCausalLM, "
-                "Qwen2ForCausalLM, Qwen3ForCausalLM)");
+                "Qwen2ForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM, MixtralForCausalLM)");
   }
   if (c.architecture.empty()) {
-    static const char* kArch[] = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
-                                  "Qwen3ForCausalLM"};
+    static const char* kArch[] = {"LlamaForCausalLM", "MistralForCausalLM",  "Qwen2ForCausalLM",
+                                  "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "MixtralForCausalLM"};
     c.architecture = kArch[static_cast<int>(c.family)];
   }
 
   c.vocab_size = r.integer("vocab_size", 0, true);
   c.hidden_size = r.integer("hidden_size", 0, true);
+  // Mixtral has no dense MLP: its experts' width is intermediate_size.
   c.intermediate_size = r.integer("intermediate_size", 0, true);
   c.num_layers = r.integer("num_hidden_layers", 0, true);
   c.num_heads = r.integer("num_attention_heads", 0, true);
@@ -204,16 +234,60 @@ ModelConfig parse_hf_config_json(const json& j, const std::string& source) {
       c.attention_bias = true;  // Qwen2 always has q/k/v biases
       break;
     case Family::kQwen3:
+    case Family::kQwen3Moe:
       c.attention_bias = c.attention_out_bias = r.boolean("attention_bias", false);
       c.qk_norm = true;
       break;
+    case Family::kMixtral:
+      break;
+  }
+  // Experts, as transformers' Qwen3MoeConfig and MixtralConfig (with their defaults).
+  if (c.family == Family::kQwen3Moe) {
+    // Qwen's files say num_experts; transformers 5 writes num_local_experts (its attribute map).
+    c.num_experts = r.has("num_experts") ? r.integer("num_experts", 128, false)
+                                         : r.integer("num_local_experts", 128, false);
+    c.experts_per_token = r.integer("num_experts_per_tok", 8, false);
+    c.moe_intermediate_size = r.integer("moe_intermediate_size", 768, false);
+    c.norm_topk_prob = r.boolean("norm_topk_prob", false);
+    // A block is sparse unless listed in mlp_only_layers, and only every decoder_sparse_step-th.
+    const std::int64_t step = r.integer("decoder_sparse_step", 1, false);
+    if (step <= 0)
+      problems.push_back("field 'decoder_sparse_step' must be positive (got " +
+                         std::to_string(step) + ")");
+    std::vector<bool> sparse(static_cast<std::size_t>(std::max<std::int64_t>(c.num_layers, 0)));
+    for (std::size_t l = 0; l < sparse.size(); ++l)
+      sparse[l] = step > 0 && (static_cast<std::int64_t>(l) + 1) % step == 0;
+    if (r.has("mlp_only_layers")) {
+      const json& only = j.at("mlp_only_layers");
+      if (!only.is_array()) problems.push_back("field 'mlp_only_layers' must be a list of layers");
+      for (const json& x : only.is_array() ? only : json::array()) {
+        if (!x.is_number_integer() || x.get<std::int64_t>() < 0 ||
+            x.get<std::int64_t>() >= c.num_layers) {
+          problems.push_back("mlp_only_layers holds " + x.dump() + ", not a layer index (0.." +
+                             std::to_string(c.num_layers - 1) + ")");
+          continue;
+        }
+        sparse[static_cast<std::size_t>(x.get<std::int64_t>())] = false;
+      }
+    }
+    if (std::find(sparse.begin(), sparse.end(), false) != sparse.end())
+      c.sparse_layers = std::move(sparse);
+  } else if (c.family == Family::kMixtral) {
+    c.num_experts = r.integer("num_local_experts", 8, false);
+    c.experts_per_token = r.integer("num_experts_per_tok", 2, false);
+    c.moe_intermediate_size = c.intermediate_size;
+    c.norm_topk_prob = true;  // Mixtral always renormalises the top-k probabilities
+  }
+  if (c.num_experts > 0) {
+    c.output_router_logits = r.boolean("output_router_logits", false);
+    c.router_aux_loss_coef = r.number(j, "router_aux_loss_coef", 0.001);
   }
   // Sliding windows: Mistral applies one to every layer whenever set. Qwen applies one only with
   // use_sliding_window, and then per layer, as transformers does: to the layers layer_types calls
   // "sliding_attention", or without layer_types to the layers from max_window_layers on.
-  if (c.family == Family::kMistral && r.has("sliding_window"))
+  if ((c.family == Family::kMistral || c.family == Family::kMixtral) && r.has("sliding_window"))
     c.sliding_window = r.integer("sliding_window", 0, false);
-  if ((c.family == Family::kQwen2 || c.family == Family::kQwen3) &&
+  if ((c.family == Family::kQwen2 || c.family == Family::kQwen3 || c.family == Family::kQwen3Moe) &&
       r.boolean("use_sliding_window", false)) {
     c.sliding_window = r.integer("sliding_window", 4096, false);
     c.sliding_layers.assign(static_cast<std::size_t>(std::max<std::int64_t>(c.num_layers, 0)),
@@ -324,9 +398,8 @@ ModelConfig load_hf_config(const std::string& path) {
 
 std::string hf_config_json(const ModelConfig& c, DType dtype) {
   using ojson = nlohmann::ordered_json;
-  static const char* kModelType[] = {"llama", "mistral", "qwen2", "qwen3"};
   ojson j = {{"architectures", {c.architecture}},
-             {"model_type", kModelType[static_cast<int>(c.family)]},
+             {"model_type", to_string(c.family)},
              {"vocab_size", c.vocab_size},
              {"hidden_size", c.hidden_size},
              {"intermediate_size", c.intermediate_size},
@@ -371,11 +444,24 @@ std::string hf_config_json(const ModelConfig& c, DType dtype) {
       j["mlp_bias"] = c.mlp_bias;
       break;
     case Family::kMistral:
+    case Family::kMixtral:
       if (c.sliding_window > 0) j["sliding_window"] = c.sliding_window;
+      if (c.family == Family::kMixtral) j["num_local_experts"] = c.num_experts;
       break;
     case Family::kQwen2:
     case Family::kQwen3:
-      if (c.family == Family::kQwen3) j["attention_bias"] = c.attention_bias;
+    case Family::kQwen3Moe:
+      if (c.family != Family::kQwen2) j["attention_bias"] = c.attention_bias;
+      if (c.family == Family::kQwen3Moe) {
+        j["num_experts"] = c.num_experts;
+        j["moe_intermediate_size"] = c.moe_intermediate_size;
+        j["norm_topk_prob"] = c.norm_topk_prob;
+        j["decoder_sparse_step"] = 1;
+        std::vector<std::int64_t> dense;
+        for (std::int64_t l = 0; l < c.num_layers; ++l)
+          if (!c.sparse(l)) dense.push_back(l);
+        j["mlp_only_layers"] = dense;
+      }
       j["use_sliding_window"] = c.sliding_window > 0;
       if (c.sliding_window > 0) {
         j["sliding_window"] = c.sliding_window;
@@ -385,6 +471,11 @@ std::string hf_config_json(const ModelConfig& c, DType dtype) {
         j["layer_types"] = types;
       }
       break;
+  }
+  if (c.num_experts > 0) {
+    j["num_experts_per_tok"] = c.experts_per_token;
+    j["output_router_logits"] = c.output_router_logits;
+    j["router_aux_loss_coef"] = c.router_aux_loss_coef;
   }
   if (c.bos_token_id >= 0) j["bos_token_id"] = c.bos_token_id;
   if (c.eos_token_ids.size() == 1) j["eos_token_id"] = c.eos_token_ids[0];

@@ -13,8 +13,9 @@
 
 namespace rondo::models {
 
-enum class Family { kLlama, kMistral, kQwen2, kQwen3 };
-const char* to_string(Family family);  // "llama", "mistral", "qwen2", "qwen3"
+enum class Family { kLlama, kMistral, kQwen2, kQwen3, kQwen3Moe, kMixtral };
+// "llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral" (transformers' model_type)
+const char* to_string(Family family);
 
 // Rotary position embeddings as transformers computes them (modeling_rope_utils): "default";
 // "linear" (positions divided by factor); "dynamic" (NTK: the base grows with the sequence once it
@@ -65,6 +66,28 @@ struct ModelConfig {
     return sliding_window > 0 &&
            (sliding_layers.empty() || sliding_layers[static_cast<std::size_t>(layer)]);
   }
+  // Mixture of experts (Qwen3-MoE, Mixtral): the MLP of a sparse block is num_experts SwiGLU
+  // experts of width moe_intermediate_size and a router (mlp.gate) that sends each token to the
+  // experts_per_token with the highest softmax probability, weighted by those probabilities
+  // (renormalised to sum to 1 when norm_topk_prob). 0 experts = dense.
+  std::int64_t num_experts = 0;
+  std::int64_t experts_per_token = 0;
+  std::int64_t moe_intermediate_size = 0;
+  bool norm_topk_prob = true;
+  // Which blocks are sparse: empty = all of them (when num_experts > 0); else one flag per block
+  // (Qwen3-MoE's decoder_sparse_step and mlp_only_layers: the others have a dense MLP of
+  // intermediate_size).
+  std::vector<bool> sparse_layers;
+  bool sparse(std::int64_t layer) const {
+    return num_experts > 0 &&
+           (sparse_layers.empty() || sparse_layers[static_cast<std::size_t>(layer)]);
+  }
+  std::int64_t sparse_layer_count() const;
+  // The router's load-balancing loss (transformers' load_balancing_loss_func) is added to the
+  // training loss times router_aux_loss_coef when output_router_logits is set, as transformers
+  // does.
+  bool output_router_logits = false;
+  double router_aux_loss_coef = 0.001;
   DType dtype = DType::kF32;  // dtype the checkpoint declares
   std::vector<std::int64_t> eos_token_ids;
   std::int64_t bos_token_id = -1;  // -1 = none

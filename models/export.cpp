@@ -3,6 +3,7 @@
 #include <ATen/ATen.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -60,13 +61,23 @@ void write_peft_adapter(const std::string& dir, const std::vector<LayerSpec>& sp
   if (tensors.empty()) throw Error("export: the model has no LoRA adapters to export");
   write_safetensors((fs::path(dir) / "adapter_model.safetensors").string(), tensors,
                     {{"format", "pt"}});
-  nlohmann::json targets = nlohmann::json::array();
-  for (const std::string& t : lora.targets) {
-    if (t == "all-linear") {
-      targets = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"};
-      break;
-    }
-    targets.push_back(t);
+  // Module names; a mixture of experts' MLP names as the target_parameters PEFT turns them into
+  // (Note [LoRA on experts] in lora.cpp), with gate_up_proj's rank and alpha doubled.
+  const bool moe = !specs.empty() && specs.front().config.num_experts > 0;
+  nlohmann::json targets = nlohmann::json::array(), parameters = nlohmann::json::array();
+  for (const char* m :
+       {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}) {
+    const bool wanted = std::any_of(lora.targets.begin(), lora.targets.end(),
+                                    [&](auto& t) { return t == "all-linear" || t == m; });
+    const std::string name = m;
+    if (!wanted) continue;
+    const bool mlp = name == "gate_proj" || name == "up_proj" || name == "down_proj";
+    if (!moe || !mlp)
+      targets.push_back(name);
+    else if (name == "gate_proj")
+      parameters.push_back("gate_up_proj");
+    else if (name == "down_proj")
+      parameters.push_back("down_proj");
   }
   nlohmann::json config = {{"peft_type", "LORA"},
                            {"task_type", "CAUSAL_LM"},
@@ -81,6 +92,13 @@ void write_peft_adapter(const std::string& dir, const std::vector<LayerSpec>& sp
                            {"init_lora_weights", true},
                            {"inference_mode", true},
                            {"modules_to_save", nullptr}};
+  if (!parameters.empty()) {
+    config["target_parameters"] = parameters;
+    if (std::find(parameters.begin(), parameters.end(), "gate_up_proj") != parameters.end()) {
+      config["rank_pattern"] = {{".*\\.gate_up_proj", 2 * lora.rank}};
+      config["alpha_pattern"] = {{".*\\.gate_up_proj", 2 * lora.alpha}};
+    }
+  }
   write_file_durably((fs::path(dir) / "adapter_config.json").string(), config.dump(2) + "\n");
 }
 

@@ -547,7 +547,8 @@ const std::uint8_t* GgufFile::tensor_data(const GgufTensorInfo& info) const {
   return file_.bytes(data_offset_ + info.offset, info.n_bytes, what);
 }
 
-at::Tensor load_tensor(const GgufFile& file, std::string_view name, DType target) {
+at::Tensor load_tensor(const GgufFile& file, std::string_view name, DType target,
+                       std::int64_t index) {
   const GgufTensorInfo& t = file.tensor(name);
   const GgmlTypeInfo& type = ggml_type_info(t.type);
   if (!type.dequantizable)
@@ -555,11 +556,22 @@ at::Tensor load_tensor(const GgufFile& file, std::string_view name, DType target
   if (target != DType::kF32 && target != DType::kBF16)
     throw Error(file.path() + ": tensor " + in_quotes(name) + ": cannot load into " +
                 to_string(target) + " (F32 or BF16 only)");
-  at::Tensor out = at::empty(t.shape(), at::TensorOptions().dtype(to_scalar_type(target)));
+  std::vector<std::int64_t> shape = t.shape();
   const std::uint8_t* src = file.tensor_data(t);
+  auto elements = static_cast<std::int64_t>(t.n_elements);
+  if (index >= 0) {
+    // The slices of the first torch dimension (the last GGUF one) are contiguous, each a whole
+    // number of rows of blocks.
+    RONDO_ASSERT(shape.size() >= 2 && index < shape[0]);
+    const std::int64_t slices = shape[0];
+    shape.erase(shape.begin());
+    elements /= slices;
+    src += static_cast<std::uint64_t>(index) * (t.n_bytes / static_cast<std::uint64_t>(slices));
+  }
+  at::Tensor out = at::empty(shape, at::TensorOptions().dtype(to_scalar_type(target)));
   if (type.block_size > 1) {
     // Quantised: one call, which spreads the blocks over oneTBB threads itself.
-    const auto n = static_cast<std::int64_t>(t.n_elements);
+    const std::int64_t n = elements;
     if (target == DType::kF32)
       dequantize_to_f32(t.type, src, out.data_ptr<float>(), n);
     else
@@ -567,7 +579,7 @@ at::Tensor load_tensor(const GgufFile& file, std::string_view name, DType target
                          reinterpret_cast<std::uint16_t*>(out.data_ptr<at::BFloat16>()), n);
     return out;
   }
-  const auto blocks = static_cast<std::int64_t>(t.n_elements / type.block_size);
+  const std::int64_t blocks = elements / type.block_size;
   const std::int64_t bs = type.block_size, ts = type.type_size;
   // About 64 Ki elements per task: large enough that the threads' start-up cost is negligible.
   const std::int64_t grain = std::max<std::int64_t>(1, 65536 / bs);

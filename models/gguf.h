@@ -148,7 +148,9 @@ class GgufFile {
 
 // The tensor dequantised into a new contiguous tensor of `target` dtype (F32 or BF16) in torch
 // layout (GGUF ne reversed). Throws Error naming the file and tensor for an unknown name, a type
-// Rondo cannot dequantise or another target.
-at::Tensor load_tensor(const GgufFile& file, std::string_view name, DType target);
+// Rondo cannot dequantise or another target. `index` >= 0: only that slice of the first torch
+// dimension (one expert of a GGUF MoE tensor), without dequantising the rest.
+at::Tensor load_tensor(const GgufFile& file, std::string_view name, DType target,
+                       std::int64_t index = -1);
 
 }  // namespace rondo::models

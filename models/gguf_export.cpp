@@ -323,6 +323,10 @@ void write_gguf_adapter(const std::string& path, const ModelConfig& config,
       std::string base = stem + ".weight";
       if (base.starts_with(kPeftPrefix)) base = base.substr(std::strlen(kPeftPrefix));
       const auto m = mapping.find(base);
+      if (base.find(".mlp.experts") != std::string::npos)
+        throw Error(
+            "export: a GGUF adapter of LoRA on experts is not supported yet (" + stem +
+            "); export a PEFT adapter (--format adapter) or a merged model (--format merged)");
       if (m == mapping.end())
         throw Error("export: the adapter of " + base + " has no llama.cpp tensor to adapt");
       const at::Tensor a = tensors.at(p.name).to(at::kFloat).contiguous();
@@ -339,8 +343,21 @@ void write_gguf_adapter(const std::string& path, const ModelConfig& config,
           [&](std::size_t i, const GgufSink& sink) { sink(data[i].data_ptr(), data[i].nbytes()); });
 }
 
+namespace {
+void refuse_moe(const ModelConfig& c) {
+  if (c.num_experts > 0)
+    throw Error("a merged GGUF of a mixture-of-experts model (" + c.architecture +
+                ") is not supported yet: export a merged Hugging Face folder (--format merged), "
+                "a PEFT adapter (--format adapter) or a GGUF adapter for llama.cpp "
+                "(--format gguf-adapter)");
+}
+}  // namespace
+
 void check_gguf_mergeable(const std::string& base_path, GgufExportType type) {
-  if (model_format(base_path) == ModelFormat::kGguf) return;  // its own metadata is copied
+  const bool gguf = model_format(base_path) == ModelFormat::kGguf;
+  refuse_moe(gguf ? config_from_gguf(GgufFile(base_path))
+                  : load_hf_config((std::filesystem::path(base_path) / "config.json").string()));
+  if (gguf) return;  // its own metadata is copied
   if (type == GgufExportType::kBase)
     throw Error("--type base keeps a GGUF base's types; " + base_path +
                 " is a Hugging Face folder: choose f32, f16, bf16, q8_0 or q4_k_m");
@@ -352,6 +369,7 @@ void write_gguf_merged(
     const std::function<std::map<std::string, at::Tensor>(std::size_t)>& layer_tensors,
     const std::string& base_path, GgufExportType type,
     const std::function<void(std::size_t, std::size_t)>& progress) {
+  refuse_moe(config);
   std::optional<GgufFile> base;
   if (model_format(base_path) == ModelFormat::kGguf) base.emplace(base_path);
   GgufWriter w;

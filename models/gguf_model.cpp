@@ -114,16 +114,47 @@ ModelConfig config_from_gguf(const GgufFile& file) {
   } else if (arch == "qwen3") {
     c.family = Family::kQwen3;
     c.architecture = "Qwen3ForCausalLM";
+  } else if (arch == "qwen3moe") {
+    c.family = Family::kQwen3Moe;
+    c.architecture = "Qwen3MoeForCausalLM";
   } else {
     throw Error(file.path() + ": metadata 'general.architecture' is '" + arch +
-                "', which Rondo does not support (supported: llama, which includes Mistral, "
-                "qwen2, qwen3)");
+                "', which Rondo does not support (supported: llama, which includes Mistral and "
+                "Mixtral, qwen2, qwen3, qwen3moe)");
   }
   auto key = [&](const char* suffix) { return arch + "." + suffix; };
+  // Experts: llama.cpp's llama with expert_count is Mixtral. Every block with a router
+  // (ffn_gate_inp) is sparse; the top-k probabilities are renormalised (llama.cpp does so for
+  // both unless expert_weights_norm says otherwise).
+  c.num_experts = file.get_int(key("expert_count"), 0);
+  if (c.num_experts > 0) {
+    if (c.family == Family::kLlama) {
+      c.family = Family::kMixtral;
+      c.architecture = "MixtralForCausalLM";
+    }
+    if (c.family != Family::kMixtral && c.family != Family::kQwen3Moe)
+      throw Error(file.path() + ": metadata '" + key("expert_count") + "' says " +
+                  std::to_string(c.num_experts) +
+                  " experts; Rondo reads experts for llama "
+                  "(Mixtral) and qwen3moe only");
+    c.experts_per_token = file.get_int(key("expert_used_count"));
+    c.norm_topk_prob = file.get_bool(key("expert_weights_norm"), true);
+  }
 
   c.hidden_size = file.get_int(key("embedding_length"));
   c.num_layers = file.get_int(key("block_count"));
   c.intermediate_size = file.get_int(key("feed_forward_length"));
+  if (c.num_experts > 0) {
+    c.moe_intermediate_size = c.family == Family::kMixtral
+                                  ? c.intermediate_size
+                                  : file.get_int(key("expert_feed_forward_length"));
+    std::vector<bool> sparse;
+    for (std::int64_t l = 0; l < c.num_layers && l < 4096; ++l)
+      sparse.push_back(file.find_tensor("blk." + std::to_string(l) + ".ffn_gate_inp.weight") !=
+                       nullptr);
+    if (std::find(sparse.begin(), sparse.end(), false) != sparse.end())
+      c.sparse_layers = std::move(sparse);
+  }
   c.num_heads = file.get_int(key("attention.head_count"));
   c.num_kv_heads = file.get_int(key("attention.head_count_kv"), c.num_heads);
   c.head_dim =
@@ -177,7 +208,7 @@ ModelConfig config_from_gguf(const GgufFile& file) {
   c.attention_bias = c.family == Family::kQwen2 || file.find_tensor("blk.0.attn_q.bias") != nullptr;
   c.attention_out_bias = file.find_tensor("blk.0.attn_output.bias") != nullptr;
   c.mlp_bias = file.find_tensor("blk.0.ffn_gate.bias") != nullptr;
-  c.qk_norm = c.family == Family::kQwen3;
+  c.qk_norm = c.family == Family::kQwen3 || c.family == Family::kQwen3Moe;
 
   // The declared dtype: F32 or F16 when every tensor is (F32 norms beside F16 matrices count as
   // F16); anything quantised or BF16 streams as BF16.
@@ -223,6 +254,10 @@ const char* gguf_architecture(Family family) {
       return "qwen2";
     case Family::kQwen3:
       return "qwen3";
+    case Family::kQwen3Moe:
+      return "qwen3moe";
+    case Family::kMixtral:
+      return "llama";  // llama.cpp stores Mixtral as llama with experts
   }
   return "?";
 }
@@ -231,11 +266,12 @@ std::vector<GgufTensorMapping> gguf_names(const ModelConfig& c) {
   const std::int64_t C = c.hidden_size, H = c.num_heads, KV = c.num_kv_heads, D = c.head_dim;
   const std::int64_t V = c.vocab_size, F = c.intermediate_size;
   // llama.cpp permutes q/k rows for llama only (Note [llama.cpp rotary permutation]).
-  const bool permuted = c.family == Family::kLlama || c.family == Family::kMistral;
+  const bool permuted =
+      c.family == Family::kLlama || c.family == Family::kMistral || c.family == Family::kMixtral;
   std::vector<GgufTensorMapping> out;
   auto add = [&](std::string gguf, std::string hf, std::vector<std::int64_t> shape,
-                 std::int64_t heads = 0) {
-    out.push_back({std::move(gguf), std::move(hf), std::move(shape), permuted ? heads : 0});
+                 std::int64_t heads = 0, std::int64_t expert = -1) {
+    out.push_back({std::move(gguf), std::move(hf), std::move(shape), permuted ? heads : 0, expert});
   };
   add("token_embd.weight", "model.embed_tokens.weight", {V, C});
   for (std::int64_t l = 0; l < c.num_layers; ++l) {
@@ -257,6 +293,23 @@ std::vector<GgufTensorMapping> gguf_names(const ModelConfig& c) {
       add(g + "attn_k_norm.weight", h + "self_attn.k_norm.weight", {D});
     }
     add(g + "ffn_norm.weight", h + "post_attention_layernorm.weight", {C});
+    if (c.sparse(l)) {
+      // llama.cpp stores a sparse block's experts as one tensor per projection, expert-major
+      // (torch shape (E, rows, cols)); each HF expert tensor is one slice.
+      const std::int64_t E = c.num_experts, I = c.moe_intermediate_size;
+      const bool mixtral = c.family == Family::kMixtral;
+      const std::string moe = h + (mixtral ? "block_sparse_moe." : "mlp.");
+      add(g + "ffn_gate_inp.weight", moe + "gate.weight", {E, C});
+      for (std::int64_t e = 0; e < E; ++e) {
+        const std::string x = moe + "experts." + std::to_string(e) + ".";
+        add(g + "ffn_gate_exps.weight", x + (mixtral ? "w1" : "gate_proj") + ".weight", {I, C}, 0,
+            e);
+        add(g + "ffn_up_exps.weight", x + (mixtral ? "w3" : "up_proj") + ".weight", {I, C}, 0, e);
+        add(g + "ffn_down_exps.weight", x + (mixtral ? "w2" : "down_proj") + ".weight", {C, I}, 0,
+            e);
+      }
+      continue;
+    }
     add(g + "ffn_gate.weight", h + "mlp.gate_proj.weight", {F, C});
     add(g + "ffn_up.weight", h + "mlp.up_proj.weight", {F, C});
     add(g + "ffn_down.weight", h + "mlp.down_proj.weight", {C, F});
@@ -281,9 +334,14 @@ std::vector<GgufTensorMapping> gguf_tensor_mapping(const GgufFile& file, const M
     if (t == nullptr)
       throw Error(what + " is missing; the " + to_string(c.family) +
                   " model its metadata describes needs it");
-    if (t->shape() != m.shape)
+    std::vector<std::int64_t> want = m.shape;
+    if (m.expert >= 0) want.insert(want.begin(), c.num_experts);
+    if (t->shape() != want)
       throw Error(what + " has shape " + shape_text(t->shape()) + " but the model's metadata " +
-                  "implies " + shape_text(m.shape) + "; the file is inconsistent");
+                  "implies " + shape_text(want) + "; the file is inconsistent");
+    if (m.expert >= 0 && t->n_bytes % static_cast<std::uint64_t>(c.num_experts) != 0)
+      throw Error(what + ": its " + std::to_string(t->n_bytes) + " bytes do not split into " +
+                  std::to_string(c.num_experts) + " experts");
     if (!ggml_type_info(t->type).dequantizable)
       throw Error(what + " " + ggml_not_dequantizable(t->type));
   }
@@ -298,7 +356,7 @@ std::vector<GgufTensorMapping> gguf_tensor_mapping(const GgufFile& file, const M
 }
 
 at::Tensor load_hf_tensor(const GgufFile& file, const GgufTensorMapping& m, DType target) {
-  at::Tensor t = load_tensor(file, m.gguf_name, target);
+  at::Tensor t = load_tensor(file, m.gguf_name, target, m.expert);
   RONDO_ASSERT(t.sizes().vec() == m.shape);
   if (m.unpermute_heads > 0) {
     // GGUF rows per head are (D/2, 2); HF's are (2, D/2). See the note at the top.

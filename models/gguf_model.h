@@ -23,7 +23,8 @@
 
 namespace rondo::models {
 
-// Family and dimensions from `general.architecture` (llama, qwen2, qwen3) and `<arch>.*` keys;
+// Family and dimensions from `general.architecture` (llama, qwen2, qwen3, qwen3moe; llama with
+// experts is Mixtral) and `<arch>.*` keys;
 // vocab size from `tokenizer.ggml.tokens`; tied embeddings when `output.weight` is absent; llama3
 // rope scaling recovered from `rope_freqs.weight`. Throws Error naming the file and key.
 ModelConfig config_from_gguf(const GgufFile& file);
@@ -34,6 +35,7 @@ struct GgufTensorMapping {
   std::vector<std::int64_t> shape;   // HF (torch) shape, e.g. (H*D, C)
   std::int64_t unpermute_heads = 0;  // > 0: undo llama.cpp's q/k row permutation over this many
                                      // heads (llama only)
+  std::int64_t expert = -1;          // >= 0: this slice of a GGUF expert tensor (E, rows, cols)
 };
 
 // Every tensor a model of this config has, in HF order (embedding, layers, norm, head), under

@@ -96,6 +96,7 @@ ModelSummary inspect_model(const std::string& path, std::int64_t seq_len) {
       s.stored_types[p.name] = dtype;
     }
     s.params += l.params;
+    s.active_params += spec.active_param_count();
     s.bytes_stored += l.bytes_stored;
     s.layers.push_back(l);
   }

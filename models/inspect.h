@@ -31,6 +31,9 @@ struct ModelSummary {
   ModelConfig config;
   std::string dtypes;  // stored dtypes with their share, e.g. "BF16" or "Q4_K 80%, F32 20%"
   std::int64_t params = 0;
+  // Parameters a token uses: fewer than params in a mixture of experts (its experts count top-k
+  // / E), all of them otherwise. Every byte still streams: the link carries params.
+  double active_params = 0;
   std::uint64_t bytes_stored = 0;
   std::int64_t seq_len = 0;  // the sequence length the FLOPs assume
   std::vector<LayerSummary> layers;

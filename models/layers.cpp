@@ -2,8 +2,11 @@
 
 #include <ATen/ATen.h>
 #include <c10/core/GradMode.h>
+#include <torch/csrc/autograd/autograd.h>
 
+#include <cctype>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <map>
 
@@ -37,6 +40,18 @@ std::int64_t LayerSpec::param_count() const {
   return n;
 }
 
+double LayerSpec::active_param_count() const {
+  double n = 0, experts = 0;
+  for (const ParamSpec& p : params)
+    if (!p.tied)
+      (p.name.find(".experts.") != std::string::npos ? experts : n) +=
+          static_cast<double>(p.numel());
+  if (config.num_experts > 0)
+    n += experts * static_cast<double>(config.experts_per_token) /
+         static_cast<double>(config.num_experts);
+  return n;
+}
+
 double LayerSpec::flops_forward_per_token(std::int64_t seq_len) const {
   const ModelConfig& c = config;
   switch (kind) {
@@ -45,9 +60,15 @@ double LayerSpec::flops_forward_per_token(std::int64_t seq_len) const {
     case LayerKind::kHead:
       return 2.0 * static_cast<double>(c.vocab_size) * c.hidden_size;
     case LayerKind::kBlock: {
-      double matmul = 0;
+      // A sparse block computes only the routed share of its experts: experts_per_token of them
+      // per token.
+      double matmul = 0, experts = 0;
       for (const ParamSpec& p : params)
-        if (p.shape.size() == 2) matmul += 2.0 * p.numel();
+        if (p.shape.size() == 2)
+          (p.name.find(".experts.") != std::string::npos ? experts : matmul) += 2.0 * p.numel();
+      if (c.num_experts > 0)
+        matmul +=
+            experts * static_cast<double>(c.experts_per_token) / static_cast<double>(c.num_experts);
       // Scores and the weighted sum: 2 * 2 * H * D multiply-adds per key, seq_len / 2 keys.
       double attention = 4.0 * c.num_heads * c.head_dim * (static_cast<double>(seq_len) / 2.0);
       return matmul + attention;
@@ -75,7 +96,13 @@ std::uint64_t LayerSpec::activation_bytes_per_token(std::size_t act_bytes) const
       // x, normed x (twice), q k v (rotated copies too), attention output, o output, gate, up,
       // silu(gate), their product.
       values = 4 * c.hidden_size + 2 * (c.num_heads + 2 * c.num_kv_heads) * c.head_dim +
-               c.num_heads * c.head_dim + 4 * c.intermediate_size;
+               c.num_heads * c.head_dim;
+      // A sparse block: router logits and probabilities, and per routed copy of a token its
+      // gathered input, the four MLP intermediates and the weighted output.
+      values += c.sparse(block)
+                    ? 2 * c.num_experts +
+                          c.experts_per_token * (2 * c.hidden_size + 4 * c.moe_intermediate_size)
+                    : 4 * c.intermediate_size;
       break;
   }
   return values * act_bytes;
@@ -113,6 +140,21 @@ std::vector<LayerSpec> layer_specs(const ModelConfig& c) {
       add("self_attn.k_norm.weight", {D});
     }
     add("post_attention_layernorm.weight", {C});
+    if (c.sparse(b)) {
+      // As the checkpoints store them: one module per expert.
+      const std::int64_t E = c.num_experts, F = c.moe_intermediate_size;
+      const bool mixtral = c.family == Family::kMixtral;
+      const std::string moe = mixtral ? "block_sparse_moe." : "mlp.";
+      add(moe + "gate.weight", {E, C});
+      for (std::int64_t e = 0; e < E; ++e) {
+        const std::string x = moe + "experts." + std::to_string(e) + ".";
+        add(x + (mixtral ? "w1" : "gate_proj") + ".weight", {F, C});
+        add(x + (mixtral ? "w3" : "up_proj") + ".weight", {F, C});
+        add(x + (mixtral ? "w2" : "down_proj") + ".weight", {C, F});
+      }
+      specs.push_back(std::move(s));
+      continue;
+    }
     add("mlp.gate_proj.weight", {I, C});
     if (c.mlp_bias) add("mlp.gate_proj.bias", {I});
     add("mlp.up_proj.weight", {I, C});
@@ -305,6 +347,50 @@ AttentionContext make_decode_context(const ModelConfig& c, std::int64_t offset, 
   return ctx;
 }
 
+bool parse_expert_name(const std::string& name, std::int64_t* expert, int* projection) {
+  std::size_t at = std::string::npos;
+  for (const char* moe : {".mlp.experts.", ".block_sparse_moe.experts."})
+    if (std::size_t i = name.find(moe); i != std::string::npos) at = i + std::strlen(moe);
+  if (at == std::string::npos || at >= name.size() ||
+      !std::isdigit(static_cast<unsigned char>(name[at])))
+    return false;
+  const std::size_t dot = name.find('.', at);
+  if (dot == std::string::npos) return false;
+  const std::string what = name.substr(dot + 1);
+  const int p = what == "gate_proj.weight" || what == "w1.weight"   ? 0
+                : what == "up_proj.weight" || what == "w3.weight"   ? 1
+                : what == "down_proj.weight" || what == "w2.weight" ? 2
+                                                                    : -1;
+  if (p < 0) return false;
+  *expert = std::stoll(name.substr(at, dot - at));
+  *projection = p;
+  return true;
+}
+
+at::Tensor expert_lora_delta(const at::Tensor& a, const at::Tensor& b, std::int64_t experts,
+                             std::int64_t e) {
+  const std::int64_t r = a.size(0) / experts;
+  return at::matmul(b.slice(1, e, std::nullopt, experts), a.narrow(0, e * r, r));
+}
+
+namespace {
+// A sparse block's router or expert tensor (Qwen3-MoE's mlp.*, Mixtral's block_sparse_moe.*).
+bool bind_expert(const std::string& local, const at::Tensor& t, BlockWeights& w) {
+  for (const char* moe : {"mlp.gate.weight", "block_sparse_moe.gate.weight"})
+    if (local == moe) {
+      w.router = t;
+      return true;
+    }
+  std::int64_t e = 0;
+  int p = 0;
+  if (!parse_expert_name("." + local, &e, &p)) return false;
+  std::vector<at::Tensor>& list = p == 0 ? w.expert_gate : p == 1 ? w.expert_up : w.expert_down;
+  if (list.size() <= static_cast<std::size_t>(e)) list.resize(static_cast<std::size_t>(e) + 1);
+  list[static_cast<std::size_t>(e)] = t;
+  return true;
+}
+}  // namespace
+
 BlockWeights BlockWeights::bind(const LayerSpec& spec, const std::vector<at::Tensor>& tensors) {
   RONDO_ASSERT(spec.kind == LayerKind::kBlock);
   if (tensors.size() != spec.params.size())
@@ -344,6 +430,15 @@ BlockWeights BlockWeights::bind(const LayerSpec& spec, const std::vector<at::Ten
     if (name.rfind(lora_prefix, 0) ==
         0) {  // base_model.model.model.layers.3.mlp.up_proj.lora_A.weight
       const std::string local = name.substr(lora_prefix.size());
+      if (local.rfind("mlp.experts.", 0) == 0) {  // PEFT's adapters on the fused experts
+        const int which = local.find(".base_layer.") != std::string::npos ? 0
+                          : spec.lora_experts_down                        ? 1
+                                                                          : 0;
+        (local.find(".lora_A.") != std::string::npos ? w.expert_lora_a : w.expert_lora_b)[which] =
+            tensors[i];
+        w.expert_lora_scaling[which] = which == 0 ? spec.lora_fused_scaling : spec.lora_scaling;
+        continue;
+      }
       const std::size_t cut = local.find(".lora_");
       auto it =
           cut == std::string::npos ? kProjections.end() : kProjections.find(local.substr(0, cut));
@@ -352,6 +447,7 @@ BlockWeights BlockWeights::bind(const LayerSpec& spec, const std::vector<at::Ten
       continue;
     }
     std::string local = name.substr(prefix.size());
+    if (bind_expert(local, tensors[i], w)) continue;
     auto it = kFields.find(local);
     RONDO_ASSERT_MSG(it != kFields.end(), "unknown block parameter " + spec.params[i].name);
     w.*(it->second) = tensors[i];
@@ -396,6 +492,119 @@ at::Tensor seeded_dropout(const at::Tensor& x, double p, std::int64_t seed) {
   h = hash32(h.bitwise_xor(s_lo));
   at::Tensor keep = h.ge(static_cast<std::int64_t>(p * 4294967296.0));
   return x * keep.to(x.scalar_type()) * (1.0 / (1.0 - p));
+}
+
+namespace {
+
+// A sparse block's MLP as transformers computes it: router softmax (fp32) and top-k (renormalised
+// when norm_topk_prob), then each expert's SwiGLU on the tokens routed to it, weighted and added
+// back per token (index_add). Tokens are sorted by expert once; the per-expert counts that split
+// them are host values, taken from the routing record in a recompute (the forward recorded them)
+// rather than synced again.
+at::Tensor moe_mlp(const ModelConfig& c, const BlockWeights& w, const at::Tensor& h,
+                   const AttentionContext& ctx) {
+  const std::int64_t C = h.size(-1), E = c.num_experts, K = c.experts_per_token;
+  RONDO_ASSERT_MSG(static_cast<std::int64_t>(w.expert_gate.size()) == E &&
+                       static_cast<std::int64_t>(w.expert_up.size()) == E &&
+                       static_cast<std::int64_t>(w.expert_down.size()) == E,
+                   "block " + std::to_string(w.block) + ": not every expert's weights are bound");
+  const at::Tensor x = h.reshape({-1, C});
+  const std::int64_t N = x.size(0);
+  const at::Tensor probs = at::softmax(at::linear(x, w.router), -1, at::kFloat);  // (N, E)
+  auto [top, chosen] = at::topk(probs, K, -1);                                    // (N, K)
+  if (c.norm_topk_prob) top = top / top.sum(-1, /*keepdim=*/true);
+  // Qwen3-MoE weighs the experts' outputs in the activation dtype, Mixtral in fp32.
+  const bool fp32_weights = c.family == Family::kMixtral;
+  if (!fp32_weights) top = top.to(x.scalar_type());
+
+  const at::Tensor flat = chosen.reshape({-1});  // token n's k-th choice at n * K + k
+  const at::Tensor order = at::argsort(flat, /*stable=*/true);
+  std::vector<std::int64_t> counts;
+  if (ctx.routing && !ctx.record_routing) {
+    std::lock_guard<std::mutex> lock(ctx.routing->mu);
+    auto it = ctx.routing->blocks.find(w.block);
+    if (it != ctx.routing->blocks.end() && it->second.tokens == N) counts = it->second.counts;
+  }
+  if (counts.empty()) {  // the one host sync of the block
+    const at::Tensor bins = at::bincount(flat, {}, E).to(at::kCPU);
+    counts.assign(bins.data_ptr<std::int64_t>(), bins.data_ptr<std::int64_t>() + E);
+  }
+  if (ctx.routing && ctx.record_routing) {
+    BlockRouting r{.counts = counts, .prob_sums = probs.sum(0).detach(), .tokens = N};
+    std::lock_guard<std::mutex> lock(ctx.routing->mu);
+    ctx.routing->blocks[w.block] = std::move(r);
+  }
+  if (ctx.router_prob_sums != nullptr) ctx.router_prob_sums->push_back(probs.sum(0));
+
+  const at::Tensor token_of = at::div(order, K, "floor");
+  const at::Tensor weight_of = top.reshape({-1}).index_select(0, order);
+  at::Tensor out = at::zeros_like(x);
+  std::int64_t start = 0;
+  for (std::int64_t e = 0; e < E; ++e) {
+    const std::int64_t n = counts[static_cast<std::size_t>(e)];
+    if (n == 0) continue;
+    const at::Tensor tokens = token_of.narrow(0, start, n);
+    const at::Tensor xs = x.index_select(0, tokens);
+    at::Tensor gate = at::linear(xs, w.expert_gate[e]), up = at::linear(xs, w.expert_up[e]);
+    if (w.expert_lora_a[0].defined()) {  // gate_up_proj's adapter: gate rows, then up rows
+      const std::int64_t I = gate.size(1), r = w.expert_lora_a[0].size(0) / E;
+      const at::Tensor d = at::linear(at::linear(xs, w.expert_lora_a[0].narrow(0, e * r, r)),
+                                      w.expert_lora_b[0].slice(1, e, std::nullopt, E)) *
+                           w.expert_lora_scaling[0];
+      gate = gate + d.narrow(1, 0, I);
+      up = up + d.narrow(1, I, I);
+    }
+    const at::Tensor act = at::silu(gate) * up;
+    at::Tensor y = at::linear(act, w.expert_down[e]);
+    if (w.expert_lora_a[1].defined()) {
+      const std::int64_t r = w.expert_lora_a[1].size(0) / E;
+      y = y + at::linear(at::linear(act, w.expert_lora_a[1].narrow(0, e * r, r)),
+                         w.expert_lora_b[1].slice(1, e, std::nullopt, E)) *
+                  w.expert_lora_scaling[1];
+    }
+    y = y * weight_of.narrow(0, start, n).unsqueeze(1);
+    out = out.index_add(0, tokens, y.to(out.scalar_type()));
+    start += n;
+  }
+  return out.view(h.sizes());
+}
+
+}  // namespace
+
+double router_aux_loss(const ModelConfig& c, RoutingRecord& record) {
+  std::lock_guard<std::mutex> lock(record.mu);
+  if (record.blocks.empty()) return 0;
+  std::vector<double> f(static_cast<std::size_t>(c.num_experts), 0.0), p(f);
+  double rows = 0;
+  for (auto& [b, r] : record.blocks) {
+    const at::Tensor sums = r.prob_sums.to(at::kCPU, at::kDouble).contiguous();
+    for (std::size_t e = 0; e < f.size(); ++e) {
+      f[e] += static_cast<double>(r.counts[e]);
+      p[e] += sums.data_ptr<double>()[e];
+    }
+    rows += static_cast<double>(r.tokens);
+  }
+  double sum = 0;
+  for (std::size_t e = 0; e < f.size(); ++e)
+    sum += (f[e] / rows) * (p[e] / rows);
+  return sum * static_cast<double>(c.num_experts);
+}
+
+at::Tensor router_aux_grad(const ModelConfig& c, RoutingRecord& record, double weight,
+                           at::Device device) {
+  std::lock_guard<std::mutex> lock(record.mu);
+  std::vector<float> g(static_cast<std::size_t>(c.num_experts), 0.0f);
+  double rows = 0;
+  std::vector<double> counts(g.size(), 0.0);
+  for (auto& [b, r] : record.blocks) {
+    for (std::size_t e = 0; e < g.size(); ++e)
+      counts[e] += static_cast<double>(r.counts[e]);
+    rows += static_cast<double>(r.tokens);
+  }
+  for (std::size_t e = 0; e < g.size() && rows > 0; ++e)
+    g[e] =
+        static_cast<float>(weight * static_cast<double>(c.num_experts) * counts[e] / (rows * rows));
+  return at::tensor(g, at::TensorOptions().dtype(at::kFloat)).to(device);
 }
 
 at::Tensor embed(const at::Tensor& embed_weight, const at::Tensor& tokens) {
@@ -463,6 +672,7 @@ at::Tensor block_forward(const ModelConfig& c, const BlockWeights& w, const at::
   a = a.transpose(1, 2).reshape({B, T, H * D});
   at::Tensor out = x + project(w, BlockWeights::kO, a, w.o, w.o_bias, ctx);
   h = rms_norm(out, w.post_norm, c.rms_norm_eps);
+  if (w.router.defined()) return out + moe_mlp(c, w, h, ctx);
   at::Tensor gated = at::silu(project(w, BlockWeights::kGate, h, w.gate, w.gate_bias, ctx)) *
                      project(w, BlockWeights::kUp, h, w.up, w.up_bias, ctx);
   at::Tensor m = project(w, BlockWeights::kDown, gated, w.down, w.down_bias, ctx);
@@ -506,6 +716,17 @@ at::Tensor forward_and_backward(const ModelConfig& c, const std::vector<BlockRun
   // Aliases of the weights that carry autograd state: the shared weight tensors stay untouched.
   std::vector<std::vector<at::Tensor>> leaves(end - first);
   at::Tensor h = x_leaf;
+  // The router load-balancing loss: the sparse blocks' probability sums, differentiated with the
+  // weight router_aux_grad gives once every block of the microbatch has routed (after this
+  // forward: the tail's blocks are the microbatch's last).
+  std::vector<at::Tensor> prob_sums;
+  AttentionContext aux_ctx;
+  const bool aux = ctx.aux_loss_weight != 0 && ctx.routing != nullptr;
+  if (aux) {
+    aux_ctx = ctx;
+    aux_ctx.router_prob_sums = &prob_sums;
+  }
+  const AttentionContext& run_ctx = aux ? aux_ctx : ctx;
   for (std::size_t b = first; b < end; ++b) {
     const BlockRun& run = blocks[b];
     for (std::size_t i = 0; i < run.weights.size(); ++i) {
@@ -513,19 +734,28 @@ at::Tensor forward_and_backward(const ModelConfig& c, const std::vector<BlockRun
       leaves[b - first].push_back(trainable ? run.weights[i].detach().requires_grad_(true)
                                             : run.weights[i].detach());
     }
-    h = block_forward(c, BlockWeights::bind(*run.spec, leaves[b - first]), h, ctx);
+    h = block_forward(c, BlockWeights::bind(*run.spec, leaves[b - first]), h, run_ctx);
   }
   at::Tensor grad_out;
   {
     c10::AutoGradMode no_grad(false);  // the head's own pass manages its autograd
     grad_out = grad_of(h.detach());
   }
-  h.backward(grad_out);
+  if (prob_sums.empty()) {
+    h.backward(grad_out);
+  } else {
+    const at::Tensor g = router_aux_grad(c, *ctx.routing, ctx.aux_loss_weight, h.device());
+    at::Tensor term = (at::stack(prob_sums) * g).sum();
+    torch::autograd::backward({h, term}, {grad_out, at::ones_like(term)});
+  }
   for (std::size_t b = first; b < end; ++b) {
     const BlockRun& run = blocks[b];
     if (!run.grads) continue;
-    for (std::size_t i = 0; i < leaves[b - first].size(); ++i)
-      if ((*run.grads)[i].defined()) (*run.grads)[i].add_(leaves[b - first][i].grad());
+    for (std::size_t i = 0; i < leaves[b - first].size(); ++i) {
+      // An expert no token of the microbatch was routed to has no gradient.
+      const at::Tensor& g = leaves[b - first][i].grad();
+      if ((*run.grads)[i].defined() && g.defined()) (*run.grads)[i].add_(g);
+    }
   }
   return x_leaf.grad();
 }

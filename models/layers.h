@@ -14,6 +14,9 @@
 
 #include <cstdint>
 #include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
 #include <optional>
 #include <string>
 #include <vector>
@@ -40,6 +43,8 @@ struct LayerSpec {
 
   // Parameters this layer owns (tied ones not counted).
   std::int64_t param_count() const;
+  // Of those, the ones a token uses: a sparse block's experts count experts_per_token / E.
+  double active_param_count() const;
   // FLOPs per token, forward, for sequences of `seq_len` tokens (attention grows with it;
   // causal: on average seq_len / 2 keys per query).
   double flops_forward_per_token(std::int64_t seq_len) const;
@@ -53,6 +58,11 @@ struct LayerSpec {
   // LoRA adapters among `params` (models/lora.h): their output is scaled by lora_scaling, their
   // input goes through dropout lora_dropout in training. 0 / 0 without adapters.
   double lora_scaling = 0, lora_dropout = 0;
+  // A sparse block's expert adapters (PEFT's target_parameters on the fused experts): on
+  // gate_up_proj (scaled by lora_fused_scaling: PEFT doubles its rank and alpha) and on
+  // down_proj. PEFT names the one wrapped first ...experts.base_layer.lora_A when both exist.
+  bool lora_experts_gate_up = false, lora_experts_down = false;
+  double lora_fused_scaling = 0;
 };
 
 std::vector<LayerSpec> layer_specs(const ModelConfig& config);
@@ -74,12 +84,47 @@ struct AttentionContext {
   // Per-layer windows (ModelConfig::sliding_layers): the mask of the windowed layers, when it
   // differs from `mask`; undefined = every layer uses `mask`.
   at::Tensor window_mask;
+  // Mixture of experts, training: where each sparse block records its routing in its first
+  // forward (record_routing) and finds it again in the recompute of its backward (the router
+  // load-balancing loss needs every block's counts; the recompute reuses the per-expert token
+  // counts instead of syncing with the host for them again). Null for inference.
+  std::shared_ptr<struct RoutingRecord> routing;
+  bool record_routing = false;
+  // Backward: the router load-balancing loss's weight in what is differentiated (the fp16 loss
+  // scale times router_aux_loss_coef times this microbatch's share); 0 = no aux loss.
+  double aux_loss_weight = 0;
+  // Set by the backward while it recomputes: each sparse block appends its per-expert sums of
+  // router probabilities (E), under autograd.
+  std::vector<at::Tensor>* router_prob_sums = nullptr;
   // Training: >= 0 turns dropout on (the config's attention_dropout). Every random draw is a pure
   // function of (dropout_seed, block, element), with no generator state, so a recompute from a
   // checkpoint — on any device, in any order — draws exactly what the forward drew. The engine
   // gives each (step, microbatch) its own seed. -1 = inference: no dropout.
   std::int64_t dropout_seed = -1;
 };
+
+// One microbatch's routing, per sparse block: how many of its tokens each expert got (top-k
+// selections) and the sum of each expert's router probability over the tokens. Shared by the
+// microbatch's forward and backward jobs, which may run on different threads and devices.
+struct BlockRouting {
+  std::vector<std::int64_t> counts;  // (E) on the host
+  at::Tensor prob_sums;              // (E) fp32, where the block ran (no autograd)
+  std::int64_t tokens = 0;
+};
+struct RoutingRecord {
+  std::mutex mu;
+  std::map<int, BlockRouting> blocks;  // by block index
+};
+
+// transformers' load_balancing_loss_func over every sparse block of the microbatch (all tokens,
+// padding included: Rondo passes it no attention mask, as a transformers training forward without
+// one): E * sum_e f_e * P_e, with f_e the share of top-k selections and P_e the mean router
+// probability of expert e over all (block, token) pairs. 0 when nothing was recorded.
+double router_aux_loss(const ModelConfig& config, RoutingRecord& record);
+// Its gradient with respect to each block's prob_sums (the same for every block): E * counts_e /
+// (sum over blocks of tokens)^2 summed over blocks, times `weight`. (E) fp32 on `device`.
+at::Tensor router_aux_grad(const ModelConfig& config, RoutingRecord& record, double weight,
+                           at::Device device);
 
 // Inverted dropout with a counter-based mask: x where hash(seed, index) >= p, scaled by 1/(1-p);
 // zero elsewhere. Deterministic for (seed, shape) on every device.
@@ -109,6 +154,15 @@ struct BlockWeights {
   at::Tensor post_norm;                       // (C)
   at::Tensor gate, up, down;                  // (I, C) (I, C) (C, I)
   at::Tensor gate_bias, up_bias, down_bias;   // optional (Llama mlp_bias)
+  // A sparse (MoE) block instead of gate/up/down: the router (E, C) and each expert's
+  // (I, C) (I, C) (C, I).
+  at::Tensor router;
+  std::vector<at::Tensor> expert_gate, expert_up, expert_down;
+  // LoRA on the experts in PEFT's layout for a 3-D parameter (E experts, rank R each):
+  // [0] gate_up: A (E*R, C), B (2I, E*R); [1] down: A (E*R, I), B (C, E*R). Expert e's A is rows
+  // e*R..(e+1)*R, its B the columns e, e+E, e+2E, ... (PEFT reshapes B as (out, R, E)).
+  at::Tensor expert_lora_a[2], expert_lora_b[2];
+  double expert_lora_scaling[2] = {0, 0};
   // LoRA adapters per projection (q, k, v, o, gate, up, down), undefined where there is none:
   // y = x W^T + b + (dropout(x) A^T) B^T * lora_scaling.
   enum Projection { kQ, kK, kV, kO, kGate, kUp, kDown, kProjections };
@@ -118,6 +172,15 @@ struct BlockWeights {
 
   static BlockWeights bind(const LayerSpec& spec, const std::vector<at::Tensor>& tensors);
 };
+
+// An expert's tensor by Hugging Face name (mlp.experts.3.up_proj.weight, or Mixtral's
+// block_sparse_moe.experts.3.w3.weight): its expert and which projection (0 gate, 1 up, 2 down).
+bool parse_expert_name(const std::string& name, std::int64_t* expert, int* projection);
+
+// Expert `e`'s LoRA delta B_e A_e (out, in), unscaled, from adapters in PEFT's layout for a 3-D
+// parameter of `experts` experts (BlockWeights::expert_lora_a / _b).
+at::Tensor expert_lora_delta(const at::Tensor& a, const at::Tensor& b, std::int64_t experts,
+                             std::int64_t e);
 
 // Prefix: token embeddings. (B, T) -> (B, T, C) in the embedding's dtype.
 at::Tensor embed(const at::Tensor& embed_weight, const at::Tensor& tokens);

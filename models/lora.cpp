@@ -103,13 +103,48 @@ LoraConfig parse_peft_adapter_config(const std::string& json_text, const std::st
   if (j.contains("modules_to_save") && !j["modules_to_save"].is_null() &&
       !j["modules_to_save"].empty())
     problems.push_back("modules_to_save is not supported");
-  for (const char* key : {"rank_pattern", "alpha_pattern"})
-    if (j.contains(key) && !j[key].is_null() && !j[key].empty())
-      problems.push_back(std::string(key) + ": per-module ranks and alphas are not supported");
+  // PEFT's form for the fused experts of a mixture of experts (Note [LoRA on experts]):
+  // target_parameters gate_up_proj (both MLP inputs) and down_proj, with gate_up_proj's rank and
+  // alpha doubled by a pattern.
+  bool fused = false;
+  if (j.contains("target_parameters") && !j["target_parameters"].is_null() &&
+      !j["target_parameters"].empty()) {
+    const auto& t = j["target_parameters"];
+    for (const auto& m : t.is_array() ? t : nlohmann::json::array({t})) {
+      const std::string name = m.is_string() ? m.get<std::string>() : m.dump();
+      const std::string leaf =
+          name.substr(name.rfind('.') == std::string::npos ? 0 : name.rfind('.') + 1);
+      if (leaf == "gate_up_proj") {
+        fused = true;
+        for (const char* p : {"gate_proj", "up_proj"})
+          if (std::find(c.targets.begin(), c.targets.end(), p) == c.targets.end())
+            c.targets.push_back(p);
+      } else if (leaf == "down_proj") {
+        if (std::find(c.targets.begin(), c.targets.end(), leaf) == c.targets.end())
+          c.targets.push_back(leaf);
+      } else {
+        problems.push_back("target_parameters: '" + name +
+                           "' is not an expert weight Rondo adapts (gate_up_proj, down_proj)");
+      }
+    }
+  }
+  for (const char* key : {"rank_pattern", "alpha_pattern"}) {
+    if (!j.contains(key) || j[key].is_null() || j[key].empty()) continue;
+    const double want = std::string(key) == "rank_pattern" ? 2.0 * c.rank : 2.0 * c.alpha;
+    const auto& pattern = j[key];
+    const bool doubled_gate_up = fused && pattern.is_object() && pattern.size() == 1 &&
+                                 pattern.contains(".*\\.gate_up_proj") &&
+                                 pattern[".*\\.gate_up_proj"].is_number() &&
+                                 pattern[".*\\.gate_up_proj"].get<double>() == want;
+    if (!doubled_gate_up)
+      problems.push_back(std::string(key) + " " + pattern.dump() +
+                         ": per-module ranks and alphas are not supported (only PEFT's doubling "
+                         "for the fused gate_up_proj of experts)");
+  }
   if (j.value("fan_in_fan_out", false)) problems.push_back("fan_in_fan_out: true is not supported");
   if (j.value("lora_bias", false)) problems.push_back("lora_bias: true is not supported");
   for (const char* key : {"layers_to_transform", "layers_pattern", "exclude_modules",
-                          "target_parameters", "trainable_token_indices", "layer_replication"})
+                          "trainable_token_indices", "layer_replication"})
     if (j.contains(key) && !j[key].is_null() && !j[key].empty())
       problems.push_back(std::string(key) + " is not supported");
   std::vector<std::string> own = c.problems();
@@ -122,12 +157,26 @@ LoraConfig parse_peft_adapter_config(const std::string& json_text, const std::st
 std::vector<LayerSpec> add_lora(std::vector<LayerSpec> specs, const LoraConfig& lora) {
   const std::vector<std::string> problems = lora.problems();
   if (!problems.empty()) throw Error(join_problems("LoRA settings:", problems));
+  // A mixture of experts, as PEFT 0.21 with transformers 5 adapts one (Note [LoRA on experts]):
+  // the MLP names mean the sparse blocks' fused experts, gate_proj and up_proj together.
+  const bool moe = !specs.empty() && specs.front().config.num_experts > 0;
+  const bool gate_up = targets(lora, "gate_proj") && targets(lora, "up_proj");
+  const bool down = targets(lora, "down_proj");
+  if (moe && targets(lora, "gate_proj") != targets(lora, "up_proj"))
+    throw Error(
+        "LoRA targets: gate_proj and up_proj of a mixture of experts are one fused weight per "
+        "expert (gate_up_proj, as transformers 5 and PEFT hold them): target both or neither");
+  if (moe && (gate_up || down) && lora.dropout > 0)
+    throw Error(
+        "LoRA dropout must be 0 for adapters on experts (PEFT's parameter adapters cannot apply "
+        "it): set lora.dropout = 0, or target only the attention projections q_proj, k_proj, "
+        "v_proj, o_proj");
   for (LayerSpec& s : specs) {
     if (s.kind != LayerKind::kBlock) continue;
     const std::string prefix = "model.layers." + std::to_string(s.block) + ".";
     std::vector<ParamSpec> adapters;
     for (const auto& [module, where] : projections()) {
-      if (!targets(lora, module)) continue;
+      if (!targets(lora, module) || (moe && where == "mlp")) continue;
       const std::string base = prefix + where + "." + module;
       auto it = std::find_if(s.params.begin(), s.params.end(),
                              [&](const ParamSpec& p) { return p.name == base + ".weight"; });
@@ -136,12 +185,47 @@ std::vector<LayerSpec> add_lora(std::vector<LayerSpec> specs, const LoraConfig& 
       adapters.push_back({"base_model.model." + base + ".lora_A.weight", {lora.rank, in}});
       adapters.push_back({"base_model.model." + base + ".lora_B.weight", {out, lora.rank}});
     }
+    if (moe && s.config.sparse(s.block)) {
+      // PEFT's layout for a 3-D parameter (E, out, in): A (E*R, in), B (out, E*R). gate_up_proj
+      // has rank and alpha doubled (PEFT keeps alpha / r of the two projections it fuses); the
+      // parameter wrapped first (gate_up_proj) is the inner one, base_layer, when both are.
+      const std::int64_t E = s.config.num_experts, I = s.config.moe_intermediate_size,
+                         C = s.config.hidden_size, r = lora.rank;
+      const std::string experts = "base_model.model." + prefix + "mlp.experts.";
+      if (gate_up) {
+        const std::string stem = experts + (down ? "base_layer." : "");
+        adapters.push_back({stem + "lora_A.weight", {2 * r * E, C}});
+        adapters.push_back({stem + "lora_B.weight", {2 * I, 2 * r * E}});
+        LoraConfig fused = lora;
+        fused.rank = 2 * lora.rank;
+        fused.alpha = 2 * lora.alpha;
+        s.lora_fused_scaling = fused.scaling();
+        s.lora_experts_gate_up = true;
+      }
+      if (down) {
+        adapters.push_back({experts + "lora_A.weight", {r * E, I}});
+        adapters.push_back({experts + "lora_B.weight", {C, r * E}});
+        s.lora_experts_down = true;
+      }
+    }
     s.params.insert(s.params.end(), adapters.begin(), adapters.end());
     s.lora_scaling = lora.scaling();
     s.lora_dropout = lora.dropout;
   }
   return specs;
 }
+
+// Note [LoRA on experts]
+// transformers 5 holds a sparse block's experts fused (experts.gate_up_proj (E, 2I, C),
+// experts.down_proj (E, C, I)), and PEFT 0.21 converts the MLP module names of a LoRA config for
+// such a model into target_parameters on them (transformers_weight_conversion.py): gate_proj and
+// up_proj together become gate_up_proj with rank 2r and alpha 2*alpha, down_proj stays; the dense
+// blocks' MLPs (Qwen3-MoE's mlp_only_layers) are then not adapted at all, since the names no
+// longer reach them. PEFT's ParamWrapper gives each 3-D parameter one A (E*R, in) and one B
+// (out, E*R); expert e's delta is B[:, e::E] A[e*R:(e+1)*R] * scaling (B is read as (out, R, E)),
+// added to the expert's weight. Rondo keeps its experts one tensor per projection as the
+// checkpoints store them, and these adapters as PEFT names and shapes them, so that an adapter
+// folder goes to and from peft unchanged; the layers apply expert e's slices to its tokens.
 
 bool is_lora_param(const std::string& name) {
   return name.find(".lora_A.") != std::string::npos || name.find(".lora_B.") != std::string::npos;
@@ -154,6 +238,25 @@ std::map<std::string, at::Tensor> merge_lora(const std::vector<LayerSpec>& specs
     for (const ParamSpec& p : spec.params) {
       if (p.tied || is_lora_param(p.name)) continue;
       at::Tensor w = all.at(p.name);
+      std::int64_t e = 0;
+      int proj = 0;
+      if ((spec.lora_experts_gate_up || spec.lora_experts_down) &&
+          parse_expert_name(p.name, &e, &proj)) {
+        // PEFT's expert adapters (Note [LoRA on experts]): gate and up share gate_up_proj's.
+        const bool fused = proj < 2;
+        if (fused ? spec.lora_experts_gate_up : spec.lora_experts_down) {
+          const std::string stem = "base_model.model.model.layers." + std::to_string(spec.block) +
+                                   ".mlp.experts." +
+                                   (fused && spec.lora_experts_down ? "base_layer." : "");
+          at::Tensor d = expert_lora_delta(all.at(stem + "lora_A.weight").to(at::kFloat),
+                                           all.at(stem + "lora_B.weight").to(at::kFloat),
+                                           spec.config.num_experts, e);
+          if (fused) d = d.narrow(0, proj == 0 ? 0 : w.size(0), w.size(0));
+          w = w.to(at::kFloat) + d * (fused ? spec.lora_fused_scaling : spec.lora_scaling);
+        }
+        out.emplace(p.name, w);
+        continue;
+      }
       const std::string stem = p.name.substr(0, p.name.size() - std::string(".weight").size());
       auto a = all.find("base_model.model." + stem + ".lora_A.weight");
       auto b = all.find("base_model.model." + stem + ".lora_B.weight");

@@ -26,7 +26,8 @@ struct LoraConfig {
   double alpha = 16;
   double dropout = 0;  // on the adapter's input, in training
   // PEFT module names: q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj, or
-  // "all-linear" (all seven; the LM head is never adapted).
+  // "all-linear" (all seven; the LM head is never adapted). Mixtures of experts: the MLP names
+  // adapt the experts as PEFT does (Note [LoRA on experts] in lora.cpp).
   std::vector<std::string> targets = {"all-linear"};
   bool rslora = false;
 

@@ -89,8 +89,12 @@ std::optional<GgufBlocks> WeightReader::read_blocks(const std::string& name) con
   b.rows = map.shape[0];
   b.cols = map.shape[1];
   const std::int64_t row_bytes = b.cols / type.block_size * type.type_size;
-  RONDO_ASSERT(static_cast<std::uint64_t>(b.rows * row_bytes) == info.n_bytes);
-  b.bytes = at::from_blob(const_cast<std::uint8_t*>(m.gguf->tensor_data(info)), {b.rows, row_bytes},
+  // One expert of an expert-major (E, rows, cols) tensor: its rows are one contiguous slice.
+  const std::int64_t slices = map.expert >= 0 ? static_cast<std::int64_t>(info.shape()[0]) : 1;
+  RONDO_ASSERT(static_cast<std::uint64_t>(slices * b.rows * row_bytes) == info.n_bytes);
+  const std::uint8_t* data =
+      m.gguf->tensor_data(info) + std::max<std::int64_t>(map.expert, 0) * b.rows * row_bytes;
+  b.bytes = at::from_blob(const_cast<std::uint8_t*>(data), {b.rows, row_bytes},
                           at::TensorOptions().dtype(at::kByte));
   if (map.unpermute_heads > 0) {
     // The same row move as load_hf_tensor's (Note [llama.cpp rotary permutation]), on rows of
@@ -111,6 +115,12 @@ void WeightReader::release(const std::string& name) const {
     auto it = m.mapping.find(name);
     if (it == m.mapping.end()) return;
     const GgufTensorInfo& info = m.gguf->tensor(it->second.gguf_name);
+    if (it->second.expert >= 0) {  // that expert's slice only
+      const std::uint64_t slice = info.n_bytes / static_cast<std::uint64_t>(info.shape()[0]);
+      release_mapped_pages(
+          m.gguf->tensor_data(info) + static_cast<std::uint64_t>(it->second.expert) * slice, slice);
+      return;
+    }
     release_mapped_pages(m.gguf->tensor_data(info), info.n_bytes);
   } else if (const TensorEntry* e = m.hf->find(name)) {
     release_mapped_pages(e->data, e->bytes);

@@ -274,4 +274,52 @@ TEST_F(Offload, PlansALlama70BFromItsConfigAlone) {
   EXPECT_FALSE(contains(problems, "model.quantize")) << problems;      // it is nf4 already
 }
 
+// The same question for a mixture of experts, Qwen3-30B-A3B (its published config.json). Its
+// model card says 30.5B parameters in total and 3.3B activated: the plan reports both.
+TEST_F(Offload, PlansAQwen3MoeFromItsConfigAlone) {
+  const fs::path qwen = dir / "Qwen3-30B-A3B";
+  fs::create_directories(qwen);
+  std::ofstream(qwen / "config.json") << json{
+      {"architectures", {"Qwen3MoeForCausalLM"}},
+      {"model_type", "qwen3_moe"},
+      {"hidden_size", 2048},
+      {"intermediate_size", 6144},
+      {"moe_intermediate_size", 768},
+      {"num_hidden_layers", 48},
+      {"num_attention_heads", 32},
+      {"num_key_value_heads", 4},
+      {"head_dim", 128},
+      {"num_experts", 128},
+      {"num_experts_per_tok", 8},
+      {"norm_topk_prob", true},
+      {"decoder_sparse_step", 1},
+      {"mlp_only_layers", json::array()},
+      {"vocab_size", 151936},
+      {"max_position_embeddings", 40960},
+      {"rms_norm_eps", 1e-6},
+      {"rope_theta", 1000000.0},
+      {"tie_word_embeddings", false},
+      {"torch_dtype", "bfloat16"}}.dump(2);
+  Result r = run_rondo("plan --json --set model.path=" + qwen.string() +
+                           " --set hardware.gpu='RTX 4090' --set hardware.host_memory=96GB"
+                           " --set training.method=lora --set training.steps=100"
+                           " --set data.seq_len=1024",
+                       false);
+  const json plan = json::parse(r.out);
+  std::printf("Qwen3-30B-A3B LoRA, RTX 4090, 96 GB: %s, %.2f B parameters, %.2f B active\n",
+              plan["verdict"].get<std::string>().c_str(), plan["params"].get<double>() / 1e9,
+              plan["active_params"].get<double>() / 1e9);
+  EXPECT_EQ(plan["verdict"], "fits") << r.out;
+  EXPECT_EQ(r.code, 0);
+  EXPECT_NEAR(plan["params"].get<double>(), 30.5e9, 0.1e9);
+  EXPECT_NEAR(plan["active_params"].get<double>(), 3.3e9, 0.1e9);
+  EXPECT_EQ(plan["experts"], 128);
+  EXPECT_EQ(plan["experts_per_token"], 8);
+  r = run_rondo("plan --set model.path=" + qwen.string() +
+                    " --set hardware.gpu='RTX 4090' --set hardware.host_memory=96GB"
+                    " --set training.method=lora --set data.seq_len=1024",
+                false);
+  EXPECT_TRUE(contains(r.out, "128 per sparse block, 8 per token")) << r.out;
+}
+
 }  // namespace

@@ -231,7 +231,9 @@ TEST(Engine, InvariantToDevicesMicrobatchesGrainAndPlan) {
   const unsigned seed = std::random_device{}();
   std::printf("seed %u\n", seed);
   std::mt19937 rng(seed);
-  for (const auto& family : {test::tiny_llama(4), test::tiny_qwen2(4)}) {
+  // Qwen3-MoE with its load-balancing loss: the routing recorded by each block's first forward
+  // (on any device) is what the backward's recompute replays and the aux loss's gradient uses.
+  for (const auto& family : {test::tiny_llama(4), test::tiny_qwen2(4), test::tiny_qwen3_moe(4)}) {
     for (int M : {1, 2, 5}) {
       Case s = make_case(family, M, seed + M);
       Reference ref = run_reference(s);
@@ -252,29 +254,33 @@ TEST(Engine, InvariantToDevicesMicrobatchesGrainAndPlan) {
 // Attention dropout draws from (seed, step, microbatch, block, element) only, so the recompute of
 // a backward stage — on another device, in either grain — drops exactly what its forward dropped:
 // the engine still equals the plain loop (which draws the same masks in its single forward).
+// In a mixture of experts the dropout comes before the router, so a recompute that dropped
+// differently would route differently too (and the replayed per-expert counts would not fit).
 TEST(Engine, AttentionDropoutIsReplayedInTheRecompute) {
   const unsigned seed = std::random_device{}();
   std::printf("seed %u\n", seed);
   std::mt19937 rng(seed);
-  models::ModelConfig config = test::tiny_qwen2(4);
-  config.attention_dropout = 0.2;
-  Case s = make_case(config, 2, seed);
-  Reference ref = run_reference(s);
-  const int layers = static_cast<int>(s.specs.size());
-  for (int N : {1, 3})
-    for (RecomputeGrain grain : {RecomputeGrain::kStage, RecomputeGrain::kLayer}) {
-      Plan plan = random_plan(layers, 2, grain, rng);
-      while (plan.forward.empty())
-        plan = random_plan(layers, 2, grain, rng);  // recompute something
-      const std::string what = "dropout N=" + std::to_string(N) + " " + plan.describe();
-      SCOPED_TRACE(what);
-      expect_equal(run_engine(s, plan, N), ref, s.specs, s.weights, what);
-    }
-  // And the dropout does something: without it the gradients are not the same.
-  Case plain = s;
-  plain.config.attention_dropout = 0;
-  Reference no_dropout = run_reference(plain);
-  EXPECT_GT(layer_rel(no_dropout.grads1, ref.grads1, s.specs[1]), 1e-2);
+  for (models::ModelConfig config : {test::tiny_qwen2(4), test::tiny_qwen3_moe(4)}) {
+    config.attention_dropout = 0.2;
+    Case s = make_case(config, 2, seed);
+    Reference ref = run_reference(s);
+    const int layers = static_cast<int>(s.specs.size());
+    for (int N : {1, 3})
+      for (RecomputeGrain grain : {RecomputeGrain::kStage, RecomputeGrain::kLayer}) {
+        Plan plan = random_plan(layers, 2, grain, rng);
+        while (plan.forward.empty())
+          plan = random_plan(layers, 2, grain, rng);  // recompute something
+        const std::string what =
+            config.architecture + " dropout N=" + std::to_string(N) + " " + plan.describe();
+        SCOPED_TRACE(what);
+        expect_equal(run_engine(s, plan, N), ref, s.specs, s.weights, what);
+      }
+    // And the dropout does something: without it the gradients are not the same.
+    Case plain = s;
+    plain.config.attention_dropout = 0;
+    Reference no_dropout = run_reference(plain);
+    EXPECT_GT(layer_rel(no_dropout.grads1, ref.grads1, s.specs[1]), 1e-2);
+  }
 }
 
 // One-step-stale mode (RoundPipe's default): step i runs on θ_{i-1}; the engine equals the plain
@@ -330,6 +336,34 @@ TEST(Engine, LoraTrainsOnlyTheAdaptersLikeThePlainLoop) {
     for (RecomputeGrain grain : {RecomputeGrain::kStage, RecomputeGrain::kLayer}) {
       Plan plan = random_plan(layers, 2, grain, rng);
       const std::string what = "lora N=" + std::to_string(N) + " " + plan.describe();
+      SCOPED_TRACE(what);
+      expect_equal(run_engine(s, plan, N), ref, s.specs, s.weights, what);
+    }
+}
+
+// LoRA on a mixture of experts: attention adapters plus PEFT's fused expert adapters (gate_up_proj
+// and down_proj per sparse block), with the router's load-balancing loss on; the router and the
+// experts themselves stay frozen.
+TEST(Engine, LoraOnExpertsTrainsLikeThePlainLoop) {
+  const unsigned seed = std::random_device{}();
+  std::printf("seed %u\n", seed);
+  std::mt19937 rng(seed);
+  Case s = make_case(test::tiny_qwen3_moe(3), 2, seed);
+  s.specs = models::add_lora(s.specs, {.rank = 2, .alpha = 4, .rslora = true});
+  for (auto& [name, t] : models::init_lora(s.specs, seed))
+    s.weights[name] = t;
+  for (auto& [name, t] : s.weights)  // mid-training adapters: B not zero
+    if (name.find(".lora_B.") != std::string::npos) t = 0.1 * at::randn(t.sizes());
+  s.trainable = models::is_lora_param;
+  Reference ref = run_reference(s);
+  // 4 attention projections in 3 blocks; gate_up and down on the 2 sparse blocks (block 1 is
+  // dense, and PEFT leaves a dense MLP of a mixture of experts alone).
+  EXPECT_EQ(ref.grads1.size(), 2u * (4 * 3 + 2 * 2));
+  const int layers = static_cast<int>(s.specs.size());
+  for (int N : {1, 3})
+    for (RecomputeGrain grain : {RecomputeGrain::kStage, RecomputeGrain::kLayer}) {
+      Plan plan = random_plan(layers, 2, grain, rng);
+      const std::string what = "moe lora N=" + std::to_string(N) + " " + plan.describe();
       SCOPED_TRACE(what);
       expect_equal(run_engine(s, plan, N), ref, s.specs, s.weights, what);
     }

@@ -360,5 +360,67 @@ TEST(Config, ReadsOldAndNewRopeFields) {
   EXPECT_TRUE(qwen3.qk_norm);
 }
 
+// Which blocks are sparse, as transformers decides it (every decoder_sparse_step-th, except
+// mlp_only_layers), both spellings of the expert count, and what a broken MoE config says.
+TEST(Config, ReadsMixturesOfExperts) {
+  const std::string dims = R"("vocab_size":10,"hidden_size":8,"intermediate_size":12,
+    "num_hidden_layers":4,"num_attention_heads":2,)";
+  ModelConfig q = parse_hf_config(R"({"architectures":["Qwen3MoeForCausalLM"],)" + dims +
+                                      R"("num_experts":6,"num_experts_per_tok":2,
+    "moe_intermediate_size":5,"decoder_sparse_step":2,"mlp_only_layers":[3],
+    "norm_topk_prob":true,"output_router_logits":true,"router_aux_loss_coef":0.02})",
+                                  "q");
+  EXPECT_EQ(q.family, Family::kQwen3Moe);
+  EXPECT_EQ(q.num_experts, 6);
+  EXPECT_EQ(q.experts_per_token, 2);
+  EXPECT_EQ(q.moe_intermediate_size, 5);
+  EXPECT_TRUE(q.norm_topk_prob && q.output_router_logits && q.qk_norm);
+  EXPECT_EQ(q.router_aux_loss_coef, 0.02);
+  // Sparse: (layer + 1) % 2 == 0 and not in mlp_only_layers: block 1 only.
+  EXPECT_EQ(q.sparse_layer_count(), 1);
+  EXPECT_TRUE(q.sparse(1));
+  EXPECT_FALSE(q.sparse(0) || q.sparse(2) || q.sparse(3));
+  const std::vector<LayerSpec> specs = layer_specs(q);
+  EXPECT_EQ(specs[2].params.back().name, "model.layers.1.mlp.experts.5.down_proj.weight");
+  EXPECT_EQ(specs[1].params.back().name, "model.layers.0.mlp.down_proj.weight");
+  EXPECT_EQ(specs[1].params.back().shape, (std::vector<std::int64_t>{8, 12}));
+  // A token uses 2 of 6 experts: the block's active parameters count a third of them.
+  const double experts = 6.0 * 3 * 5 * 8;
+  EXPECT_DOUBLE_EQ(specs[2].param_count() - specs[2].active_param_count(), experts * 2 / 3);
+  // Round trip through the config.json Rondo writes.
+  const ModelConfig back = parse_hf_config(hf_config_json(q, DType::kF32), "written");
+  EXPECT_EQ(back.sparse_layers, q.sparse_layers);
+  EXPECT_EQ(back.num_experts, 6);
+  EXPECT_EQ(back.router_aux_loss_coef, 0.02);
+
+  // transformers 5 writes num_local_experts; Mixtral always has it, and every block sparse.
+  ModelConfig local = parse_hf_config(R"({"architectures":["Qwen3MoeForCausalLM"],)" + dims +
+                                          R"("num_local_experts":3,"num_experts_per_tok":1})",
+                                      "l");
+  EXPECT_EQ(local.num_experts, 3);
+  ModelConfig m = parse_hf_config(R"({"architectures":["MixtralForCausalLM"],)" + dims +
+                                      R"("num_local_experts":4,"num_experts_per_tok":2})",
+                                  "m");
+  EXPECT_EQ(m.sparse_layer_count(), 4);
+  EXPECT_EQ(m.moe_intermediate_size, 12);
+  EXPECT_TRUE(m.norm_topk_prob);
+  EXPECT_EQ(layer_specs(m)[1].params[6].name, "model.layers.0.block_sparse_moe.gate.weight");
+
+  expect_error(
+      [&] {
+        parse_hf_config(R"({"architectures":["Qwen3MoeForCausalLM"],)" + dims +
+                            R"("num_experts":4,"num_experts_per_tok":5})",
+                        "bad.json");
+      },
+      {"bad.json", "num_experts_per_tok (5) must be between 1 and the number of experts (4)"});
+  expect_error(
+      [&] {
+        parse_hf_config(R"({"architectures":["Qwen3MoeForCausalLM"],)" + dims +
+                            R"("num_experts":4,"mlp_only_layers":[1,7]})",
+                        "bad.json");
+      },
+      {"bad.json", "mlp_only_layers holds 7, not a layer index (0..3)"});
+}
+
 }  // namespace
 }  // namespace rondo::models

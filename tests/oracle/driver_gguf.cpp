@@ -148,6 +148,10 @@ int gguf_model(const std::vector<std::string>& args) {
               {"attention_out_bias", c.attention_out_bias},
               {"mlp_bias", c.mlp_bias},
               {"qk_norm", c.qk_norm},
+              {"num_experts", c.num_experts},
+              {"experts_per_token", c.experts_per_token},
+              {"moe_intermediate_size", c.moe_intermediate_size},
+              {"norm_topk_prob", c.norm_topk_prob},
               {"bos_token_id", c.bos_token_id},
               {"eos_token_ids", c.eos_token_ids}});
   json index = json::array();

@@ -72,8 +72,8 @@ int lora_logits(const std::vector<std::string>& args) {
 
 // Trains LoRA adapters (PEFT init, seed given) with the engine on 2 simulated devices, exports them
 // (PEFT folder and merged checkpoint) and writes Rondo's logits with the trained adapters.
-//   in.json: {"lora": {r, alpha, targets, rslora}, "seed", "lr", "steps": [[tokens of microbatch,
-//   ...] per step], "eval_tokens": [[...]]}
+//   in.json: {"lora": {r, alpha, targets, rslora, dropout (default 0)}, "seed", "lr",
+//   "steps": [[tokens of microbatch, ...] per step], "eval_tokens": [[...]]}
 int lora_train_export(const std::vector<std::string>& args) {
   if (args.size() != 3)
     throw Error("usage: lora-train-export <base_model_dir> <in.json> <out_dir>");
@@ -82,6 +82,7 @@ int lora_train_export(const std::vector<std::string>& args) {
   std::ifstream(args[1]) >> j;
   models::LoraConfig lora{.rank = j["lora"]["r"],
                           .alpha = j["lora"]["alpha"],
+                          .dropout = j["lora"].value("dropout", 0.0),
                           .targets = j["lora"]["targets"].get<std::vector<std::string>>(),
                           .rslora = j["lora"]["rslora"]};
   std::vector<models::LayerSpec> specs = models::add_lora(model.layers(), lora);

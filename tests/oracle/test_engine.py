@@ -63,6 +63,15 @@ FAMILIES = {
         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)),
     "qwen2_tied_qkv_bias": (T.Qwen2ForCausalLM, T.Qwen2Config, dict(
         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)),
+    # Mixture of experts with the router's load-balancing loss on (output_router_logits), its
+    # coefficient large enough that its gradient shows in every router weight.
+    "qwen3_moe_aux": (T.Qwen3MoeForCausalLM, T.Qwen3MoeConfig, dict(
+        num_attention_heads=4, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=24, norm_topk_prob=True, mlp_only_layers=[1],
+        output_router_logits=True, router_aux_loss_coef=0.05)),
+    "mixtral_aux": (T.MixtralForCausalLM, T.MixtralConfig, dict(
+        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+        output_router_logits=True, router_aux_loss_coef=0.05)),
 }
 
 # (devices, M, plan) over the 5 layers. The tail ends at 5 and holds the head; forward stages cover
@@ -132,8 +141,38 @@ def packed_inputs(doc_ids):
 
 
 def logits_of(model, tokens, doc_ids):
+    return output_of(model, tokens, doc_ids).logits
+
+
+def output_of(model, tokens, doc_ids):
+    """The model's output; for a mixture of experts also `router_logits`, every router's logits
+    in block order, taken with forward hooks: the model's own output_router_logits would compute
+    its aux loss with our 4D mask flattened as if it were a 2D padding mask."""
     mask, pos = packed_inputs(doc_ids)
-    return model(input_ids=tokens, attention_mask=mask, position_ids=pos).logits
+    routers = [m for m in model.modules() if type(m).__name__.endswith("TopKRouter")]
+    logits = []
+    hooks = [r.register_forward_hook(lambda mod, inp, out: logits.append(out[0]))
+             for r in routers]
+    try:
+        out = model(input_ids=tokens, attention_mask=mask, position_ids=pos,
+                    output_router_logits=False) if routers else \
+            model(input_ids=tokens, attention_mask=mask, position_ids=pos)
+    finally:
+        for h in hooks:
+            h.remove()
+    out.router_logits = tuple(logits)
+    return out
+
+
+def aux_loss_of(model, out):
+    """transformers' own load_balancing_loss_func on the microbatch's router logits (no padding
+    mask: every position counts, as in Rondo), times the coefficient."""
+    from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+    c = model.config
+    assert len(out.router_logits) == sum(
+        1 for m in model.modules() if type(m).__name__.endswith("TopKRouter"))
+    return c.router_aux_loss_coef * load_balancing_loss_func(
+        out.router_logits, c.num_local_experts, c.num_experts_per_tok, None)
 
 
 def backward_step(model, step, m):
@@ -142,13 +181,21 @@ def backward_step(model, step, m):
     targets = targets_of(tokens, doc_ids)
     count = int((targets != -100).sum())
     total = 0.0
+    aux_total = 0.0
     for tok, doc, y in zip(split(tokens, m), split(doc_ids, m), split(targets, m)):
-        logits = logits_of(model, tok, doc)
-        loss_sum = F.cross_entropy(logits.reshape(-1, V).float(), y.reshape(-1),
+        out = output_of(model, tok, doc)
+        loss_sum = F.cross_entropy(out.logits.reshape(-1, V).float(), y.reshape(-1),
                                    reduction="sum", ignore_index=-100)
-        (loss_sum / count).backward()
+        loss = loss_sum / count
+        if getattr(model.config, "output_router_logits", False):
+            # Each microbatch's load-balancing loss counts 1 / m (Rondo's definition; one
+            # microbatch is transformers' loss + coef * aux_loss exactly).
+            aux = aux_loss_of(model, out) / m
+            loss = loss + aux
+            aux_total += aux.item()
+        loss.backward()
         total += loss_sum.item()
-    return total / count, count
+    return total / count + aux_total, count
 
 
 def reference(model, steps, m, max_norm):
@@ -192,7 +239,6 @@ def test_three_steps_match_transformers_and_adamw(family, plan_name, tmp_path):
     model = make_model(family, seed)
     model_dir = tmp_path / "model"
     model.save_pretrained(model_dir)  # safetensors, float32
-    initial = {n: p.detach().clone() for n, p in model.named_parameters()}
     g = torch.Generator().manual_seed(seed)
     steps = [random_step(g) for _ in range(STEPS)]
 
@@ -221,14 +267,17 @@ def test_three_steps_match_transformers_and_adamw(family, plan_name, tmp_path):
               f"norm {norm:.4g} rel diff {abs(got[f'norm{s}'][0] / norm - 1):.2g}, "
               f"clipped to {max_norm:.4g}")
 
-    names = {n for n, _ in model.named_parameters()}  # owners: no lm_head when tied
+    # The reference's weights as its checkpoint names them (transformers writes fused experts
+    # back as one module per expert); a tied LM head is not written.
+    model.save_pretrained(tmp_path / "reference")
+    want_all = load_file(str(tmp_path / "reference" / "model.safetensors"))
+    initial = load_file(str(model_dir / "model.safetensors"))
     weights = {n for n in got if not n.startswith(("loss", "norm", "targets"))}
-    assert weights == names
+    assert weights == set(want_all)
     worst = 0.0
-    for name, p in model.named_parameters():
-        want = p.detach().numpy()
+    for name, want in want_all.items():
         scale = np.abs(want).max()
-        moved = np.abs(want - initial[name].numpy()).max()
+        moved = np.abs(want - initial[name]).max()
         assert moved > 1e-3 * scale, f"{name} hardly moved ({moved:.3g})"
         np.testing.assert_allclose(got[name], want, rtol=RTOL, atol=RTOL * scale, err_msg=name)
         worst = max(worst, np.abs(got[name] - want).max() / scale)

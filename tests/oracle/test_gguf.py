@@ -370,12 +370,55 @@ def convert(model, path, arch, quant=None, drop=(), extra=()):
         w.add_token_list([f"tok{i}" for i in range(cfg.vocab_size)])
         w.add_bos_token_id(1)
         w.add_eos_token_id(2)
+        experts = getattr(cfg, "num_local_experts", 0)
+        if experts:  # as llama.cpp's converter writes Qwen3-MoE and Mixtral
+            w.add_expert_count(experts)
+            w.add_expert_used_count(cfg.num_experts_per_tok)
+            if arch == "qwen3moe":
+                w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+
+    mixtral = type(model).__name__.startswith("Mixtral")
+
+    def expert_name(layer, e, proj):  # the per-expert HF name Rondo uses (the checkpoints')
+        if mixtral:
+            return (f"model.layers.{layer}.block_sparse_moe.experts.{e}."
+                    f"{dict(gate='w1', up='w3', down='w2')[proj]}.weight")
+        return f"model.layers.{layer}.mlp.experts.{e}.{proj}_proj.weight"
+
+    def add_experts(gguf_tensor, stacked, layer, proj):
+        """One expert-major tensor (E, rows, cols), quantised row by row like any matrix."""
+        if quant is not None and stacked.shape[-1] % 32 == 0:
+            q = gguf.quants.quantize(stacked, quant)
+            tensors.append((gguf_tensor, q, quant))
+            back = gguf.quants.dequantize(q, quant)
+        else:
+            tensors.append((gguf_tensor, stacked, None))
+            back = stacked
+        for e in range(stacked.shape[0]):
+            expected[expert_name(layer, e, proj)] = back[e]
 
     tensors, expected = [], {}
     for name, p in model.named_parameters():
         x = p.detach().float().numpy().copy()
+        if ".mlp.experts." in name:  # transformers 5 fuses the experts in memory
+            layer = int(name.split(".")[2])
+            blk = f"blk.{layer}."
+            if name.endswith("gate_up_proj"):
+                half = x.shape[1] // 2
+                add_experts(blk + "ffn_gate_exps.weight", np.ascontiguousarray(x[:, :half]), layer,
+                            "gate")
+                add_experts(blk + "ffn_up_exps.weight", np.ascontiguousarray(x[:, half:]), layer,
+                            "up")
+            else:
+                add_experts(blk + "ffn_down_exps.weight", x, layer, "down")
+            continue
+        if name.endswith(".mlp.gate.weight"):  # the router
+            layer = int(name.split(".")[2])
+            tensors.append((f"blk.{layer}.ffn_gate_inp.weight", x, None))
+            expected[name.replace(".mlp.", ".block_sparse_moe.") if mixtral else name] = x
+            continue
         permute = None
-        if arch == "llama" and ".q_proj." in name:
+        if arch == "llama" and ".q_proj." in name:  # Mixtral too: llama.cpp's llama
             permute = H
         elif arch == "llama" and ".k_proj." in name:
             permute = KV
@@ -449,11 +492,22 @@ def tiny(kind):
                              num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                              tie_word_embeddings=False, **common)
         return tf.Qwen3ForCausalLM(cfg), "qwen3"
+    if kind == "qwen3moe":  # every block sparse, as llama.cpp's qwen3moe has them
+        cfg = tf.Qwen3MoeConfig(vocab_size=97, hidden_size=64, intermediate_size=80,
+                                moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2,
+                                norm_topk_prob=True, num_attention_heads=4, num_key_value_heads=2,
+                                head_dim=16, tie_word_embeddings=False, **common)
+        return tf.Qwen3MoeForCausalLM(cfg), "qwen3moe"
+    if kind == "mixtral":
+        cfg = tf.MixtralConfig(vocab_size=77, hidden_size=64, intermediate_size=64,
+                               num_local_experts=3, num_experts_per_tok=2,
+                               num_attention_heads=4, num_key_value_heads=2, **common)
+        return tf.MixtralForCausalLM(cfg), "llama"
     raise ValueError(kind)
 
 
 MODELS = ["llama-gqa-llama3", "llama-gqa-llama3-ramp-only", "llama-tied-bias-headdim", "qwen2-tied",
-          "qwen3-headdim", "qwen2-yarn", "llama-linear"]
+          "qwen3-headdim", "qwen2-yarn", "llama-linear", "qwen3moe", "mixtral"]
 
 
 def random_model(kind):
@@ -495,7 +549,12 @@ def test_model_tensors_and_config_equal_transformers(tmp_path, kind):
     rope = cfg.rope_parameters
     assert c["rope_theta"] == float(np.float32(rope["rope_theta"]))
     assert c["attention_bias"] == (arch == "qwen2" or getattr(cfg, "attention_bias", False))
-    assert c["qk_norm"] == (arch == "qwen3")
+    assert c["qk_norm"] == (arch in ("qwen3", "qwen3moe"))
+    assert c["num_experts"] == getattr(cfg, "num_local_experts", 0)
+    if c["num_experts"]:
+        assert c["experts_per_token"] == cfg.num_experts_per_tok and c["norm_topk_prob"]
+        assert c["moe_intermediate_size"] == getattr(cfg, "moe_intermediate_size",
+                                                     cfg.intermediate_size)
     assert c["bos_token_id"] == 1 and c["eos_token_ids"] == [2]
     if rope.get("rope_type") == "llama3":
         assert c["rope_type"] == "llama3"
@@ -537,7 +596,8 @@ def test_model_tensors_and_config_equal_transformers(tmp_path, kind):
 
 @pytest.mark.parametrize("kind,quant", [("llama-gqa-llama3", QT.Q8_0),
                                         ("llama-tied-bias-headdim", QT.Q4_1),
-                                        ("qwen3-headdim", QT.Q4_0)])
+                                        ("qwen3-headdim", QT.Q4_0), ("qwen3moe", QT.Q8_0),
+                                        ("mixtral", QT.Q4_0)])
 def test_quantised_model_unpermutes_dequantised_rows(tmp_path, kind, quant):
     """llama.cpp quantises after permuting: Rondo must dequantise, then undo the permutation."""
     model, arch = random_model(kind)
@@ -568,3 +628,25 @@ def test_missing_wrong_and_unexpected_tensors_are_named(tmp_path):
     msg = fails("wrong", drop={"blk.0.ffn_up.weight"},
                 extra=[("blk.0.ffn_up.weight", np.ones((81, 48), np.float32))])
     assert "'blk.0.ffn_up.weight'" in msg and "[81, 48]" in msg and "[80, 48]" in msg
+
+
+@pytest.mark.parametrize("kind", ["qwen3moe", "mixtral"])
+def test_moe_gguf_logits_equal_transformers(tmp_path, kind):
+    """A mixture of experts in llama.cpp's layout (expert-major ffn_*_exps tensors, the router as
+    ffn_gate_inp), loaded by Rondo from the GGUF alone: the HF model's logits (fp32)."""
+    model, arch = random_model(kind)
+    with torch.no_grad():  # smaller weights than random_model's: logits of a usual size
+        for p in model.parameters():
+            p.mul_(0.2)
+    model.eval()
+    path = tmp_path / "model.gguf"
+    convert(model, path, arch)
+    tokens = torch.randint(0, model.config.vocab_size, (2, 13),
+                           generator=torch.Generator().manual_seed(SEED))
+    (tmp_path / "batch.json").write_text(json.dumps({"tokens": tokens.tolist(), "dtype": "F32"}))
+    driver("forward", path, tmp_path / "batch.json", tmp_path / "out.safetensors")
+    from safetensors.numpy import load_file
+    got = load_file(str(tmp_path / "out.safetensors"))["logits"]
+    with torch.no_grad():
+        want = model(input_ids=tokens).logits.numpy()
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-4 * max(1.0, np.abs(want).max()))

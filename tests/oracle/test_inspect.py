@@ -20,7 +20,17 @@ def test_inspect_reports_what_transformers_sees(name, tmp_path):
     assert got["params"] == sum(p.numel() for p in model.parameters())  # tied counted once
     assert got["num_layers"] == cfg.num_hidden_layers
     assert got["num_kv_heads"] == cfg.num_key_value_heads
-    assert got["head_dim"] == getattr(cfg, "head_dim", cfg.hidden_size // cfg.num_attention_heads)
+    # (Mixtral's config has head_dim None: hidden / heads.)
+    assert got["head_dim"] == (getattr(cfg, "head_dim", None) or
+                               cfg.hidden_size // cfg.num_attention_heads)
+    # A token uses num_experts_per_tok of a sparse block's experts (transformers' fused expert
+    # parameters); everything else always.
+    experts = getattr(cfg, "num_local_experts", 0)
+    expert_params = sum(p.numel() for n, p in model.named_parameters() if ".mlp.experts." in n)
+    active = got["params"] - (expert_params * (1 - cfg.num_experts_per_tok / experts)
+                              if experts else 0)
+    assert got["num_experts"] == experts
+    assert got["active_params"] == pytest.approx(active, rel=1e-12)
     assert got["tie_word_embeddings"] == cfg.tie_word_embeddings
     stored = 0
     for f in (tmp_path / "m").glob("*.safetensors"):

@@ -2,7 +2,7 @@
 B so the adapter matters), saved with save_pretrained; Rondo loads the base folder and the adapter
 folder (adapter_config.json + adapter_model.safetensors) and its logits equal peft's within 1e-4
 (fp32, different summation orders; the adapter's own contribution is checked to be far larger).
-Covers both families, all-linear and a subset of targets, plain and rsLoRA scaling. Also: adapter
+Covers three families (one a mixture of experts), all-linear and a subset of targets, plain and rsLoRA scaling. Also: adapter
 configs Rondo cannot reproduce are refused with the field named."""
 import json
 import os
@@ -22,6 +22,14 @@ FAMILIES = {
                                                      tie_word_embeddings=False)),
     "qwen2": (T.Qwen2ForCausalLM, T.Qwen2Config, dict(num_key_value_heads=2,
                                                      tie_word_embeddings=True)),
+    # Mixtures of experts (one dense block in Qwen3-MoE). PEFT turns MLP module names into
+    # target_parameters on transformers 5's fused experts (gate_up_proj with rank and alpha
+    # doubled, down_proj), and leaves the dense block's MLP alone; Rondo does the same.
+    "qwen3_moe": (T.Qwen3MoeForCausalLM, T.Qwen3MoeConfig, dict(
+        num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+        norm_topk_prob=True, mlp_only_layers=[1])),
+    "mixtral": (T.MixtralForCausalLM, T.MixtralConfig, dict(
+        num_key_value_heads=2, num_local_experts=3, num_experts_per_tok=2)),
 }
 ADAPTERS = {
     "all_linear_r4": dict(r=4, lora_alpha=8, target_modules="all-linear", use_rslora=False),
@@ -29,6 +37,9 @@ ADAPTERS = {
                          use_rslora=True),
     "mlp_r2": dict(r=2, lora_alpha=3, target_modules=["gate_proj", "up_proj", "down_proj"],
                    use_rslora=False),
+    # Mixtral's MLP names (w1 gate, w3 up, w2 down), on its experts, with attention.
+    "mixtral_experts_rslora": dict(r=3, lora_alpha=4, target_modules=["q_proj", "w1", "w3", "w2"],
+                                   use_rslora=True),
 }
 
 
@@ -50,8 +61,17 @@ def make(tmp_path, family, adapter, seed):
     return base, model
 
 
-@pytest.mark.parametrize("adapter", list(ADAPTERS))
-@pytest.mark.parametrize("family", list(FAMILIES))
+MOE = {"qwen3_moe", "mixtral"}
+# PEFT's all-linear on a mixture of experts adapts the router too (refused, below); Mixtral's MLP
+# names are its own.
+CASES = [(f, a) for f in FAMILIES for a in ADAPTERS
+         if (a == "mixtral_experts_rslora") == (f == "mixtral") or
+         (f == "mixtral" and a == "qv_r8_rslora") or (f == "qwen3_moe" and a == "mlp_r2")]
+CASES = [(f, a) for f, a in CASES if not (f in MOE and a == "all_linear_r4")]
+EXPERTS = {"qwen3_moe": "mlp_r2", "mixtral": "mixtral_experts_rslora"}  # an adapter on experts
+
+
+@pytest.mark.parametrize("family,adapter", CASES)
 def test_logits_equal_peft(family, adapter, tmp_path):
     seed = int.from_bytes(os.urandom(4), "little")
     print("seed", seed)
@@ -76,7 +96,7 @@ def test_generation_with_an_adapter_equals_peft_greedy(family, tmp_path):
     model (full forward each step, fp32); a near tie (top-2 gap under 1e-4) may pick otherwise."""
     seed = int.from_bytes(os.urandom(4), "little")
     print("seed", seed)
-    _, model = make(tmp_path, family, "all_linear_r4", seed)
+    _, model = make(tmp_path, family, EXPERTS.get(family, "all_linear_r4"), seed)
     prompt = torch.randint(0, V, (5,), generator=torch.Generator().manual_seed(seed)).tolist()
     ref, gaps, seq = [], [], list(prompt)
     with torch.no_grad():
@@ -148,14 +168,16 @@ def test_trained_adapter_exports_load_in_peft_and_transformers(family, tmp_path)
     transformers alone, both give Rondo's logits within 1e-4 (fp32)."""
     seed = int.from_bytes(os.urandom(4), "little")
     print("seed", seed)
-    make(tmp_path, family, "all_linear_r4", seed)
+    make(tmp_path, family, EXPERTS.get(family, "all_linear_r4"), seed)
     g = torch.Generator().manual_seed(seed)
     steps = [[torch.randint(0, V, (2, 10), generator=g).tolist() for _ in range(2)]
              for _ in range(3)]
     eval_tokens = torch.randint(0, V, (2, 9), generator=g)
     (tmp_path / "in.json").write_text(json.dumps({
-        "lora": {"r": 4, "alpha": 8, "targets": ["q_proj", "v_proj", "down_proj"],
-                 "rslora": True},
+        # On a mixture of experts: the experts' gate_up_proj and down_proj (PEFT's
+        # target_parameters), written so that peft reads them back.
+        "lora": {"r": 4, "alpha": 8, "targets": ["q_proj", "v_proj", "down_proj"] +
+                 (["gate_proj", "up_proj"] if family in MOE else []), "rslora": True},
         "seed": seed % 2**31, "lr": 1e-2, "steps": steps, "eval_tokens": eval_tokens.tolist()}))
     out = tmp_path / "out"
     driver("lora-train-export", tmp_path / "base", tmp_path / "in.json", out)
@@ -177,3 +199,30 @@ def test_trained_adapter_exports_load_in_peft_and_transformers(family, tmp_path)
     np.testing.assert_allclose(via_merged, via_peft, rtol=0, atol=1e-4 * scale)
     config = json.loads((out / "adapter" / "adapter_config.json").read_text())
     assert config["r"] == 4 and config["use_rslora"] is True
+
+
+def test_moe_adapters_rondo_cannot_reproduce_are_refused(tmp_path):
+    """peft's all-linear on a mixture of experts adapts the router (target_parameters
+    gate.weight): refused, naming it. Training refuses gate_proj without up_proj (one fused weight)
+    and dropout on experts (PEFT cannot apply it), each saying what to do."""
+    make(tmp_path, "qwen3_moe", "all_linear_r4", 1)
+    config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert "gate.weight" in config["target_parameters"], config  # what peft wrote
+    (tmp_path / "batch.json").write_text(json.dumps({"tokens": [[1, 2, 3]]}))
+    with pytest.raises(DriverError) as e:
+        driver("lora-logits", tmp_path / "base", tmp_path / "adapter", tmp_path / "batch.json",
+               tmp_path / "out.safetensors")
+    assert "target_parameters: 'gate.weight' is not an expert weight" in str(e.value), \
+        str(e.value)
+
+    def train(lora):
+        (tmp_path / "in.json").write_text(json.dumps({
+            "lora": {"r": 4, "alpha": 8, "rslora": False, **lora}, "seed": 1, "lr": 1e-2,
+            "steps": [[[1, 2, 3, 4]]], "eval_tokens": [[1, 2]]}))
+        with pytest.raises(DriverError) as e:
+            driver("lora-train-export", tmp_path / "base", tmp_path / "in.json", tmp_path / "out")
+        return str(e.value)
+    msg = train({"targets": ["q_proj", "gate_proj"]})
+    assert "gate_proj and up_proj" in msg and "target both or neither" in msg, msg
+    msg = train({"targets": ["down_proj"], "dropout": 0.1})
+    assert "dropout must be 0 for adapters on experts" in msg, msg

@@ -1,7 +1,7 @@
 """Rondo's forward pass against transformers on the CPU in fp32, for every family and the shapes
 that break naive implementations (GQA, tied embeddings, head_dim != hidden/heads, QKV bias, q/k
 norm, llama3, linear, yarn (with mscale and untruncated ramp) and dynamic rope scaling, sliding
-window in every layer or per layer), loaded from single-file and sharded safetensors.
+window in every layer or per layer, mixture-of-experts blocks of Qwen3-MoE and Mixtral), loaded from single-file and sharded safetensors.
 Tolerance: 1e-4 absolute on logits and loss (fp32 accumulation-order differences are ~1e-6 here).
 """
 import json
@@ -54,6 +54,19 @@ VARIANTS = {
         num_attention_heads=4, num_key_value_heads=2, head_dim=16, use_sliding_window=True,
         sliding_window=4,
         layer_types=["sliding_attention", "full_attention", "sliding_attention"])),
+    # Mixture of experts: top-k routing without renormalisation, a dense layer among sparse ones
+    # (mlp_only_layers); renormalised top-3 of 5 on every second layer (decoder_sparse_step);
+    # Mixtral (renormalised, its own names: block_sparse_moe.experts.N.w1/w2/w3).
+    "qwen3_moe_mlp_only": (T.Qwen3MoeForCausalLM, T.Qwen3MoeConfig, dict(
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=4,
+        num_experts_per_tok=2, moe_intermediate_size=24, norm_topk_prob=False,
+        mlp_only_layers=[1])),
+    "qwen3_moe_sparse_step": (T.Qwen3MoeForCausalLM, T.Qwen3MoeConfig, dict(
+        num_attention_heads=4, num_key_value_heads=2, num_experts=5, num_experts_per_tok=3,
+        moe_intermediate_size=20, norm_topk_prob=True, decoder_sparse_step=2)),
+    "mixtral_moe": (T.MixtralForCausalLM, T.MixtralConfig, dict(
+        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+        num_experts_per_tok=2)),
     # Dynamic (NTK) rope grows its base once the batch's longest position passes
     # max_position_embeddings: 16 here, so that the 23-token rows below do.
     "mistral_dynamic_rope": (T.MistralForCausalLM, T.MistralConfig, dict(

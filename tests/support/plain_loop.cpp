@@ -51,7 +51,7 @@ double PlainLoop::forward_backward(const std::vector<engine::Microbatch>& microb
   std::int64_t targets = 0;
   for (const engine::Microbatch& mb : microbatches)
     targets += mb.targets.ne(-100).sum().item<std::int64_t>();
-  double loss = 0;
+  double loss = 0, aux_total = 0;
   auto layer = [&](std::size_t l) {
     std::vector<at::Tensor> w;
     for (const models::ParamSpec& p : s.specs[l].params)
@@ -63,6 +63,15 @@ double PlainLoop::forward_backward(const std::vector<engine::Microbatch>& microb
     const at::ScalarType dt = s.params.begin()->second.scalar_type();
     models::AttentionContext ctx = models::make_attention_context(s.config, mb.batch, dt);
     ctx.dropout_seed = engine::dropout_seed(seed, step_no, static_cast<int>(m));
+    // MoE with the router's load-balancing loss: the sparse blocks' probability sums under
+    // autograd, and their top-k counts, from this one forward.
+    const bool aux = s.config.num_experts > 0 && s.config.output_router_logits;
+    std::vector<at::Tensor> prob_sums;
+    if (aux) {
+      ctx.routing = std::make_shared<models::RoutingRecord>();
+      ctx.record_routing = true;
+      ctx.router_prob_sums = &prob_sums;
+    }
     at::Tensor x = models::embed(layer(0)[0], mb.batch.tokens);
     for (std::size_t l = 1; l + 1 < s.specs.size(); ++l)
       x = models::block_forward(s.config, models::BlockWeights::bind(s.specs[l], layer(l)), x, ctx);
@@ -73,10 +82,27 @@ double PlainLoop::forward_backward(const std::vector<engine::Microbatch>& microb
     logits = logits.to(at::promote_types(logits.scalar_type(), at::kFloat));
     at::Tensor sum = at::cross_entropy_loss(logits.reshape({-1, logits.size(-1)}),
                                             mb.targets.reshape({-1}), {}, at::Reduction::Sum, -100);
-    (sum / static_cast<double>(targets)).backward();
+    at::Tensor objective = sum / static_cast<double>(targets);
+    if (aux && !prob_sums.empty()) {
+      // transformers' load_balancing_loss_func: E * sum_e (counts_e / rows) * (prob sum_e / rows)
+      // over all sparse blocks' (token, expert) pairs; each microbatch's counts 1 / M.
+      at::Tensor counts = at::zeros({s.config.num_experts}, at::kDouble);
+      double rows = 0;
+      for (auto& [b, r] : ctx.routing->blocks) {
+        counts += at::tensor(r.counts, at::kLong).to(at::kDouble);
+        rows += static_cast<double>(r.tokens);
+      }
+      at::Tensor probs = at::stack(prob_sums).sum(0).to(at::kDouble);
+      at::Tensor aux_loss =
+          (counts / rows * probs / rows).sum() * static_cast<double>(s.config.num_experts) *
+          s.config.router_aux_loss_coef / static_cast<double>(microbatches.size());
+      objective = objective + aux_loss.to(objective.scalar_type());
+      aux_total += aux_loss.item<double>();
+    }
+    objective.backward();
     loss += sum.item<double>();
   }
-  return loss / static_cast<double>(targets);
+  return loss / static_cast<double>(targets) + aux_total;
 }
 
 double PlainLoop::step(const std::vector<engine::Microbatch>& microbatches,
@@ -155,6 +181,18 @@ models::ModelConfig tiny_qwen2(int layers, int scale) {
           R"(,"num_attention_heads":4,"num_key_value_heads":2,"tie_word_embeddings":true,
           "rms_norm_eps":1e-6})",
       "tiny qwen2");
+}
+
+models::ModelConfig tiny_qwen3_moe(int layers, int scale) {
+  return models::parse_hf_config(
+      R"({"architectures":["Qwen3MoeForCausalLM"],"vocab_size":)" + std::to_string(31 * scale) +
+          R"(,"hidden_size":)" + std::to_string(16 * scale) + R"(,"intermediate_size":)" +
+          std::to_string(24 * scale) + R"(,"moe_intermediate_size":)" + std::to_string(12 * scale) +
+          R"(,"num_hidden_layers":)" + std::to_string(layers) +
+          R"(,"num_attention_heads":4,"num_key_value_heads":2,"head_dim":8,
+          "num_experts":4,"num_experts_per_tok":2,"norm_topk_prob":true,"mlp_only_layers":[1],
+          "output_router_logits":true,"router_aux_loss_coef":0.05,"rms_norm_eps":1e-6})",
+      "tiny qwen3-moe");
 }
 
 std::map<std::string, at::Tensor> random_weights(const models::ModelConfig& config) {

@@ -67,6 +67,9 @@ class PlainLoop {
 // Qwen2 (tied embeddings, QKV biases). `scale` multiplies the sizes (1 = unit-test size).
 models::ModelConfig tiny_llama(int layers = 4, int scale = 1);
 models::ModelConfig tiny_qwen2(int layers = 4, int scale = 1);
+// Qwen3-MoE: 4 experts, top-2 renormalised, block 1 dense (mlp_only_layers), the router's
+// load-balancing loss on with coefficient 0.05.
+models::ModelConfig tiny_qwen3_moe(int layers = 4, int scale = 1);
 // Random weights for a config (norm weights around 1), from the current torch seed.
 std::map<std::string, at::Tensor> random_weights(const models::ModelConfig& config);
 // A global batch of `rows` rows of `seq` tokens, two packed documents per row, split into `m`
