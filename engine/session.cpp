@@ -212,7 +212,8 @@ struct Session::Impl {
         std::find(c.output.exports.begin(), c.output.exports.end(), "gguf-adapter") !=
             c.output.exports.end())
       for (const std::string& t : c.lora_config().targets)
-        if (t == "all-linear" || t == "gate_proj" || t == "up_proj" || t == "down_proj")
+        if (t == "all-linear" || t == "gate_proj" || t == "up_proj" || t == "down_proj" ||
+            t == "gate")
           throw Error(
               "output.exports: a GGUF adapter of LoRA on experts is not supported yet (lora "
               "targets " +

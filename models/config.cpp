@@ -23,6 +23,8 @@ const char* to_string(Family family) {
       return "qwen3_moe";
     case Family::kMixtral:
       return "mixtral";
+    case Family::kGptOss:
+      return "gpt_oss";
   }
   return "?";
 }
@@ -191,14 +193,18 @@ ModelConfig parse_hf_config_json(const json& j, const std::string& source) {
     c.family = Family::kQwen3Moe;
   } else if (arch == "MixtralForCausalLM" || (arch.empty() && model_type == "mixtral")) {
     c.family = Family::kMixtral;
+  } else if (arch == "GptOssForCausalLM" || (arch.empty() && model_type == "gpt_oss")) {
+    c.family = Family::kGptOss;
   } else {
     throw Error(source + ": architecture '" + (arch.empty() ? model_type : arch) +
                 "' is not supported (supported: LlamaForCausalLM, MistralForCausalLM, "
-                "Qwen2ForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM, MixtralForCausalLM)");
+                "Qwen2ForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM, MixtralForCausalLM, "
+                "GptOssForCausalLM)");
   }
   if (c.architecture.empty()) {
     static const char* kArch[] = {"LlamaForCausalLM", "MistralForCausalLM",  "Qwen2ForCausalLM",
-                                  "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "MixtralForCausalLM"};
+                                  "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "MixtralForCausalLM",
+                                  "GptOssForCausalLM"};
     c.architecture = kArch[static_cast<int>(c.family)];
   }
 
@@ -240,8 +246,12 @@ ModelConfig parse_hf_config_json(const json& j, const std::string& source) {
       break;
     case Family::kMixtral:
       break;
+    case Family::kGptOss:
+      c.attention_bias = c.attention_out_bias = r.boolean("attention_bias", true);
+      c.attention_sinks = true;
+      break;
   }
-  // Experts, as transformers' Qwen3MoeConfig and MixtralConfig (with their defaults).
+  // Experts, as transformers' Qwen3MoeConfig, MixtralConfig and GptOssConfig (their defaults).
   if (c.family == Family::kQwen3Moe) {
     // Qwen's files say num_experts; transformers 5 writes num_local_experts (its attribute map).
     c.num_experts = r.has("num_experts") ? r.integer("num_experts", 128, false)
@@ -272,6 +282,24 @@ ModelConfig parse_hf_config_json(const json& j, const std::string& source) {
     }
     if (std::find(sparse.begin(), sparse.end(), false) != sparse.end())
       c.sparse_layers = std::move(sparse);
+  } else if (c.family == Family::kGptOss) {
+    c.num_experts = r.integer("num_local_experts", 128, false);
+    c.experts_per_token = r.integer("num_experts_per_tok", 4, false);
+    c.moe_intermediate_size = c.intermediate_size;
+    c.swiglu_alpha = r.number(j, "swiglu_alpha", 1.702);
+    c.swiglu_limit = r.number(j, "swiglu_limit", 7.0);
+    // Sliding and full layers as layer_types says (every other one by default).
+    c.sliding_window = r.integer("sliding_window", 128, false);
+    c.sliding_layers.assign(static_cast<std::size_t>(std::max<std::int64_t>(c.num_layers, 0)),
+                            false);
+    const json none = json::array();
+    const json& types = r.has("layer_types") ? j.at("layer_types") : none;
+    if (r.has("layer_types") && (!types.is_array() || types.size() != c.sliding_layers.size()))
+      problems.push_back("field 'layer_types' must list one type per layer (" +
+                         std::to_string(c.num_layers) + ")");
+    for (std::size_t i = 0; i < c.sliding_layers.size(); ++i)
+      c.sliding_layers[i] =
+          types.size() == c.sliding_layers.size() ? types[i] == "sliding_attention" : i % 2 == 0;
   } else if (c.family == Family::kMixtral) {
     c.num_experts = r.integer("num_local_experts", 8, false);
     c.experts_per_token = r.integer("num_experts_per_tok", 2, false);
@@ -442,6 +470,19 @@ std::string hf_config_json(const ModelConfig& c, DType dtype) {
             "transformers' attention_bias cannot say");
       j["attention_bias"] = c.attention_bias;
       j["mlp_bias"] = c.mlp_bias;
+      break;
+    case Family::kGptOss:
+      j["attention_bias"] = c.attention_bias;
+      j["num_local_experts"] = c.num_experts;
+      j["swiglu_alpha"] = c.swiglu_alpha;
+      j["swiglu_limit"] = c.swiglu_limit;
+      j["sliding_window"] = c.sliding_window;
+      {
+        std::vector<std::string> types;
+        for (std::int64_t l = 0; l < c.num_layers; ++l)
+          types.push_back(c.windowed(l) ? "sliding_attention" : "full_attention");
+        j["layer_types"] = types;
+      }
       break;
     case Family::kMistral:
     case Family::kMixtral:

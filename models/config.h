@@ -13,8 +13,9 @@
 
 namespace rondo::models {
 
-enum class Family { kLlama, kMistral, kQwen2, kQwen3, kQwen3Moe, kMixtral };
-// "llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral" (transformers' model_type)
+enum class Family { kLlama, kMistral, kQwen2, kQwen3, kQwen3Moe, kMixtral, kGptOss };
+// "llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "gpt_oss" (transformers'
+// model_type)
 const char* to_string(Family family);
 
 // Rotary position embeddings as transformers computes them (modeling_rope_utils): "default";
@@ -88,6 +89,13 @@ struct ModelConfig {
   // does.
   bool output_router_logits = false;
   double router_aux_loss_coef = 0.001;
+  // GPT-OSS: a learned logit per head that joins each softmax of the attention (attention sinks);
+  // the router has a bias and weighs the top-k by a softmax over their logits; the experts are
+  // fused (gate_up_proj (E, C, 2I) with gate and up interleaved, down_proj (E, I, C), biases) and
+  // gate with a clamped SwiGLU: (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g),
+  // g = min(gate, limit).
+  bool attention_sinks = false;
+  double swiglu_alpha = 1.702, swiglu_limit = 7.0;
   DType dtype = DType::kF32;  // dtype the checkpoint declares
   std::vector<std::int64_t> eos_token_ids;
   std::int64_t bos_token_id = -1;  // -1 = none

@@ -62,23 +62,29 @@ void write_peft_adapter(const std::string& dir, const std::vector<LayerSpec>& sp
   write_safetensors((fs::path(dir) / "adapter_model.safetensors").string(), tensors,
                     {{"format", "pt"}});
   // Module names; a mixture of experts' MLP names as the target_parameters PEFT turns them into
-  // (Note [LoRA on experts] in lora.cpp), with gate_up_proj's rank and alpha doubled.
+  // (Note [LoRA on experts] in lora.cpp), with gate_up_proj's rank and alpha doubled: what
+  // add_lora adapted.
   const bool moe = !specs.empty() && specs.front().config.num_experts > 0;
   nlohmann::json targets = nlohmann::json::array(), parameters = nlohmann::json::array();
   for (const char* m :
        {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}) {
-    const bool wanted = std::any_of(lora.targets.begin(), lora.targets.end(),
-                                    [&](auto& t) { return t == "all-linear" || t == m; });
     const std::string name = m;
-    if (!wanted) continue;
     const bool mlp = name == "gate_proj" || name == "up_proj" || name == "down_proj";
-    if (!moe || !mlp)
+    if ((!moe || !mlp) && std::any_of(lora.targets.begin(), lora.targets.end(),
+                                      [&](auto& t) { return t == "all-linear" || t == name; }))
       targets.push_back(name);
-    else if (name == "gate_proj")
-      parameters.push_back("gate_up_proj");
-    else if (name == "down_proj")
-      parameters.push_back("down_proj");
   }
+  auto any_spec = [&](auto&& has) { return std::any_of(specs.begin(), specs.end(), has); };
+  if (any_spec([](const LayerSpec& s) { return s.lora_experts_gate_up; }))
+    parameters.push_back("gate_up_proj");
+  if (any_spec([](const LayerSpec& s) { return s.lora_experts_down; }))
+    parameters.push_back("down_proj");
+  if (any_spec([](const LayerSpec& s) {
+        return std::any_of(s.params.begin(), s.params.end(), [](const ParamSpec& p) {
+          return p.name.find(".mlp.gate.lora_A.") != std::string::npos;
+        });
+      }))
+    parameters.push_back("gate.weight");  // the router
   nlohmann::json config = {{"peft_type", "LORA"},
                            {"task_type", "CAUSAL_LM"},
                            {"base_model_name_or_path", peft_base_name(base_model)},

@@ -258,11 +258,16 @@ const char* gguf_architecture(Family family) {
       return "qwen3moe";
     case Family::kMixtral:
       return "llama";  // llama.cpp stores Mixtral as llama with experts
+    case Family::kGptOss:
+      break;
   }
-  return "?";
+  throw Error(std::string("GGUF for ") + to_string(family) +
+              " is not supported yet: export a merged Hugging Face folder (--format merged) or a "
+              "PEFT adapter (--format adapter)");
 }
 
 std::vector<GgufTensorMapping> gguf_names(const ModelConfig& c) {
+  gguf_architecture(c.family);  // refuses a family without a GGUF layout here
   const std::int64_t C = c.hidden_size, H = c.num_heads, KV = c.num_kv_heads, D = c.head_dim;
   const std::int64_t V = c.vocab_size, F = c.intermediate_size;
   // llama.cpp permutes q/k rows for llama only (Note [llama.cpp rotary permutation]).

@@ -8,6 +8,7 @@
 #include "models/dequant.h"
 #include "models/gguf_model.h"
 #include "models/model.h"
+#include "models/mxfp4.h"
 #include "models/safetensors.h"
 
 namespace rondo::models {
@@ -64,8 +65,17 @@ ModelSummary inspect_model(const std::string& path, std::int64_t seq_len) {
     s.format = "safetensors";
     s.config = load_hf_config((fs::path(path) / "config.json").string());
     Checkpoint ckpt = Checkpoint::open_hf_folder(path);
+    const std::map<std::string, Mxfp4Weight> mxfp4 = mxfp4_weights(ckpt);
     for (const LayerSpec& spec : layer_specs(s.config))
       for (const ParamSpec& p : spec.params) {
+        if (auto m = mxfp4.find(p.name); m != mxfp4.end()) {  // GPT-OSS's experts
+          if (m->second.shape != p.shape)
+            throw Error(m->second.blocks->file + ": MXFP4 tensor '" + p.name + "' has shape " +
+                        shape_text(m->second.shape) + " but config.json implies " +
+                        shape_text(p.shape));
+          stored[p.name] = {m->second.bytes(), "MXFP4"};
+          continue;
+        }
         const TensorEntry& e = ckpt.get(p.name);
         if (e.shape != p.shape)
           throw Error(e.file + ": tensor '" + p.name + "' has shape " + shape_text(e.shape) +

@@ -64,8 +64,10 @@ double LayerSpec::flops_forward_per_token(std::int64_t seq_len) const {
       // per token.
       double matmul = 0, experts = 0;
       for (const ParamSpec& p : params)
-        if (p.shape.size() == 2)
-          (p.name.find(".experts.") != std::string::npos ? experts : matmul) += 2.0 * p.numel();
+        if (p.name.find(".experts.") != std::string::npos)
+          experts += 2.0 * p.numel();  // biases too: a token pays for its experts' adds
+        else if (p.shape.size() == 2)
+          matmul += 2.0 * p.numel();
       if (c.num_experts > 0)
         matmul +=
             experts * static_cast<double>(c.experts_per_token) / static_cast<double>(c.num_experts);
@@ -139,7 +141,20 @@ std::vector<LayerSpec> layer_specs(const ModelConfig& c) {
       add("self_attn.q_norm.weight", {D});
       add("self_attn.k_norm.weight", {D});
     }
+    if (c.attention_sinks) add("self_attn.sinks", {H});
     add("post_attention_layernorm.weight", {C});
+    if (c.sparse(b) && c.family == Family::kGptOss) {
+      // GPT-OSS stores its experts fused, x @ W layout, gate and up interleaved, with biases.
+      const std::int64_t E = c.num_experts, F = c.moe_intermediate_size;
+      add("mlp.router.weight", {E, C});
+      add("mlp.router.bias", {E});
+      add("mlp.experts.gate_up_proj", {E, C, 2 * F});
+      add("mlp.experts.gate_up_proj_bias", {E, 2 * F});
+      add("mlp.experts.down_proj", {E, F, C});
+      add("mlp.experts.down_proj_bias", {E, C});
+      specs.push_back(std::move(s));
+      continue;
+    }
     if (c.sparse(b)) {
       // As the checkpoints store them: one module per expert.
       const std::int64_t E = c.num_experts, F = c.moe_intermediate_size;
@@ -416,6 +431,13 @@ BlockWeights BlockWeights::bind(const LayerSpec& spec, const std::vector<at::Ten
       {"mlp.up_proj.bias", &BlockWeights::up_bias},
       {"mlp.down_proj.weight", &BlockWeights::down},
       {"mlp.down_proj.bias", &BlockWeights::down_bias},
+      {"self_attn.sinks", &BlockWeights::sinks},
+      {"mlp.router.weight", &BlockWeights::router},
+      {"mlp.router.bias", &BlockWeights::router_bias},
+      {"mlp.experts.gate_up_proj", &BlockWeights::fused_gate_up},
+      {"mlp.experts.gate_up_proj_bias", &BlockWeights::fused_gate_up_bias},
+      {"mlp.experts.down_proj", &BlockWeights::fused_down},
+      {"mlp.experts.down_proj_bias", &BlockWeights::fused_down_bias},
   };
   static const std::map<std::string, BlockWeights::Projection> kProjections = {
       {"self_attn.q_proj", BlockWeights::kQ}, {"self_attn.k_proj", BlockWeights::kK},
@@ -430,6 +452,11 @@ BlockWeights BlockWeights::bind(const LayerSpec& spec, const std::vector<at::Ten
     if (name.rfind(lora_prefix, 0) ==
         0) {  // base_model.model.model.layers.3.mlp.up_proj.lora_A.weight
       const std::string local = name.substr(lora_prefix.size());
+      if (local.rfind("mlp.gate.lora_", 0) == 0) {  // the router's (PEFT's gate.weight)
+        (local.find(".lora_A.") != std::string::npos ? w.router_lora_a : w.router_lora_b) =
+            tensors[i];
+        continue;
+      }
       if (local.rfind("mlp.experts.", 0) == 0) {  // PEFT's adapters on the fused experts
         const int which = local.find(".base_layer.") != std::string::npos ? 0
                           : spec.lora_experts_down                        ? 1
@@ -504,18 +531,32 @@ namespace {
 at::Tensor moe_mlp(const ModelConfig& c, const BlockWeights& w, const at::Tensor& h,
                    const AttentionContext& ctx) {
   const std::int64_t C = h.size(-1), E = c.num_experts, K = c.experts_per_token;
-  RONDO_ASSERT_MSG(static_cast<std::int64_t>(w.expert_gate.size()) == E &&
-                       static_cast<std::int64_t>(w.expert_up.size()) == E &&
-                       static_cast<std::int64_t>(w.expert_down.size()) == E,
+  const bool fused = w.fused_gate_up.defined();  // GPT-OSS
+  RONDO_ASSERT_MSG(fused || (static_cast<std::int64_t>(w.expert_gate.size()) == E &&
+                             static_cast<std::int64_t>(w.expert_up.size()) == E &&
+                             static_cast<std::int64_t>(w.expert_down.size()) == E),
                    "block " + std::to_string(w.block) + ": not every expert's weights are bound");
   const at::Tensor x = h.reshape({-1, C});
   const std::int64_t N = x.size(0);
-  const at::Tensor probs = at::softmax(at::linear(x, w.router), -1, at::kFloat);  // (N, E)
-  auto [top, chosen] = at::topk(probs, K, -1);                                    // (N, K)
-  if (c.norm_topk_prob) top = top / top.sum(-1, /*keepdim=*/true);
-  // Qwen3-MoE weighs the experts' outputs in the activation dtype, Mixtral in fp32.
-  const bool fp32_weights = c.family == Family::kMixtral;
-  if (!fp32_weights) top = top.to(x.scalar_type());
+  at::Tensor logits =
+      w.router_bias.defined() ? at::linear(x, w.router, w.router_bias) : at::linear(x, w.router);
+  if (w.router_lora_a.defined())
+    logits = logits + at::linear(at::linear(x, w.router_lora_a), w.router_lora_b) * w.lora_scaling;
+  // The full softmax: what routes Qwen3-MoE and Mixtral, and what the load-balancing loss sums
+  // for every family.
+  const at::Tensor probs = at::softmax(logits, -1, at::kFloat);  // (N, E)
+  at::Tensor top, chosen;
+  if (c.family == Family::kGptOss) {
+    // GPT-OSS: top-k of the logits, weighed by a softmax over those k (in the logits' dtype).
+    auto [values, index] = at::topk(logits, K, -1);
+    top = at::softmax(values, 1);
+    chosen = index;
+  } else {
+    std::tie(top, chosen) = at::topk(probs, K, -1);  // (N, K)
+    if (c.norm_topk_prob) top = top / top.sum(-1, /*keepdim=*/true);
+    // Qwen3-MoE weighs the experts' outputs in the activation dtype, Mixtral in fp32.
+    if (c.family != Family::kMixtral) top = top.to(x.scalar_type());
+  }
 
   const at::Tensor flat = chosen.reshape({-1});  // token n's k-th choice at n * K + k
   const at::Tensor order = at::argsort(flat, /*stable=*/true);
@@ -545,6 +586,17 @@ at::Tensor moe_mlp(const ModelConfig& c, const BlockWeights& w, const at::Tensor
     if (n == 0) continue;
     const at::Tensor tokens = token_of.narrow(0, start, n);
     const at::Tensor xs = x.index_select(0, tokens);
+    if (fused) {  // GPT-OSS: interleaved gate/up, biases, the clamped SwiGLU
+      const at::Tensor gu = at::matmul(xs, w.fused_gate_up[e]) + w.fused_gate_up_bias[e];
+      const at::Tensor g = gu.slice(1, 0, std::nullopt, 2).clamp_max(c.swiglu_limit);
+      const at::Tensor u = gu.slice(1, 1, std::nullopt, 2).clamp(-c.swiglu_limit, c.swiglu_limit);
+      const at::Tensor act = (u + 1) * (g * at::sigmoid(g * c.swiglu_alpha));
+      at::Tensor y = at::matmul(act, w.fused_down[e]) + w.fused_down_bias[e];
+      y = y * weight_of.narrow(0, start, n).unsqueeze(1);
+      out = out.index_add(0, tokens, y.to(out.scalar_type()));
+      start += n;
+      continue;
+    }
     at::Tensor gate = at::linear(xs, w.expert_gate[e]), up = at::linear(xs, w.expert_up[e]);
     if (w.expert_lora_a[0].defined()) {  // gate_up_proj's adapter: gate rows, then up rows
       const std::int64_t I = gate.size(1), r = w.expert_lora_a[0].size(0) / E;
@@ -646,23 +698,33 @@ at::Tensor block_forward(const ModelConfig& c, const BlockWeights& w, const at::
   std::optional<at::Tensor> mask;
   if (layer_mask.defined()) mask = layer_mask;
   at::Tensor a;
-  if (c.attention_dropout > 0 && ctx.dropout_seed >= 0) {
-    // Training with attention dropout: the plain path (as transformers' eager attention), because
-    // the fused kernels draw from a generator whose state a recompute could not replay.
-    RONDO_ASSERT_MSG(cache == nullptr, "attention dropout is for training, not generation");
+  const bool dropout = c.attention_dropout > 0 && ctx.dropout_seed >= 0;
+  if (dropout || w.sinks.defined()) {
+    // The plain path, as transformers' eager attention: in training with attention dropout
+    // (the fused kernels draw from a generator whose state a recompute could not replay), and
+    // with GPT-OSS's sinks (a learned logit per head joins each row's softmax, its share dropped).
+    RONDO_ASSERT_MSG(!dropout || cache == nullptr,
+                     "attention dropout is for training, not generation");
     at::Tensor kk = H != KV ? k.repeat_interleave(H / KV, 1) : k;
     at::Tensor vv = H != KV ? v.repeat_interleave(H / KV, 1) : v;
     at::Tensor s = at::matmul(q, kk.transpose(-2, -1)) / std::sqrt(static_cast<double>(D));
-    at::Tensor allowed =
-        mask ? *mask
-             : at::ones({T, T}, at::TensorOptions().dtype(at::kBool).device(x.device())).tril();
-    s = s.masked_fill(allowed.logical_not(), -std::numeric_limits<double>::infinity());
-    at::Tensor p =
-        at::softmax(s.to(at::promote_types(s.scalar_type(), at::kFloat)), -1).to(q.scalar_type());
-    p = seeded_dropout(
-        p, c.attention_dropout,
-        static_cast<std::int64_t>(static_cast<std::uint64_t>(ctx.dropout_seed) * 1000003u +
-                                  static_cast<std::uint64_t>(w.block)));
+    const std::int64_t keys = s.size(-1);
+    if (mask || cache == nullptr) {  // one cached token's query sees every key: nothing to mask
+      at::Tensor allowed =
+          mask ? *mask
+               : at::ones({T, T}, at::TensorOptions().dtype(at::kBool).device(x.device())).tril();
+      s = s.masked_fill(allowed.logical_not(), -std::numeric_limits<double>::infinity());
+    }
+    if (w.sinks.defined())
+      s = at::cat({s, w.sinks.to(s.scalar_type()).view({1, H, 1, 1}).expand({B, H, T, 1})}, -1);
+    at::Tensor p = at::softmax(s.to(at::promote_types(s.scalar_type(), at::kFloat)), -1)
+                       .narrow(-1, 0, keys)
+                       .to(q.scalar_type());
+    if (dropout)
+      p = seeded_dropout(
+          p, c.attention_dropout,
+          static_cast<std::int64_t>(static_cast<std::uint64_t>(ctx.dropout_seed) * 1000003u +
+                                    static_cast<std::uint64_t>(w.block)));
     a = at::matmul(p, vv);
   } else {
     a = at::scaled_dot_product_attention(q, k, v, mask, 0.0, causal,

@@ -163,6 +163,11 @@ struct BlockWeights {
   // e*R..(e+1)*R, its B the columns e, e+E, e+2E, ... (PEFT reshapes B as (out, R, E)).
   at::Tensor expert_lora_a[2], expert_lora_b[2];
   double expert_lora_scaling[2] = {0, 0};
+  at::Tensor router_lora_a, router_lora_b;  // (r, C), (E, r), scaled by lora_scaling
+  // GPT-OSS: per-head attention sinks (H); the router's bias (E); fused experts
+  // (E, C, 2I) + (E, 2I), gate and up interleaved, and (E, I, C) + (E, C), used as x @ W + b.
+  at::Tensor sinks, router_bias;
+  at::Tensor fused_gate_up, fused_gate_up_bias, fused_down, fused_down_bias;
   // LoRA adapters per projection (q, k, v, o, gate, up, down), undefined where there is none:
   // y = x W^T + b + (dropout(x) A^T) B^T * lora_scaling.
   enum Projection { kQ, kK, kV, kO, kGate, kUp, kDown, kProjections };

@@ -42,13 +42,13 @@ std::vector<std::string> LoraConfig::problems() const {
   if (!(dropout >= 0 && dropout < 1)) out.push_back("LoRA dropout must be in [0, 1)");
   if (targets.empty()) out.push_back("LoRA target modules: none given");
   for (const std::string& t : targets) {
-    bool known = t == "all-linear";
+    bool known = t == "all-linear" || t == "gate";
     for (const auto& [name, where] : projections())
       known = known || t == name;
     if (!known)
       out.push_back("LoRA target module '" + t +
                     "' is not one of q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, "
-                    "down_proj, all-linear");
+                    "down_proj, gate (a mixture of experts' router), all-linear");
   }
   return out;
 }
@@ -119,6 +119,9 @@ LoraConfig parse_peft_adapter_config(const std::string& json_text, const std::st
         for (const char* p : {"gate_proj", "up_proj"})
           if (std::find(c.targets.begin(), c.targets.end(), p) == c.targets.end())
             c.targets.push_back(p);
+      } else if (name == "gate.weight" || name.ends_with(".gate.weight")) {  // the router
+        if (std::find(c.targets.begin(), c.targets.end(), "gate") == c.targets.end())
+          c.targets.push_back("gate");
       } else if (leaf == "down_proj") {
         if (std::find(c.targets.begin(), c.targets.end(), leaf) == c.targets.end())
           c.targets.push_back(leaf);
@@ -160,17 +163,32 @@ std::vector<LayerSpec> add_lora(std::vector<LayerSpec> specs, const LoraConfig& 
   // A mixture of experts, as PEFT 0.21 with transformers 5 adapts one (Note [LoRA on experts]):
   // the MLP names mean the sparse blocks' fused experts, gate_proj and up_proj together.
   const bool moe = !specs.empty() && specs.front().config.num_experts > 0;
-  const bool gate_up = targets(lora, "gate_proj") && targets(lora, "up_proj");
-  const bool down = targets(lora, "down_proj");
+  // GPT-OSS's experts (interleaved gate/up, biases) have no PEFT conversion: attention only.
+  const bool fused_experts = moe && specs.front().config.family == Family::kGptOss;
+  if (fused_experts)
+    for (const std::string& t : lora.targets)
+      if (t == "gate_proj" || t == "up_proj" || t == "down_proj" || t == "gate")
+        throw Error("LoRA target '" + t +
+                    "': LoRA on GPT-OSS's experts and router is not supported yet; target the "
+                    "attention projections q_proj, k_proj, v_proj, o_proj (all-linear does)");
+  const bool gate_up = !fused_experts && targets(lora, "gate_proj") && targets(lora, "up_proj");
+  const bool down = !fused_experts && targets(lora, "down_proj");
+  // The router only when named (all-linear leaves it frozen).
+  const bool router =
+      std::find(lora.targets.begin(), lora.targets.end(), "gate") != lora.targets.end();
+  if (router && !moe)
+    throw Error("LoRA target 'gate' is a mixture of experts' router; " +
+                (specs.empty() ? std::string("this model") : specs.front().config.architecture) +
+                " has none");
   if (moe && targets(lora, "gate_proj") != targets(lora, "up_proj"))
     throw Error(
         "LoRA targets: gate_proj and up_proj of a mixture of experts are one fused weight per "
         "expert (gate_up_proj, as transformers 5 and PEFT hold them): target both or neither");
-  if (moe && (gate_up || down) && lora.dropout > 0)
+  if (moe && (gate_up || down || router) && lora.dropout > 0)
     throw Error(
-        "LoRA dropout must be 0 for adapters on experts (PEFT's parameter adapters cannot apply "
-        "it): set lora.dropout = 0, or target only the attention projections q_proj, k_proj, "
-        "v_proj, o_proj");
+        "LoRA dropout must be 0 for adapters on experts or the router (PEFT's parameter adapters "
+        "cannot apply it): set lora.dropout = 0, or target only the attention projections q_proj, "
+        "k_proj, v_proj, o_proj");
   for (LayerSpec& s : specs) {
     if (s.kind != LayerKind::kBlock) continue;
     const std::string prefix = "model.layers." + std::to_string(s.block) + ".";
@@ -206,6 +224,11 @@ std::vector<LayerSpec> add_lora(std::vector<LayerSpec> specs, const LoraConfig& 
         adapters.push_back({experts + "lora_A.weight", {r * E, I}});
         adapters.push_back({experts + "lora_B.weight", {C, r * E}});
         s.lora_experts_down = true;
+      }
+      if (router) {  // PEFT's target_parameters gate.weight: a plain 2-D adapter
+        const std::string gate = "base_model.model." + prefix + "mlp.gate.";
+        adapters.push_back({gate + "lora_A.weight", {r, C}});
+        adapters.push_back({gate + "lora_B.weight", {E, r}});
       }
     }
     s.params.insert(s.params.end(), adapters.begin(), adapters.end());
@@ -257,7 +280,10 @@ std::map<std::string, at::Tensor> merge_lora(const std::vector<LayerSpec>& specs
         out.emplace(p.name, w);
         continue;
       }
-      const std::string stem = p.name.substr(0, p.name.size() - std::string(".weight").size());
+      std::string stem = p.name.substr(0, p.name.size() - std::string(".weight").size());
+      // Mixtral's router is block_sparse_moe.gate on disk, mlp.gate to PEFT (transformers 5).
+      if (const std::size_t m = stem.find(".block_sparse_moe.gate"); m != std::string::npos)
+        stem.replace(m, std::string(".block_sparse_moe").size(), ".mlp");
       auto a = all.find("base_model.model." + stem + ".lora_A.weight");
       auto b = all.find("base_model.model." + stem + ".lora_B.weight");
       if (a != all.end() && b != all.end())

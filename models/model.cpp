@@ -7,6 +7,7 @@
 
 #include "kernels/error.h"
 #include "models/gguf_model.h"
+#include "models/mxfp4.h"
 #include "models/safetensors.h"
 #include "models/tensor_view.h"
 
@@ -58,6 +59,12 @@ Model Model::load_hf_folder(const std::string& dir, const LoadOptions& options) 
     at::Tensor t = e.view();  // zero-copy, read-only
     if (options.dtype && *options.dtype != e.dtype) t = t.to(to_scalar_type(*options.dtype));
     tensors.emplace(name, t);
+  }
+  // MXFP4 weights (GPT-OSS's experts), dequantised to the dtype asked for, else the config's.
+  for (const auto& [name, w] : mxfp4_weights(*ckpt)) {
+    tensors.erase(name + "_blocks");
+    tensors.erase(name + "_scales");
+    tensors[name] = dequantize_mxfp4(w, to_scalar_type(options.dtype.value_or(config.dtype)));
   }
   return from_tensors(std::move(config), std::move(tensors), dir, ckpt);
 }

@@ -9,6 +9,7 @@
 #include "models/gguf_model.h"
 #include "models/mapped_file.h"
 #include "models/model.h"
+#include "models/mxfp4.h"
 #include "models/safetensors.h"
 #include "models/tensor_view.h"
 
@@ -22,6 +23,7 @@ struct WeightReader::Impl {
   std::unique_ptr<Checkpoint> hf;
   std::unique_ptr<GgufFile> gguf;
   std::map<std::string, GgufTensorMapping> mapping;  // GGUF: by HF name
+  std::map<std::string, Mxfp4Weight> mxfp4;          // HF: MXFP4 weights by their name
 };
 
 WeightReader::WeightReader(const std::string& path) : impl_(std::make_unique<Impl>()) {
@@ -34,6 +36,12 @@ WeightReader::WeightReader(const std::string& path) : impl_(std::make_unique<Imp
     std::map<std::string, std::vector<std::int64_t>> shapes;
     for (const std::string& name : m.hf->names())
       shapes.emplace(name, m.hf->get(name).shape);
+    m.mxfp4 = mxfp4_weights(*m.hf);
+    for (const auto& [name, w] : m.mxfp4) {
+      shapes.erase(name + "_blocks");
+      shapes.erase(name + "_scales");
+      shapes[name] = w.shape;
+    }
     check_weights_match(m.config, m.layers, shapes, path);
   } else {
     m.gguf = std::make_unique<GgufFile>(path);
@@ -69,6 +77,8 @@ at::Tensor WeightReader::read(const std::string& name, DType dtype) const {
     if (it == m.mapping.end()) throw Error(m.path + ": no tensor '" + name + "'");
     return load_hf_tensor(*m.gguf, it->second, dtype);
   }
+  if (auto it = m.mxfp4.find(name); it != m.mxfp4.end())
+    return dequantize_mxfp4(it->second, to_scalar_type(dtype));
   const TensorEntry& e = m.hf->get(name);
   at::Tensor t = e.view();
   if (dtype != e.dtype) t = t.to(to_scalar_type(dtype));
@@ -122,6 +132,9 @@ void WeightReader::release(const std::string& name) const {
       return;
     }
     release_mapped_pages(m.gguf->tensor_data(info), info.n_bytes);
+  } else if (auto it = m.mxfp4.find(name); it != m.mxfp4.end()) {
+    for (const TensorEntry* e : {it->second.blocks, it->second.scales})
+      release_mapped_pages(e->data, e->bytes);
   } else if (const TensorEntry* e = m.hf->find(name)) {
     release_mapped_pages(e->data, e->bytes);
   }

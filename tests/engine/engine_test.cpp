@@ -231,9 +231,11 @@ TEST(Engine, InvariantToDevicesMicrobatchesGrainAndPlan) {
   const unsigned seed = std::random_device{}();
   std::printf("seed %u\n", seed);
   std::mt19937 rng(seed);
-  // Qwen3-MoE with its load-balancing loss: the routing recorded by each block's first forward
-  // (on any device) is what the backward's recompute replays and the aux loss's gradient uses.
-  for (const auto& family : {test::tiny_llama(4), test::tiny_qwen2(4), test::tiny_qwen3_moe(4)}) {
+  // Qwen3-MoE and GPT-OSS with their load-balancing loss: the routing recorded by each block's
+  // first forward (on any device) is what the backward's recompute replays and the aux loss's
+  // gradient uses.
+  for (const auto& family :
+       {test::tiny_llama(4), test::tiny_qwen2(4), test::tiny_qwen3_moe(4), test::tiny_gpt_oss(4)}) {
     for (int M : {1, 2, 5}) {
       Case s = make_case(family, M, seed + M);
       Reference ref = run_reference(s);
@@ -316,57 +318,52 @@ TEST(Engine, OneStepStaleEqualsThePlainLoopRunStale) {
   EXPECT_GT(layer_rel(exact.weights, ref.weights, s.specs[1]), 1e-5) << "stale = exact?";
 }
 
-// LoRA: only the adapters train (with adapter dropout), the base stays bit for bit as loaded, and
-// the engine equals the plain loop training the same adapters, on 1 and 3 devices.
-TEST(Engine, LoraTrainsOnlyTheAdaptersLikeThePlainLoop) {
-  const unsigned seed = std::random_device{}();
-  std::printf("seed %u\n", seed);
+// Trains `lora` adapters on `config` (mid-training adapters: B not zero; the base frozen) with the
+// engine on 1 and 3 devices, both grains, against the plain loop; `adapters` tensors train.
+void expect_lora_like_plain_loop(const models::ModelConfig& config, const models::LoraConfig& lora,
+                                 std::size_t adapters, unsigned seed) {
   std::mt19937 rng(seed);
-  Case s = make_case(test::tiny_qwen2(3), 2, seed);
-  s.specs = models::add_lora(s.specs, {.rank = 4, .alpha = 8, .dropout = 0.1});
+  Case s = make_case(config, 2, seed);
+  s.specs = models::add_lora(s.specs, lora);
   for (auto& [name, t] : models::init_lora(s.specs, seed))
     s.weights[name] = t;
-  for (auto& [name, t] : s.weights)  // mid-training adapters: B not zero
+  for (auto& [name, t] : s.weights)
     if (name.find(".lora_B.") != std::string::npos) t = 0.1 * at::randn(t.sizes());
   s.trainable = models::is_lora_param;
   Reference ref = run_reference(s);
-  EXPECT_EQ(ref.grads1.size(), 2u * 7 * 3) << "A and B of 7 projections in 3 blocks";
+  EXPECT_EQ(ref.grads1.size(), adapters);
   const int layers = static_cast<int>(s.specs.size());
   for (int N : {1, 3})
     for (RecomputeGrain grain : {RecomputeGrain::kStage, RecomputeGrain::kLayer}) {
       Plan plan = random_plan(layers, 2, grain, rng);
-      const std::string what = "lora N=" + std::to_string(N) + " " + plan.describe();
+      const std::string what =
+          config.architecture + " lora N=" + std::to_string(N) + " " + plan.describe();
       SCOPED_TRACE(what);
       expect_equal(run_engine(s, plan, N), ref, s.specs, s.weights, what);
     }
 }
 
+// LoRA: only the adapters train (with adapter dropout), the base stays bit for bit as loaded, and
+// the engine equals the plain loop training the same adapters, on 1 and 3 devices.
+TEST(Engine, LoraTrainsOnlyTheAdaptersLikeThePlainLoop) {
+  const unsigned seed = std::random_device{}();
+  std::printf("seed %u\n", seed);
+  // A and B of 7 projections in 3 blocks.
+  expect_lora_like_plain_loop(test::tiny_qwen2(3), {.rank = 4, .alpha = 8, .dropout = 0.1},
+                              2u * 7 * 3, seed);
+}
+
 // LoRA on a mixture of experts: attention adapters plus PEFT's fused expert adapters (gate_up_proj
-// and down_proj per sparse block), with the router's load-balancing loss on; the router and the
-// experts themselves stay frozen.
+// and down_proj per sparse block) and the router's, with the router's load-balancing loss on.
 TEST(Engine, LoraOnExpertsTrainsLikeThePlainLoop) {
   const unsigned seed = std::random_device{}();
   std::printf("seed %u\n", seed);
-  std::mt19937 rng(seed);
-  Case s = make_case(test::tiny_qwen3_moe(3), 2, seed);
-  s.specs = models::add_lora(s.specs, {.rank = 2, .alpha = 4, .rslora = true});
-  for (auto& [name, t] : models::init_lora(s.specs, seed))
-    s.weights[name] = t;
-  for (auto& [name, t] : s.weights)  // mid-training adapters: B not zero
-    if (name.find(".lora_B.") != std::string::npos) t = 0.1 * at::randn(t.sizes());
-  s.trainable = models::is_lora_param;
-  Reference ref = run_reference(s);
-  // 4 attention projections in 3 blocks; gate_up and down on the 2 sparse blocks (block 1 is
-  // dense, and PEFT leaves a dense MLP of a mixture of experts alone).
-  EXPECT_EQ(ref.grads1.size(), 2u * (4 * 3 + 2 * 2));
-  const int layers = static_cast<int>(s.specs.size());
-  for (int N : {1, 3})
-    for (RecomputeGrain grain : {RecomputeGrain::kStage, RecomputeGrain::kLayer}) {
-      Plan plan = random_plan(layers, 2, grain, rng);
-      const std::string what = "moe lora N=" + std::to_string(N) + " " + plan.describe();
-      SCOPED_TRACE(what);
-      expect_equal(run_engine(s, plan, N), ref, s.specs, s.weights, what);
-    }
+  // 4 attention projections in 3 blocks; gate_up, down and the router on the 2 sparse blocks
+  // (block 1 is dense, and PEFT leaves a dense MLP of a mixture of experts alone).
+  expect_lora_like_plain_loop(
+      test::tiny_qwen3_moe(3),
+      {.rank = 2, .alpha = 4, .targets = {"all-linear", "gate"}, .rslora = true},
+      2u * (4 * 3 + 3 * 2), seed);
 }
 
 // The NVMe tier changes where bytes live, not what is computed: full fine-tuning with every

@@ -405,6 +405,26 @@ TEST(Config, ReadsMixturesOfExperts) {
   EXPECT_EQ(m.moe_intermediate_size, 12);
   EXPECT_TRUE(m.norm_topk_prob);
   EXPECT_EQ(layer_specs(m)[1].params[6].name, "model.layers.0.block_sparse_moe.gate.weight");
+  // GPT-OSS: sinks, biases, every other layer windowed without layer_types, fused experts.
+  ModelConfig g = parse_hf_config(R"({"architectures":["GptOssForCausalLM"],)" + dims +
+                                      R"("num_local_experts":4,"num_experts_per_tok":2,
+    "sliding_window":16,"swiglu_limit":5.0})",
+                                  "g");
+  EXPECT_TRUE(g.attention_sinks && g.attention_bias && g.attention_out_bias);
+  EXPECT_EQ(g.sparse_layer_count(), 4);
+  EXPECT_TRUE(g.windowed(0) && !g.windowed(1) && g.windowed(2) && !g.windowed(3));
+  EXPECT_EQ(g.swiglu_limit, 5.0);
+  EXPECT_EQ(g.swiglu_alpha, 1.702);
+  const std::vector<LayerSpec> gs = layer_specs(g);
+  EXPECT_EQ(gs[1].params.back().name, "model.layers.0.mlp.experts.down_proj_bias");
+  const auto fused = std::find_if(gs[1].params.begin(), gs[1].params.end(), [](const auto& p) {
+    return p.name == "model.layers.0.mlp.experts.gate_up_proj";
+  });
+  ASSERT_NE(fused, gs[1].params.end());
+  EXPECT_EQ(fused->shape, (std::vector<std::int64_t>{4, 8, 24}));
+  const ModelConfig g_back = parse_hf_config(hf_config_json(g, DType::kF32), "written");
+  EXPECT_EQ(g_back.sliding_layers, g.sliding_layers);
+  EXPECT_EQ(g_back.swiglu_limit, 5.0);
 
   expect_error(
       [&] {

@@ -72,6 +72,15 @@ FAMILIES = {
     "mixtral_aux": (T.MixtralForCausalLM, T.MixtralConfig, dict(
         num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
         output_router_logits=True, router_aux_loss_coef=0.05)),
+    # GPT-OSS: sinks, biases, fused experts; the clamp low enough that some gate and up values
+    # pass it. Its windows are longer than the rows here: given a 4D mask (packed rows),
+    # transformers applies it to the sliding layers as it is, without their window (the windows
+    # are checked by test_model_forward).
+    "gpt_oss_aux": (T.GptOssForCausalLM, T.GptOssConfig, dict(
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_local_experts=4,
+        num_experts_per_tok=2, sliding_window=SEQ + 1, swiglu_limit=0.3,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        output_router_logits=True, router_aux_loss_coef=0.05)),
 }
 
 # (devices, M, plan) over the 5 layers. The tail ends at 5 and holds the head; forward stages cover

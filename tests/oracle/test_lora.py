@@ -30,6 +30,10 @@ FAMILIES = {
         norm_topk_prob=True, mlp_only_layers=[1])),
     "mixtral": (T.MixtralForCausalLM, T.MixtralConfig, dict(
         num_key_value_heads=2, num_local_experts=3, num_experts_per_tok=2)),
+    # GPT-OSS: adapters on the attention (its experts have no PEFT module names).
+    "gpt_oss": (T.GptOssForCausalLM, T.GptOssConfig, dict(
+        num_key_value_heads=2, head_dim=8, num_local_experts=3, num_experts_per_tok=2,
+        sliding_window=4)),
 }
 ADAPTERS = {
     "all_linear_r4": dict(r=4, lora_alpha=8, target_modules="all-linear", use_rslora=False),
@@ -62,12 +66,12 @@ def make(tmp_path, family, adapter, seed):
 
 
 MOE = {"qwen3_moe", "mixtral"}
-# PEFT's all-linear on a mixture of experts adapts the router too (refused, below); Mixtral's MLP
-# names are its own.
+# PEFT's all-linear on a mixture of experts adapts attention, experts and the router
+# (target_parameters gate.weight); Mixtral's MLP names are its own.
 CASES = [(f, a) for f in FAMILIES for a in ADAPTERS
-         if (a == "mixtral_experts_rslora") == (f == "mixtral") or
-         (f == "mixtral" and a == "qv_r8_rslora") or (f == "qwen3_moe" and a == "mlp_r2")]
-CASES = [(f, a) for f, a in CASES if not (f in MOE and a == "all_linear_r4")]
+         if f != "gpt_oss" and ((a == "mixtral_experts_rslora") == (f == "mixtral") or
+                                (f == "mixtral" and a in ("qv_r8_rslora", "all_linear_r4")))]
+CASES += [("gpt_oss", "qv_r8_rslora"), ("gpt_oss", "all_linear_r4")]
 EXPERTS = {"qwen3_moe": "mlp_r2", "mixtral": "mixtral_experts_rslora"}  # an adapter on experts
 
 
@@ -176,8 +180,9 @@ def test_trained_adapter_exports_load_in_peft_and_transformers(family, tmp_path)
     (tmp_path / "in.json").write_text(json.dumps({
         # On a mixture of experts: the experts' gate_up_proj and down_proj (PEFT's
         # target_parameters), written so that peft reads them back.
-        "lora": {"r": 4, "alpha": 8, "targets": ["q_proj", "v_proj", "down_proj"] +
-                 (["gate_proj", "up_proj"] if family in MOE else []), "rslora": True},
+        "lora": {"r": 4, "alpha": 8, "targets": ["q_proj", "v_proj"] +
+                 (["o_proj"] if family == "gpt_oss" else ["down_proj"]) +
+                 (["gate_proj", "up_proj", "gate"] if family in MOE else []), "rslora": True},
         "seed": seed % 2**31, "lr": 1e-2, "steps": steps, "eval_tokens": eval_tokens.tolist()}))
     out = tmp_path / "out"
     driver("lora-train-export", tmp_path / "base", tmp_path / "in.json", out)
@@ -202,27 +207,25 @@ def test_trained_adapter_exports_load_in_peft_and_transformers(family, tmp_path)
 
 
 def test_moe_adapters_rondo_cannot_reproduce_are_refused(tmp_path):
-    """peft's all-linear on a mixture of experts adapts the router (target_parameters
-    gate.weight): refused, naming it. Training refuses gate_proj without up_proj (one fused weight)
-    and dropout on experts (PEFT cannot apply it), each saying what to do."""
-    make(tmp_path, "qwen3_moe", "all_linear_r4", 1)
-    config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
-    assert "gate.weight" in config["target_parameters"], config  # what peft wrote
-    (tmp_path / "batch.json").write_text(json.dumps({"tokens": [[1, 2, 3]]}))
-    with pytest.raises(DriverError) as e:
-        driver("lora-logits", tmp_path / "base", tmp_path / "adapter", tmp_path / "batch.json",
-               tmp_path / "out.safetensors")
-    assert "target_parameters: 'gate.weight' is not an expert weight" in str(e.value), \
-        str(e.value)
+    """Training refuses gate_proj without up_proj (one fused weight per expert), dropout on
+    experts or the router (PEFT cannot apply it), the router of a dense model and GPT-OSS's
+    experts, each saying what to do."""
+    make(tmp_path, "qwen3_moe", "mlp_r2", 1)
 
-    def train(lora):
+    def train(lora, base=tmp_path / "base"):
         (tmp_path / "in.json").write_text(json.dumps({
             "lora": {"r": 4, "alpha": 8, "rslora": False, **lora}, "seed": 1, "lr": 1e-2,
             "steps": [[[1, 2, 3, 4]]], "eval_tokens": [[1, 2]]}))
         with pytest.raises(DriverError) as e:
-            driver("lora-train-export", tmp_path / "base", tmp_path / "in.json", tmp_path / "out")
+            driver("lora-train-export", base, tmp_path / "in.json", tmp_path / "out")
         return str(e.value)
     msg = train({"targets": ["q_proj", "gate_proj"]})
     assert "gate_proj and up_proj" in msg and "target both or neither" in msg, msg
-    msg = train({"targets": ["down_proj"], "dropout": 0.1})
-    assert "dropout must be 0 for adapters on experts" in msg, msg
+    msg = train({"targets": ["gate"], "dropout": 0.1})
+    assert "dropout must be 0 for adapters on experts or the router" in msg, msg
+    make(tmp_path / "dense", "llama", "qv_r8_rslora", 1)
+    msg = train({"targets": ["gate"]}, tmp_path / "dense" / "base")
+    assert "'gate' is a mixture of experts' router" in msg, msg
+    make(tmp_path / "oss", "gpt_oss", "qv_r8_rslora", 1)
+    msg = train({"targets": ["q_proj", "down_proj"]}, tmp_path / "oss" / "base")
+    assert "LoRA on GPT-OSS's experts and router is not supported yet" in msg, msg

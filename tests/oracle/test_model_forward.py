@@ -1,7 +1,8 @@
 """Rondo's forward pass against transformers on the CPU in fp32, for every family and the shapes
 that break naive implementations (GQA, tied embeddings, head_dim != hidden/heads, QKV bias, q/k
 norm, llama3, linear, yarn (with mscale and untruncated ramp) and dynamic rope scaling, sliding
-window in every layer or per layer, mixture-of-experts blocks of Qwen3-MoE and Mixtral), loaded from single-file and sharded safetensors.
+window in every layer or per layer, mixture-of-experts blocks of Qwen3-MoE, Mixtral and GPT-OSS
+(attention sinks, its router and clamped SwiGLU experts)), loaded from single-file and sharded safetensors.
 Tolerance: 1e-4 absolute on logits and loss (fp32 accumulation-order differences are ~1e-6 here).
 """
 import json
@@ -67,6 +68,13 @@ VARIANTS = {
     "mixtral_moe": (T.MixtralForCausalLM, T.MixtralConfig, dict(
         num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
         num_experts_per_tok=2)),
+    # GPT-OSS: attention sinks, biases everywhere, sliding and full layers, YaRN rope (its
+    # default), a router with a bias and a softmax over the top-k logits, fused experts with the
+    # clamped SwiGLU.
+    "gpt_oss": (T.GptOssForCausalLM, T.GptOssConfig, dict(
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4,
+        num_experts_per_tok=2, sliding_window=5, swiglu_limit=0.3,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"])),
     # Dynamic (NTK) rope grows its base once the batch's longest position passes
     # max_position_embeddings: 16 here, so that the 23-token rows below do.
     "mistral_dynamic_rope": (T.MistralForCausalLM, T.MistralConfig, dict(
@@ -163,3 +171,66 @@ def test_half_precision_checkpoints_load_to_the_same_weights(dtype, tmp_path):
         ref = ref_model(input_ids=tokens).logits.numpy()
     out = rondo_forward(tmp_path / "model", tmp_path, tokens)
     assert np.abs(out["logits"] - ref).max() < TOL
+
+
+FP4 = torch.tensor([0, .5, 1, 1.5, 2, 3, 4, 6, -0., -.5, -1, -1.5, -2, -3, -4, -6])
+
+
+def mxfp4_encode(w):
+    """A fused expert weight (E, in, out) as GPT-OSS's checkpoints store it: rows of the (E, out, in)
+    transpose in groups of 32, each a power-of-two scale (+127) and 4-bit e2m1 codes, two per byte,
+    low nibble first. Written here from the format's description, not with Rondo."""
+    w = w.transpose(1, 2).contiguous()
+    E, rows, cols = w.shape
+    g = w.reshape(E, rows, cols // 32, 32)
+    exp = torch.ceil(torch.log2(g.abs().amax(-1).clamp_min(1e-30) / 6)).clamp(-127, 127)
+    codes = ((g / torch.pow(2.0, exp)[..., None])[..., None] - FP4).abs().argmin(-1)
+    blocks = (codes[..., 0::2] | (codes[..., 1::2] << 4)).to(torch.uint8)
+    return blocks, (exp + 127).to(torch.uint8)
+
+
+def test_gpt_oss_mxfp4_experts_load_as_transformers_dequantises_them(tmp_path):
+    """A GPT-OSS folder whose experts are MXFP4 (gate_up_proj_blocks/_scales, down_proj_*, with
+    the quantization_config the official checkpoints carry): Rondo's logits equal transformers'
+    on the weights it dequantises itself (Mxfp4Config(dequantize=True))."""
+    from safetensors.torch import load_file as load_torch, save_file
+    seed = int.from_bytes(os.urandom(4), "little")
+    print("seed", seed)
+    torch.manual_seed(seed)
+    config = T.GptOssConfig(vocab_size=V, hidden_size=64, intermediate_size=32, num_hidden_layers=2,
+                            num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                            num_local_experts=4, num_experts_per_tok=2, sliding_window=6,
+                            max_position_embeddings=256, rms_norm_eps=1e-5)
+    model = T.GptOssForCausalLM(config).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    model.save_pretrained(tmp_path / "plain")
+    tensors, packed = {}, 0
+    for name, t in load_torch(str(tmp_path / "plain" / "model.safetensors")).items():
+        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            tensors[name + "_blocks"], tensors[name + "_scales"] = mxfp4_encode(t)
+            packed += 1
+        else:
+            tensors[name] = t
+    assert packed == 2 * config.num_hidden_layers
+    folder = tmp_path / "mxfp4"
+    folder.mkdir()
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    cfg = json.loads((tmp_path / "plain" / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    (folder / "config.json").write_text(json.dumps(cfg))
+
+    ref = T.GptOssForCausalLM.from_pretrained(
+        folder, quantization_config=T.Mxfp4Config(dequantize=True), dtype=torch.float32).eval()
+    # The reference did dequantise: its experts are not the unquantised ones.
+    plain = model.model.layers[0].mlp.experts.gate_up_proj
+    deq = ref.model.layers[0].mlp.experts.gate_up_proj
+    assert deq.dtype == torch.float32 and 1e-3 < float((deq - plain).norm() / plain.norm()) < 0.3
+    tokens = torch.randint(0, V, (2, 19), generator=torch.Generator().manual_seed(seed))
+    with torch.no_grad():
+        want = ref(input_ids=tokens).logits.numpy()
+    out = rondo_forward(folder, tmp_path, tokens)
+    diff = np.abs(out["logits"] - want).max()
+    assert diff < TOL, f"logits differ by {diff:.3g}"

@@ -195,6 +195,19 @@ models::ModelConfig tiny_qwen3_moe(int layers, int scale) {
       "tiny qwen3-moe");
 }
 
+models::ModelConfig tiny_gpt_oss(int layers, int scale) {
+  return models::parse_hf_config(
+      R"({"architectures":["GptOssForCausalLM"],"vocab_size":)" + std::to_string(33 * scale) +
+          R"(,"hidden_size":)" + std::to_string(16 * scale) + R"(,"intermediate_size":)" +
+          std::to_string(12 * scale) + R"(,"num_hidden_layers":)" + std::to_string(layers) +
+          R"(,"num_attention_heads":4,"num_key_value_heads":2,"head_dim":8,
+          "num_local_experts":4,"num_experts_per_tok":2,"sliding_window":3,"swiglu_limit":1.0,
+          "output_router_logits":true,"router_aux_loss_coef":0.05,"rms_norm_eps":1e-5,
+          "rope_parameters":{"rope_type":"yarn","factor":4.0,"beta_fast":32.0,"beta_slow":1.0,
+          "truncate":false,"original_max_position_embeddings":64,"rope_theta":150000.0}})",
+      "tiny gpt-oss");
+}
+
 std::map<std::string, at::Tensor> random_weights(const models::ModelConfig& config) {
   std::map<std::string, at::Tensor> w;
   for (const models::LayerSpec& l : models::layer_specs(config))

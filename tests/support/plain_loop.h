@@ -70,6 +70,9 @@ models::ModelConfig tiny_qwen2(int layers = 4, int scale = 1);
 // Qwen3-MoE: 4 experts, top-2 renormalised, block 1 dense (mlp_only_layers), the router's
 // load-balancing loss on with coefficient 0.05.
 models::ModelConfig tiny_qwen3_moe(int layers = 4, int scale = 1);
+// GPT-OSS: attention sinks, biases, windows on even blocks, 4 fused experts (top-2) with the
+// clamped SwiGLU, the load-balancing loss on.
+models::ModelConfig tiny_gpt_oss(int layers = 4, int scale = 1);
 // Random weights for a config (norm weights around 1), from the current torch seed.
 std::map<std::string, at::Tensor> random_weights(const models::ModelConfig& config);
 // A global batch of `rows` rows of `seq` tokens, two packed documents per row, split into `m`
