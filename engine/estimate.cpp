@@ -153,6 +153,10 @@ bool is_projection(const std::string& name) {
   for (const char* p : {"q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight",
                         "gate_proj.weight", "up_proj.weight", "down_proj.weight"})
     if (name.ends_with(p)) return true;
+  // Mixtral's experts (w1, w2, w3); routers stay as they are, as bitsandbytes leaves them.
+  if (name.find(".experts.") != std::string::npos)
+    for (const char* p : {".w1.weight", ".w2.weight", ".w3.weight"})
+      if (name.ends_with(p)) return true;
   return false;
 }
 

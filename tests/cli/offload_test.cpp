@@ -300,26 +300,95 @@ TEST_F(Offload, PlansAQwen3MoeFromItsConfigAlone) {
       {"rope_theta", 1000000.0},
       {"tie_word_embeddings", false},
       {"torch_dtype", "bfloat16"}}.dump(2);
-  Result r = run_rondo("plan --json --set model.path=" + qwen.string() +
+  const std::string base = "plan --json --set model.path=" + qwen.string() +
                            " --set hardware.gpu='RTX 4090' --set hardware.host_memory=96GB"
-                           " --set training.method=lora --set training.steps=100"
-                           " --set data.seq_len=1024",
-                       false);
+                           " --set training.steps=100 --set data.seq_len=1024";
+  // The model's own counts (full fine-tuning: no adapters among them).
+  Result r = run_rondo(base + " --set training.method=full", false);
+  const json full = json::parse(r.out);
+  EXPECT_NEAR(full["params"].get<double>(), 30.5e9, 0.1e9) << r.out;
+  EXPECT_NEAR(full["active_params"].get<double>(), 3.3e9, 0.1e9);
+  EXPECT_EQ(full["experts"], 128);
+  EXPECT_EQ(full["experts_per_token"], 8);
+  // LoRA (all-linear: attention and every expert, rank 16) on one 24 GB card.
+  r = run_rondo(base + " --set training.method=lora", false);
   const json plan = json::parse(r.out);
-  std::printf("Qwen3-30B-A3B LoRA, RTX 4090, 96 GB: %s, %.2f B parameters, %.2f B active\n",
-              plan["verdict"].get<std::string>().c_str(), plan["params"].get<double>() / 1e9,
-              plan["active_params"].get<double>() / 1e9);
-  EXPECT_EQ(plan["verdict"], "fits") << r.out;
+  std::printf(
+      "Qwen3-30B-A3B: %.2f B parameters, %.2f B active; LoRA (%.2f B adapters), RTX 4090, "
+      "96 GB: %s, step %.1f s\n",
+      full["params"].get<double>() / 1e9, full["active_params"].get<double>() / 1e9,
+      plan["trained_params"].get<double>() / 1e9, plan["verdict"].get<std::string>().c_str(),
+      plan["step_seconds"].get<double>());
+  EXPECT_NE(plan["verdict"], "does not fit") << r.out;
   EXPECT_EQ(r.code, 0);
-  EXPECT_NEAR(plan["params"].get<double>(), 30.5e9, 0.1e9);
-  EXPECT_NEAR(plan["active_params"].get<double>(), 3.3e9, 0.1e9);
-  EXPECT_EQ(plan["experts"], 128);
-  EXPECT_EQ(plan["experts_per_token"], 8);
   r = run_rondo("plan --set model.path=" + qwen.string() +
                     " --set hardware.gpu='RTX 4090' --set hardware.host_memory=96GB"
                     " --set training.method=lora --set data.seq_len=1024",
                 false);
   EXPECT_TRUE(contains(r.out, "128 per sparse block, 8 per token")) << r.out;
+  // An NF4 base quantises the experts too: the weights cross the link in about a quarter.
+  r = run_rondo(base + " --set training.method=lora --set model.quantize=nf4", false);
+  const json nf4 = json::parse(r.out);
+  EXPECT_LT(nf4["traffic_per_step"]["weights_up_bytes"].get<double>(),
+            0.35 * nf4["traffic_per_step"]["weights_up_unquantised_bytes"].get<double>())
+      << r.out;
+}
+
+// gpt-oss-20b (its published config.json): the model card says 21B parameters and 3.6B active per
+// token, counting the LM head but not the embedding (a lookup); Rondo's active count includes the
+// embedding (201088 x 2880 = 0.58B).
+TEST_F(Offload, PlansAGptOssFromItsConfigAlone) {
+  const fs::path oss = dir / "gpt-oss-20b";
+  fs::create_directories(oss);
+  json layer_types = json::array();
+  for (int l = 0; l < 24; ++l)
+    layer_types.push_back(l % 2 == 0 ? "sliding_attention" : "full_attention");
+  std::ofstream(oss / "config.json") << json{
+      {"architectures", {"GptOssForCausalLM"}},
+      {"model_type", "gpt_oss"},
+      {"hidden_size", 2880},
+      {"intermediate_size", 2880},
+      {"num_hidden_layers", 24},
+      {"num_attention_heads", 64},
+      {"num_key_value_heads", 8},
+      {"head_dim", 64},
+      {"num_local_experts", 32},
+      {"experts_per_token", 4},
+      {"num_experts_per_tok", 4},
+      {"sliding_window", 128},
+      {"layer_types", layer_types},
+      {"vocab_size", 201088},
+      {"max_position_embeddings", 131072},
+      {"rms_norm_eps", 1e-5},
+      {"rope_scaling",
+       {{"rope_type", "yarn"},
+        {"factor", 32.0},
+        {"beta_fast", 32.0},
+        {"beta_slow", 1.0},
+        {"truncate", false},
+        {"original_max_position_embeddings", 4096}}},
+      {"rope_theta", 150000.0},
+      {"attention_bias", true},
+      {"swiglu_limit", 7.0},
+      {"tie_word_embeddings", false},
+      {"torch_dtype", "bfloat16"}}.dump(2);
+  const std::string base = "plan --json --set model.path=" + oss.string() +
+                           " --set hardware.gpu='RTX 4090' --set hardware.host_memory=96GB"
+                           " --set training.steps=100 --set data.seq_len=1024";
+  Result r = run_rondo(base + " --set training.method=full", false);
+  const json full = json::parse(r.out);
+  EXPECT_NEAR(full["params"].get<double>(), 21e9, 0.15e9) << r.out;
+  EXPECT_NEAR(full["active_params"].get<double>() - 201088.0 * 2880, 3.6e9, 0.05e9);
+  EXPECT_EQ(full["experts"], 32);
+  EXPECT_EQ(full["experts_per_token"], 4);
+  r = run_rondo(base + " --set training.method=lora", false);  // attention adapters
+  const json plan = json::parse(r.out);
+  std::printf(
+      "gpt-oss-20b: %.2f B parameters, %.2f B active; LoRA, RTX 4090, 96 GB: %s, step %.1f s\n",
+      full["params"].get<double>() / 1e9, full["active_params"].get<double>() / 1e9,
+      plan["verdict"].get<std::string>().c_str(), plan["step_seconds"].get<double>());
+  EXPECT_NE(plan["verdict"], "does not fit") << r.out;
+  EXPECT_EQ(r.code, 0);
 }
 
 }  // namespace

@@ -73,7 +73,9 @@ int lora_logits(const std::vector<std::string>& args) {
 // Trains LoRA adapters (PEFT init, seed given) with the engine on 2 simulated devices, exports them
 // (PEFT folder and merged checkpoint) and writes Rondo's logits with the trained adapters.
 //   in.json: {"lora": {r, alpha, targets, rslora, dropout (default 0)}, "seed", "lr",
-//   "steps": [[tokens of microbatch, ...] per step], "eval_tokens": [[...]]}
+//   "steps": [[tokens of microbatch, ...] per step], "eval_tokens": [[...]]}; optional:
+//   "init_adapter" (a PEFT folder whose adapter tensors start the training instead of the
+//   seed's), "eps" (AdamW's, default 1e-8). AdamW without weight decay, no clipping.
 int lora_train_export(const std::vector<std::string>& args) {
   if (args.size() != 3)
     throw Error("usage: lora-train-export <base_model_dir> <in.json> <out_dir>");
@@ -87,6 +89,15 @@ int lora_train_export(const std::vector<std::string>& args) {
                           .rslora = j["lora"]["rslora"]};
   std::vector<models::LayerSpec> specs = models::add_lora(model.layers(), lora);
   std::map<std::string, at::Tensor> adapters = models::init_lora(specs, j["seed"]);
+  if (j.contains("init_adapter")) {
+    const models::SafetensorsFile start(j["init_adapter"].get<std::string>() +
+                                        "/adapter_model.safetensors");
+    for (auto& [name, t] : adapters) {
+      const models::TensorEntry* e = start.find(name);
+      if (e == nullptr) throw Error("init_adapter has no " + name);
+      t = e->view().to(at::kFloat).clone();
+    }
+  }
   offload::HostArena arena({.pinning = offload::Pinning::kOff});
   offload::LayerStore store(
       arena,
@@ -116,7 +127,7 @@ int lora_train_export(const std::vector<std::string>& args) {
     devs.push_back(
         kernels::make_sim_device({.name = "sim" + std::to_string(d), .bytes_cap = 1ull << 30}));
   engine::EngineOptions o;
-  o.adamw = {.lr = j["lr"], .weight_decay = 0.0};
+  o.adamw = {.lr = j["lr"], .eps = j.value("eps", 1e-8), .weight_decay = 0.0};
   {
     engine::Engine eng(model.config(), specs, store, arena, {devs[0].get(), devs[1].get()}, plan,
                        o);

@@ -2,8 +2,10 @@
 B so the adapter matters), saved with save_pretrained; Rondo loads the base folder and the adapter
 folder (adapter_config.json + adapter_model.safetensors) and its logits equal peft's within 1e-4
 (fp32, different summation orders; the adapter's own contribution is checked to be far larger).
-Covers three families (one a mixture of experts), all-linear and a subset of targets, plain and rsLoRA scaling. Also: adapter
-configs Rondo cannot reproduce are refused with the field named."""
+Covers dense families and the mixtures of experts (Qwen3-MoE, Mixtral: experts and router
+adapters in PEFT's target_parameters form; GPT-OSS: attention), all-linear and a subset of targets, plain and rsLoRA scaling. Also: adapter
+configs Rondo cannot reproduce are refused with the field named; and 3 LoRA training steps from the
+same starting adapters equal peft + torch.optim.AdamW (the load-balancing loss on for MoE)."""
 import json
 import os
 
@@ -11,6 +13,7 @@ import numpy as np
 import peft
 import pytest
 import torch
+import torch.nn.functional as F
 import transformers as T
 from safetensors.numpy import load_file
 
@@ -229,3 +232,91 @@ def test_moe_adapters_rondo_cannot_reproduce_are_refused(tmp_path):
     make(tmp_path / "oss", "gpt_oss", "qv_r8_rslora", 1)
     msg = train({"targets": ["q_proj", "down_proj"]}, tmp_path / "oss" / "base")
     assert "LoRA on GPT-OSS's experts and router is not supported yet" in msg, msg
+
+
+def peft_router_logits(model, tokens):
+    """The model's output and every router's logits (forward hooks on the routers, which see the
+    router's adapter: PEFT swaps the adapted weight in around the router's own forward)."""
+    routers = [m for m in model.modules() if type(m).__name__.endswith("TopKRouter")]
+    logits = []
+    hooks = [r.register_forward_hook(lambda mod, inp, out: logits.append(out[0]))
+             for r in routers]
+    try:
+        out = model(input_ids=tokens)
+    finally:
+        for h in hooks:
+            h.remove()
+    return out, tuple(logits)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3_moe", "mixtral"])
+def test_three_lora_steps_equal_peft_and_adamw(family, tmp_path):
+    """LoRA training from the same starting adapters (peft's, B made non-zero), 3 steps of 2
+    microbatches: Rondo's engine (2 simulated devices, a recomputed backward stage) against peft
+    + torch.optim.AdamW. On the mixtures of experts: all-linear as peft resolves it (attention,
+    the experts' gate_up_proj and down_proj, the router's gate.weight) and the router's
+    load-balancing loss on (each microbatch's counts 1/2), so every kind of adapter and the aux
+    loss's gradient are in the trajectory. AdamW eps 1e-4 (see test_engine.py: it keeps Adam from
+    magnifying rounding noise in entries whose gradient cancels)."""
+    from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+    seed = int.from_bytes(os.urandom(4), "little")
+    print("seed", seed)
+    model_cls, config_cls, extra = FAMILIES[family]
+    moe = family in MOE
+    torch.manual_seed(seed)
+    config = config_cls(vocab_size=V, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                        num_attention_heads=4, max_position_embeddings=64,
+                        attn_implementation="eager", **extra,
+                        **(dict(output_router_logits=True, router_aux_loss_coef=0.05)
+                           if moe else {}))
+    base = model_cls(config).eval()
+    with torch.no_grad():  # far from the initialisation: routing and attention not uniform
+        for p in base.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    base.save_pretrained(tmp_path / "base")
+    model = peft.get_peft_model(base, peft.LoraConfig(r=2, lora_alpha=4, lora_dropout=0.0,
+                                                      target_modules="all-linear"))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(0.1 * torch.randn_like(p))
+    model.save_pretrained(tmp_path / "init")
+    g = torch.Generator().manual_seed(seed)
+    steps = [[torch.randint(0, V, (2, 10), generator=g) for _ in range(2)] for _ in range(3)]
+    lr, eps = 1e-3, 1e-4
+    (tmp_path / "in.json").write_text(json.dumps({
+        "lora": {"r": 2, "alpha": 4, "targets": ["all-linear"] + (["gate"] if moe else []),
+                 "rslora": False},
+        "seed": 1, "lr": lr, "eps": eps, "init_adapter": str(tmp_path / "init"),
+        "steps": [[t.tolist() for t in step] for step in steps], "eval_tokens": [[1, 2]]}))
+    driver("lora-train-export", tmp_path / "base", tmp_path / "in.json", tmp_path / "out")
+    got = load_file(tmp_path / "out" / "adapter" / "adapter_model.safetensors")
+
+    model.train()  # no dropout anywhere; train() only for autograd through peft's layers
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=lr, eps=eps, weight_decay=0.0)
+    for step in steps:
+        opt.zero_grad()
+        count = sum(int(t[:, 1:].numel()) for t in step)
+        for tokens in step:
+            out, router_logits = peft_router_logits(model, tokens)
+            loss = F.cross_entropy(out.logits[:, :-1].reshape(-1, V).float(),
+                                   tokens[:, 1:].reshape(-1), reduction="sum") / count
+            if moe:
+                assert 0 < len(router_logits) == sum(
+                    1 for m in model.modules() if type(m).__name__.endswith("TopKRouter"))
+                loss = loss + config.router_aux_loss_coef * load_balancing_loss_func(
+                    router_logits, config.num_local_experts, config.num_experts_per_tok,
+                    None) / len(step)
+            loss.backward()
+        opt.step()
+    want = {n.replace(".default", ""): p.detach().numpy() for n, p in model.named_parameters()
+            if p.requires_grad}
+    assert set(got) == set(want)
+    start = load_file(tmp_path / "init" / "adapter_model.safetensors")
+    if moe:
+        assert any(".mlp.experts." in n for n in want) and any(".mlp.gate." in n for n in want)
+    for name, ref in want.items():
+        scale = np.abs(ref).max()
+        assert np.abs(ref - start[name]).max() > 1e-4 * scale, f"{name} hardly moved"
+        np.testing.assert_allclose(got[name], ref, rtol=1e-5, atol=1e-5 * scale, err_msg=name)
