@@ -3,9 +3,10 @@ B so the adapter matters), saved with save_pretrained; Rondo loads the base fold
 folder (adapter_config.json + adapter_model.safetensors) and its logits equal peft's within 1e-4
 (fp32, different summation orders; the adapter's own contribution is checked to be far larger).
 Covers dense families and the mixtures of experts (Qwen3-MoE, Mixtral: experts and router
-adapters in PEFT's target_parameters form; GPT-OSS: attention), all-linear and a subset of targets, plain and rsLoRA scaling. Also: adapter
-configs Rondo cannot reproduce are refused with the field named; and 3 LoRA training steps from the
-same starting adapters equal peft + torch.optim.AdamW (the load-balancing loss on for MoE)."""
+adapters in PEFT's target_parameters form; GPT-OSS: attention), all-linear and a subset of
+targets, plain and rsLoRA scaling. Also: adapter configs Rondo cannot reproduce are refused with
+the field named; and 3 LoRA training steps from the same starting adapters equal peft +
+torch.optim.AdamW (the load-balancing loss on for MoE)."""
 import json
 import os
 
