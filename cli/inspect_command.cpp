@@ -97,7 +97,9 @@ void print_text(const models::ModelSummary& s) {
   add(c.attention_bias, "QKV bias");
   add(c.qk_norm, "q/k norm");
   add(c.tie_word_embeddings, "tied embeddings");
-  add(c.sliding_window > 0, "sliding window");
+  add(c.sliding_window > 0,
+      c.sliding_layers.empty() ? "sliding window" : "sliding window on some layers");
+  add(c.attention_sinks, "attention sinks");
   if (!features.empty()) fmt::print("  features      {}\n", features);
   fmt::print(
       "  per layer     (stored bytes, parameters, forward GFLOP per token at {} tokens, "

@@ -462,6 +462,12 @@ std::string hf_config_json(const ModelConfig& c, DType dtype) {
         {"low_freq_factor", c.rope.low_freq_factor},
         {"high_freq_factor", c.rope.high_freq_factor},
         {"original_max_position_embeddings", c.rope.original_max_position_embeddings}};
+  auto layer_types = [&] {
+    std::vector<std::string> types;
+    for (std::int64_t l = 0; l < c.num_layers; ++l)
+      types.push_back(c.windowed(l) ? "sliding_attention" : "full_attention");
+    return types;
+  };
   switch (c.family) {
     case Family::kLlama:
       if (c.attention_bias != c.attention_out_bias)
@@ -477,12 +483,7 @@ std::string hf_config_json(const ModelConfig& c, DType dtype) {
       j["swiglu_alpha"] = c.swiglu_alpha;
       j["swiglu_limit"] = c.swiglu_limit;
       j["sliding_window"] = c.sliding_window;
-      {
-        std::vector<std::string> types;
-        for (std::int64_t l = 0; l < c.num_layers; ++l)
-          types.push_back(c.windowed(l) ? "sliding_attention" : "full_attention");
-        j["layer_types"] = types;
-      }
+      j["layer_types"] = layer_types();
       break;
     case Family::kMistral:
     case Family::kMixtral:
@@ -506,10 +507,7 @@ std::string hf_config_json(const ModelConfig& c, DType dtype) {
       j["use_sliding_window"] = c.sliding_window > 0;
       if (c.sliding_window > 0) {
         j["sliding_window"] = c.sliding_window;
-        std::vector<std::string> types;
-        for (std::int64_t l = 0; l < c.num_layers; ++l)
-          types.push_back(c.windowed(l) ? "sliding_attention" : "full_attention");
-        j["layer_types"] = types;
+        j["layer_types"] = layer_types();
       }
       break;
   }
