@@ -673,9 +673,12 @@ struct Engine::Impl {
     if (!step.routing.empty()) {
       ctx.routing = step.routing[static_cast<std::size_t>(m)];
       ctx.record_routing = js.kind != JobKind::kBackward;
-      if (config.output_router_logits)
-        ctx.aux_loss_weight =
-            step.loss_scale * config.router_aux_loss_coef / static_cast<double>(step.mb.size());
+      // loss_scale is the fp16 scale over the step's targets (step.loss_scale itself may be
+      // written by the loader of a later job meanwhile); the aux loss has the fp16 scale alone.
+      if (config.output_router_logits && js.kind != JobKind::kForward)
+        ctx.aux_loss_weight = loss_scale *
+                              static_cast<double>(std::max<std::int64_t>(step.targets, 1)) *
+                              config.router_aux_loss_coef / static_cast<double>(step.mb.size());
     }
     const at::Tensor tokens = on_device(mb.batch.tokens, dev);
     const int head = static_cast<int>(specs.size()) - 1;

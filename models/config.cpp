@@ -213,6 +213,9 @@ ModelConfig parse_hf_config_json(const json& j, const std::string& source) {
   // Mixtral has no dense MLP: its experts' width is intermediate_size.
   c.intermediate_size = r.integer("intermediate_size", 0, true);
   c.num_layers = r.integer("num_hidden_layers", 0, true);
+  // Per-layer lists only for a layer count problems() accepts (a corrupt count must not allocate).
+  const std::size_t per_layer =
+      c.num_layers > 0 && c.num_layers <= 4096 ? static_cast<std::size_t>(c.num_layers) : 0;
   c.num_heads = r.integer("num_attention_heads", 0, true);
   c.num_kv_heads = r.integer("num_key_value_heads", c.num_heads, false);
   c.head_dim = r.has("head_dim") ? r.integer("head_dim", 0, false)
@@ -264,7 +267,7 @@ ModelConfig parse_hf_config_json(const json& j, const std::string& source) {
     if (step <= 0)
       problems.push_back("field 'decoder_sparse_step' must be positive (got " +
                          std::to_string(step) + ")");
-    std::vector<bool> sparse(static_cast<std::size_t>(std::max<std::int64_t>(c.num_layers, 0)));
+    std::vector<bool> sparse(per_layer);
     for (std::size_t l = 0; l < sparse.size(); ++l)
       sparse[l] = step > 0 && (static_cast<std::int64_t>(l) + 1) % step == 0;
     if (r.has("mlp_only_layers")) {
@@ -290,8 +293,7 @@ ModelConfig parse_hf_config_json(const json& j, const std::string& source) {
     c.swiglu_limit = r.number(j, "swiglu_limit", 7.0);
     // Sliding and full layers as layer_types says (every other one by default).
     c.sliding_window = r.integer("sliding_window", 128, false);
-    c.sliding_layers.assign(static_cast<std::size_t>(std::max<std::int64_t>(c.num_layers, 0)),
-                            false);
+    c.sliding_layers.assign(per_layer, false);
     const json none = json::array();
     const json& types = r.has("layer_types") ? j.at("layer_types") : none;
     if (r.has("layer_types") && (!types.is_array() || types.size() != c.sliding_layers.size()))
@@ -318,8 +320,7 @@ ModelConfig parse_hf_config_json(const json& j, const std::string& source) {
   if ((c.family == Family::kQwen2 || c.family == Family::kQwen3 || c.family == Family::kQwen3Moe) &&
       r.boolean("use_sliding_window", false)) {
     c.sliding_window = r.integer("sliding_window", 4096, false);
-    c.sliding_layers.assign(static_cast<std::size_t>(std::max<std::int64_t>(c.num_layers, 0)),
-                            false);
+    c.sliding_layers.assign(per_layer, false);
     if (r.has("layer_types")) {
       const json& types = j.at("layer_types");
       if (!types.is_array() || types.size() != c.sliding_layers.size()) {

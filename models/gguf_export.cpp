@@ -347,9 +347,9 @@ namespace {
 void refuse_moe(const ModelConfig& c) {
   if (c.num_experts > 0)
     throw Error("a merged GGUF of a mixture-of-experts model (" + c.architecture +
-                ") is not supported yet: export a merged Hugging Face folder (--format merged), "
-                "a PEFT adapter (--format adapter) or a GGUF adapter for llama.cpp "
-                "(--format gguf-adapter)");
+                ") is not supported yet: export a merged Hugging Face folder (--format merged) or "
+                "a PEFT adapter (--format adapter); for llama.cpp, a GGUF adapter of LoRA on the "
+                "attention (--format gguf-adapter; Qwen3-MoE and Mixtral)");
 }
 }  // namespace
 

@@ -303,6 +303,17 @@ TEST(Config, AbsurdDimensionsAndWrongTypesAreRejected) {
                         "huge.json");
       },
       {"huge.json", "num_hidden_layers", "at most 4096"});
+  // Also where the layer count sizes per-layer lists (experts, windows): an error, no allocation.
+  for (const char* arch : {"Qwen3MoeForCausalLM", "GptOssForCausalLM", "Qwen2ForCausalLM"})
+    expect_error(
+        [&] {
+          parse_hf_config(std::string(R"({"architectures":[")") + arch +
+                              R"("],"vocab_size":10,"hidden_size":8,"intermediate_size":8,
+            "num_hidden_layers":1000000000000,"num_attention_heads":2,"use_sliding_window":true,
+            "num_experts":2,"num_local_experts":2,"num_experts_per_tok":1})",
+                          "huge.json");
+        },
+        {"huge.json", "num_hidden_layers", "at most 4096"});
   expect_error(
       [] {
         parse_hf_config(R"({"architectures":["LlamaForCausalLM"],"model_type":null,
