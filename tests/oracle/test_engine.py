@@ -9,6 +9,11 @@ batch, backward (gradients accumulate over the microbatches), then clip_grad_nor
 parameters and torch.optim.AdamW.step(). The targets are computed here, independently of Rondo:
 the next token inside the same document, none at each document's last token.
 
+Mixtures of experts (Qwen3-MoE, Mixtral, GPT-OSS) run with output_router_logits: the reference
+adds, per microbatch, router_aux_loss_coef times transformers' own load_balancing_loss_func on the
+routers' logits (taken with forward hooks) divided by the number of microbatches, Rondo's
+definition (one microbatch is transformers' loss exactly).
+
 Packed rows: each row holds two documents (doc_ids 0 then 1 from a random cut). transformers 5
 takes a 4D attention mask as given (masking_utils returns a 4D mask as-is), so the reference passes
 an additive (B, 1, T, T) mask that is causal and block-diagonal by document, and position_ids that
