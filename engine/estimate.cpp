@@ -153,11 +153,10 @@ bool is_projection(const std::string& name) {
   for (const char* p : {"q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight",
                         "gate_proj.weight", "up_proj.weight", "down_proj.weight"})
     if (name.ends_with(p)) return true;
-  // Mixtral's experts (w1, w2, w3); routers stay as they are, as bitsandbytes leaves them.
-  if (name.find(".experts.") != std::string::npos)
-    for (const char* p : {".w1.weight", ".w2.weight", ".w3.weight"})
-      if (name.ends_with(p)) return true;
-  return false;
+  // Experts (Mixtral's w1/w2/w3 too); routers stay as they are, as bitsandbytes leaves them.
+  std::int64_t expert = 0;
+  int projection = 0;
+  return models::parse_expert_name(name, &expert, &projection);
 }
 
 // Tier of part p of a layer.

@@ -9,23 +9,27 @@
 
 namespace rondo::models {
 
+namespace {
+// Each family's transformers class and model_type, in Family order.
+struct FamilyNames {
+  Family family;
+  const char* architecture;
+  const char* model_type;
+};
+constexpr FamilyNames kFamilies[] = {
+    {Family::kLlama, "LlamaForCausalLM", "llama"},
+    {Family::kMistral, "MistralForCausalLM", "mistral"},
+    {Family::kQwen2, "Qwen2ForCausalLM", "qwen2"},
+    {Family::kQwen3, "Qwen3ForCausalLM", "qwen3"},
+    {Family::kQwen3Moe, "Qwen3MoeForCausalLM", "qwen3_moe"},
+    {Family::kMixtral, "MixtralForCausalLM", "mixtral"},
+    {Family::kGptOss, "GptOssForCausalLM", "gpt_oss"},
+};
+}  // namespace
+
 const char* to_string(Family family) {
-  switch (family) {
-    case Family::kLlama:
-      return "llama";
-    case Family::kMistral:
-      return "mistral";
-    case Family::kQwen2:
-      return "qwen2";
-    case Family::kQwen3:
-      return "qwen3";
-    case Family::kQwen3Moe:
-      return "qwen3_moe";
-    case Family::kMixtral:
-      return "mixtral";
-    case Family::kGptOss:
-      return "gpt_oss";
-  }
+  for (const FamilyNames& f : kFamilies)
+    if (f.family == family) return f.model_type;
   return "?";
 }
 
@@ -180,33 +184,19 @@ ModelConfig parse_hf_config_json(const json& j, const std::string& source) {
       j["architectures"][0].is_string())
     arch = j["architectures"][0].get<std::string>();
   std::string model_type = j.value("model_type", std::string());
-  c.architecture = arch;
-  if (arch == "LlamaForCausalLM" || (arch.empty() && model_type == "llama")) {
-    c.family = Family::kLlama;
-  } else if (arch == "MistralForCausalLM" || (arch.empty() && model_type == "mistral")) {
-    c.family = Family::kMistral;
-  } else if (arch == "Qwen2ForCausalLM" || (arch.empty() && model_type == "qwen2")) {
-    c.family = Family::kQwen2;
-  } else if (arch == "Qwen3ForCausalLM" || (arch.empty() && model_type == "qwen3")) {
-    c.family = Family::kQwen3;
-  } else if (arch == "Qwen3MoeForCausalLM" || (arch.empty() && model_type == "qwen3_moe")) {
-    c.family = Family::kQwen3Moe;
-  } else if (arch == "MixtralForCausalLM" || (arch.empty() && model_type == "mixtral")) {
-    c.family = Family::kMixtral;
-  } else if (arch == "GptOssForCausalLM" || (arch.empty() && model_type == "gpt_oss")) {
-    c.family = Family::kGptOss;
-  } else {
+  // By the class, else (no architectures) by model_type.
+  const FamilyNames* found = nullptr;
+  for (const FamilyNames& f : kFamilies)
+    if (arch.empty() ? model_type == f.model_type : arch == f.architecture) found = &f;
+  if (found == nullptr) {
+    std::string supported;
+    for (const FamilyNames& f : kFamilies)
+      supported += std::string(supported.empty() ? "" : ", ") + f.architecture;
     throw Error(source + ": architecture '" + (arch.empty() ? model_type : arch) +
-                "' is not supported (supported: LlamaForCausalLM, MistralForCausalLM, "
-                "Qwen2ForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM, MixtralForCausalLM, "
-                "GptOssForCausalLM)");
+                "' is not supported (supported: " + supported + ")");
   }
-  if (c.architecture.empty()) {
-    static const char* kArch[] = {"LlamaForCausalLM", "MistralForCausalLM",  "Qwen2ForCausalLM",
-                                  "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "MixtralForCausalLM",
-                                  "GptOssForCausalLM"};
-    c.architecture = kArch[static_cast<int>(c.family)];
-  }
+  c.family = found->family;
+  c.architecture = found->architecture;
 
   c.vocab_size = r.integer("vocab_size", 0, true);
   c.hidden_size = r.integer("hidden_size", 0, true);

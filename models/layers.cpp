@@ -40,12 +40,17 @@ std::int64_t LayerSpec::param_count() const {
   return n;
 }
 
+namespace {
+// A sparse block's per-expert parameter (weights and biases; not the router's).
+bool is_expert_param(const ParamSpec& p) {
+  return p.name.find(".experts.") != std::string::npos;
+}
+}  // namespace
+
 double LayerSpec::active_param_count() const {
   double n = 0, experts = 0;
   for (const ParamSpec& p : params)
-    if (!p.tied)
-      (p.name.find(".experts.") != std::string::npos ? experts : n) +=
-          static_cast<double>(p.numel());
+    if (!p.tied) (is_expert_param(p) ? experts : n) += static_cast<double>(p.numel());
   if (config.num_experts > 0)
     n += experts * static_cast<double>(config.experts_per_token) /
          static_cast<double>(config.num_experts);
@@ -64,7 +69,7 @@ double LayerSpec::flops_forward_per_token(std::int64_t seq_len) const {
       // per token.
       double matmul = 0, experts = 0;
       for (const ParamSpec& p : params)
-        if (p.name.find(".experts.") != std::string::npos)
+        if (is_expert_param(p))
           experts += 2.0 * p.numel();  // biases too: a token pays for its experts' adds
         else if (p.shape.size() == 2)
           matmul += 2.0 * p.numel();
@@ -382,10 +387,16 @@ bool parse_expert_name(const std::string& name, std::int64_t* expert, int* proje
   return true;
 }
 
+std::pair<at::Tensor, at::Tensor> expert_lora_factors(const at::Tensor& a, const at::Tensor& b,
+                                                      std::int64_t experts, std::int64_t e) {
+  const std::int64_t r = a.size(0) / experts;
+  return {a.narrow(0, e * r, r), b.slice(1, e, std::nullopt, experts)};
+}
+
 at::Tensor expert_lora_delta(const at::Tensor& a, const at::Tensor& b, std::int64_t experts,
                              std::int64_t e) {
-  const std::int64_t r = a.size(0) / experts;
-  return at::matmul(b.slice(1, e, std::nullopt, experts), a.narrow(0, e * r, r));
+  const auto [a_e, b_e] = expert_lora_factors(a, b, experts, e);
+  return at::matmul(b_e, a_e);
 }
 
 namespace {
@@ -586,33 +597,30 @@ at::Tensor moe_mlp(const ModelConfig& c, const BlockWeights& w, const at::Tensor
     if (n == 0) continue;
     const at::Tensor tokens = token_of.narrow(0, start, n);
     const at::Tensor xs = x.index_select(0, tokens);
+    at::Tensor y;
     if (fused) {  // GPT-OSS: interleaved gate/up, biases, the clamped SwiGLU
       const at::Tensor gu = at::matmul(xs, w.fused_gate_up[e]) + w.fused_gate_up_bias[e];
       const at::Tensor g = gu.slice(1, 0, std::nullopt, 2).clamp_max(c.swiglu_limit);
       const at::Tensor u = gu.slice(1, 1, std::nullopt, 2).clamp(-c.swiglu_limit, c.swiglu_limit);
       const at::Tensor act = (u + 1) * (g * at::sigmoid(g * c.swiglu_alpha));
-      at::Tensor y = at::matmul(act, w.fused_down[e]) + w.fused_down_bias[e];
-      y = y * weight_of.narrow(0, start, n).unsqueeze(1);
-      out = out.index_add(0, tokens, y.to(out.scalar_type()));
-      start += n;
-      continue;
-    }
-    at::Tensor gate = at::linear(xs, w.expert_gate[e]), up = at::linear(xs, w.expert_up[e]);
-    if (w.expert_lora_a[0].defined()) {  // gate_up_proj's adapter: gate rows, then up rows
-      const std::int64_t I = gate.size(1), r = w.expert_lora_a[0].size(0) / E;
-      const at::Tensor d = at::linear(at::linear(xs, w.expert_lora_a[0].narrow(0, e * r, r)),
-                                      w.expert_lora_b[0].slice(1, e, std::nullopt, E)) *
-                           w.expert_lora_scaling[0];
-      gate = gate + d.narrow(1, 0, I);
-      up = up + d.narrow(1, I, I);
-    }
-    const at::Tensor act = at::silu(gate) * up;
-    at::Tensor y = at::linear(act, w.expert_down[e]);
-    if (w.expert_lora_a[1].defined()) {
-      const std::int64_t r = w.expert_lora_a[1].size(0) / E;
-      y = y + at::linear(at::linear(act, w.expert_lora_a[1].narrow(0, e * r, r)),
-                         w.expert_lora_b[1].slice(1, e, std::nullopt, E)) *
-                  w.expert_lora_scaling[1];
+      y = at::matmul(act, w.fused_down[e]) + w.fused_down_bias[e];
+    } else {
+      // Expert e's share of an adapter in PEFT's layout: x A_e^T B_e^T * scaling.
+      auto lora = [&](int which, const at::Tensor& in) {
+        const auto [a, b] =
+            expert_lora_factors(w.expert_lora_a[which], w.expert_lora_b[which], E, e);
+        return at::linear(at::linear(in, a), b) * w.expert_lora_scaling[which];
+      };
+      at::Tensor gate = at::linear(xs, w.expert_gate[e]), up = at::linear(xs, w.expert_up[e]);
+      if (w.expert_lora_a[0].defined()) {  // gate_up_proj's adapter: gate rows, then up rows
+        const std::int64_t I = gate.size(1);
+        const at::Tensor d = lora(0, xs);
+        gate = gate + d.narrow(1, 0, I);
+        up = up + d.narrow(1, I, I);
+      }
+      const at::Tensor act = at::silu(gate) * up;
+      y = at::linear(act, w.expert_down[e]);
+      if (w.expert_lora_a[1].defined()) y = y + lora(1, act);
     }
     y = y * weight_of.narrow(0, start, n).unsqueeze(1);
     out = out.index_add(0, tokens, y.to(out.scalar_type()));
@@ -623,39 +631,48 @@ at::Tensor moe_mlp(const ModelConfig& c, const BlockWeights& w, const at::Tensor
 
 }  // namespace
 
+namespace {
+// Every sparse block's routing of a microbatch summed: top-k selections and router probabilities
+// per expert, and the (block, token) pairs. The caller holds record.mu.
+struct RoutingTotals {
+  std::vector<double> counts, prob_sums;
+  double rows = 0;
+};
+RoutingTotals routing_totals(const ModelConfig& c, const RoutingRecord& record, bool with_probs) {
+  const auto E = static_cast<std::size_t>(c.num_experts);
+  RoutingTotals t{std::vector<double>(E, 0.0), std::vector<double>(with_probs ? E : 0, 0.0)};
+  for (const auto& [b, r] : record.blocks) {
+    for (std::size_t e = 0; e < E; ++e)
+      t.counts[e] += static_cast<double>(r.counts[e]);
+    if (with_probs) {
+      const at::Tensor sums = r.prob_sums.to(at::kCPU, at::kDouble).contiguous();
+      for (std::size_t e = 0; e < E; ++e)
+        t.prob_sums[e] += sums.data_ptr<double>()[e];
+    }
+    t.rows += static_cast<double>(r.tokens);
+  }
+  return t;
+}
+}  // namespace
+
 double router_aux_loss(const ModelConfig& c, RoutingRecord& record) {
   std::lock_guard<std::mutex> lock(record.mu);
-  if (record.blocks.empty()) return 0;
-  std::vector<double> f(static_cast<std::size_t>(c.num_experts), 0.0), p(f);
-  double rows = 0;
-  for (auto& [b, r] : record.blocks) {
-    const at::Tensor sums = r.prob_sums.to(at::kCPU, at::kDouble).contiguous();
-    for (std::size_t e = 0; e < f.size(); ++e) {
-      f[e] += static_cast<double>(r.counts[e]);
-      p[e] += sums.data_ptr<double>()[e];
-    }
-    rows += static_cast<double>(r.tokens);
-  }
+  const RoutingTotals t = routing_totals(c, record, /*with_probs=*/true);
+  if (t.rows == 0) return 0;
   double sum = 0;
-  for (std::size_t e = 0; e < f.size(); ++e)
-    sum += (f[e] / rows) * (p[e] / rows);
+  for (std::size_t e = 0; e < t.counts.size(); ++e)
+    sum += (t.counts[e] / t.rows) * (t.prob_sums[e] / t.rows);
   return sum * static_cast<double>(c.num_experts);
 }
 
 at::Tensor router_aux_grad(const ModelConfig& c, RoutingRecord& record, double weight,
                            at::Device device) {
   std::lock_guard<std::mutex> lock(record.mu);
-  std::vector<float> g(static_cast<std::size_t>(c.num_experts), 0.0f);
-  double rows = 0;
-  std::vector<double> counts(g.size(), 0.0);
-  for (auto& [b, r] : record.blocks) {
-    for (std::size_t e = 0; e < g.size(); ++e)
-      counts[e] += static_cast<double>(r.counts[e]);
-    rows += static_cast<double>(r.tokens);
-  }
-  for (std::size_t e = 0; e < g.size() && rows > 0; ++e)
-    g[e] =
-        static_cast<float>(weight * static_cast<double>(c.num_experts) * counts[e] / (rows * rows));
+  const RoutingTotals t = routing_totals(c, record, /*with_probs=*/false);
+  std::vector<float> g(t.counts.size(), 0.0f);
+  for (std::size_t e = 0; e < g.size() && t.rows > 0; ++e)
+    g[e] = static_cast<float>(weight * static_cast<double>(c.num_experts) * t.counts[e] /
+                              (t.rows * t.rows));
   return at::tensor(g, at::TensorOptions().dtype(at::kFloat)).to(device);
 }
 

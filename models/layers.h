@@ -19,6 +19,7 @@
 #include <mutex>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "models/config.h"
@@ -182,8 +183,11 @@ struct BlockWeights {
 // block_sparse_moe.experts.3.w3.weight): its expert and which projection (0 gate, 1 up, 2 down).
 bool parse_expert_name(const std::string& name, std::int64_t* expert, int* projection);
 
-// Expert `e`'s LoRA delta B_e A_e (out, in), unscaled, from adapters in PEFT's layout for a 3-D
-// parameter of `experts` experts (BlockWeights::expert_lora_a / _b).
+// Expert `e`'s factors A_e (R, in) and B_e (out, R) of an adapter in PEFT's layout for a 3-D
+// parameter of `experts` experts (BlockWeights::expert_lora_a / _b): A's rows e*R.., B's columns
+// e, e+E, ...; and its delta B_e A_e (out, in), unscaled.
+std::pair<at::Tensor, at::Tensor> expert_lora_factors(const at::Tensor& a, const at::Tensor& b,
+                                                      std::int64_t experts, std::int64_t e);
 at::Tensor expert_lora_delta(const at::Tensor& a, const at::Tensor& b, std::int64_t experts,
                              std::int64_t e);
 
