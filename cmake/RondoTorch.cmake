@@ -55,18 +55,25 @@ message(STATUS "torch ${RONDO_TORCH_VERSION} (CUDA ${RONDO_TORCH_CUDA_VERSION}) 
 
 add_library(rondo_torch INTERFACE)
 add_library(rondo::torch ALIAS rondo_torch)
-target_link_libraries(rondo_torch INTERFACE
-  "${RONDO_LIB_torch}" "${RONDO_LIB_torch_cpu}" "${RONDO_LIB_c10}" Threads::Threads)
-# libtorch_cuda arrives through libtorch.so's own needs, which a linker with --as-needed (Ubuntu's
-# default) drops since nothing of ours names its symbols: torch would then see no GPU and every
-# `cuda` test would skip. So it is named here, outside --as-needed (tests/support/check_linking.sh
-# checks the binaries need it).
+# All of it within one --no-as-needed: the linker records each library in the order named here,
+# and that order matters twice.
+#  - libstdc++ comes first, ahead of torch's libraries: some wheels (torch 2.11's libtorch.so)
+#    export their own copies of parts of the C++ library (std::filesystem::remove_all,
+#    std::chrono's time zones), and the dynamic linker binds each symbol to the first library in
+#    the executable's list that defines it. Torch's copies crash when called from our code (a null
+#    call inside remove_all); with libstdc++ first, every std:: symbol is the system library's.
+#  - libtorch_cuda is named: it arrives through libtorch.so's own needs, which a linker with
+#    --as-needed (Ubuntu's default) drops since nothing of ours names its symbols, and torch would
+#    then see no GPU and every `cuda` test would skip.
+# One push/pop pair only: CMake drops repeated identical flags, which would unbalance a second one.
+# tests/support/check_linking.sh checks both.
 set(RONDO_TORCH_CUDA_LIB "")
 if(EXISTS "${RONDO_TORCH_LIBDIR}/libtorch_cuda.so")
   set(RONDO_TORCH_CUDA_LIB "${RONDO_TORCH_LIBDIR}/libtorch_cuda.so")
-  target_link_libraries(rondo_torch INTERFACE
-    "-Wl,--push-state,--no-as-needed" "${RONDO_TORCH_CUDA_LIB}" "-Wl,--pop-state")
 endif()
+target_link_libraries(rondo_torch INTERFACE
+  "-Wl,--push-state,--no-as-needed" stdc++ "${RONDO_LIB_torch}" "${RONDO_LIB_torch_cpu}"
+  "${RONDO_LIB_c10}" ${RONDO_TORCH_CUDA_LIB} "-Wl,--pop-state" Threads::Threads)
 # Kernels compiled by one CUDA major version and run on another's runtime fail at launch.
 if(RONDO_WITH_CUDA AND RONDO_TORCH_CUDA_VERSION)
   string(REGEX MATCH "^[0-9]+" _torch_cuda_major "${RONDO_TORCH_CUDA_VERSION}")

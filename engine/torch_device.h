@@ -5,13 +5,34 @@
 
 #include <c10/core/Device.h>
 
+#include <cstdint>
 #include <memory>
+#include <optional>
 
 #include "kernels/device.h"
 
 namespace rondo::engine {
 
 c10::Device torch_device(const kernels::Device& device);
+
+// What torch's own CUDA caching allocator holds on a GPU (activations, autograd buffers,
+// attention temporaries: everything torch allocates, which the engine's pool does not see), with
+// the peaks since the process started or the last reset. nullopt without CUDA in this build or
+// on this machine. reset_torch_cuda_memory returns the allocator's cached blocks to the device and
+// starts its peaks afresh.
+struct TorchCudaMemory {
+  std::uint64_t allocated = 0, reserved = 0;            // now
+  std::uint64_t peak_allocated = 0, peak_reserved = 0;  // since the last reset
+};
+std::optional<TorchCudaMemory> torch_cuda_memory(int device_index);
+void reset_torch_cuda_memory(int device_index);
+
+// Torch's deterministic algorithms on or off, process-wide: on, every op that has a deterministic
+// implementation uses it (index_add_ without atomics, attention backwards without races), cuDNN
+// does not benchmark, and cuBLAS gets a fixed workspace (CUBLAS_WORKSPACE_CONFIG, unless already
+// set; it must precede cuBLAS's first use in the process). An op without one warns (torch's
+// warn_only) rather than failing the run. Returns whether they are on.
+bool use_deterministic_torch(bool on);
 
 // While alive (on the calling thread), torch's current stream for the device is `stream`, and
 // torch uses at most the engine's CPU thread count. Construct inside Stream::enqueue work.

@@ -2,10 +2,14 @@
 // libtorch loop on the CPU — step-1 gradients and weights after 3 steps — on one CUDA device under
 // a memory cap, with a plan of separate forward, tail and backward stages (fp32, TF32 off). Checks
 // the CUDA paths the simulated devices cannot: torch running on the engine's own streams, events
-// across streams, the stream-ordered pool, copies from and to pinned host memory.
+// across streams, the stream-ordered pool, copies from and to pinned host memory. And the same
+// training twice gives the same bits (run-to-run determinism on the GPU).
 #include <ATen/ATen.h>
 #include <ATen/Context.h>
 #include <gtest/gtest.h>
+
+#include <map>
+#include <optional>
 
 #include "engine/devices.h"
 #include "engine/engine.h"
@@ -16,23 +20,22 @@
 namespace rondo::engine {
 namespace {
 
-TEST(EngineCuda, TrainsLikeThePlainLoopOnOneGpu) {
-  RONDO_CUDA_OR_SKIP();
-  at::globalContext().setAllowTF32CuBLAS(false);
-  at::globalContext().setAllowTF32CuDNN(false);
+struct GpuRun {
+  std::map<std::string, at::Tensor> grads1;   // step 1's gradients, by name
+  std::map<std::string, at::Tensor> masters;  // fp32 masters after the last step (untied ones)
+  std::uint64_t bytes_in_use_after = 0;       // the device pool once the engine is gone
+};
+
+// Trains `steps` on one CUDA device (cap 2 GiB) with a plan of separate forward, tail and
+// backward stages; nullopt (and the test skipped) without a GPU.
+std::optional<GpuRun> train_on_one_gpu(const models::ModelConfig& config,
+                                       const std::map<std::string, at::Tensor>& weights,
+                                       const std::vector<std::vector<Microbatch>>& steps) {
   DevicePlan dp = plan_devices({.memory_cap = 2ull << 30});
-  if (dp.mode != DeviceMode::kCuda) GTEST_SKIP() << "no CUDA device: " << dp.why_no_gpu;
+  if (dp.mode != DeviceMode::kCuda) return std::nullopt;
   dp.devices.resize(1);
   auto devices = open_devices(dp);
-
-  at::manual_seed(5);
-  const models::ModelConfig config = test::tiny_qwen2(4, 4);
   const auto specs = models::layer_specs(config);
-  const auto weights = test::random_weights(config);
-  std::vector<std::vector<Microbatch>> steps;
-  for (int i = 0; i < 3; ++i)
-    steps.push_back(test::random_batch(config, 6, 16, 3));
-
   offload::HostArena arena;
   offload::LayerStore store(arena,
                             layer_descs(specs, [](const models::ParamSpec&) { return true; }),
@@ -41,22 +44,51 @@ TEST(EngineCuda, TrainsLikeThePlainLoopOnOneGpu) {
   EngineOptions o;
   o.adamw = {.lr = 1e-3, .eps = 1e-6, .weight_decay = 0.1};
   o.max_grad_norm = 0.5;
-  std::map<std::string, at::Tensor> grads1;
+  GpuRun run;
   o.on_gradients = [&](std::int64_t step) {
     if (step != 1) return;
     for (std::size_t l = 0; l < specs.size(); ++l)
       for (std::size_t i = 0; i < specs[l].params.size(); ++i) {
         at::Tensor g = state_view(store, specs, l, i, StateView::kGrad).clone();
-        auto& slot = grads1[specs[l].params[i].name];
+        auto& slot = run.grads1[specs[l].params[i].name];
         slot = slot.defined() ? slot + g : g;
       }
   };
   Plan plan{{{0, 2}, {2, 4}}, {4, 6}, {{2, 4}, {0, 2}}, 3, RecomputeGrain::kLayer};
   {
     Engine engine(config, specs, store, arena, {devices[0].get()}, plan, o);
-    engine.train(3, [&](std::int64_t s) { return steps.at(s - 1); });
+    engine.train(static_cast<std::int64_t>(steps.size()),
+                 [&](std::int64_t s) { return steps.at(s - 1); });
   }
-  EXPECT_EQ(devices[0]->memory().bytes_in_use, 0u);
+  run.bytes_in_use_after = devices[0]->memory().bytes_in_use;
+  for (std::size_t l = 0; l < specs.size(); ++l)
+    for (std::size_t i = 0; i < specs[l].params.size(); ++i)
+      if (!store.layer(l)[i].tied)
+        run.masters[specs[l].params[i].name] =
+            state_view(store, specs, l, i, StateView::kMaster).cpu().clone();
+  return run;
+}
+
+class EngineCuda : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    RONDO_CUDA_OR_SKIP();
+    at::globalContext().setAllowTF32CuBLAS(false);
+    at::globalContext().setAllowTF32CuDNN(false);
+    at::manual_seed(5);
+    weights = test::random_weights(config);
+    for (int i = 0; i < 3; ++i)
+      steps.push_back(test::random_batch(config, 6, 16, 3));
+  }
+  const models::ModelConfig config = test::tiny_qwen2(4, 4);
+  std::map<std::string, at::Tensor> weights;
+  std::vector<std::vector<Microbatch>> steps;
+};
+
+TEST_F(EngineCuda, TrainsLikeThePlainLoopOnOneGpu) {
+  std::optional<GpuRun> run = train_on_one_gpu(config, weights, steps);
+  if (!run) GTEST_SKIP() << "no CUDA device";
+  EXPECT_EQ(run->bytes_in_use_after, 0u);
 
   test::PlainLoop ref(config, weights, {.lr = 1e-3, .eps = 1e-6, .weight_decay = 0.1}, 0.5);
   std::map<std::string, at::Tensor> ref_grads;
@@ -68,15 +100,26 @@ TEST(EngineCuda, TrainsLikeThePlainLoopOnOneGpu) {
            std::max(1e-30, b.abs().max().item<double>());
   };
   for (auto& [name, g] : ref_grads)
-    EXPECT_LE(rel(grads1.at(name), g), 1e-4) << name;
-  for (std::size_t l = 0; l < specs.size(); ++l)
-    for (std::size_t i = 0; i < specs[l].params.size(); ++i)
-      if (!store.layer(l)[i].tied) {
-        EXPECT_LE(rel(state_view(store, specs, l, i, StateView::kMaster),
-                      ref.param(specs[l].params[i].name)),
-                  1e-4)
-            << specs[l].params[i].name;
-      }
+    EXPECT_LE(rel(run->grads1.at(name), g), 1e-4) << name;
+  for (auto& [name, w] : run->masters)
+    EXPECT_LE(rel(w, ref.param(name)), 1e-4) << name;
+}
+
+// The same training twice in one process gives the same bits: what an exact resume on a GPU rests
+// on (the schedule, the streams and torch's kernels all repeat).
+TEST_F(EngineCuda, RepeatsBitIdenticallyOnOneGpu) {
+  std::optional<GpuRun> a = train_on_one_gpu(config, weights, steps);
+  if (!a) GTEST_SKIP() << "no CUDA device";
+  std::optional<GpuRun> b = train_on_one_gpu(config, weights, steps);
+  ASSERT_TRUE(b);
+  int differ = 0;
+  for (auto& [name, w] : a->masters)
+    if (!at::equal(w, b->masters.at(name))) {
+      ++differ;
+      ADD_FAILURE() << name << " differs between two identical runs by up to "
+                    << (w - b->masters.at(name)).abs().max().item<double>();
+    }
+  EXPECT_EQ(differ, 0) << "of " << a->masters.size() << " tensors";
 }
 
 }  // namespace

@@ -17,15 +17,17 @@ struct PlainLoop::State {
   std::unique_ptr<torch::optim::AdamW> adamw;
   double max_norm = 0;
   std::vector<at::Tensor> stale;  // one-step-stale: the weights the next step runs on
+  at::Device device = at::kCPU;
 };
 
 PlainLoop::PlainLoop(const models::ModelConfig& config,
                      const std::map<std::string, at::Tensor>& weights, const PlainAdamW& a,
                      double max_grad_norm, at::ScalarType dtype,
                      const std::vector<models::LayerSpec>* specs,
-                     const std::function<bool(const std::string&)>& trainable)
+                     const std::function<bool(const std::string&)>& trainable, at::Device device)
     : state_(std::make_unique<State>()) {
   State& s = *state_;
+  s.device = device;
   s.config = config;
   s.specs = specs ? *specs : models::layer_specs(config);
   s.max_norm = max_grad_norm;
@@ -33,7 +35,7 @@ PlainLoop::PlainLoop(const models::ModelConfig& config,
     for (const models::ParamSpec& p : l.params) {
       if (s.params.count(p.name)) continue;
       const bool train = !trainable || trainable(p.name);
-      at::Tensor t = weights.at(p.name).to(dtype).clone().requires_grad_(train);
+      at::Tensor t = weights.at(p.name).to(device, dtype).clone().requires_grad_(train);
       s.params.emplace(p.name, t);
       if (train) s.order.push_back(t);
     }
@@ -51,15 +53,20 @@ double PlainLoop::forward_backward(const std::vector<engine::Microbatch>& microb
   std::int64_t targets = 0;
   for (const engine::Microbatch& mb : microbatches)
     targets += mb.targets.ne(-100).sum().item<std::int64_t>();
-  double loss = 0, aux_total = 0;
+  double aux_total = 0;
   auto layer = [&](std::size_t l) {
     std::vector<at::Tensor> w;
     for (const models::ParamSpec& p : s.specs[l].params)
       w.push_back(s.params.at(p.name));
     return w;
   };
+  at::Tensor loss_sum = at::zeros({}, at::TensorOptions(s.device).dtype(at::kDouble));
   for (std::size_t m = 0; m < microbatches.size(); ++m) {
-    const engine::Microbatch& mb = microbatches[m];
+    const engine::Microbatch& host_mb = microbatches[m];
+    const engine::Microbatch mb{
+        {host_mb.batch.tokens.to(s.device),
+         host_mb.batch.doc_ids.defined() ? host_mb.batch.doc_ids.to(s.device) : at::Tensor()},
+        host_mb.targets.to(s.device)};
     const at::ScalarType dt = s.params.begin()->second.scalar_type();
     models::AttentionContext ctx = models::make_attention_context(s.config, mb.batch, dt);
     ctx.dropout_seed = engine::dropout_seed(seed, step_no, static_cast<int>(m));
@@ -86,10 +93,11 @@ double PlainLoop::forward_backward(const std::vector<engine::Microbatch>& microb
     if (aux && !prob_sums.empty()) {
       // transformers' load_balancing_loss_func: E * sum_e (counts_e / rows) * (prob sum_e / rows)
       // over all sparse blocks' (token, expert) pairs; each microbatch's counts 1 / M.
-      at::Tensor counts = at::zeros({s.config.num_experts}, at::kDouble);
+      at::Tensor counts =
+          at::zeros({s.config.num_experts}, at::TensorOptions(s.device).dtype(at::kDouble));
       double rows = 0;
       for (auto& [b, r] : ctx.routing->blocks) {
-        counts += at::tensor(r.counts, at::kLong).to(at::kDouble);
+        counts += at::tensor(r.counts, at::kLong).to(s.device, at::kDouble);
         rows += static_cast<double>(r.tokens);
       }
       at::Tensor probs = at::stack(prob_sums).sum(0).to(at::kDouble);
@@ -100,9 +108,10 @@ double PlainLoop::forward_backward(const std::vector<engine::Microbatch>& microb
       aux_total += aux_loss.item<double>();
     }
     objective.backward();
-    loss += sum.item<double>();
+    loss_sum += sum.detach().to(at::kDouble);
   }
-  return loss / static_cast<double>(targets) + aux_total;
+  // One host sync per step, not per microbatch: a GPU loop keeps its queue full.
+  return loss_sum.item<double>() / static_cast<double>(targets) + aux_total;
 }
 
 double PlainLoop::step(const std::vector<engine::Microbatch>& microbatches,

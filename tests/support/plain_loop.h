@@ -11,6 +11,7 @@
 #pragma once
 
 #include <ATen/core/Tensor.h>
+#include <c10/core/Device.h>
 
 #include <functional>
 #include <map>
@@ -31,11 +32,13 @@ class PlainLoop {
  public:
   // `weights` by Hugging Face name (any dtype; trained in `dtype`). Every parameter is trained.
   // `specs` (default: the config's layers) may carry LoRA adapters; `trainable` (default: all)
-  // says which parameters train — the others get no gradient and no optimizer state.
+  // says which parameters train — the others get no gradient and no optimizer state. `device`:
+  // where the parameters, the optimizer and every microbatch live (a GPU for benchmarks).
   PlainLoop(const models::ModelConfig& config, const std::map<std::string, at::Tensor>& weights,
             const PlainAdamW& adamw, double max_grad_norm, at::ScalarType dtype = at::kFloat,
             const std::vector<models::LayerSpec>* specs = nullptr,
-            const std::function<bool(const std::string&)>& trainable = {});
+            const std::function<bool(const std::string&)>& trainable = {},
+            at::Device device = at::kCPU);
   ~PlainLoop();
 
   // Forward and backward of every microbatch, then clipping and one AdamW step. Returns the mean
