@@ -339,7 +339,7 @@ RunEstimate estimate_run(const TrainConfig& config, const models::ModelSummary& 
          .param_bytes = stored,
          .device_param_bytes = stored != dequantised ? dequantised : 0,
          .grad_bytes = trained * 4,
-         .activation_bytes_per_token = specs[l].activation_bytes_per_token(wb),
+         .activation_bytes_per_token = specs[l].activation_bytes_per_token(wb, config.data.seq_len),
          .output_bytes_per_token = C * wb});
   }
   // Simulated GPUs and the CPU all compute on this machine's cores: one measurement for all, so

@@ -429,15 +429,19 @@ struct Packer {
 
   // RoundPipe's packing for budget T: tail from the top, forward from below the tail downward
   // (reversed), backward from layer 0 up (then descending). Empty optional if a single layer
-  // cannot fit.
-  std::optional<Plan> pack(double T) const {
+  // cannot fit. `tail_begin` >= 0 fixes the tail to [tail_begin, L) whatever its cost (a longer
+  // tail recomputes less).
+  std::optional<Plan> pack(double T, int tail_begin = -1) const {
     const int L = static_cast<int>(in.layers.size());
     Plan plan;
     plan.microbatches = M;
     plan.grain = grain;
     int k = L - 1;
-    while (k > 0 && cost(JobKind::kTail, {k - 1, L}) <= T && fits(JobKind::kTail, {k - 1, L}))
-      --k;
+    if (tail_begin >= 0)
+      k = tail_begin;
+    else
+      while (k > 0 && cost(JobKind::kTail, {k - 1, L}) <= T && fits(JobKind::kTail, {k - 1, L}))
+        --k;
     if (!fits(JobKind::kTail, {k, L})) return std::nullopt;
     plan.tail = {k, L};
     int end = k;
@@ -593,8 +597,24 @@ Plan plan_ours(const PlanInputs& in) {
     };
     std::vector<Plan> candidates;
     double W = p.heaviest();
-    for (double T : p.candidates(W))
+    const std::vector<double> budgets = p.candidates(W);
+    for (double T : budgets)
       if (auto plan = p.pack(T)) candidates.push_back(*plan);
+    // RoundPipe balances jobs of about one layer's cost, so its tail is short and every layer
+    // below it is computed twice (forward stage, then recompute). With device memory to spare a
+    // longer tail recomputes less, down to none at all when the whole model's graph fits (what a
+    // single GPU that holds the model should do). Every tail that fits, with the rest packed at a
+    // few budgets; predict() chooses.
+    const int L = static_cast<int>(inputs.layers.size());
+    for (int k = 0; k + 1 < L; ++k) {
+      if (!p.fits(JobKind::kTail, {k, L})) continue;
+      const std::size_t n = std::min<std::size_t>(budgets.size(), 4);
+      for (std::size_t i = 0; i < n; ++i) {
+        const double T = budgets[n > 1 ? i * (budgets.size() - 1) / (n - 1) : 0];
+        if (auto plan = p.pack(T, k)) candidates.push_back(*plan);
+        if (k == 0) break;  // the whole model in the tail: no other stages to pack
+      }
+    }
     Plan reference = plan_reference(inputs);
     candidates.push_back(reference);
     std::optional<std::pair<Plan, PlanPrediction>> best;

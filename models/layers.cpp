@@ -88,13 +88,16 @@ double LayerSpec::flops_backward_per_token(std::int64_t seq_len) const {
   return 2.0 * flops_forward_per_token(seq_len);
 }
 
-std::uint64_t LayerSpec::activation_bytes_per_token(std::size_t act_bytes) const {
+std::uint64_t LayerSpec::activation_bytes_per_token(std::size_t act_bytes,
+                                                    std::int64_t seq_len) const {
   const ModelConfig& c = config;
+  const auto T = static_cast<std::uint64_t>(std::max<std::int64_t>(seq_len, 0));
   std::uint64_t values = 0;
   switch (kind) {
     case LayerKind::kPrefix:
       values = c.hidden_size;
-      break;
+      return values * act_bytes + T;  // the mask: one bool per (query, key) pair
+
     case LayerKind::kHead:
       // Normed input, plus one chunk of fp32 logits is transient, not per token.
       values = 2 * c.hidden_size;
@@ -106,6 +109,7 @@ std::uint64_t LayerSpec::activation_bytes_per_token(std::size_t act_bytes) const
                c.num_heads * c.head_dim;
       // A sparse block: router logits and probabilities, and per routed copy of a token its
       // gathered input, the four MLP intermediates and the weighted output.
+      values += c.num_heads * T;  // attention probabilities, kept for the backward
       values += c.sparse(block)
                     ? 2 * c.num_experts +
                           c.experts_per_token * (2 * c.hidden_size + 4 * c.moe_intermediate_size)

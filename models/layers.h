@@ -52,8 +52,12 @@ struct LayerSpec {
   // Backward without recompute: twice the forward (input and weight gradients).
   double flops_backward_per_token(std::int64_t seq_len) const;
   // Bytes autograd keeps per token to run this layer's backward, activations in `act` dtype
-  // (an estimate from the shapes; the planner replaces it with measurements).
-  std::uint64_t activation_bytes_per_token(std::size_t act_bytes) const;
+  // (an estimate from the shapes; the planner replaces it with measurements). With `seq_len`,
+  // rows of that many tokens whose attention runs on the math kernel (an explicit mask for
+  // packed documents rules out the fused ones): each block keeps its (H, T, T) probabilities, H·T
+  // per token, and the prefix's (T, T) boolean mask, T bytes per token, lives as long as any block
+  // of the microbatch does. At T = 4096 that is most of a block's activations.
+  std::uint64_t activation_bytes_per_token(std::size_t act_bytes, std::int64_t seq_len = 0) const;
 
   ModelConfig config;  // the model this layer belongs to (dimensions for the costs)
   // LoRA adapters among `params` (models/lora.h): their output is scaled by lora_scaling, their

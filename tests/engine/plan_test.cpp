@@ -189,6 +189,53 @@ TEST(PlanOurs, StreamingCostsChangeTheCut) {
       << reference.describe() << " (" << pr.step_time_s << " s)";
 }
 
+// One GPU of a 24 GB card, a model shaped like the first GPU run's (docs/gpu.md): 30 layers of
+// about 120 MB of bf16 weights, LoRA-like (no weight gradients), 8 microbatches of 4096 tokens.
+PlanInputs one_gpu(std::uint64_t cap) {
+  PlanInputs in = uniform(30, 1, 1e-10, 2e-10, 8, 8 * 4096);
+  for (auto& l : in.layers) {
+    l.param_bytes = 120ull << 20;
+    l.grad_bytes = 0;
+    l.output_bytes_per_token = 4096;
+    l.activation_bytes_per_token = 200000;  // with the (H, T, T) attention probabilities
+  }
+  in.devices[0].memory_cap = cap;
+  in.devices[0].link_bytes_per_s = 50e9;
+  return in;
+}
+
+TEST(PlanOurs, WithMemoryToSpareItRecomputesNothing) {
+  // 30 layers of 0.8 GB of activations per microbatch and 3.6 GB of weights: the whole graph
+  // fits a 48 GB device, so the fastest plan is the plain loop's: one fused tail, no forward
+  // stages, no recompute. RoundPipe's balanced packing recomputes almost every layer.
+  PlanInputs in = one_gpu(48ull << 30);
+  Plan ours = plan_ours(in), reference = plan_reference(in);
+  EXPECT_TRUE(ours.forward.empty()) << ours.describe();
+  EXPECT_TRUE(ours.backward.empty()) << ours.describe();
+  EXPECT_EQ(ours.tail.begin, 0) << ours.describe();
+  PlanPrediction po = predict(ours, in), pr = predict(reference, in);
+  EXPECT_TRUE(po.fits) << po.why_not;
+  EXPECT_FALSE(reference.forward.empty()) << reference.describe();
+  // No recompute saves one forward in (forward + recompute + backward) = 1 of 4 time units.
+  EXPECT_LT(po.step_time_s, 0.8 * pr.step_time_s)
+      << "ours " << ours.describe() << " (" << po.step_time_s << " s) vs reference "
+      << reference.describe() << " (" << pr.step_time_s << " s)";
+}
+
+TEST(PlanOurs, WithSomeMemoryToSpareTheTailGrowsAndStillFits) {
+  // 12 GB: the whole graph (3.6 + 24 GB) does not fit, a part of it does. The tail takes what
+  // fits; every job stays within the cap.
+  PlanInputs in = one_gpu(12ull << 30);
+  Plan ours = plan_ours(in), reference = plan_reference(in);
+  PlanPrediction po = predict(ours, in), pr = predict(reference, in);
+  EXPECT_TRUE(po.fits) << po.why_not;
+  EXPECT_LE(po.peak_bytes[0], in.devices[0].memory_cap);
+  EXPECT_FALSE(ours.forward.empty()) << ours.describe();
+  EXPECT_GT(ours.tail.end - ours.tail.begin, reference.tail.end - reference.tail.begin)
+      << "ours " << ours.describe() << ", reference " << reference.describe();
+  EXPECT_LT(po.step_time_s, pr.step_time_s);
+}
+
 TEST(PlanOurs, WhenNothingFitsItSaysWhatWould) {
   PlanInputs in = pcie_bound();
   for (auto& l : in.layers)
