@@ -60,6 +60,8 @@ std::vector<Field> fields(engine::TrainConfig& c) {
       {"training.max_grad_norm", &c.training.max_grad_norm, "clipping; <= 0 = off"},
       {"training.seed", &c.training.seed, "initialisation, shuffling, dropout"},
       {"training.one_step_stale", &c.training.one_step_stale, "RoundPipe's asynchronous update"},
+      {"training.deterministic", &c.training.deterministic,
+       "deterministic GPU kernels: exact resume on GPUs"},
       {"checkpoint.every", &c.checkpoint.every, "steps between checkpoints; 0 = at the end"},
       {"checkpoint.keep", &c.checkpoint.keep, "newest checkpoints kept; 0 = all"},
       {"eval.every", &c.eval.every, "steps between validation losses; 0 = never"},

@@ -28,6 +28,7 @@
 #include "engine/run_lock.h"
 #include "engine/schedule.h"
 #include "engine/state.h"
+#include "engine/torch_device.h"
 #include "kernels/error.h"
 #include "models/chat_template.h"
 #include "models/export.h"
@@ -60,6 +61,11 @@ namespace fs = std::filesystem;
 // fingerprint of the tokenized data guards against the data file changing in between. On other
 // hardware (another number of devices) the run goes on with a new plan and a warning. Checkpoints
 // are only written between engine segments, when no step is in flight.
+// On a GPU the kernels themselves must repeat: atomics (index_add_ in the experts' scatter) and
+// some attention backwards add in whatever order threads arrive. training.deterministic (on by
+// default) turns on torch's deterministic algorithms and cuBLAS's fixed workspace for the whole
+// process before any GPU work (use_deterministic_torch). Its cost on a GPU is not yet measured;
+// CPU kernels are deterministic either way.
 
 namespace rondo::engine {
 namespace {
@@ -553,6 +559,8 @@ struct Session::Impl {
   }
 
   SessionResult train_loop(EventSink& sink) {
+    // Before any GPU work: cuBLAS reads its workspace setting once (Note [Exact resume]).
+    use_deterministic_torch(c.training.deterministic);
     const bool lora = c.training.method == "lora";
     const kernels::FloatDType sd = stream_dtype(c.model.dtype);
     log("Loading " + c.model.path);

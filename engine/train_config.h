@@ -67,6 +67,10 @@ struct TrainingSection {
   double max_grad_norm = 1.0;   // <= 0: no clipping
   std::uint64_t seed = 42;      // adapters' initialisation, shuffling, dropout
   bool one_step_stale = false;  // RoundPipe's asynchronous update (see EngineOptions)
+  // Torch's deterministic algorithms (and cuBLAS's fixed workspace): what an exact resume needs on
+  // a GPU, where atomics (index_add_) and some attention backwards otherwise add in a different
+  // order on each run. CPU kernels are deterministic either way.
+  bool deterministic = true;
 };
 
 struct CheckpointSection {

@@ -1,10 +1,13 @@
 // engine::Session's checks before it allocates: disk and host memory against the estimate, with
-// the OS's figures replaced by the test's (SessionOptions::disk_free / host_free).
+// the OS's figures replaced by the test's (SessionOptions::disk_free / host_free); and the
+// deterministic-kernels switch of exact runs.
 #include "engine/session.h"
 
+#include <ATen/Context.h>
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 
@@ -60,6 +63,26 @@ TEST_F(SessionChecks, NotEnoughHostMemorySaysWhatToChangeForFullFineTuning) {
   Session s(c, {.plan_only = true, .host_free = 4096});
   EXPECT_FALSE(s.fits());
   EXPECT_NE(s.describe().find("Verdict     does not fit"), std::string::npos) << s.describe();
+}
+
+// training.deterministic (on by default) turns on torch's deterministic algorithms and cuBLAS's
+// fixed workspace for the run, before any GPU work; off, it leaves them off.
+TEST_F(SessionChecks, ExactRunsTurnOnDeterministicKernels) {
+  c.training.steps = 1;
+  c.output.exports = {};
+  at::globalContext().setDeterministicAlgorithms(false, false);
+  ::unsetenv("CUBLAS_WORKSPACE_CONFIG");
+  ASSERT_TRUE(c.training.deterministic);
+  Session(c, {}).run();
+  EXPECT_TRUE(at::globalContext().deterministicAlgorithms());
+  EXPECT_TRUE(at::globalContext().deterministicAlgorithmsWarnOnly());
+  ASSERT_NE(std::getenv("CUBLAS_WORKSPACE_CONFIG"), nullptr);
+  EXPECT_STREQ(std::getenv("CUBLAS_WORKSPACE_CONFIG"), ":4096:8");
+
+  fs::remove_all(dir / "run");
+  c.training.deterministic = false;
+  Session(c, {}).run();
+  EXPECT_FALSE(at::globalContext().deterministicAlgorithms());
 }
 
 }  // namespace
