@@ -511,7 +511,10 @@ TEST(Engine, MicrobatchSplitsDifferOnlyAsThePlainLoopDoes) {
     const double ours = layer_rel(eng[a].grads1, eng[b].grads1, all);
     std::printf("M=%d vs %d: plain %.3g ours %.3g\n", a, b, plain, ours);
     EXPECT_GT(plain, 0) << "the plain loop's splits agree exactly: nothing to compare";
-    EXPECT_LE(ours, 2 * plain) << "M=" << a << " vs M=" << b;
+    // Both are rounding noise of sums taken in other orders, a few 1e-7; their ratio spreads with
+    // the seed (2.2 was seen once in 25 seeds). A wrong split (a microbatch counted twice, a
+    // loss normalised per microbatch) differs by far more than 3x the plain loop's noise.
+    EXPECT_LE(ours, 3 * plain) << "M=" << a << " vs M=" << b;
   }
 }
 
