@@ -326,11 +326,19 @@ AttentionContext make_attention_context(const ModelConfig& c, const TokenBatch& 
                           std::to_string(b) + " is not contiguous");
       }
     ctx.positions = pos.to(tokens.device());
-    at::Tensor dd = batch.doc_ids.to(longs);
-    at::Tensor same = dd.unsqueeze(2).eq(dd.unsqueeze(1));  // (B, T, T)
-    at::Tensor causal =
-        at::ones({T, T}, at::TensorOptions().dtype(at::kBool).device(tokens.device())).tril();
-    ctx.mask = (same & causal).unsqueeze(1);
+    // A mask only where some row holds more than one document: with one per row it would be the
+    // plain causal one, and it would keep attention off the fused kernels.
+    bool packed = false;
+    for (std::int64_t b = 0; b < B && !packed; ++b)
+      for (std::int64_t t = 1; t < T && !packed; ++t)
+        packed = d[b * T + t] != d[b * T + t - 1];
+    if (packed) {
+      at::Tensor dd = batch.doc_ids.to(longs);
+      at::Tensor same = dd.unsqueeze(2).eq(dd.unsqueeze(1));  // (B, T, T)
+      at::Tensor causal =
+          at::ones({T, T}, at::TensorOptions().dtype(at::kBool).device(tokens.device())).tril();
+      ctx.mask = (same & causal).unsqueeze(1);
+    }
   } else {
     ctx.positions = at::arange(T, longs).unsqueeze(0).expand({B, T});
   }
@@ -748,9 +756,15 @@ at::Tensor block_forward(const ModelConfig& c, const BlockWeights& w, const at::
                                     static_cast<std::uint64_t>(w.block)));
     a = at::matmul(p, vv);
   } else {
+    const bool expand =
+        H != KV && mask.has_value() && ctx.expand_kv_heads.value_or(q.device().is_cuda());
+    if (expand) {
+      k = k.repeat_interleave(H / KV, 1);
+      v = v.repeat_interleave(H / KV, 1);
+    }
     a = at::scaled_dot_product_attention(q, k, v, mask, 0.0, causal,
                                          1.0 / std::sqrt(static_cast<double>(D)),
-                                         /*enable_gqa=*/H != KV);
+                                         /*enable_gqa=*/H != KV && !expand);
   }
   a = a.transpose(1, 2).reshape({B, T, H * D});
   at::Tensor out = x + project(w, BlockWeights::kO, a, w.o, w.o_bias, ctx);

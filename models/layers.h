@@ -85,7 +85,10 @@ struct TokenBatch {
 struct AttentionContext {
   at::Tensor positions;  // (B, T) int64
   at::Tensor cos, sin;   // (B, 1, T, D) in the compute dtype
-  at::Tensor mask;       // (B, 1, T, T) bool, true = may attend; undefined = plain causal
+  // (B, 1, T, T) bool, true = may attend; undefined = plain causal. Packed rows get one (a
+  // document sees only itself); rows that each hold one document do not, so that attention can
+  // run on the fused kernels (flash attention takes no mask).
+  at::Tensor mask;
   // Per-layer windows (ModelConfig::sliding_layers): the mask of the windowed layers, when it
   // differs from `mask`; undefined = every layer uses `mask`.
   at::Tensor window_mask;
@@ -106,6 +109,12 @@ struct AttentionContext {
   // checkpoint — on any device, in any order — draws exactly what the forward drew. The engine
   // gives each (step, microbatch) its own seed. -1 = inference: no dropout.
   std::int64_t dropout_seed = -1;
+  // Grouped-query heads with a mask: repeat the key and value heads up to the query heads before
+  // SDPA. The memory-efficient kernel takes a mask but not grouped heads, so without this a masked
+  // GQA model (Llama 3, Qwen, Mistral with packed rows) falls to the math kernel, which keeps the
+  // (B, H, T, T) probabilities. nullopt = on CUDA only (on the CPU the math kernel runs either
+  // way and the copies only cost); true / false force it (tests).
+  std::optional<bool> expand_kv_heads;
 };
 
 // One microbatch's routing, per sparse block: how many of its tokens each expert got (top-k
