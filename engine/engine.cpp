@@ -1107,9 +1107,20 @@ struct Engine::Impl {
     }
     for (auto& t : threads)
       t.join();
-    // Everything still on the devices: wait for it, then free it.
-    for (auto& dc : devs)
-      dc->dev->synchronize();
+    // Everything still on the devices: wait for it, then free it. A device that failed reports
+    // its error again on every later call (CUDA's errors are sticky); the run's error is the
+    // first one, with the job it happened in, so these only speak when nothing has yet.
+    auto synchronize_all = [&] {
+      for (auto& dc : devs)
+        try {
+          dc->dev->synchronize();
+        } catch (const std::exception& e) {
+          std::lock_guard<std::mutex> lock(mu_);
+          if (!error_)
+            error_ = std::make_exception_ptr(Error(dc->dev->info().name + ": " + e.what()));
+        }
+    };
+    synchronize_all();
     {
       std::lock_guard<std::mutex> lock(mu_);
       runs_.clear();
@@ -1118,8 +1129,7 @@ struct Engine::Impl {
       steps_.clear();
     }
     transfers->clear_staging();
-    for (auto& dc : devs)
-      dc->dev->synchronize();  // stream-ordered releases done
+    synchronize_all();  // stream-ordered releases done
     // NVMe write-backs done (and reads nobody took dropped): the store is as the last step left
     // it, for checkpoints and exports.
     try {

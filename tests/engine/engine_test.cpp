@@ -518,6 +518,25 @@ TEST(Engine, MicrobatchSplitsDifferOnlyAsThePlainLoopDoes) {
   }
 }
 
+// A bad microbatch in the second step (a token past the vocabulary, which on a GPU would be a
+// device-side assert that every later CUDA call reports again) fails the run with the first
+// error, naming its step and microbatch, not with a later synchronisation's.
+TEST(Engine, ABadMicrobatchFailsTheRunWithTheFirstError) {
+  Case s = make_case(test::tiny_llama(3), 2, 21, 2);
+  s.steps[1][1].batch.tokens[0][3] = s.config.vocab_size + 5;
+  Plan plan{{{0, 2}, {2, 3}}, {3, 5}, {{2, 3}, {0, 2}}, 2, RecomputeGrain::kStage};
+  try {
+    run_engine(s, plan, 2);
+    FAIL() << "a token past the vocabulary trained";
+  } catch (const Error& e) {
+    const std::string m = e.what();
+    EXPECT_NE(m.find("step 2"), std::string::npos) << m;
+    EXPECT_NE(m.find("microbatch 1"), std::string::npos) << m;
+    EXPECT_NE(m.find("outside the vocabulary"), std::string::npos) << m;
+    EXPECT_EQ(m.find("synchroni"), std::string::npos) << m;
+  }
+}
+
 TEST(Engine, EmitsPlanSpanAndDeviceEvents) {
   Case s = make_case(test::tiny_llama(3), 2, 7);
   Plan plan{{{0, 2}, {2, 3}}, {3, 5}, {{2, 3}, {0, 2}}, 2, RecomputeGrain::kStage};
