@@ -601,12 +601,14 @@ Plan plan_ours(const PlanInputs& in) {
     for (double T : budgets)
       if (auto plan = p.pack(T)) candidates.push_back(*plan);
     // RoundPipe balances jobs of about one layer's cost, so its tail is short and every layer
-    // below it is computed twice (forward stage, then recompute). With device memory to spare a
-    // longer tail recomputes less, down to none at all when the whole model's graph fits (what a
-    // single GPU that holds the model should do). Every tail that fits, with the rest packed at a
-    // few budgets; predict() chooses.
+    // below it is computed twice (forward stage, then recompute). On one device, with memory to
+    // spare, a longer tail recomputes less, down to none at all when the whole model's graph fits
+    // (what a single GPU that holds the model should do): every tail that fits, with the rest
+    // packed at a few budgets; predict() chooses. Not on several devices: there a long tail
+    // leaves the others idle, its predicted advantage is small and swings with the measured
+    // speed, and a plan must not change between a run and its resume on the same machine.
     const int L = static_cast<int>(inputs.layers.size());
-    for (int k = 0; k + 1 < L; ++k) {
+    for (int k = 0; inputs.devices.size() == 1 && k + 1 < L; ++k) {
       if (!p.fits(JobKind::kTail, {k, L})) continue;
       const std::size_t n = std::min<std::size_t>(budgets.size(), 4);
       for (std::size_t i = 0; i < n; ++i) {
