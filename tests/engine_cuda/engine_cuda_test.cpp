@@ -14,6 +14,7 @@
 #include "engine/devices.h"
 #include "engine/engine.h"
 #include "engine/state.h"
+#include "engine/torch_device.h"
 #include "tests/support/cuda_or_skip.h"
 #include "tests/support/plain_loop.h"
 
@@ -105,9 +106,11 @@ TEST_F(EngineCuda, TrainsLikeThePlainLoopOnOneGpu) {
     EXPECT_LE(rel(w, ref.param(name)), 1e-4) << name;
 }
 
-// The same training twice in one process gives the same bits: what an exact resume on a GPU rests
-// on (the schedule, the streams and torch's kernels all repeat).
+// The same training twice in one process gives the same bits, with deterministic kernels on: what
+// an exact resume on a GPU rests on (the schedule, the streams and torch's kernels all repeat).
 TEST_F(EngineCuda, RepeatsBitIdenticallyOnOneGpu) {
+  // As an exact run (training.deterministic) has it, before the process's first cuBLAS call.
+  ASSERT_TRUE(use_deterministic_torch(true));
   std::optional<GpuRun> a = train_on_one_gpu(config, weights, steps);
   if (!a) GTEST_SKIP() << "no CUDA device";
   std::optional<GpuRun> b = train_on_one_gpu(config, weights, steps);
