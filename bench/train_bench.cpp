@@ -212,8 +212,6 @@ Figures run_plain(const engine::TrainConfig& c) {
   return f;
 }
 
-}  // namespace
-
 // Peaks measured in the same run, on GPU 0: a bf16 matmul's TFLOP/s, and a pinned host buffer's
 // copy rate to the device and back (GB/s, both directions averaged).
 struct Peaks {
@@ -252,6 +250,8 @@ Peaks measure_peaks() {
       8.0 * static_cast<double>(bytes) / std::chrono::duration<double>(Clock::now() - t0).count();
   return p;
 }
+
+}  // namespace
 
 int main(int argc, char** argv) {
   Options o;

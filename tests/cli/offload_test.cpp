@@ -48,6 +48,13 @@ constexpr int kLayers = 80, kHidden = 128, kInter = 512;
 struct Offload : ::testing::Test {
   fs::path dir, model, data;
   std::int64_t params = 0, block_params = 0;
+  // `rondo plan` of a model folder for one RTX 4090 and 96 GB of host memory, 1024-token rows.
+  static std::string plan_on_a_4090(const fs::path& model_dir, bool json = true) {
+    return std::string("plan") + (json ? " --json" : "") +
+           " --set model.path=" + model_dir.string() +
+           " --set hardware.gpu='RTX 4090' --set hardware.host_memory=96GB"
+           " --set training.steps=100 --set data.seq_len=1024";
+  }
   void SetUp() override {
     dir = fs::temp_directory_path() /
           ("rondo-offload-test-" + std::to_string(::getpid()) + "-" +
@@ -300,9 +307,7 @@ TEST_F(Offload, PlansAQwen3MoeFromItsConfigAlone) {
       {"rope_theta", 1000000.0},
       {"tie_word_embeddings", false},
       {"torch_dtype", "bfloat16"}}.dump(2);
-  const std::string base = "plan --json --set model.path=" + qwen.string() +
-                           " --set hardware.gpu='RTX 4090' --set hardware.host_memory=96GB"
-                           " --set training.steps=100 --set data.seq_len=1024";
+  const std::string base = plan_on_a_4090(qwen);
   // The model's own counts (full fine-tuning: no adapters among them).
   Result r = run_rondo(base + " --set training.method=full", false);
   const json full = json::parse(r.out);
@@ -321,10 +326,7 @@ TEST_F(Offload, PlansAQwen3MoeFromItsConfigAlone) {
       plan["step_seconds"].get<double>());
   EXPECT_NE(plan["verdict"], "does not fit") << r.out;
   EXPECT_EQ(r.code, 0);
-  r = run_rondo("plan --set model.path=" + qwen.string() +
-                    " --set hardware.gpu='RTX 4090' --set hardware.host_memory=96GB"
-                    " --set training.method=lora --set data.seq_len=1024",
-                false);
+  r = run_rondo(plan_on_a_4090(qwen, /*json=*/false) + " --set training.method=lora", false);
   EXPECT_TRUE(contains(r.out, "128 per sparse block, 8 per token")) << r.out;
   // An NF4 base quantises the experts too: the weights cross the link in about a quarter.
   r = run_rondo(base + " --set training.method=lora --set model.quantize=nf4", false);
@@ -372,9 +374,7 @@ TEST_F(Offload, PlansAGptOssFromItsConfigAlone) {
       {"swiglu_limit", 7.0},
       {"tie_word_embeddings", false},
       {"torch_dtype", "bfloat16"}}.dump(2);
-  const std::string base = "plan --json --set model.path=" + oss.string() +
-                           " --set hardware.gpu='RTX 4090' --set hardware.host_memory=96GB"
-                           " --set training.steps=100 --set data.seq_len=1024";
+  const std::string base = plan_on_a_4090(oss);
   Result r = run_rondo(base + " --set training.method=full", false);
   const json full = json::parse(r.out);
   EXPECT_NEAR(full["params"].get<double>(), 21e9, 0.15e9) << r.out;
