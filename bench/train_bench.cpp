@@ -24,7 +24,9 @@
 //   train_bench [--preset qwen3-1.7b] [--steps 12] [--method lora|full] [--dtype fp32|bf16]
 //               [--cap 24GB] [--host-memory 64GB] [--sim N] [--layers 4 --hidden 256 --ffn 688
 //               --heads 4 --kv-heads 2 --vocab 0 --tie 0] [--seq-len 256 --rows 2 --accum 2]
-//               [--rank 16] [--doc-words 30]
+//               [--rank 16] [--doc-words 30] [--nondeterministic]
+//
+// --nondeterministic also runs rondo with training.deterministic = false: what exactness costs.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/cuda.h>
@@ -71,6 +73,9 @@ struct Figures {
   double step_s = 0;              // measured, steady state
   double busy = 0;                // device busy fraction, mean over the measured steps
   double link_bytes_per_s = 0;    // host<->device, both directions, over the measured steps
+  // Device time per job and step (span events, timed on the device), mean over the measured
+  // steps, in plan order.
+  std::vector<std::pair<std::string, double>> job_s;
 };
 
 struct Options {
@@ -83,6 +88,7 @@ struct Options {
   int layers = 4, hidden = 256, ffn = 688, heads = 4, kv_heads = 2, vocab = 0, tie = 0;
   int seq_len = 256, rows = 2, accum = 2, rank = 16;
   int doc_words = 30;  // documents of doc_words to 2 * doc_words random words
+  bool nondeterministic = false;  // also run rondo with training.deterministic = false
 };
 
 engine::TrainConfig config_for(const fs::path& dir, const Options& o) {
@@ -132,6 +138,8 @@ Figures run_session(const engine::TrainConfig& c) {
   // Device events come once per step per device, their busy share covering that step and their
   // byte counts totals since the start: the measured steps are those after step kWarmup + 1.
   std::map<int, std::vector<std::pair<double, double>>> per_device;  // (busy, bytes moved)
+  std::map<std::string, std::pair<double, int>> jobs;                // stage: (seconds, spans)
+  std::vector<std::string> job_order;
   std::ifstream events(so.events);
   for (std::string line; std::getline(events, line);) {
     const auto j = nlohmann::json::parse(line, nullptr, false);
@@ -139,6 +147,12 @@ Figures run_session(const engine::TrainConfig& c) {
     if (j.value("type", "") == "plan" && f.plan.empty()) {
       f.plan = j.value("plan", "");
       f.predicted_step_s = j.value("predicted_step_s", 0.0);
+    }
+    if (j.value("type", "") == "span" && j.value("step", 0) > kWarmup) {
+      const std::string stage = j.value("stage", "");
+      if (!jobs.count(stage)) job_order.push_back(stage);
+      jobs[stage].first += j.value("end", 0.0) - j.value("start", 0.0);
+      jobs[stage].second += 1;
     }
     if (j.value("type", "") != "device") continue;
     per_device[j.value("device", 0)].emplace_back(
@@ -163,6 +177,8 @@ Figures run_session(const engine::TrainConfig& c) {
   f.tokens_per_s = tokens / (marks.back().first - marks[kWarmup].first);
   f.loss_first = losses.front();
   f.loss_last = losses.back();
+  for (const std::string& stage : job_order)
+    f.job_s.emplace_back(stage, jobs[stage].first / jobs[stage].second);
   return f;
 }
 
@@ -274,6 +290,8 @@ int main(int argc, char** argv) {
       o.layers = 28, o.hidden = 2048, o.ffn = 6144, o.heads = 16, o.kv_heads = 8;
       o.vocab = 151936, o.tie = 1, o.dtype = "bf16", o.seq_len = 4096, o.rows = 1, o.accum = 8;
       o.rank = 32, o.doc_words = 400, o.steps = 6;
+    } else if (a == "--nondeterministic") {
+      o.nondeterministic = true;
     } else if (ints.count(a) && i + 1 < argc) {
       *ints.at(a) = std::atoi(argv[++i]);
     } else if (strings.count(a) && i + 1 < argc) {
@@ -283,7 +301,8 @@ int main(int argc, char** argv) {
                    "usage: train_bench [--preset qwen3-1.7b] [--steps 12] [--method lora|full] "
                    "[--dtype fp32|bf16] [--cap 24GB] [--host-memory 64GB] [--sim N] [--layers 4] "
                    "[--hidden 256] [--ffn 688] [--heads 4] [--kv-heads 2] [--vocab 0] [--tie 0] "
-                   "[--seq-len 256] [--rows 2] [--accum 2] [--rank 16] [--doc-words 30]\n");
+                   "[--seq-len 256] [--rows 2] [--accum 2] [--rank 16] [--doc-words 30] "
+                   "[--nondeterministic]\n");
       return 2;
     }
   }
@@ -326,6 +345,13 @@ int main(int argc, char** argv) {
     const Peaks peaks = gpu ? measure_peaks() : Peaks{};
     const Figures plain = run_plain(c);
     const Figures ours = run_session(c);
+    Figures loose;  // deterministic kernels off
+    if (o.nondeterministic) {
+      engine::TrainConfig cn = c;
+      cn.training.deterministic = false;
+      cn.output.run_dir += "-nondeterministic";
+      loose = run_session(cn);
+    }
     // Parameters, and those that multiply (every matrix in the blocks and the LM head; the input
     // embedding is a lookup unless tied, when it is the head).
     std::int64_t params = 0, matmul_params = 0;
@@ -359,11 +385,12 @@ int main(int argc, char** argv) {
                   peaks.tflops, peaks.copy_bytes_per_s / 1e9);
     auto gpu_memory = [&](const Figures& f) {
       if (!gpu) return std::string();
+      // Rondo's buffers come from torch's caching allocator too (engine::torch_cuda_allocator):
+      // its peak covers both.
       std::string m = "; GPU memory: torch " + format_bytes(f.torch_peak);
       if (f.engine_cap)
-        m += " + engine pool " + format_bytes(f.engine_peak) + " = " +
-             format_bytes(f.torch_peak + f.engine_peak) + " (cap " + format_bytes(f.engine_cap) +
-             ")";
+        m += " (the engine's buffers included, at most " + format_bytes(f.engine_peak) + "; cap " +
+             format_bytes(f.engine_cap) + ")";
       return m;
     };
     auto tflops = [&](const Figures& f, bool recompute) {
@@ -394,6 +421,18 @@ int main(int argc, char** argv) {
                           ours.link_bytes_per_s / peaks.copy_bytes_per_s)
                   .c_str()
             : "");
+    std::string jobs;
+    double job_sum = 0;
+    for (const auto& [stage, s] : ours.job_s) {
+      jobs += fmt::format("{}{} {:.3f} s", jobs.empty() ? "" : ", ", stage, s);
+      job_sum += s;
+    }
+    std::printf("  rondo's jobs, device time per step: %s (sum %.3f s of the %.3f s step)\n",
+                jobs.c_str(), job_sum, ours.step_s);
+    if (o.nondeterministic)
+      std::printf("  %-30s %9.0f tokens/s (loss %.3f -> %.3f): deterministic kernels cost %.1f%%\n",
+                  "rondo, deterministic off", loose.tokens_per_s, loose.loss_first, loose.loss_last,
+                  100 * (1 - ours.tokens_per_s / loose.tokens_per_s));
     std::printf("  ratio rondo / plain: %.3f\n", ours.tokens_per_s / plain.tokens_per_s);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "train_bench: %s\n", e.what());

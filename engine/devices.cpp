@@ -6,6 +6,7 @@
 #include <thread>
 
 #include "engine/gpus.h"
+#include "engine/torch_device.h"
 #include "kernels/cpu/sim_device.h"
 #include "kernels/cuda/cuda_device.h"
 
@@ -122,7 +123,10 @@ std::vector<std::unique_ptr<kernels::Device>> open_devices(const DevicePlan& pla
                 "remove hardware.gpu");
   for (const kernels::DeviceInfo& d : plan.devices) {
     if (plan.mode == DeviceMode::kCuda)
-      devices.push_back(kernels::open_cuda_device({.index = d.index, .bytes_cap = d.bytes_cap}));
+      // Torch's caching allocator serves the engine's buffers too: one cap for every byte.
+      devices.push_back(kernels::open_cuda_device({.index = d.index,
+                                                   .bytes_cap = d.bytes_cap,
+                                                   .allocator = torch_cuda_allocator(d.index)}));
     else
       devices.push_back(kernels::make_sim_device(
           {.name = d.name, .index = d.index, .bytes_cap = d.bytes_cap, .link = d.link}));

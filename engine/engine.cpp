@@ -2,12 +2,15 @@
 
 #include <ATen/ATen.h>
 #include <c10/core/GradMode.h>
+#include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <chrono>
 #include <cmath>
 #include <condition_variable>
+#include <cstring>
 #include <limits>
 #include <map>
 #include <mutex>
@@ -108,13 +111,44 @@ struct Handoff {
   std::vector<std::int64_t> sizes;
 };
 
+// One microbatch's inputs where a job runs: views into DeviceInputs::buffer.
+struct MicrobatchInputs {
+  models::AttentionContext ctx;  // positions, cos, sin, mask, window_mask
+  at::Tensor tokens, targets;
+};
+
+// A step's inputs on one device: every microbatch's, uploaded in one copy by the first job of the
+// step that runs there, read by the step's later jobs on the device (same compute stream).
+struct DeviceInputs {
+  kernels::DeviceBuffer buffer;
+  std::vector<MicrobatchInputs> mb;
+};
+
+// Where one input tensor sits in StepData::packed (undefined tensors have no bytes).
+struct PackedTensor {
+  bool defined = false;
+  std::size_t offset = 0;
+  std::vector<std::int64_t> sizes;
+  at::ScalarType dtype = at::kFloat;
+};
+// The tensors packed per microbatch, in this order.
+enum InputSlot { kPositions, kCos, kSin, kMask, kWindowMask, kTokens, kTargets, kInputSlots };
+
 struct StepData {
   std::vector<Microbatch> mb;
-  std::vector<models::AttentionContext> ctx;  // CPU, compute dtype
   std::int64_t tokens = 0, targets = 0;
-  std::int64_t step_no = 0;     // 1-based, across train() calls
-  std::vector<float> loss_sum;  // per tail job (one): downloaded there
-  double loss_scale = 1;        // fp16 scale this step's backward uses
+  std::int64_t step_no = 0;  // 1-based, across train() calls
+  // Every microbatch's inputs (tokens, targets, attention context), packed by the main thread
+  // into one host staging buffer (page-locked where the arena pins, so the copies do not block)
+  // and uploaded once per device that runs a job of the step; layout[m][slot] places them.
+  std::shared_ptr<offload::HostBuffer> packed;
+  std::vector<std::array<PackedTensor, kInputSlots>> layout;
+  std::mutex inputs_mu;
+  std::map<int, std::shared_ptr<DeviceInputs>> on_device;  // by device, under inputs_mu
+  // The tail's loss sum (one float), downloaded into staging memory: a pageable destination would
+  // block the worker until the tail's compute has finished.
+  std::shared_ptr<offload::HostBuffer> loss;
+  double loss_scale = 1;  // fp16 scale this step's backward uses
   // MoE: each microbatch's routing, recorded by its forward and read by its backward.
   std::vector<std::shared_ptr<models::RoutingRecord>> routing;
 };
@@ -125,8 +159,12 @@ struct DeviceCtx {
   kernels::Stream* compute = nullptr;  // the copy streams are offload::Transfers'
   c10::Device torch = c10::Device(c10::DeviceType::CPU);
   std::mutex busy_mutex;
-  double busy_s = 0, busy_reported_s = 0;
+  double busy_s = 0, busy_reported_s = 0;  // device time in compute (timing events)
   double speed = 1;
+  // A timing event recorded on the compute stream at the start of the segment, when the event
+  // sink's clock read clock_t: device times become span times on the sink's clock.
+  std::unique_ptr<kernels::Event> clock;
+  double clock_t = 0;
 };
 
 struct JobRun {
@@ -142,9 +180,13 @@ struct JobRun {
   std::unique_ptr<kernels::Event> done_compute, done_up, done_down;
   std::vector<kernels::DeviceBuffer> buffers;
   std::vector<offload::HostBuffer> staging;
-  // Written by the job's compute work (one stream, in order), read after done_compute.
-  double t_start = -1, t_end = 0;
-  double measured_s = 0;  // compute time of the job, all microbatches
+  std::vector<std::shared_ptr<const void>> keep;  // host memory the job's copies read
+  // Timing events around each microbatch's compute on the compute stream: the job's device time
+  // (spans, busy shares, the re-planner's measurements), read once they have completed
+  // (account()). Host clocks would time the launches on a GPU, not the work.
+  std::vector<std::pair<std::unique_ptr<kernels::Event>, std::unique_ptr<kernels::Event>>> timing;
+  std::int64_t tokens = 0;
+  bool accounted = false;
 };
 
 }  // namespace
@@ -253,10 +295,25 @@ struct Engine::Impl {
       // the engine's own.
       fail(std::make_exception_ptr(
           Error(where + ": " + e.what() + "; layer-grain recompute also lowers it")));
+    } catch (const c10::OutOfMemoryError& e) {
+      // Torch's own allocations (activations, attention and head temporaries) under the cap
+      // (engine::torch_cuda_allocator): it had already released its cache and retried.
+      fail(std::make_exception_ptr(
+          Error(where + ": out of GPU memory in torch's allocations under the memory cap (" +
+                first_line(e.what()) +
+                "); use fewer rows per microbatch (training.batch_rows) and more microbatches "
+                "(training.grad_accum), shorter sequences (data.seq_len) or a larger "
+                "hardware.memory_cap")));
     } catch (const std::exception& e) {
-      fail(std::make_exception_ptr(Error(where + ": " + e.what())));
+      std::string what = e.what();
+      if (what.find("does not have a deterministic implementation") != std::string::npos)
+        what = first_line(what) +
+               " (exact runs use deterministic kernels only; training.deterministic = false runs "
+               "this op, and the run is then not bit-exact on GPUs)";
+      fail(std::make_exception_ptr(Error(where + ": " + what)));
     }
   }
+  static std::string first_line(const std::string& s) { return s.substr(0, s.find('\n')); }
 
   std::string job_where(std::int64_t g) const {
     const JobSpec& js = jobs[g % jobs.size()];
@@ -323,16 +380,52 @@ struct Engine::Impl {
                 [&] { return runs_.count(g) && runs_[g]->enqueued; });
       r = runs_[g];
     }
-    for (auto* e : {r->done_compute.get(), r->done_up.get(), r->done_down.get()})
+    // (A device fault surfaces here, in the job it hit: a failed copy's stream reports it
+    // through the events recorded after it.)
+    for (auto* e :
+         {r->weights_ready.get(), r->done_compute.get(), r->done_up.get(), r->done_down.get()})
       if (e) e->synchronize();
+    account(g, *r);
     r->weights.reset();
     r->buffers.clear();
+    r->keep.clear();
     for (auto& h : r->staging)
       transfers->recycle(std::move(h));
     r->staging.clear();
     std::lock_guard<std::mutex> lock(mu_);
     r->released = true;
     if (r->consumed) runs_.erase(g);
+  }
+
+  // Job g's device time, once its work has completed: the device's busy time, the re-planner's
+  // measurement, and its span on the event sink's clock.
+  void account(std::int64_t g, JobRun& r) {
+    if (r.accounted || r.timing.empty()) return;
+    r.accounted = true;
+    const std::int64_t N = static_cast<std::int64_t>(devs.size()),
+                       J = static_cast<std::int64_t>(jobs.size());
+    const int d = static_cast<int>(g % N);
+    DeviceCtx& dc = *devs[d];
+    double busy = 0;
+    for (auto& [start, end] : r.timing)
+      busy += end->seconds_since(*start);
+    {
+      std::lock_guard<std::mutex> lk(dc.busy_mutex);
+      dc.busy_s += busy;
+    }
+    const JobSpec& js = jobs[g % J];
+    if (options.replan_every > 0) {
+      std::lock_guard<std::mutex> lock(mu_);
+      measured_.push_back({static_cast<int>(g % J), d, busy, r.tokens});
+    }
+    if (EventSink* sink = options.events)
+      sink->emit(SpanEvent{.device = d,
+                           .step = steps_done + g / J + 1,
+                           .stage = js.name,
+                           .first_layer = js.range.begin,
+                           .end_layer = js.range.end,
+                           .start = dc.clock_t + r.timing.front().first->seconds_since(*dc.clock),
+                           .end = dc.clock_t + r.timing.back().second->seconds_since(*dc.clock)});
   }
 
   void loader(int d) {
@@ -469,6 +562,8 @@ struct Engine::Impl {
     std::shared_ptr<StepData> step = steps_[s];
     std::shared_ptr<JobRun> r = runs_[g];
     lock.unlock();
+    r->tokens = step->tokens;
+    const std::shared_ptr<DeviceInputs> inputs = inputs_on(dc, *step, *r);
     dc.compute->wait(*r->weights_ready);
 
     // Weights and (for jobs with a backward) gradient accumulators.
@@ -522,7 +617,6 @@ struct Engine::Impl {
     const bool keep_output = (g + 1) % N == d && js.has_output;
     const int C = static_cast<int>(config.hidden_size);
     double loss_scale = 1;
-    EventSink* sink = options.events;
 
     for (int m = 0; m < M; ++m) {
       const Microbatch& mb = step->mb[m];
@@ -570,14 +664,14 @@ struct Engine::Impl {
       for (auto& [l, bt] : ckpt_out)
         ckpt_views[l] = bt.second;
       const bool last = m == M - 1;
-      auto work = [this, &dc, r, step, m, last, in, out, saved, ckpt_views, w, acc, out_grad,
-                   loss_dev, loss_scale, emulate, sink, g, d, &js, convert] {
+      auto work = [this, &dc, step, inputs, m, last, in, out, saved, ckpt_views, w, acc, out_grad,
+                   loss_dev, loss_scale, emulate, g, &js, convert] {
         if (failed()) return;
         guarded(job_where(g), [&] {
           const auto t0 = std::chrono::steady_clock::now();
-          if (m == 0 && sink) r->t_start = sink->now();
           TorchStreamScope scope(*dc.compute);
-          compute(js, dc, *step, m, in, out, saved, ckpt_views, w, acc, loss_dev, loss_scale);
+          compute(js, dc, *step, inputs->mb[m], m, in, out, saved, ckpt_views, w, acc, loss_dev,
+                  loss_scale);
           if (last && convert)  // f32 accumulators to the gradient dtype, for the download
             for (auto& [l, views] : out_grad)
               for (std::size_t i = 0; i < views.size(); ++i)
@@ -586,32 +680,13 @@ struct Engine::Impl {
               std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
           if (emulate > spent)
             std::this_thread::sleep_for(std::chrono::duration<double>(emulate - spent));
-          const double busy =
-              std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-          {
-            std::lock_guard<std::mutex> lk(dc.busy_mutex);
-            dc.busy_s += busy;
-          }
-          r->measured_s += busy;
-          if (last && options.replan_every > 0) {
-            std::lock_guard<std::mutex> lk(mu_);
-            measured_.push_back({static_cast<int>(g % static_cast<std::int64_t>(jobs.size())), d,
-                                 r->measured_s, step->tokens});
-          }
-          if (last && sink) {
-            r->t_end = sink->now();
-            sink->emit(
-                SpanEvent{.device = d,
-                          .step = steps_done + g / static_cast<std::int64_t>(jobs.size()) + 1,
-                          .stage = js.name,
-                          .first_layer = js.range.begin,
-                          .end_layer = js.range.end,
-                          .start = r->t_start,
-                          .end = r->t_end});
-          }
         });
       };
+      r->timing.emplace_back(dc.dev->create_event(kernels::EventTiming::kOn),
+                             dc.dev->create_event(kernels::EventTiming::kOn));
+      dc.compute->record(*r->timing.back().first);
       dc.compute->enqueue(std::move(work));
+      dc.compute->record(*r->timing.back().second);
       // Hand on the output and the checkpoints.
       if (js.has_output) send(dc, *r, outputs_, {g, m, 0}, std::move(out_buf), act, keep_output);
       for (auto& [l, bt] : ckpt_out)
@@ -632,7 +707,7 @@ struct Engine::Impl {
       dc.compute->record(*ev);
       for (auto& [l, data] : grad_buffers)
         transfers->download_gradients(d, l, data, *ev);
-      if (loss_dev) transfers->download_value(d, &step->loss_sum[0], loss_dev, sizeof(float), *ev);
+      if (loss_dev) transfers->download_value(d, step->loss->data(), loss_dev, sizeof(float), *ev);
     }
     r->done_compute = dc.dev->create_event();
     r->done_up = dc.dev->create_event();
@@ -646,25 +721,45 @@ struct Engine::Impl {
     cv_.notify_all();
   }
 
-  at::Tensor on_device(const at::Tensor& t, c10::Device dev) const {
-    return t.defined() && t.device() != dev ? t.to(dev) : t;
+  // The step's inputs on dc: uploaded by the first job of the step there, in one copy on the
+  // compute stream (ahead of that job's compute), from the packed host buffer, which `r` keeps
+  // alive until the copy is done.
+  std::shared_ptr<DeviceInputs> inputs_on(DeviceCtx& dc, StepData& step, JobRun& r) {
+    std::lock_guard<std::mutex> lock(step.inputs_mu);
+    std::shared_ptr<DeviceInputs>& have = step.on_device[dc.index];
+    if (have) return have;
+    auto in = std::make_shared<DeviceInputs>();
+    in->buffer = dc.dev->allocate(step.packed->bytes(), dc.compute);
+    dc.compute->upload(in->buffer.data(), step.packed->data(), step.packed->bytes());
+    r.keep.push_back(step.packed);
+    auto view_of = [&](const PackedTensor& p) {
+      if (!p.defined) return at::Tensor();
+      return view(static_cast<std::uint8_t*>(in->buffer.data()) + p.offset, p.sizes, p.dtype,
+                  dc.torch);
+    };
+    for (const auto& slots : step.layout) {
+      MicrobatchInputs& mbi = in->mb.emplace_back();
+      mbi.ctx.positions = view_of(slots[kPositions]);
+      mbi.ctx.cos = view_of(slots[kCos]);
+      mbi.ctx.sin = view_of(slots[kSin]);
+      mbi.ctx.mask = view_of(slots[kMask]);
+      mbi.ctx.window_mask = view_of(slots[kWindowMask]);
+      mbi.tokens = view_of(slots[kTokens]);
+      mbi.targets = view_of(slots[kTargets]);
+    }
+    have = in;
+    return in;
   }
 
   // One microbatch of one job, on the device (runs in compute-stream order).
-  void compute(const JobSpec& js, DeviceCtx& dc, const StepData& step, int m, const at::Tensor& in,
-               const at::Tensor& out, const std::map<int, at::Tensor>& saved,
-               const std::map<int, at::Tensor>& ckpt,
+  void compute(const JobSpec& js, DeviceCtx& dc, const StepData& step, const MicrobatchInputs& mbi,
+               int m, const at::Tensor& in, const at::Tensor& out,
+               const std::map<int, at::Tensor>& saved, const std::map<int, at::Tensor>& ckpt,
                const std::map<int, std::vector<at::Tensor>>& w,
                const std::map<int, std::vector<at::Tensor>>& acc, float* loss_dev,
                double loss_scale) {
-    const Microbatch& mb = step.mb[m];
     const c10::Device dev = dc.torch;
-    const models::AttentionContext& hctx = step.ctx[m];
-    models::AttentionContext ctx{.positions = on_device(hctx.positions, dev),
-                                 .cos = on_device(hctx.cos, dev),
-                                 .sin = on_device(hctx.sin, dev),
-                                 .mask = on_device(hctx.mask, dev),
-                                 .window_mask = on_device(hctx.window_mask, dev)};
+    models::AttentionContext ctx = mbi.ctx;
     // Training: attention and LoRA dropout (when the model has them) draw from this seed.
     ctx.dropout_seed = dropout_seed(options.seed, step.step_no, m);
     // MoE: the first forward of a block records its routing, the backward's recompute replays
@@ -680,7 +775,7 @@ struct Engine::Impl {
                               static_cast<double>(std::max<std::int64_t>(step.targets, 1)) *
                               config.router_aux_loss_coef / static_cast<double>(step.mb.size());
     }
-    const at::Tensor tokens = on_device(mb.batch.tokens, dev);
+    const at::Tensor& tokens = mbi.tokens;
     const int head = static_cast<int>(specs.size()) - 1;
     auto grads_of = [&](int l) -> std::vector<at::Tensor>* {
       auto it = acc.find(l);
@@ -715,7 +810,7 @@ struct Engine::Impl {
           c10::AutoGradMode no_grad(false);
           x = range.begin == 0 ? models::embed(w.at(0)[0], tokens) : in;
         }
-        const at::Tensor targets = on_device(mb.targets, dev);
+        const at::Tensor& targets = mbi.targets;
         const std::vector<at::Tensor>& hw = w.at(head);
         std::vector<at::Tensor>* hg = grads_of(head);
         const bool lm_trainable = hg && (*hg)[1].defined();
@@ -789,8 +884,8 @@ struct Engine::Impl {
         res.step = step_no;
         res.tokens = step->tokens;
         res.targets = step->targets;
-        res.loss =
-            step->loss_sum[0] / static_cast<double>(std::max<std::int64_t>(step->targets, 1));
+        res.loss = static_cast<double>(*step->loss->as<float>()) /
+                   static_cast<double>(std::max<std::int64_t>(step->targets, 1));
         if (config.output_router_logits)
           for (const auto& routing : step->routing)
             res.loss += config.router_aux_loss_coef * models::router_aux_loss(config, *routing) /
@@ -920,12 +1015,23 @@ struct Engine::Impl {
 
   // ---- main thread ----
 
+  // Host staging memory from the transfers' pool, back to it when the last user lets go.
+  std::shared_ptr<offload::HostBuffer> staging(std::size_t bytes) {
+    offload::Transfers* t = transfers.get();
+    return std::shared_ptr<offload::HostBuffer>(new offload::HostBuffer(t->take_staging(bytes)),
+                                                [t](offload::HostBuffer* b) {
+                                                  t->recycle(std::move(*b));
+                                                  delete b;
+                                                });
+  }
+
   std::shared_ptr<StepData> make_step(std::int64_t step_no, std::vector<Microbatch> mb) {
     const std::string where = "step " + std::to_string(step_no);
     if (static_cast<int>(mb.size()) != plan.microbatches)
       throw Error(where + ": " + std::to_string(mb.size()) + " microbatches given, the plan runs " +
                   std::to_string(plan.microbatches));
     auto step = std::make_shared<StepData>();
+    std::vector<std::array<at::Tensor, kInputSlots>> inputs;
     for (std::size_t m = 0; m < mb.size(); ++m) {
       const std::string w = where + ", microbatch " + std::to_string(m);
       Microbatch& b = mb[m];
@@ -942,7 +1048,10 @@ struct Engine::Impl {
         throw Error(w + ": token id " + std::to_string(lo < 0 ? lo : hi) +
                     " is outside the vocabulary (0.." + std::to_string(config.vocab_size - 1) +
                     ")");
-      step->ctx.push_back(models::make_attention_context(config, b.batch, act_dtype));
+      const models::AttentionContext ctx =
+          models::make_attention_context(config, b.batch, act_dtype);
+      inputs.push_back(
+          {ctx.positions, ctx.cos, ctx.sin, ctx.mask, ctx.window_mask, b.batch.tokens, b.targets});
       if (config.num_experts > 0)
         step->routing.push_back(std::make_shared<models::RoutingRecord>());
       step->tokens += b.batch.tokens.numel();
@@ -950,7 +1059,29 @@ struct Engine::Impl {
     }
     step->mb = std::move(mb);
     step->step_no = step_no;
-    step->loss_sum.assign(1, 0.0f);
+    // Pack the inputs (each at a 256-byte boundary, as device kernels like them).
+    std::size_t bytes = 0;
+    for (auto& slots : inputs) {
+      std::array<PackedTensor, kInputSlots>& layout = step->layout.emplace_back();
+      for (int i = 0; i < kInputSlots; ++i) {
+        if (!slots[i].defined()) continue;
+        slots[i] = slots[i].contiguous();
+        bytes = (bytes + 255) / 256 * 256;
+        layout[i] = {.defined = true,
+                     .offset = bytes,
+                     .sizes = slots[i].sizes().vec(),
+                     .dtype = slots[i].scalar_type()};
+        bytes += slots[i].nbytes();
+      }
+    }
+    step->packed = staging(bytes);
+    for (std::size_t m = 0; m < inputs.size(); ++m)
+      for (int i = 0; i < kInputSlots; ++i)
+        if (inputs[m][i].defined())
+          std::memcpy(step->packed->as<std::uint8_t>() + step->layout[m][i].offset,
+                      inputs[m][i].data_ptr(), inputs[m][i].nbytes());
+    step->loss = staging(sizeof(float));
+    *step->loss->as<float>() = 0;
     return step;
   }
 
@@ -1018,6 +1149,7 @@ struct Engine::Impl {
     Plan next = plan_ours(costs_);
     if (next.describe() == plan.describe()) return;
     plan = std::move(next);
+    transfers->clear_staging();  // sized for the old plan's stages
     jobs.clear();
     ckpt_layers.clear();
     build_jobs();
@@ -1064,6 +1196,12 @@ struct Engine::Impl {
       ckpts_.clear();
       results_.clear();
       last_step_end_ = std::chrono::steady_clock::now();
+    }
+    for (auto& dc : devs) {
+      dc->clock = dc->dev->create_event(kernels::EventTiming::kOn);
+      dc->compute->record(*dc->clock);
+      dc->clock->synchronize();
+      dc->clock_t = options.events ? options.events->now() : 0;
     }
     std::vector<std::thread> threads;
     for (std::size_t d = 0; d < devs.size(); ++d) {
@@ -1121,6 +1259,10 @@ struct Engine::Impl {
         }
     };
     synchronize_all();
+    // The jobs whose loader did not get to release them (the last ones): their device time.
+    if (!error_)
+      for (auto& [g, r] : runs_)
+        if (r->enqueued) guarded("accounting " + job_where(g), [&] { account(g, *r); });
     {
       std::lock_guard<std::mutex> lock(mu_);
       runs_.clear();
@@ -1128,7 +1270,9 @@ struct Engine::Impl {
       ckpts_.clear();
       steps_.clear();
     }
-    transfers->clear_staging();
+    // The staging pool stays (page-locked, for the next segment's same sizes) unless the run
+    // failed; a new plan's sizes replace it (replan()).
+    if (error_) transfers->clear_staging();
     synchronize_all();  // stream-ordered releases done
     // NVMe write-backs done (and reads nobody took dropped): the store is as the last step left
     // it, for checkpoints and exports.

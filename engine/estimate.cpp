@@ -15,7 +15,9 @@
 #include <optional>
 #include <sstream>
 
+#include "engine/engine.h"
 #include "engine/gpus.h"
+#include "engine/speed.h"
 #include "engine/state.h"
 #include "kernels/error.h"
 #include "kernels/quant.h"
@@ -74,39 +76,25 @@ std::uint64_t disk_space_free(const std::string& path) {
 }
 
 double device_flops(const kernels::DeviceInfo& device, DeviceMode mode, const std::string& dtype) {
-  if (mode == DeviceMode::kCuda || mode == DeviceMode::kPlanned) {
-    // Dense tensor-core throughput one can reach in training: about half the datasheet's dense
-    // bf16 peak (engine/gpus.h), by name, else by compute capability.
-    double tf = 0;
-    if (const GpuSpec* g = find_gpu(device.name)) {
-      tf = g->bf16_dense_tflops / 2;
-    } else {
-      const int cc = device.compute_major * 10 + device.compute_minor;
-      tf = cc >= 120   ? 105  // consumer Blackwell (RTX 5090: 209 dense)
-           : cc >= 100 ? 560  // B200
-           : cc >= 90  ? 400  // H100 / H200 (PCIe 756, SXM 989 dense)
-           : cc == 89  ? 82   // RTX 4090 / L40S class
-           : cc >= 86  ? 35   // RTX 3090 / A6000 class
-           : cc >= 80  ? 156  // A100
-                       : 15;
-    }
-    if (dtype == "fp32") tf /= 8;
-    return tf * 1e12;
+  if (mode != DeviceMode::kCuda && mode != DeviceMode::kPlanned)
+    throw InternalError("device_flops is for GPUs; the CPU's speed is engine::cpu_flops");
+  // Dense tensor-core throughput one can reach in training: about half the datasheet's dense
+  // bf16 peak (engine/gpus.h), by name, else by compute capability.
+  double tf = 0;
+  if (const GpuSpec* g = find_gpu(device.name)) {
+    tf = g->bf16_dense_tflops / 2;
+  } else {
+    const int cc = device.compute_major * 10 + device.compute_minor;
+    tf = cc >= 120   ? 105  // consumer Blackwell (RTX 5090: 209 dense)
+         : cc >= 100 ? 560  // B200
+         : cc >= 90  ? 400  // H100 / H200 (PCIe 756, SXM 989 dense)
+         : cc == 89  ? 82   // RTX 4090 / L40S class
+         : cc >= 86  ? 35   // RTX 3090 / A6000 class
+         : cc >= 80  ? 156  // A100
+                     : 15;
   }
-  // The CPU (or a simulated GPU on it): measure a matrix multiplication in fp32.
-  at::Tensor a = at::rand({384, 384}), b = at::rand({384, 384});
-  at::mm(a, b);  // warm up
-  const auto t0 = std::chrono::steady_clock::now();
-  int reps = 0;
-  double s = 0;
-  do {
-    at::mm(a, b);
-    ++reps;
-    s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  } while (s < 0.05);
-  double flops = 2.0 * 384 * 384 * 384 * reps / s;
-  if (dtype != "fp32") flops /= 2;  // bf16/fp16 matmuls on CPUs are slower than fp32
-  return flops;
+  if (dtype == "fp32") tf /= 8;
+  return tf * 1e12;
 }
 
 // Note [Host budget]
@@ -323,6 +311,21 @@ RunEstimate estimate_run(const TrainConfig& config, const models::ModelSummary& 
     const double b =
         specs[l].flops_backward_per_token(config.data.seq_len) / ref * (lora ? 0.5 : 1.0);
     std::uint64_t stored = 0, dequantised = 0, trained = 0;
+    // The head's backward (models::head_forward_backward), one chunk of logits at a time: the
+    // chunk's logits in the streaming dtype and in fp32, their fp32 gradient and its copy in the
+    // streaming dtype; with a trained LM head, its fp32 gradient (V x C) before it joins the
+    // accumulator.
+    std::uint64_t transient = 0;
+    if (specs[l].kind == models::LayerKind::kHead) {
+      const auto V = static_cast<std::uint64_t>(model.config.vocab_size);
+      const std::uint64_t chunk = std::min<std::uint64_t>(
+          EngineOptions{}.head_chunk_tokens,
+          std::max<std::uint64_t>(static_cast<std::uint64_t>(tokens_per_step / std::max(M, 1)), 1));
+      transient = chunk * V * (2 * wb + 2 * 4);
+      for (std::size_t i = 1; i < specs[l].params.size(); ++i)
+        if (pl.layers[l].tensors[i].trainable)
+          transient += static_cast<std::uint64_t>(specs[l].params[i].numel()) * 4;
+    }
     for (std::size_t i = 0; i < specs[l].params.size(); ++i) {
       const offload::TensorDesc& t = pl.layers[l].tensors[i];
       if (t.tied_to_layer >= 0) continue;
@@ -340,11 +343,12 @@ RunEstimate estimate_run(const TrainConfig& config, const models::ModelSummary& 
          .device_param_bytes = stored != dequantised ? dequantised : 0,
          .grad_bytes = trained * 4,
          .activation_bytes_per_token = specs[l].activation_bytes_per_token(wb, config.data.seq_len),
-         .output_bytes_per_token = C * wb});
+         .output_bytes_per_token = C * wb,
+         .transient_bytes = transient});
   }
   // Simulated GPUs and the CPU all compute on this machine's cores: one measurement for all, so
   // that equal devices get equal speeds.
-  double cpu_flops = 0;
+  double host_flops = 0;
   for (const kernels::DeviceInfo& d : devices.devices) {
     double flops = 0;
     double link = d.link.bytes_per_s, latency = d.link.latency_s;
@@ -356,8 +360,9 @@ RunEstimate estimate_run(const TrainConfig& config, const models::ModelSummary& 
       if (link == 0) link = 20e9;  // unknown: a PCIe 4.0 x16 slot
       latency = 10e-6;
     } else {
-      if (cpu_flops == 0) cpu_flops = device_flops(d, devices.mode, config.model.dtype);
-      flops = cpu_flops;
+      if (host_flops == 0)
+        host_flops = cpu_flops(model.config, config.data.seq_len, config.model.dtype);
+      flops = host_flops;
     }
     e.inputs.devices.push_back({.speed = flops / ref,
                                 .memory_cap = d.bytes_cap,
@@ -365,6 +370,15 @@ RunEstimate estimate_run(const TrainConfig& config, const models::ModelSummary& 
                                 .link_latency_s = latency});
   }
   e.inputs.tokens_per_step = tokens_per_step;
+  // Per token of a step, on each device (the engine uploads a step's inputs once per device):
+  // token id, target, position (int64 each), the rotary cos and sin rows, and a row of the
+  // packed-document mask (one bool per key) and of the sliding-window mask where there is one.
+  {
+    const auto T = static_cast<std::uint64_t>(std::max<std::int64_t>(config.data.seq_len, 0));
+    e.inputs.input_bytes_per_token = 3 * 8 +
+                                     2 * static_cast<std::uint64_t>(model.config.head_dim) * wb +
+                                     T + (model.config.sliding_window > 0 ? T : 0);
+  }
   e.inputs.microbatches = M;
   e.inputs.one_step_stale = config.training.one_step_stale;
   bool planned = false;

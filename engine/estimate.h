@@ -82,8 +82,8 @@ struct RunEstimate {
   std::string json() const;  // the same as one JSON object (`rondo plan --json`, the GUI)
 };
 
-// Compute speed a device is assumed to have (FLOP/s in the run's dtype): a table by GPU
-// generation; for the CPU a short matrix multiplication measured now.
+// Compute speed a GPU is assumed to have (FLOP/s in the run's dtype): a table by GPU generation.
+// The CPU's (and simulated GPUs') is measured: engine::cpu_flops (speed.h).
 double device_flops(const kernels::DeviceInfo& device, DeviceMode mode, const std::string& dtype);
 
 // A resume: the step it continues from and the checkpoints already in the run folder (their bytes

@@ -173,6 +173,7 @@ struct RangeSums {
   double device_params = 0;  // the weights as they sit on the device (dequantised)
   double nvme = 0, nvme_update = 0;
   double activation_sum = 0, activation_max = 0;  // per token
+  double transient_max = 0;                       // one layer's backward at a time
 };
 
 RangeSums sums(const PlanInputs& in, LayerRange r) {
@@ -191,6 +192,7 @@ RangeSums sums(const PlanInputs& in, LayerRange r) {
     s.activation_sum += static_cast<double>(c.activation_bytes_per_token);
     s.activation_max =
         std::max(s.activation_max, static_cast<double>(c.activation_bytes_per_token));
+    s.transient_max = std::max(s.transient_max, static_cast<double>(c.transient_bytes));
   }
   return s;
 }
@@ -219,7 +221,10 @@ double job_memory(const PlanInputs& in, const Job& job, double tokens_mb, Recomp
   double io = 2 * input_bytes(in, job.range.begin) +
               static_cast<double>(in.layers[job.range.end - 1].output_bytes_per_token);
   double grads = job.kind == JobKind::kForward ? 0 : s.grads;
-  return s.device_params + grads + tokens_mb * (act + io);
+  double transient = job.kind == JobKind::kForward ? 0 : s.transient_max;
+  const double inputs =
+      2.0 * static_cast<double>(in.tokens_per_step) * static_cast<double>(in.input_bytes_per_token);
+  return s.device_params + grads + transient + inputs + tokens_mb * (act + io);
 }
 
 double job_compute(const PlanInputs& in, const Job& job, double tokens_mb) {

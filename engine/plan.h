@@ -63,6 +63,9 @@ struct LayerCosts {
   std::uint64_t grad_bytes = 0;  // trainable part: gradients held on the device and downloaded
   std::uint64_t activation_bytes_per_token = 0;  // what autograd keeps while running the layer
   std::uint64_t output_bytes_per_token = 0;      // its output: a stage boundary or a checkpoint
+  // Held only while the layer's backward runs, whatever the microbatch: the head's chunk of fp32
+  // logits and their gradient, and its weight's fp32 gradient before it joins the accumulator.
+  std::uint64_t transient_bytes = 0;
 };
 
 struct DeviceModel {
@@ -82,6 +85,9 @@ struct PlanInputs {
   double upper_threshold = 1.1;  // candidate stage budgets in [W, threshold * W]
   int min_stages = 0;            // 0 = number of devices
   bool one_step_stale = false;   // RoundPipe's default: weights lag the gradients by a step
+  // A step's inputs per token (tokens, targets, positions, rotary tables, masks), on every device
+  // that runs a job of the step, for the whole step and two steps at a time.
+  std::uint64_t input_bytes_per_token = 0;
 
   int resolved_microbatches() const;
   std::vector<std::string> problems() const;

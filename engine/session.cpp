@@ -612,6 +612,18 @@ struct Session::Impl {
                           .layers_total = static_cast<std::int64_t>(total)});
     });
     adapters.clear();
+    // Buffers the OS would not page-lock (pinning = auto goes on without): said once when they
+    // first appear, and again if more do while training (staging).
+    std::uint64_t pin_failures_said = 0;
+    auto say_pin_failures = [&] {
+      const offload::HostUsage u = arena.usage();
+      if (u.pin_failures <= pin_failures_said) return;
+      pin_failures_said = u.pin_failures;
+      const std::string w = offload::pin_failure_warning(u);
+      log("Warning: " + w);
+      sink.warning(w);
+    };
+    say_pin_failures();
 
     EngineState state;
     SessionResult result;
@@ -784,6 +796,7 @@ struct Session::Impl {
       std::vector<StepResult> done = eng.train(
           next - s, [&](std::int64_t step) { return batcher->step(step); }, on_step);
       s += static_cast<std::int64_t>(done.size());
+      say_pin_failures();
       stopped = s < next;
       if (stopped) break;
       if (due(s, c.eval.every) && val_batcher) evaluate(s);

@@ -10,8 +10,12 @@
 #include <cuda_runtime_api.h>
 #endif
 
+#include <algorithm>
 #include <cstdlib>
 #include <optional>
+#include <string>
+
+#include "kernels/error.h"
 
 namespace rondo::engine {
 
@@ -24,7 +28,10 @@ c10::Device torch_device(const kernels::Device& device) {
 bool use_deterministic_torch(bool on) {
   // ":4096:8" is one of the two settings cuBLAS documents as deterministic.
   if (on) ::setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8", /*overwrite=*/0);
-  at::globalContext().setDeterministicAlgorithms(on, /*warn_only=*/true);
+  // Not warn-only: torch's attention backwards (flash, memory-efficient) take their deterministic
+  // path only then; warn-only runs them with atomics and merely says so. An op with no
+  // deterministic implementation then throws (the engine's error names the setting to change).
+  at::globalContext().setDeterministicAlgorithms(on, /*warn_only=*/false);
   at::globalContext().setDeterministicCuDNN(on);
   at::globalContext().setBenchmarkCuDNN(false);
   return at::globalContext().deterministicAlgorithms();
@@ -44,6 +51,42 @@ std::optional<TorchCudaMemory> torch_cuda_memory(int device_index) {
 #else
   (void)device_index;
   return std::nullopt;
+#endif
+}
+
+std::shared_ptr<const kernels::ExternalAllocator> torch_cuda_allocator(int device_index) {
+#if RONDO_ENGINE_CUDA
+  const auto index = static_cast<c10::DeviceIndex>(device_index);
+  auto a = std::make_shared<kernels::ExternalAllocator>();
+  a->allocate = [index](std::size_t bytes, void* stream) -> void* {
+    c10::cuda::CUDAGuard guard(index);
+    for (int attempt = 0; attempt < 2; ++attempt) {
+      try {
+        return c10::cuda::CUDACachingAllocator::raw_alloc_with_stream(
+            bytes, static_cast<cudaStream_t>(stream));
+      } catch (const c10::OutOfMemoryError&) {
+        // Torch already released what it caches for this device before giving up; release
+        // every device's cache (blocks of other streams included) and try once more.
+        c10::cuda::CUDACachingAllocator::emptyCache();
+      }
+    }
+    return nullptr;
+  };
+  a->release = [](void* data) { c10::cuda::CUDACachingAllocator::raw_delete(data); };
+  a->set_cap = [index](std::uint64_t bytes) {
+    std::size_t free_bytes = 0, total = 0;
+    c10::cuda::CUDAGuard guard(index);
+    if (cudaMemGetInfo(&free_bytes, &total) != cudaSuccess || total == 0) {
+      cudaGetLastError();
+      throw Error("cuda:" + std::to_string(index) + ": cannot read the device's memory size");
+    }
+    c10::cuda::CUDACachingAllocator::setMemoryFraction(
+        std::min(1.0, static_cast<double>(bytes) / static_cast<double>(total)), index);
+  };
+  return a;
+#else
+  (void)device_index;
+  return nullptr;
 #endif
 }
 

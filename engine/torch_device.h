@@ -9,6 +9,7 @@
 #include <memory>
 #include <optional>
 
+#include "kernels/cuda/cuda_device.h"
 #include "kernels/device.h"
 
 namespace rondo::engine {
@@ -27,11 +28,19 @@ struct TorchCudaMemory {
 std::optional<TorchCudaMemory> torch_cuda_memory(int device_index);
 void reset_torch_cuda_memory(int device_index);
 
+// Torch's CUDA caching allocator as a CudaDevice's allocator (kernels::ExternalAllocator): the
+// engine's buffers and torch's tensors then come from one cache, and the device's cap becomes
+// torch's memory fraction, so one cap bounds every byte the process allocates on the GPU. When an
+// allocation fails, torch's cached blocks are released and it is tried once more. nullptr in a
+// build without CUDA.
+std::shared_ptr<const kernels::ExternalAllocator> torch_cuda_allocator(int device_index);
+
 // Torch's deterministic algorithms on or off, process-wide: on, every op that has a deterministic
 // implementation uses it (index_add_ without atomics, attention backwards without races), cuDNN
 // does not benchmark, and cuBLAS gets a fixed workspace (CUBLAS_WORKSPACE_CONFIG, unless already
-// set; it must precede cuBLAS's first use in the process). An op without one warns (torch's
-// warn_only) rather than failing the run. Returns whether they are on.
+// set; it must precede cuBLAS's first use in the process). An op without one throws (not torch's
+// warn_only, under which the attention backwards stay non-deterministic). Returns whether they
+// are on.
 bool use_deterministic_torch(bool on);
 
 // While alive (on the calling thread), torch's current stream for the device is `stream`, and

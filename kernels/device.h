@@ -18,6 +18,8 @@
 //   up.record(*done);
 //   compute.wait(*done);          // any stream, of this or another device
 //   done->synchronize();          // or block the host
+//   auto t0 = dev->create_event(kernels::EventTiming::kOn);  // device-side timing:
+//   compute.record(*t0); ...; compute.record(*t1); t1->synchronize(); t1->seconds_since(*t0);
 //   up.dequantize(nf4, q.data(), rows, cols, kernels::FloatDType::kBF16, w.data());  // quant.h
 #pragma once
 
@@ -92,7 +94,14 @@ class Event {
   virtual ~Event() = default;
   virtual bool query() = 0;        // has the recorded work finished?
   virtual void synchronize() = 0;  // block the host until it has
+  // Seconds from `start`'s latest record to this event's, as the device's streams reached them
+  // (device time, not when the host enqueued them). Both must have been created with
+  // EventTiming::kOn on this device, recorded and completed (synchronize first); throws Error
+  // otherwise.
+  virtual double seconds_since(Event& start) = 0;
 };
+
+enum class EventTiming { kOff, kOn };  // kOn: the event can be timed (seconds_since)
 
 // Move-only device memory. Released on the stream it was allocated on (stream-ordered) or at once
 // when allocated without a stream.
@@ -164,7 +173,7 @@ class Device {
   // A new stream owned by the device. `name` shows in errors and traces.
   virtual Stream& create_stream(const std::string& name,
                                 StreamPriority priority = StreamPriority::kNormal) = 0;
-  virtual std::unique_ptr<Event> create_event() = 0;
+  virtual std::unique_ptr<Event> create_event(EventTiming timing = EventTiming::kOff) = 0;
 
   // Device memory; with a stream, allocation and release are ordered in it; without one, release
   // waits for all of the device's work, like cudaFree. Throws OutOfMemory

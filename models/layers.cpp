@@ -929,7 +929,10 @@ HeadGrads head_forward_backward(const ModelConfig& c, const at::Tensor& norm_wei
     out.loss_sum += ((logz - picked) * valid).sum();
     // d(loss)/d(logits) = softmax - one-hot, zero for ignored tokens, times the scale.
     at::Tensor d = at::exp(logits - logz.unsqueeze(1));
-    d.scatter_add_(1, safe.unsqueeze(1), -at::ones({n, 1}, d.options()));
+    // One target per row, so no two writes meet: a gather and a scatter (which torch's
+    // deterministic mode runs on CUDA, unlike scatter_add_ on some versions) subtract the one.
+    const at::Tensor at_target = safe.unsqueeze(1);
+    d.scatter_(1, at_target, d.gather(1, at_target) - 1);
     d.mul_((valid.to(d.scalar_type()) * loss_scale).unsqueeze(1));
     dh.narrow(0, start, n).copy_(at::matmul(d.to(lm_head_weight.scalar_type()), lm_head_weight));
     if (want_lm_head_grad) out.grad_lm_head.addmm_(d.t(), hc.to(at::kFloat));

@@ -114,6 +114,16 @@ HostArena::HostArena(const HostArenaOptions& options)
 
 HostArena::~HostArena() = default;
 
+std::string pin_failure_warning(const HostUsage& usage) {
+  if (usage.pin_failures == 0) return "";
+  return std::to_string(usage.pin_failures) + " host buffer(s) (" +
+         format_bytes(usage.pin_failed_bytes) +
+         ") could not be page-locked, so copies between them and the GPU go through the driver's "
+         "bounce buffers at a fraction of the link's speed and block the thread that makes them; "
+         "raise the locked-memory limit (`ulimit -l unlimited`, or memlock in "
+         "/etc/security/limits.conf) or lower the host budget (hardware.host_memory)";
+}
+
 bool HostArena::pins() const {
   return state_->pin;
 }
@@ -206,6 +216,7 @@ HostBuffer HostArena::allocate(std::uint64_t bytes, Purpose purpose, int numa_no
       }
       std::lock_guard lock(s.mutex);
       ++s.usage.pin_failures;
+      s.usage.pin_failed_bytes += bytes;
     }
   }
   if (pinned) {

@@ -49,8 +49,13 @@ struct HostUsage {
   std::uint64_t bytes_pinned = 0;  // of `bytes`, page-locked
   std::uint64_t bytes_mapped = 0;  // what the OS was asked for (page-rounded)
   std::uint64_t pin_failures = 0;  // kAuto buffers left pageable because pinning failed
+  std::uint64_t pin_failed_bytes = 0;  // their bytes (both counts only grow)
   const PurposeUsage& operator[](Purpose p) const { return by_purpose[static_cast<int>(p)]; }
 };
+
+// What a user needs to hear when pinning = auto left buffers pageable (the OS refused to lock
+// them): how much, what it costs, what to change. "" when none failed.
+std::string pin_failure_warning(const HostUsage& usage);
 
 // A request the budget or the OS cannot meet. Carries the figures for the planner.
 class HostOutOfMemory : public Error {

@@ -125,6 +125,9 @@ class Transfers {
   // high-priority activation stream. The staging buffer stays owned by `staged` (give it back
   // with recycle() once `ready` has completed).
   Uploaded upload(int d, const Staged& staged, std::size_t bytes);
+  // Host staging memory (page-locked where the arena pins) from the pool, or new: for data the
+  // engine writes on the host and uploads itself.
+  HostBuffer take_staging(std::size_t bytes);
   // Staging memory back to the pool, for later downloads.
   void recycle(HostBuffer buffer);
   // Frees the pooled staging memory (between segments, when nothing is in flight).
@@ -145,7 +148,6 @@ class Transfers {
     kernels::Device* dev = nullptr;
     kernels::Stream *act_up = nullptr, *weight_up = nullptr, *down = nullptr;
   };
-  HostBuffer take_staging(std::size_t bytes);
   std::unique_ptr<kernels::Event> enqueue_download(int d, void* dst, const void* src,
                                                    std::size_t bytes, kernels::Event& after);
 

@@ -1,6 +1,7 @@
 #include "kernels/cpu/sim_device.h"
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstdio>
@@ -9,6 +10,7 @@
 #include <deque>
 #include <exception>
 #include <mutex>
+#include <optional>
 #include <thread>
 #include <utility>
 #include <vector>
@@ -27,17 +29,25 @@ struct Marker {
   std::mutex mutex;
   std::condition_variable cv;
   bool done = false;
+  Clock::time_point at{};    // when it completed
+  std::exception_ptr error;  // the stream had failed before it: a sticky error, as CUDA's
 
-  void complete() {
+  void complete(std::exception_ptr failure = nullptr) {
     {
       std::lock_guard lock(mutex);
       done = true;
+      at = Clock::now();
+      error = std::move(failure);
     }
     cv.notify_all();
   }
   void wait() {
     std::unique_lock lock(mutex);
     cv.wait(lock, [&] { return done; });
+  }
+  void rethrow() {
+    std::lock_guard lock(mutex);
+    if (error) std::rethrow_exception(error);
   }
   bool query() {
     std::lock_guard lock(mutex);
@@ -47,12 +57,21 @@ struct Marker {
 
 class SimEvent final : public Event {
  public:
+  explicit SimEvent(bool timing) : timing_(timing) {}
+  // Like cudaEventQuery / cudaEventSynchronize: the stream's error, once it had failed before
+  // the record, comes back from both.
   bool query() override {
     auto marker = latest();
-    return !marker || marker->query();
+    if (!marker) return true;
+    if (!marker->query()) return false;
+    marker->rethrow();
+    return true;
   }
   void synchronize() override {
-    if (auto marker = latest()) marker->wait();
+    if (auto marker = latest()) {
+      marker->wait();
+      marker->rethrow();
+    }
   }
   std::shared_ptr<Marker> latest() {
     std::lock_guard lock(mutex_);
@@ -62,8 +81,25 @@ class SimEvent final : public Event {
     std::lock_guard lock(mutex_);
     latest_ = std::move(marker);
   }
+  double seconds_since(Event& start) override {
+    auto* other = dynamic_cast<SimEvent*>(&start);
+    if (other == nullptr || !timing_ || !other->timing_)
+      throw Error("seconds_since: both events must be timing events of simulated devices");
+    const auto a = other->completed_at(), b = completed_at();
+    if (!a || !b) throw Error("seconds_since: an event is not recorded or not complete yet");
+    return std::chrono::duration<double>(*b - *a).count();
+  }
 
  private:
+  std::optional<Clock::time_point> completed_at() {
+    auto marker = latest();
+    if (!marker) return std::nullopt;
+    std::lock_guard lock(marker->mutex);
+    if (!marker->done) return std::nullopt;
+    return marker->at;
+  }
+
+  bool timing_;
   std::mutex mutex_;
   std::shared_ptr<Marker> latest_;
 };
@@ -101,6 +137,7 @@ class SimStream final : public Stream {
   // streams waiting on this one are not left hanging; work tasks are skipped then, like CUDA's
   // sticky errors.
   void push(std::function<void()> task, bool control);
+  [[noreturn]] void throw_fault(std::int64_t copy);
 
  private:
   struct Task {
@@ -116,13 +153,20 @@ class SimStream final : public Stream {
   std::deque<Task> queue_;
   std::size_t pending_ = 0;  // queued or running
   bool stopping_ = false;
-  std::exception_ptr error_;  // first failure, rethrown by synchronize()
+  std::exception_ptr error_;  // first failure, rethrown by synchronize() and events after it
   std::thread thread_;
+
+ public:
+  std::exception_ptr error() {
+    std::lock_guard lock(mutex_);
+    return error_;
+  }
 };
 
 class SimDevice final : public Device {
  public:
-  explicit SimDevice(const SimDeviceOptions& options) : ledger_(options.bytes_cap) {
+  explicit SimDevice(const SimDeviceOptions& options)
+      : ledger_(options.bytes_cap), fail_copy_(options.fail_copy) {
     if (options.link.bytes_per_s < 0 || options.link.latency_s < 0)
       throw Error("simulated device " + options.name +
                   ": link bandwidth and latency must not be negative");
@@ -154,7 +198,9 @@ class SimDevice final : public Device {
     return *streams_.back();
   }
 
-  std::unique_ptr<Event> create_event() override { return std::make_unique<SimEvent>(); }
+  std::unique_ptr<Event> create_event(EventTiming timing) override {
+    return std::make_unique<SimEvent>(timing == EventTiming::kOn);
+  }
 
   DeviceBuffer allocate(std::size_t bytes, Stream* stream) override {
     if (bytes == 0) return {};
@@ -228,6 +274,12 @@ class SimDevice final : public Device {
 
   Channel h2d_, d2h_;
   TrafficCounters traffic_;
+  // The injected copy fault (SimDeviceOptions::fail_copy): its number when this copy is it.
+  std::optional<std::int64_t> copy_fails() {
+    const std::int64_t n = copies_.fetch_add(1);
+    if (n == fail_copy_) return n;
+    return std::nullopt;
+  }
 
  protected:
   void release(void* data, std::size_t bytes, Stream* stream) noexcept override {
@@ -252,6 +304,8 @@ class SimDevice final : public Device {
  private:
   DeviceInfo info_;
   MemoryLedger ledger_;
+  std::int64_t fail_copy_;
+  std::atomic<std::int64_t> copies_{0};
   std::mutex streams_mutex_;
   std::vector<std::unique_ptr<SimStream>> streams_;
 };
@@ -307,12 +361,18 @@ void SimStream::serve() {
   }
 }
 
+[[noreturn]] void SimStream::throw_fault(std::int64_t copy) {
+  throw Error(name_ + ": copy " + std::to_string(copy) +
+              " failed (injected fault: SimDeviceOptions::fail_copy)");
+}
+
 void SimStream::upload(void* dst, const void* src, std::size_t bytes) {
   if (bytes == 0) return;
   device_.traffic_.h2d += bytes;
   LinkSpec link = device_.info().link;
   push(
-      [this, dst, src, bytes, link] {
+      [this, dst, src, bytes, link, fault = device_.copy_fails()] {
+        if (fault) throw_fault(*fault);
         SimDevice::transfer({&device_.h2d_}, link.bytes_per_s, link.latency_s, bytes,
                             [=] { std::memcpy(dst, src, bytes); });
       },
@@ -324,7 +384,8 @@ void SimStream::download(void* dst, const void* src, std::size_t bytes) {
   device_.traffic_.d2h += bytes;
   LinkSpec link = device_.info().link;
   push(
-      [this, dst, src, bytes, link] {
+      [this, dst, src, bytes, link, fault = device_.copy_fails()] {
+        if (fault) throw_fault(*fault);
         SimDevice::transfer({&device_.d2h_}, link.bytes_per_s, link.latency_s, bytes,
                             [=] { std::memcpy(dst, src, bytes); });
       },
@@ -372,7 +433,7 @@ void SimStream::record(Event& event) {
     throw Error("stream " + name_ + " can only record events of simulated devices");
   auto marker = std::make_shared<Marker>();
   sim->set_latest(marker);
-  push([marker] { marker->complete(); }, true);
+  push([this, marker] { marker->complete(error()); }, true);
 }
 
 void SimStream::wait(Event& event) {

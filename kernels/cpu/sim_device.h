@@ -20,6 +20,10 @@ struct SimDeviceOptions {
   int index = 0;                         // ordinal among simulated devices
   std::uint64_t bytes_cap = 1ull << 30;  // bytes the device may hand out
   LinkSpec link;                         // emulated host link; {0, 0} = free, instant copies
+  // Tests: the host copy (upload or download, counted from 0 in enqueue order) that fails on its
+  // stream as a faulting CUDA copy would: the stream's later work is skipped, and its events and
+  // synchronize() report the error. -1 = none.
+  std::int64_t fail_copy = -1;
 };
 
 std::unique_ptr<Device> make_sim_device(const SimDeviceOptions& options);

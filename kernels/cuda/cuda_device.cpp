@@ -99,12 +99,13 @@ class CudaDevice;
 
 class CudaEvent final : public Event {
  public:
-  explicit CudaEvent(int device) : device_(device) {
+  CudaEvent(int device, bool timing) : device_(device), timing_(timing) {
     DeviceGuard guard(device);
     // Blocking sync: a host waiting on an event sleeps instead of spinning a core the optimizer
-    // needs.
-    RONDO_CUDA_CHECK(
-        cudaEventCreateWithFlags(&event_, cudaEventDisableTiming | cudaEventBlockingSync), device);
+    // needs. Timing costs a little on every record, so only the events asked for have it.
+    RONDO_CUDA_CHECK(cudaEventCreateWithFlags(
+                         &event_, cudaEventBlockingSync | (timing ? 0u : cudaEventDisableTiming)),
+                     device);
   }
   ~CudaEvent() override { warn_cuda(cudaEventDestroy(event_), "cudaEventDestroy"); }
   bool query() override {
@@ -117,12 +118,22 @@ class CudaEvent final : public Event {
     return true;
   }
   void synchronize() override { RONDO_CUDA_CHECK(cudaEventSynchronize(event_), device_); }
+  double seconds_since(Event& start) override {
+    auto* other = dynamic_cast<CudaEvent*>(&start);
+    if (other == nullptr || !timing_ || !other->timing_ || other->device_ != device_)
+      throw Error("seconds_since: both events must be timing events of cuda:" +
+                  std::to_string(device_));
+    float ms = 0;
+    RONDO_CUDA_CHECK(cudaEventElapsedTime(&ms, other->event_, event_), device_);
+    return ms / 1e3;
+  }
 
   cudaEvent_t handle() const { return event_; }
   int device() const { return device_; }
 
  private:
   int device_;
+  bool timing_;
   cudaEvent_t event_ = nullptr;
 };
 
@@ -197,11 +208,19 @@ class CudaStream final : public Stream {
 class CudaDevice final : public Device {
  public:
   explicit CudaDevice(const CudaDeviceOptions& options)
-      : index_(options.index), info_(describe(options.index)), ledger_(0) {
+      : index_(options.index),
+        info_(describe(options.index)),
+        ledger_(0),
+        allocator_(options.allocator) {
     info_.bytes_cap =
         options.bytes_cap == 0 ? info_.bytes_total : std::min(options.bytes_cap, info_.bytes_total);
     ledger_.set_cap(info_.bytes_cap);
     DeviceGuard guard(index_);
+    RONDO_CUDA_CHECK(cudaStreamCreateWithFlags(&internal_, cudaStreamNonBlocking), index_);
+    if (allocator_) {
+      allocator_->set_cap(info_.bytes_cap);
+      return;
+    }
     // A pool of our own, so that its release threshold (keep up to the cap cached between stage
     // jobs) does not change torch's or anyone else's allocations.
     cudaMemPoolProps props{};
@@ -213,7 +232,6 @@ class CudaDevice final : public Device {
     std::uint64_t threshold = info_.bytes_cap;
     RONDO_CUDA_CHECK(cudaMemPoolSetAttribute(pool_, cudaMemPoolAttrReleaseThreshold, &threshold),
                      index_);
-    RONDO_CUDA_CHECK(cudaStreamCreateWithFlags(&internal_, cudaStreamNonBlocking), index_);
   }
 
   ~CudaDevice() override {
@@ -227,7 +245,7 @@ class CudaDevice final : public Device {
                      index_, static_cast<unsigned long long>(left.allocations),
                      format_bytes(left.bytes_in_use).c_str());
       warn_cuda(cudaStreamDestroy(internal_), "cudaStreamDestroy");
-      warn_cuda(cudaMemPoolDestroy(pool_), "cudaMemPoolDestroy");
+      if (pool_) warn_cuda(cudaMemPoolDestroy(pool_), "cudaMemPoolDestroy");
     } catch (const std::exception& e) {
       std::fprintf(stderr, "rondo: warning: closing cuda:%d: %s\n", index_, e.what());
     }
@@ -242,7 +260,9 @@ class CudaDevice final : public Device {
     return *streams_.back();
   }
 
-  std::unique_ptr<Event> create_event() override { return std::make_unique<CudaEvent>(index_); }
+  std::unique_ptr<Event> create_event(EventTiming timing) override {
+    return std::make_unique<CudaEvent>(index_, timing == EventTiming::kOn);
+  }
 
   DeviceBuffer allocate(std::size_t bytes, Stream* stream) override {
     if (bytes == 0) return {};
@@ -253,11 +273,23 @@ class CudaDevice final : public Device {
     DeviceGuard guard(index_);
     cudaStream_t s = stream ? static_cast<cudaStream_t>(stream->native_handle()) : internal_;
     void* data = nullptr;
-    cudaError_t code = cudaMallocFromPoolAsync(&data, bytes, pool_, s);
+    cudaError_t code = cudaSuccess;
+    if (allocator_) {
+      try {
+        data = allocator_->allocate(bytes, s);
+      } catch (...) {
+        ledger_.unreserve(bytes);
+        throw;
+      }
+      if (data == nullptr) code = cudaErrorMemoryAllocation;
+    } else {
+      code = cudaMallocFromPoolAsync(&data, bytes, pool_, s);
+    }
     if (code == cudaErrorMemoryAllocation) {
       cudaGetLastError();
       ledger_.unreserve(bytes);
-      // The card itself is full (other processes, torch's cache): report what the driver says.
+      // The card itself is full (other processes, torch's tensors or cache, under torch's share
+      // of the cap): report what the driver says.
       std::size_t free_bytes = 0, total = 0;
       cudaMemGetInfo(&free_bytes, &total);
       throw OutOfMemory(name + " (device full)", bytes, total - free_bytes, total);
@@ -273,6 +305,10 @@ class CudaDevice final : public Device {
   void set_memory_cap(std::uint64_t bytes) override {
     info_.bytes_cap = std::min(bytes, info_.bytes_total);
     ledger_.set_cap(info_.bytes_cap);
+    if (allocator_) {
+      allocator_->set_cap(info_.bytes_cap);
+      return;
+    }
     std::uint64_t threshold = info_.bytes_cap;
     RONDO_CUDA_CHECK(cudaMemPoolSetAttribute(pool_, cudaMemPoolAttrReleaseThreshold, &threshold),
                      index_);
@@ -289,7 +325,12 @@ class CudaDevice final : public Device {
   void release(void* data, std::size_t bytes, Stream* stream) noexcept override {
     try {
       DeviceGuard guard(index_);
-      if (stream != nullptr) {
+      if (allocator_) {
+        // Reusable in the order of the stream it was allocated on, as with cudaFreeAsync there;
+        // without a stream, only once all the device's work is done.
+        if (stream == nullptr) warn_cuda(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+        allocator_->release(data);
+      } else if (stream != nullptr) {
         warn_cuda(cudaFreeAsync(data, static_cast<cudaStream_t>(stream->native_handle())),
                   "cudaFreeAsync");
       } else {
@@ -307,6 +348,7 @@ class CudaDevice final : public Device {
   int index_;
   DeviceInfo info_;
   MemoryLedger ledger_;
+  std::shared_ptr<const ExternalAllocator> allocator_;
   cudaMemPool_t pool_ = nullptr;
   cudaStream_t internal_ = nullptr;
   std::mutex mutex_;

@@ -12,6 +12,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <future>
 #include <random>
 #include <thread>
@@ -96,6 +97,16 @@ std::vector<std::unique_ptr<kernels::Device>> sim_devices(int n, std::uint64_t b
     devs.push_back(kernels::make_sim_device(
         {.name = "sim" + std::to_string(d), .bytes_cap = bytes, .link = link}));
   return devs;
+}
+
+// The message of the Error `run` ends with; "" when it returns.
+std::string error_of(const std::function<void()>& run) {
+  try {
+    run();
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "";
 }
 
 std::vector<kernels::Device*> raw(const std::vector<std::unique_ptr<kernels::Device>>& devs) {
@@ -525,16 +536,34 @@ TEST(Engine, ABadMicrobatchFailsTheRunWithTheFirstError) {
   Case s = make_case(test::tiny_llama(3), 2, 21, 2);
   s.steps[1][1].batch.tokens[0][3] = s.config.vocab_size + 5;
   Plan plan{{{0, 2}, {2, 3}}, {3, 5}, {{2, 3}, {0, 2}}, 2, RecomputeGrain::kStage};
-  try {
-    run_engine(s, plan, 2);
-    FAIL() << "a token past the vocabulary trained";
-  } catch (const Error& e) {
-    const std::string m = e.what();
-    EXPECT_NE(m.find("step 2"), std::string::npos) << m;
-    EXPECT_NE(m.find("microbatch 1"), std::string::npos) << m;
-    EXPECT_NE(m.find("outside the vocabulary"), std::string::npos) << m;
-    EXPECT_EQ(m.find("synchroni"), std::string::npos) << m;
-  }
+  const std::string m = error_of([&] { run_engine(s, plan, 2); });
+  ASSERT_FALSE(m.empty()) << "a token past the vocabulary trained";
+  EXPECT_NE(m.find("step 2"), std::string::npos) << m;
+  EXPECT_NE(m.find("microbatch 1"), std::string::npos) << m;
+  EXPECT_NE(m.find("outside the vocabulary"), std::string::npos) << m;
+  EXPECT_EQ(m.find("synchroni"), std::string::npos) << m;
+}
+
+// A device fault (a copy that fails on its stream: CUDA's errors are sticky, every later call on
+// the device reports the same) is the error the run reports, with the job it surfaced in, not a
+// later failure it caused nor a bare synchronisation error at the end.
+TEST(Engine, ADeviceFaultIsTheErrorTheRunReports) {
+  Case s = make_case(test::tiny_llama(3), 2, 23, 2);
+  offload::HostArena arena;
+  offload::LayerStore store(arena,
+                            layer_descs(s.specs, [](const models::ParamSpec&) { return true; }),
+                            kernels::FloatDType::kF32, kernels::FloatDType::kF32);
+  load_weights(store, s.specs, [&](const std::string& n) { return s.weights.at(n); });
+  std::vector<std::unique_ptr<kernels::Device>> devs;
+  devs.push_back(kernels::make_sim_device({.name = "sim0", .fail_copy = 7}));
+  Plan plan{{{0, 2}}, {2, 5}, {{0, 2}}, 2, RecomputeGrain::kStage};
+  Engine engine(s.config, s.specs, store, arena, raw(devs), plan, {});
+  const std::string m =
+      error_of([&] { engine.train(2, [&](std::int64_t step) { return s.steps.at(step - 1); }); });
+  ASSERT_FALSE(m.empty()) << "trained through a device fault";
+  EXPECT_NE(m.find("copy 7 failed (injected fault"), std::string::npos) << m;
+  EXPECT_NE(m.find("step 1, job"), std::string::npos) << m;
+  EXPECT_NE(m.find("on sim0"), std::string::npos) << m;
 }
 
 TEST(Engine, EmitsPlanSpanAndDeviceEvents) {
@@ -598,15 +627,12 @@ TEST(Engine, HostBudgetExceededWhileTrainingIsANamedError) {
   auto devs = sim_devices(2);
   Plan plan{{{0, 2}}, {2, 5}, {{0, 2}}, 2, RecomputeGrain::kStage};
   Engine engine(s.config, s.specs, store, arena, raw(devs), plan, {});
-  try {
-    engine.train(1, [&](std::int64_t step) { return s.steps.at(step - 1); });
-    FAIL() << "trained past the host memory budget";
-  } catch (const Error& e) {
-    const std::string m = e.what();
-    EXPECT_NE(m.find("host memory budget exceeded"), std::string::npos) << m;
-    EXPECT_NE(m.find("hardware.host_memory"), std::string::npos) << m;
-    EXPECT_NE(m.find("hardware.offload_dir"), std::string::npos) << m;
-  }
+  const std::string m =
+      error_of([&] { engine.train(1, [&](std::int64_t step) { return s.steps.at(step - 1); }); });
+  ASSERT_FALSE(m.empty()) << "trained past the host memory budget";
+  EXPECT_NE(m.find("host memory budget exceeded"), std::string::npos) << m;
+  EXPECT_NE(m.find("hardware.host_memory"), std::string::npos) << m;
+  EXPECT_NE(m.find("hardware.offload_dir"), std::string::npos) << m;
   EXPECT_LE(arena.usage().peak, store_bytes + 64);
 }
 

@@ -236,6 +236,39 @@ TEST(PlanOurs, WithSomeMemoryToSpareTheTailGrowsAndStillFits) {
   EXPECT_LT(po.step_time_s, pr.step_time_s);
 }
 
+// The head's backward holds memory beyond its per-token activations (its logit chunk, in full
+// fine-tuning the LM head's fp32 gradient). A plan that fits only when that is left out no longer
+// claims to fit, and the planner finds one that fits with it.
+TEST(PlanOurs, TransientsOfTheHeadCountAgainstTheCap) {
+  PlanInputs in = one_gpu(48ull << 30);
+  const Plan whole = plan_ours(in);  // everything in one fused tail (as above)
+  const PlanPrediction before = predict(whole, in);
+  ASSERT_TRUE(before.fits) << before.why_not;
+  ASSERT_TRUE(whole.forward.empty()) << whole.describe();
+  const std::uint64_t transient = in.devices[0].memory_cap - before.peak_bytes[0] + (1ull << 30);
+  in.layers.back().transient_bytes = transient;
+  const PlanPrediction after = predict(whole, in);
+  EXPECT_EQ(after.peak_bytes[0], before.peak_bytes[0] + transient);  // counted once
+  EXPECT_FALSE(after.fits);
+  const Plan now = plan_ours(in);
+  const PlanPrediction pn = predict(now, in);
+  EXPECT_TRUE(pn.fits) << pn.why_not;
+  EXPECT_LE(pn.peak_bytes[0], in.devices[0].memory_cap);
+  EXPECT_NE(now.describe(), whole.describe());
+}
+
+// A step's inputs (tokens, targets, rotary tables, masks) sit on every device that runs a job of
+// the step, for the whole step, two steps at a time: on each device's peak.
+TEST(Predict, AStepsInputsCountOnEveryDevice) {
+  PlanInputs in = uniform(6, 2, 1e-6, 2e-6, 2, 512);
+  const Plan plan{{{0, 2}}, {2, 6}, {{0, 2}}, 2, RecomputeGrain::kStage};
+  const PlanPrediction before = predict(plan, in);
+  in.input_bytes_per_token = 4096 + 40;
+  const PlanPrediction after = predict(plan, in);
+  for (std::size_t d = 0; d < in.devices.size(); ++d)
+    EXPECT_EQ(after.peak_bytes[d], before.peak_bytes[d] + 2 * 512 * (4096 + 40)) << d;
+}
+
 TEST(PlanOurs, WhenNothingFitsItSaysWhatWould) {
   PlanInputs in = pcie_bound();
   for (auto& l : in.layers)

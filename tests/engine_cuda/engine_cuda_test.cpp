@@ -2,8 +2,9 @@
 // libtorch loop on the CPU — step-1 gradients and weights after 3 steps — on one CUDA device under
 // a memory cap, with a plan of separate forward, tail and backward stages (fp32, TF32 off). Checks
 // the CUDA paths the simulated devices cannot: torch running on the engine's own streams, events
-// across streams, the stream-ordered pool, copies from and to pinned host memory. And the same
-// training twice gives the same bits (run-to-run determinism on the GPU).
+// across streams, the engine's buffers in torch's caching allocator under one cap, copies from and
+// to pinned host memory. And the same training twice gives the same bits (run-to-run determinism
+// on the GPU).
 #include <ATen/ATen.h>
 #include <ATen/Context.h>
 #include <gtest/gtest.h>
@@ -25,6 +26,9 @@ struct GpuRun {
   std::map<std::string, at::Tensor> grads1;   // step 1's gradients, by name
   std::map<std::string, at::Tensor> masters;  // fp32 masters after the last step (untied ones)
   std::uint64_t bytes_in_use_after = 0;       // the device pool once the engine is gone
+  std::uint64_t engine_peak = 0;              // the engine's buffers at most
+  std::uint64_t cap = 0;                      // the device's memory cap
+  TorchCudaMemory torch;                      // torch's allocator over the run
 };
 
 // Trains `steps` on one CUDA device (cap 2 GiB) with a plan of separate forward, tail and
@@ -35,6 +39,7 @@ std::optional<GpuRun> train_on_one_gpu(const models::ModelConfig& config,
   DevicePlan dp = plan_devices({.memory_cap = 2ull << 30});
   if (dp.mode != DeviceMode::kCuda) return std::nullopt;
   dp.devices.resize(1);
+  reset_torch_cuda_memory(0);
   auto devices = open_devices(dp);
   const auto specs = models::layer_specs(config);
   offload::HostArena arena;
@@ -62,6 +67,9 @@ std::optional<GpuRun> train_on_one_gpu(const models::ModelConfig& config,
                  [&](std::int64_t s) { return steps.at(s - 1); });
   }
   run.bytes_in_use_after = devices[0]->memory().bytes_in_use;
+  run.engine_peak = devices[0]->memory().bytes_peak;
+  run.cap = devices[0]->memory().bytes_cap;
+  if (auto m = torch_cuda_memory(0)) run.torch = *m;
   for (std::size_t l = 0; l < specs.size(); ++l)
     for (std::size_t i = 0; i < specs[l].params.size(); ++i)
       if (!store.layer(l)[i].tied)
@@ -104,6 +112,18 @@ TEST_F(EngineCuda, TrainsLikeThePlainLoopOnOneGpu) {
     EXPECT_LE(rel(run->grads1.at(name), g), 1e-4) << name;
   for (auto& [name, w] : run->masters)
     EXPECT_LE(rel(w, ref.param(name)), 1e-4) << name;
+}
+
+// One cap bounds every byte: the engine's buffers come from torch's caching allocator (they show
+// in its statistics), and torch's peak — buffers, activations, attention and head temporaries —
+// stays under the device's cap.
+TEST_F(EngineCuda, OneCapBoundsTheEnginesBuffersAndTorchsTensors) {
+  std::optional<GpuRun> run = train_on_one_gpu(config, weights, steps);
+  if (!run) GTEST_SKIP() << "no CUDA device";
+  EXPECT_EQ(run->cap, 2ull << 30);
+  EXPECT_GT(run->engine_peak, 0u);
+  EXPECT_GE(run->torch.peak_allocated, run->engine_peak);
+  EXPECT_LE(run->torch.peak_reserved, run->cap);
 }
 
 // The same training twice in one process gives the same bits, with deterministic kernels on: what

@@ -89,6 +89,33 @@ TEST_F(CudaDeviceTest, EventsOrderStreamsAndDevices) {
     ASSERT_EQ(back[i], static_cast<std::uint8_t>(i * 7 + 9)) << "byte " << i;
 }
 
+// Timing events give device time: two records around a kernel and a 256 MiB copy are apart by at
+// least the copy's time at any PCIe speed (< 100 GB/s), however fast the host enqueued them.
+TEST_F(CudaDeviceTest, TimingEventsMeasureDeviceTime) {
+  auto dev = open_cuda_device({.index = 0});
+  Stream& s = dev->create_stream("compute");
+  const std::size_t n = std::size_t{256} << 20;
+  std::vector<std::uint8_t> back(n);
+  DeviceBuffer buf = dev->allocate(n, &s);
+  auto t0 = dev->create_event(EventTiming::kOn), t1 = dev->create_event(EventTiming::kOn);
+  s.record(*t0);
+  s.enqueue([&] {
+    ASSERT_EQ(launch_pattern(buf.data(), n, 5, static_cast<cudaStream_t>(s.native_handle())),
+              cudaSuccess);
+  });
+  s.download(back.data(), buf.data(), n);
+  s.record(*t1);
+  t1->synchronize();
+  const double seconds = t1->seconds_since(*t0);
+  EXPECT_GT(seconds, static_cast<double>(n) / 100e9);
+  EXPECT_LT(seconds, 10.0);
+  EXPECT_EQ(back[12345], static_cast<std::uint8_t>(12345 * 7 + 5));
+  auto plain = dev->create_event();
+  s.record(*plain);
+  s.synchronize();
+  EXPECT_THROW(plain->seconds_since(*t0), Error);
+}
+
 TEST_F(CudaDeviceTest, TheMemoryCapMakesABigCardSmall) {
   auto dev = open_cuda_device({.index = 0, .bytes_cap = 1ull << 30});
   EXPECT_EQ(dev->info().bytes_cap, 1ull << 30);

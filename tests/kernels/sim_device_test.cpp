@@ -9,6 +9,7 @@
 #include <future>
 #include <mutex>
 #include <random>
+#include <thread>
 #include <vector>
 
 namespace rondo::kernels {
@@ -131,6 +132,34 @@ TEST(SimDevice, EventNeverRecordedIsComplete) {
   Stream& s = dev->create_stream("s");
   s.wait(*event);  // nothing to wait for
   s.synchronize();
+}
+
+// Timing events measure when the stream reached them, not when the host enqueued: the host
+// enqueues both records at once (while the stream is held), the stream passes them 30 ms apart.
+TEST(SimDevice, TimingEventsMeasureStreamTimeNotEnqueueTime) {
+  auto dev = make_sim_device({});
+  Stream& s = dev->create_stream("s");
+  auto t0 = dev->create_event(EventTiming::kOn), t1 = dev->create_event(EventTiming::kOn);
+  std::promise<void> gate;
+  std::shared_future<void> opened = gate.get_future().share();
+  s.enqueue([opened] { opened.wait(); });
+  s.record(*t0);
+  s.enqueue([] { std::this_thread::sleep_for(std::chrono::milliseconds(30)); });
+  s.record(*t1);
+  EXPECT_THROW(t1->seconds_since(*t0), Error);  // not complete yet
+  gate.set_value();
+  t1->synchronize();
+  const double seconds = t1->seconds_since(*t0);
+  EXPECT_GE(seconds, 0.03);
+  EXPECT_LT(seconds, 5.0);
+  EXPECT_LE(t0->seconds_since(*t1), -0.03);
+  // Events without timing, or never recorded, cannot be timed.
+  auto plain = dev->create_event();
+  s.record(*plain);
+  s.synchronize();
+  EXPECT_THROW(plain->seconds_since(*t0), Error);
+  EXPECT_THROW(t1->seconds_since(*plain), Error);
+  EXPECT_THROW(t1->seconds_since(*dev->create_event(EventTiming::kOn)), Error);
 }
 
 TEST(SimDevice, AWaitKeepsTheRecordItWasIssuedAgainst) {
@@ -317,6 +346,31 @@ TEST(SimDevice, AFailedTaskSkipsLaterWorkButStillCompletesEvents) {
   b.synchronize();  // does not hang: the record still completes
   EXPECT_THROW(a.synchronize(), Error);
   EXPECT_FALSE(later_ran);
+  // The record completed, and reports the stream's error, as cudaEventSynchronize does.
+  EXPECT_THROW(event->synchronize(), Error);
+  EXPECT_THROW(event->query(), Error);
+}
+
+// An injected copy fault fails its copy on its stream: later work there is skipped, events
+// recorded after it report it, one recorded before does not.
+TEST(SimDevice, AnInjectedCopyFaultFailsLikeACudaFault) {
+  auto dev = make_sim_device({.fail_copy = 1});
+  Stream& s = dev->create_stream("up");
+  std::vector<std::uint8_t> host(64, 3);
+  DeviceBuffer buf = dev->allocate(64, &s);
+  auto before = dev->create_event(), after = dev->create_event();
+  s.upload(buf.data(), host.data(), 64);  // copy 0
+  s.record(*before);
+  s.upload(buf.data(), host.data(), 64);  // copy 1: fails
+  s.record(*after);
+  before->synchronize();
+  try {
+    after->synchronize();
+    FAIL() << "the fault was not reported";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("copy 1 failed"), std::string::npos) << e.what();
+  }
+  EXPECT_THROW(s.synchronize(), Error);
 }
 
 TEST(SimDevice, NegativeLinkFiguresAreRejected) {

@@ -5,6 +5,9 @@
 #include <ATen/Context.h>
 #include <gtest/gtest.h>
 
+#include <cmath>
+#include <cstdio>
+
 #include "models/layers.h"
 #include "models/model.h"
 #include "tests/support/cuda_or_skip.h"
@@ -65,6 +68,40 @@ TEST_F(ModelCuda, ChunkedHeadBackwardEqualsTheCpu) {
   HeadGrads a = run(cpu, at::kCPU), b = run(gpu, at::kCUDA);
   EXPECT_LT((a.grad_x - b.grad_x.cpu()).abs().max().item<double>(), 1e-4);
   EXPECT_LT((a.grad_lm_head - b.grad_lm_head.cpu()).abs().max().item<double>(), 1e-4);
+}
+
+// Packed rows (a mask) on Qwen3-1.7B's attention shape (16 query heads, 8 key/value heads of 128,
+// bf16) go to a fused kernel, not the math one that keeps (B, H, T, T) probabilities: the backend
+// torch picks for the call block_forward makes on CUDA (key/value heads repeated under a mask),
+// with deterministic algorithms off and on (exact runs turn them on).
+TEST_F(ModelCuda, PackedRowAttentionRunsOnAFusedKernel) {
+  ModelConfig c = parse_hf_config(R"({"architectures":["Qwen3ForCausalLM"],"vocab_size":1000,
+    "hidden_size":2048,"intermediate_size":6144,"num_hidden_layers":1,"num_attention_heads":16,
+    "num_key_value_heads":8,"head_dim":128,"max_position_embeddings":4096})",
+                                  "test config");
+  const std::int64_t T = 2048, H = 16, KV = 8, D = 128;
+  at::Tensor docs = at::cat({at::zeros({1, 700}, at::kLong), at::ones({1, T - 700}, at::kLong)}, 1);
+  TokenBatch batch{at::randint(0, 1000, {1, T}, at::kLong), docs};
+  AttentionContext ctx = make_attention_context(c, batch, at::kBFloat16);
+  ASSERT_TRUE(ctx.mask.defined());
+  const auto opts = at::TensorOptions().dtype(at::kBFloat16).device(at::kCUDA);
+  at::Tensor q = at::randn({1, H, T, D}, opts);
+  at::Tensor k = at::randn({1, KV, T, D}, opts).repeat_interleave(H / KV, 1);
+  at::Tensor v = at::randn({1, KV, T, D}, opts).repeat_interleave(H / KV, 1);
+  at::Tensor mask = ctx.mask.to(at::kCUDA);
+  const char* names[] = {"math", "flash", "efficient", "cudnn", "overrideable"};
+  const bool was = at::globalContext().deterministicAlgorithms();
+  const bool was_warn = at::globalContext().deterministicAlgorithmsWarnOnly();
+  for (bool deterministic : {false, true}) {
+    at::globalContext().setDeterministicAlgorithms(deterministic, false);
+    const std::int64_t choice = at::_fused_sdp_choice(q, k, v, mask, 0.0, /*is_causal=*/false,
+                                                      1.0 / std::sqrt(static_cast<double>(D)),
+                                                      /*enable_gqa=*/false);
+    std::printf("packed rows, deterministic %s: SDPA backend %s\n", deterministic ? "on" : "off",
+                choice >= 0 && choice <= 4 ? names[choice] : "error");
+    EXPECT_GT(choice, 0) << "deterministic " << deterministic << ": the math kernel (0) or none";
+  }
+  at::globalContext().setDeterministicAlgorithms(was, was_warn);
 }
 
 }  // namespace

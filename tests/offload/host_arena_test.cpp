@@ -112,6 +112,19 @@ TEST(HostArena, RejectsANodeThatDoesNotExist) {
   EXPECT_EQ(arena.usage().bytes, 0u);
 }
 
+// The warning for buffers the OS would not page-lock says how many and how much, what it costs
+// and what to change; none is said when every buffer was locked.
+TEST(HostArena, APinFailureWarningSaysWhatToChange) {
+  EXPECT_EQ(pin_failure_warning(HostUsage{}), "");
+  HostUsage u;
+  u.pin_failures = 3;
+  u.pin_failed_bytes = 3ull << 30;
+  const std::string w = pin_failure_warning(u);
+  for (const char* part :
+       {"3 host buffer(s)", "3.00 GiB", "page-locked", "ulimit -l", "hardware.host_memory"})
+    EXPECT_NE(w.find(part), std::string::npos) << part << " in: " << w;
+}
+
 TEST(HostArena, PinsExactlyWhenAGpuIsPresent) {
   HostArena automatic({.pinning = Pinning::kAuto});
   const bool gpu = kernels::host_pinning_available();

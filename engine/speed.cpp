@@ -1,0 +1,161 @@
+#include "engine/speed.h"
+
+#include <ATen/ATen.h>
+#include <ATen/CPUGeneratorImpl.h>
+#include <ATen/Parallel.h>
+#include <c10/core/GradMode.h>
+
+#include <unistd.h>
+
+#include <fmt/format.h>
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <nlohmann/json.hpp>
+#include <vector>
+
+#include "models/layers.h"
+
+namespace rondo::engine {
+namespace {
+
+namespace fs = std::filesystem;
+
+// Blocks above this many parameters are measured at a narrower width (a 70B model's block would
+// take seconds per pass on a desktop CPU and gigabytes for its gradients).
+constexpr double kMaxMeasuredParams = 8e6;
+constexpr int kRuns = 5;
+
+std::string cpu_model() {
+  std::ifstream f("/proc/cpuinfo");
+  for (std::string line; std::getline(f, line);)
+    if (line.rfind("model name", 0) == 0) {
+      const auto colon = line.find(':');
+      if (colon != std::string::npos) return line.substr(colon + 2);
+    }
+  return "unknown CPU";
+}
+
+// A one-block configuration of `c`'s first sparse block (else its first), narrowed when large.
+models::ModelConfig one_block(const models::ModelConfig& c) {
+  std::int64_t b = 0;
+  if (c.num_experts > 0)
+    while (b + 1 < c.num_layers && !c.sparse(b))
+      ++b;
+  models::ModelConfig one = c;
+  one.num_layers = 1;
+  one.sparse_layers =
+      c.sparse_layers.empty() ? std::vector<bool>{} : std::vector<bool>{c.sparse(b)};
+  one.sliding_layers =
+      c.sliding_layers.empty() ? std::vector<bool>{} : std::vector<bool>{c.windowed(b)};
+  one.vocab_size = std::min<std::int64_t>(c.vocab_size, 1024);  // the block needs no vocabulary
+  const double params = static_cast<double>(models::layer_specs(one)[1].param_count());
+  if (params > kMaxMeasuredParams) {
+    const double s = std::sqrt(kMaxMeasuredParams / params);
+    const std::int64_t group =
+        std::max<std::int64_t>(c.num_heads / std::max<std::int64_t>(c.num_kv_heads, 1), 1);
+    one.num_kv_heads =
+        std::max<std::int64_t>(1, std::llround(static_cast<double>(c.num_kv_heads) * s));
+    one.num_heads = one.num_kv_heads * group;
+    one.hidden_size =
+        std::max<std::int64_t>(64, std::llround(static_cast<double>(c.hidden_size) * s / 64) * 64);
+    one.intermediate_size =
+        std::max<std::int64_t>(64, std::llround(static_cast<double>(c.intermediate_size) * s));
+    if (c.moe_intermediate_size > 0)
+      one.moe_intermediate_size = std::max<std::int64_t>(
+          64, std::llround(static_cast<double>(c.moe_intermediate_size) * s));
+  }
+  return one;
+}
+
+at::ScalarType scalar_of(const std::string& dtype) {
+  return dtype == "bf16" ? at::kBFloat16 : dtype == "fp16" ? at::kHalf : at::kFloat;
+}
+
+// FLOP/s of `one`'s block, forward and backward, on T tokens: the median of kRuns passes.
+double measure(const models::ModelConfig& one, std::int64_t T, at::ScalarType dtype) {
+  const models::LayerSpec spec = models::layer_specs(one)[1];
+  // A generator of its own: the process's default one is not touched.
+  at::Generator gen = at::detail::createCPUGenerator(0);
+  std::vector<at::Tensor> w;
+  for (const models::ParamSpec& p : spec.params) {
+    at::Tensor t = p.shape.size() == 1 ? at::ones(p.shape) : 0.02 * at::randn(p.shape, gen);
+    w.push_back(t.to(dtype).requires_grad_(true));
+  }
+  const models::BlockWeights bw = models::BlockWeights::bind(spec, w);
+  const models::AttentionContext ctx = models::make_attention_context(
+      one, {.tokens = at::arange(T, at::kLong).remainder(one.vocab_size).unsqueeze(0)}, dtype);
+  const at::Tensor x0 = at::randn({1, T, one.hidden_size}, gen).to(dtype);
+  auto pass = [&] {
+    at::Tensor x = x0.detach().requires_grad_(true);
+    c10::AutoGradMode grad(true);
+    models::block_forward(one, bw, x, ctx).to(at::kFloat).sum().backward();
+    for (at::Tensor& t : w)
+      t.mutable_grad() = at::Tensor();
+  };
+  pass();  // warm-up: allocations, kernel selection
+  std::vector<double> seconds;
+  for (int i = 0; i < kRuns; ++i) {
+    const auto t0 = std::chrono::steady_clock::now();
+    pass();
+    seconds.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+  }
+  std::nth_element(seconds.begin(), seconds.begin() + kRuns / 2, seconds.end());
+  const double flops =
+      (spec.flops_forward_per_token(T) + spec.flops_backward_per_token(T)) * static_cast<double>(T);
+  return flops / std::max(seconds[kRuns / 2], 1e-9);
+}
+
+}  // namespace
+
+std::string speed_cache_dir() {
+  if (const char* d = std::getenv("RONDO_SPEED_CACHE"); d && *d) return d;
+  if (const char* x = std::getenv("XDG_CACHE_HOME"); x && *x)
+    return (fs::path(x) / "rondo" / "speed").string();
+  if (const char* h = std::getenv("HOME"); h && *h)
+    return (fs::path(h) / ".cache" / "rondo" / "speed").string();
+  return "";
+}
+
+double cpu_flops(const models::ModelConfig& config, std::int64_t seq_len,
+                 const std::string& dtype) {
+  const models::ModelConfig one = one_block(config);
+  const std::int64_t T = std::clamp<std::int64_t>(seq_len > 0 ? seq_len : 128, 16, 128);
+  const std::string key = fmt::format(
+      "cpu={}|threads={}|C={}|I={}|H={}|KV={}|D={}|E={}/{}x{}|qk_norm={}|window={}|sinks={}|T={}|"
+      "dtype={}",
+      cpu_model(), at::get_num_threads(), one.hidden_size, one.intermediate_size, one.num_heads,
+      one.num_kv_heads, one.head_dim, one.sparse(0) ? one.num_experts : 0, one.experts_per_token,
+      one.moe_intermediate_size, one.qk_norm, one.windowed(0) ? one.sliding_window : 0,
+      one.attention_sinks, T, dtype);
+  const std::string dir = speed_cache_dir();
+  const fs::path file =
+      dir.empty() ? fs::path()
+                  : fs::path(dir) / fmt::format("{:016x}.json", std::hash<std::string>{}(key));
+  if (!file.empty()) {
+    std::ifstream in(file);
+    const auto j = nlohmann::json::parse(in, nullptr, /*allow_exceptions=*/false);
+    if (j.is_object() && j.value("key", "") == key && j.value("flops", 0.0) > 0)
+      return j.value("flops", 0.0);
+  }
+  const double flops = measure(one, T, scalar_of(dtype));
+  if (!file.empty()) {
+    // Written whole under a temporary name, then renamed: concurrent runs never read half a file.
+    std::error_code ec;
+    fs::create_directories(file.parent_path(), ec);
+    const fs::path tmp = file.string() + fmt::format(".{}.tmp", static_cast<long>(::getpid()));
+    {
+      std::ofstream out(tmp);
+      out << nlohmann::json{{"key", key}, {"flops", flops}}.dump() << "\n";
+    }
+    fs::rename(tmp, file, ec);
+    if (ec) fs::remove(tmp, ec);
+  }
+  return flops;
+}
+
+}  // namespace rondo::engine

@@ -1,0 +1,52 @@
+// The run estimate's inputs to the planner: what the head's backward holds on the device beyond
+// its per-token activations (the chunk of fp32 logits and their gradient; in full fine-tuning
+// the LM head's fp32 weight gradient), so that a plan cannot fit only by leaving them out.
+#include "engine/estimate.h"
+
+#include <gtest/gtest.h>
+
+#include <filesystem>
+
+#include "engine/devices.h"
+#include "models/inspect.h"
+#include "tests/support/tiny_model_folder.h"
+
+namespace rondo::engine {
+namespace {
+
+namespace fs = std::filesystem;
+
+TEST(Estimate, TheHeadsBackwardTransientsAreCounted) {
+  const fs::path dir = fs::path(::testing::TempDir()) / "estimate_head_transients";
+  fs::remove_all(dir);
+  const std::int64_t V = 5000, C = 64, T = 64, M = 2;
+  test::write_model_folder(
+      dir.string(), 1,
+      {.layers = 2, .hidden = static_cast<int>(C), .intermediate = 128, .vocab = V});
+  const models::ModelSummary summary = models::inspect_model(dir.string(), T);
+  const DevicePlan devices = plan_devices({});
+  auto head_costs = [&](const std::string& method) {
+    TrainConfig c;
+    c.model.path = dir.string();
+    c.model.dtype = "bf16";
+    c.data.seq_len = T;
+    c.training.method = method;
+    c.training.grad_accum = M;
+    const RunEstimate est = estimate_run(c, summary, devices, 1, M * T, /*host_free=*/1ull << 40,
+                                         /*disk_free=*/1ull << 40);
+    EXPECT_FALSE(est.inputs.layers.empty());
+    return est.inputs.layers.back();
+  };
+  // One microbatch's logits (T tokens: fewer than a chunk) in fp32, and their fp32 gradient.
+  const std::uint64_t logits = static_cast<std::uint64_t>(T * V) * 4 * 2;
+  const std::uint64_t lm_grad = static_cast<std::uint64_t>(V * C) * 4;
+  const LayerCosts lora = head_costs("lora"), full = head_costs("full");
+  EXPECT_GE(lora.transient_bytes, logits);
+  EXPECT_GE(full.transient_bytes, logits + lm_grad);
+  // What full fine-tuning adds is the LM head's fp32 gradient, which LoRA does not have.
+  EXPECT_EQ(full.transient_bytes - lora.transient_bytes, lm_grad);
+  fs::remove_all(dir);
+}
+
+}  // namespace
+}  // namespace rondo::engine

@@ -1,0 +1,101 @@
+// The CPU speed the planner assumes: measured on a block of the model's own shape, cached per
+// machine and shape so that repeated estimates agree, robust to a bad cache file, and quick for
+// blocks far larger than a desktop CPU would train (measured narrower).
+#include "engine/speed.h"
+
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+
+#include "models/config.h"
+
+namespace rondo::engine {
+namespace {
+
+namespace fs = std::filesystem;
+
+models::ModelConfig shape(int hidden, int ffn, int heads, int kv) {
+  return models::parse_hf_config(
+      "{\"architectures\":[\"LlamaForCausalLM\"],\"vocab_size\":32000,\"hidden_size\":" +
+          std::to_string(hidden) + ",\"intermediate_size\":" + std::to_string(ffn) +
+          ",\"num_hidden_layers\":4,\"num_attention_heads\":" + std::to_string(heads) +
+          ",\"num_key_value_heads\":" + std::to_string(kv) + "}",
+      "test config");
+}
+
+// Points the cache at a fresh folder for the test, and back after.
+class SpeedCache : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    // One folder per test and process: ctest runs the tests in parallel processes.
+    dir_ = fs::path(::testing::TempDir()) /
+           ("speed_cache_" +
+            std::string(::testing::UnitTest::GetInstance()->current_test_info()->name()) + "_" +
+            std::to_string(::getpid()));
+    fs::remove_all(dir_);
+    if (const char* old = std::getenv("RONDO_SPEED_CACHE")) old_ = old;
+    ::setenv("RONDO_SPEED_CACHE", dir_.c_str(), 1);
+  }
+  void TearDown() override {
+    if (old_.empty())
+      ::unsetenv("RONDO_SPEED_CACHE");
+    else
+      ::setenv("RONDO_SPEED_CACHE", old_.c_str(), 1);
+    fs::remove_all(dir_);
+  }
+  std::vector<fs::path> files() const {
+    std::vector<fs::path> out;
+    if (fs::exists(dir_))
+      for (const auto& e : fs::directory_iterator(dir_))
+        out.push_back(e.path());
+    return out;
+  }
+  fs::path dir_;
+  std::string old_;
+};
+
+TEST_F(SpeedCache, AMeasurementIsCachedAndRepeatsExactly) {
+  EXPECT_EQ(speed_cache_dir(), dir_.string());
+  const models::ModelConfig c = shape(128, 344, 4, 2);
+  const double first = cpu_flops(c, 64, "fp32");
+  EXPECT_GT(first, 1e6);  // any CPU does a million FLOP/s
+  ASSERT_EQ(files().size(), 1u);
+  // The same machine and shape: the cached figure, exactly (repeated `rondo plan` calls agree).
+  EXPECT_EQ(cpu_flops(c, 64, "fp32"), first);
+  // Another shape, sequence length or dtype is measured and cached apart.
+  cpu_flops(shape(64, 172, 4, 2), 64, "fp32");
+  cpu_flops(c, 32, "fp32");
+  EXPECT_EQ(files().size(), 3u);
+}
+
+TEST_F(SpeedCache, ABrokenCacheFileIsMeasuredAgainAndRewritten) {
+  const models::ModelConfig c = shape(128, 344, 4, 2);
+  cpu_flops(c, 64, "fp32");
+  ASSERT_EQ(files().size(), 1u);
+  { std::ofstream(files()[0]) << "{\"key\": \"not this one\", \"flops\": 5"; }  // truncated
+  const double again = cpu_flops(c, 64, "fp32");
+  EXPECT_GT(again, 1e6);
+  EXPECT_EQ(cpu_flops(c, 64, "fp32"), again);  // the rewritten file is read back
+}
+
+TEST_F(SpeedCache, ALargeBlockIsMeasuredNarrowerAndQuickly) {
+  // A 70B-class block (C = 8192, FFN 28672, 64 query / 8 key-value heads: 0.9B parameters)
+  // would take seconds per pass here and gigabytes for its gradients.
+  const auto t0 = std::chrono::steady_clock::now();
+  const double flops = cpu_flops(shape(8192, 28672, 64, 8), 4096, "bf16");
+  const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  EXPECT_GT(flops, 1e6);
+  EXPECT_LT(s, 60.0);  // generous: a loaded 2-core machine under a sanitizer
+}
+
+TEST_F(SpeedCache, AnUnwritableCacheOnlyCostsTheMeasurement) {
+  ::setenv("RONDO_SPEED_CACHE", "/proc/rondo-cannot-write-here", 1);
+  EXPECT_GT(cpu_flops(shape(64, 172, 4, 2), 32, "fp32"), 1e6);
+}
+
+}  // namespace
+}  // namespace rondo::engine
