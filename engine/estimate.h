@@ -109,4 +109,10 @@ std::uint64_t disk_space_free(const std::string& path);  // nearest existing par
 std::string format_bytes(std::uint64_t bytes);           // "1.50 GiB"
 std::string format_count(std::int64_t n);                // "812", "135.0 M", "7.24 B"
 
+// Measured steps against the plan's prediction: once a run has timed kStepsToJudge steps after its
+// first (which pays for warm-up), a message when their median is off the predicted step time by
+// more than 25% either way (saying that the ETA follows the measured steps), else "".
+inline constexpr int kStepsToJudge = 3;
+std::string step_time_warning(double predicted_s, std::vector<double> measured_s);
+
 }  // namespace rondo::engine

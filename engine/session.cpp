@@ -770,8 +770,19 @@ struct Session::Impl {
     if (s == 0 && c.eval.every > 0 && val_batcher) evaluate(0);
     double mean_step_s = 0;
     std::int64_t timed = 0;
+    // The plan's step time against the measured steps (after the first: warm-up), said once.
+    const double predicted_step_s = predict(eng.plan(), est.inputs).step_time_s;
+    std::vector<double> judged;
     auto on_step = [&](const StepResult& r) {
       mean_step_s = timed == 0 ? r.seconds : 0.9 * mean_step_s + 0.1 * r.seconds;
+      if (timed > 0 && static_cast<int>(judged.size()) < kStepsToJudge) {
+        judged.push_back(r.seconds);
+        if (static_cast<int>(judged.size()) == kStepsToJudge)
+          if (const std::string w = step_time_warning(predicted_step_s, judged); !w.empty()) {
+            log("Warning: " + w);
+            sink.warning(w);
+          }
+      }
       ++timed;
       StepEvent e{.step = r.step,
                   .steps_total = steps,
