@@ -404,7 +404,8 @@ RunEstimate estimate_run(const TrainConfig& config, const models::ModelSummary& 
   const std::size_t N = std::max<std::size_t>(devices.devices.size(), 1);
   // Host staging for activations, two steps in flight: the checkpoints each backward stage (or,
   // in layer grain, each block) waits for, and the outputs handed between jobs on different
-  // devices (two per device at most: one being written, one being read).
+  // devices (two per device at most: one being written, one being read); and each step's packed
+  // inputs (the main thread prepares up to two steps ahead of the one running).
   {
     std::uint64_t ckpts = 0;
     if (planned) {
@@ -414,7 +415,9 @@ RunEstimate estimate_run(const TrainConfig& config, const models::ModelSummary& 
         for (const LayerRange& r : e.plan.backward)
           ckpts += r.begin >= 1 ? 1 : 0;
     }
-    e.host.staging = (2 * ckpts + 2 * N + 2) * static_cast<std::uint64_t>(tokens_per_step) * C * wb;
+    e.host.staging =
+        (2 * ckpts + 2 * N + 2) * static_cast<std::uint64_t>(tokens_per_step) * C * wb +
+        3 * static_cast<std::uint64_t>(tokens_per_step) * e.inputs.input_bytes_per_token;
   }
 
   // --- Host memory and the NVMe tier ----------------------------------------------------------

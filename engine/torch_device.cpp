@@ -1,5 +1,6 @@
 #include "engine/torch_device.h"
 
+#include <ATen/ATen.h>
 #include <ATen/Context.h>
 #include <ATen/Parallel.h>
 
@@ -57,6 +58,9 @@ std::optional<TorchCudaMemory> torch_cuda_memory(int device_index) {
 std::shared_ptr<const kernels::ExternalAllocator> torch_cuda_allocator(int device_index) {
 #if RONDO_ENGINE_CUDA
   const auto index = static_cast<c10::DeviceIndex>(device_index);
+  // Torch sets up its CUDA state, the caching allocator among it, on its first CUDA tensor; the
+  // allocator's raw calls and memory fraction need it set up.
+  (void)at::empty({1}, at::TensorOptions().dtype(at::kByte).device(c10::DeviceType::CUDA, index));
   auto a = std::make_shared<kernels::ExternalAllocator>();
   a->allocate = [index](std::size_t bytes, void* stream) -> void* {
     c10::cuda::CUDAGuard guard(index);

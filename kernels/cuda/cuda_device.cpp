@@ -288,10 +288,13 @@ class CudaDevice final : public Device {
     if (code == cudaErrorMemoryAllocation) {
       cudaGetLastError();
       ledger_.unreserve(bytes);
-      // The card itself is full (other processes, torch's tensors or cache, under torch's share
-      // of the cap): report what the driver says.
+      // The card itself is full (other processes, torch's cache), or with a shared allocator the
+      // cap is, by the engine's buffers and torch's tensors together: what the driver says.
       std::size_t free_bytes = 0, total = 0;
       cudaMemGetInfo(&free_bytes, &total);
+      if (allocator_)
+        throw OutOfMemory(name + " (the engine's buffers and torch's tensors together)", bytes,
+                          total - free_bytes, info_.bytes_cap);
       throw OutOfMemory(name + " (device full)", bytes, total - free_bytes, total);
     }
     if (code != cudaSuccess) ledger_.unreserve(bytes);
