@@ -97,13 +97,15 @@ double device_flops(const kernels::DeviceInfo& device, DeviceMode mode, const st
   return tf * 1e12;
 }
 
-std::string step_time_warning(double predicted_s, std::vector<double> measured_s) {
+std::string step_time_warning(double predicted_s, std::vector<double> measured_s,
+                              std::int64_t steps) {
   if (!(predicted_s > 0) || measured_s.empty()) return "";
   std::nth_element(measured_s.begin(), measured_s.begin() + measured_s.size() / 2,
                    measured_s.end());
   const double median = measured_s[measured_s.size() / 2];
   const double ratio = median / predicted_s;
   if (ratio <= 1.25 && ratio >= 0.8) return "";
+  if (std::max(median, predicted_s) * static_cast<double>(steps) < 60) return "";
   return fmt::format(
       "steps take {:.3g} s, the plan predicted {:.3g} s ({:.2g}x {}); the ETA follows the measured "
       "steps, and `rondo plan`'s figures for this machine are off by as much",

@@ -111,8 +111,10 @@ std::string format_count(std::int64_t n);                // "812", "135.0 M", "7
 
 // Measured steps against the plan's prediction: once a run has timed kStepsToJudge steps after its
 // first (which pays for warm-up), a message when their median is off the predicted step time by
-// more than 25% either way (saying that the ETA follows the measured steps), else "".
+// more than 25% either way (saying that the ETA follows the measured steps), else "". Runs of
+// `steps` steps that take under a minute either way are not worth the warning.
 inline constexpr int kStepsToJudge = 3;
-std::string step_time_warning(double predicted_s, std::vector<double> measured_s);
+std::string step_time_warning(double predicted_s, std::vector<double> measured_s,
+                              std::int64_t steps);
 
 }  // namespace rondo::engine

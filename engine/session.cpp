@@ -778,7 +778,8 @@ struct Session::Impl {
       if (timed > 0 && static_cast<int>(judged.size()) < kStepsToJudge) {
         judged.push_back(r.seconds);
         if (static_cast<int>(judged.size()) == kStepsToJudge)
-          if (const std::string w = step_time_warning(predicted_step_s, judged); !w.empty()) {
+          if (const std::string w = step_time_warning(predicted_step_s, judged, steps);
+              !w.empty()) {
             log("Warning: " + w);
             sink.warning(w);
           }

@@ -51,16 +51,20 @@ TEST(Estimate, TheHeadsBackwardTransientsAreCounted) {
 // A run says when its steps are far from what the plan predicted (the median of the judged
 // steps, so one slow step does not), either way, and not when they are within 25%.
 TEST(Estimate, StepsFarFromThePredictionAreSaid) {
-  EXPECT_EQ(step_time_warning(1.0, {1.1, 0.9, 1.2}), "");
-  EXPECT_EQ(step_time_warning(1.0, {0.85, 1.24, 1.0}), "");
-  EXPECT_EQ(step_time_warning(1.0, {1.0, 5.0, 1.1}), "");  // one outlier
-  EXPECT_EQ(step_time_warning(0.0, {2.0, 2.0, 2.0}), "");  // nothing predicted
-  const std::string slow = step_time_warning(1.0, {2.0, 2.2, 1.9});
+  const std::int64_t steps = 1000;
+  EXPECT_EQ(step_time_warning(1.0, {1.1, 0.9, 1.2}, steps), "");
+  EXPECT_EQ(step_time_warning(1.0, {0.85, 1.24, 1.0}, steps), "");
+  EXPECT_EQ(step_time_warning(1.0, {1.0, 5.0, 1.1}, steps), "");  // one outlier
+  EXPECT_EQ(step_time_warning(0.0, {2.0, 2.0, 2.0}, steps), "");  // nothing predicted
+  const std::string slow = step_time_warning(1.0, {2.0, 2.2, 1.9}, steps);
   EXPECT_NE(slow.find("steps take 2 s, the plan predicted 1 s (2x slower)"), std::string::npos)
       << slow;
   EXPECT_NE(slow.find("the ETA follows the measured steps"), std::string::npos) << slow;
-  const std::string fast = step_time_warning(2.0, {0.5, 0.5, 0.6});
+  const std::string fast = step_time_warning(2.0, {0.5, 0.5, 0.6}, steps);
   EXPECT_NE(fast.find("(4x faster)"), std::string::npos) << fast;
+  // A run of under a minute either way: not worth saying.
+  EXPECT_EQ(step_time_warning(0.01, {0.05, 0.05, 0.05}, 100), "");
+  EXPECT_NE(step_time_warning(0.01, {0.05, 0.05, 0.05}, 2000), "");
 }
 
 }  // namespace
