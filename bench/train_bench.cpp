@@ -87,7 +87,7 @@ struct Options {
   int sim = 0;              // > 0: the session on this many simulated GPUs
   int layers = 4, hidden = 256, ffn = 688, heads = 4, kv_heads = 2, vocab = 0, tie = 0;
   int seq_len = 256, rows = 2, accum = 2, rank = 16;
-  int doc_words = 30;  // documents of doc_words to 2 * doc_words random words
+  int doc_words = 30;             // documents of doc_words to 2 * doc_words random words
   bool nondeterministic = false;  // also run rondo with training.deterministic = false
 };
 

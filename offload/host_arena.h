@@ -46,9 +46,9 @@ struct HostUsage {
   std::array<PurposeUsage, kPurposeCount> by_purpose{};  // indexed by Purpose
   std::uint64_t bytes = 0;                               // all purposes
   std::uint64_t peak = 0;
-  std::uint64_t bytes_pinned = 0;  // of `bytes`, page-locked
-  std::uint64_t bytes_mapped = 0;  // what the OS was asked for (page-rounded)
-  std::uint64_t pin_failures = 0;  // kAuto buffers left pageable because pinning failed
+  std::uint64_t bytes_pinned = 0;      // of `bytes`, page-locked
+  std::uint64_t bytes_mapped = 0;      // what the OS was asked for (page-rounded)
+  std::uint64_t pin_failures = 0;      // kAuto buffers left pageable because pinning failed
   std::uint64_t pin_failed_bytes = 0;  // their bytes (both counts only grow)
   const PurposeUsage& operator[](Purpose p) const { return by_purpose[static_cast<int>(p)]; }
 };

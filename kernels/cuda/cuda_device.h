@@ -43,8 +43,8 @@ struct ExternalAllocator {
 };
 
 struct CudaDeviceOptions {
-  int index = 0;                // CUDA ordinal
-  std::uint64_t bytes_cap = 0;  // 0 = the whole device
+  int index = 0;                                       // CUDA ordinal
+  std::uint64_t bytes_cap = 0;                         // 0 = the whole device
   std::shared_ptr<const ExternalAllocator> allocator;  // null = the device's own pool
 };
 
