@@ -15,12 +15,14 @@
 #include "cli/train_command.h"
 #include "kernels/error.h"
 #include "models/tensor_view.h"
+#include "offload/process_heap.h"
 
 #ifndef RONDO_VERSION
 #define RONDO_VERSION "0.0.0"
 #endif
 
 int main(int argc, char** argv) {
+  rondo::offload::tune_process_heap();  // before any thread starts
   CLI::App app{
       "Rondo fine-tunes large language models on the GPUs you own, keeping training state in "
       "host memory and streaming it through the GPUs.",

@@ -128,8 +128,13 @@ std::vector<std::unique_ptr<kernels::Device>> open_devices(const DevicePlan& pla
                                                    .bytes_cap = d.bytes_cap,
                                                    .allocator = torch_cuda_allocator(d.index)}));
     else
-      devices.push_back(kernels::make_sim_device(
-          {.name = d.name, .index = d.index, .bytes_cap = d.bytes_cap, .link = d.link}));
+      // The CPU "device" is host memory: keep its freed buffers for the next step's (the same
+      // sizes) instead of faulting in fresh pages every step. Simulated devices (tests) free.
+      devices.push_back(kernels::make_sim_device({.name = d.name,
+                                                  .index = d.index,
+                                                  .bytes_cap = d.bytes_cap,
+                                                  .link = d.link,
+                                                  .cache_freed = plan.mode == DeviceMode::kCpu}));
   }
   return devices;
 }

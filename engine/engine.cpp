@@ -23,6 +23,7 @@
 #include "engine/state.h"
 #include "engine/torch_device.h"
 #include "kernels/error.h"
+#include "offload/process_heap.h"
 #include "offload/transfer.h"
 
 namespace rondo::engine {
@@ -814,11 +815,19 @@ struct Engine::Impl {
         const std::vector<at::Tensor>& hw = w.at(head);
         std::vector<at::Tensor>* hg = grads_of(head);
         const bool lm_trainable = hg && (*hg)[1].defined();
+        // On a CPU-backed device a chunk's fp32 logits (and the temporaries of its size) stay
+        // well under the tuned heap's block limit, so they are reused from the heap instead of
+        // mapped and faulted in every step (offload/process_heap.h).
+        const std::int64_t chunk_tokens =
+            dev.is_cpu() ? std::min(options.head_chunk_tokens,
+                                    std::max<std::int64_t>(
+                                        16, static_cast<std::int64_t>(offload::kHeapBlockLimit) /
+                                                2 / (hw[1].size(0) * 4)))
+                         : options.head_chunk_tokens;
         at::Tensor gx = models::blocks_forward_backward(
             config, block_runs(range.begin, range.end), x, ctx, [&](const at::Tensor& h) {
-              models::HeadGrads r =
-                  models::head_forward_backward(config, hw[0], hw[1], h, targets, loss_scale,
-                                                lm_trainable, options.head_chunk_tokens);
+              models::HeadGrads r = models::head_forward_backward(
+                  config, hw[0], hw[1], h, targets, loss_scale, lm_trainable, chunk_tokens);
               at::from_blob(loss_dev, {}, at::TensorOptions().dtype(at::kFloat).device(dev))
                   .add_(r.loss_sum);
               if (hg && (*hg)[0].defined()) (*hg)[0].add_(r.grad_norm.to(at::kFloat));

@@ -376,7 +376,8 @@ RunEstimate estimate_run(const TrainConfig& config, const models::ModelSummary& 
       latency = 10e-6;
     } else {
       if (host_flops == 0)
-        host_flops = cpu_flops(model.config, config.data.seq_len, config.model.dtype);
+        host_flops = cpu_flops(model.config, config.data.seq_len, config.training.batch_rows,
+                               config.model.dtype);
       flops = host_flops;
     }
     e.inputs.devices.push_back({.speed = flops / ref,

@@ -29,6 +29,11 @@ namespace fs = std::filesystem;
 // take seconds per pass on a desktop CPU and gigabytes for its gradients).
 constexpr double kMaxMeasuredParams = 8e6;
 constexpr int kRuns = 5;
+// A pass is measured on the run's own microbatch (rows x sequence length: matmuls on 512 tokens
+// run at about twice the speed of those on 128 here) up to this many tokens, and up to this many
+// FLOPs (forward and backward), so that six passes take a few seconds at most.
+constexpr std::int64_t kMaxMeasuredTokens = 1024;
+constexpr double kMaxPassFlops = 10e9;
 
 std::string cpu_model() {
   std::ifstream f("/proc/cpuinfo");
@@ -76,8 +81,25 @@ at::ScalarType scalar_of(const std::string& dtype) {
   return dtype == "bf16" ? at::kBFloat16 : dtype == "fp16" ? at::kHalf : at::kFloat;
 }
 
-// FLOP/s of `one`'s block, forward and backward, on T tokens: the median of kRuns passes.
-double measure(const models::ModelConfig& one, std::int64_t T, at::ScalarType dtype) {
+// The microbatch a pass measures: `rows` rows of T tokens.
+struct Batch {
+  std::int64_t rows = 1, T = 16;
+};
+
+Batch measured_batch(const models::ModelConfig& one, std::int64_t seq_len, std::int64_t rows) {
+  const double params = static_cast<double>(models::layer_specs(one)[1].param_count());
+  const std::int64_t budget = std::clamp<std::int64_t>(
+      static_cast<std::int64_t>(kMaxPassFlops / (6 * std::max(params, 1.0))), 16,
+      kMaxMeasuredTokens);
+  Batch b;
+  b.T = std::clamp<std::int64_t>(seq_len > 0 ? seq_len : 128, 16, budget);
+  b.rows = std::clamp<std::int64_t>(rows, 1, std::max<std::int64_t>(budget / b.T, 1));
+  return b;
+}
+
+// FLOP/s of `one`'s block, forward and backward, on a batch: the median of kRuns passes.
+double measure(const models::ModelConfig& one, Batch batch, at::ScalarType dtype) {
+  const std::int64_t T = batch.T;
   const models::LayerSpec spec = models::layer_specs(one)[1];
   // A generator of its own: the process's default one is not touched.
   at::Generator gen = at::detail::createCPUGenerator(0);
@@ -88,8 +110,11 @@ double measure(const models::ModelConfig& one, std::int64_t T, at::ScalarType dt
   }
   const models::BlockWeights bw = models::BlockWeights::bind(spec, w);
   const models::AttentionContext ctx = models::make_attention_context(
-      one, {.tokens = at::arange(T, at::kLong).remainder(one.vocab_size).unsqueeze(0)}, dtype);
-  const at::Tensor x0 = at::randn({1, T, one.hidden_size}, gen).to(dtype);
+      one,
+      {.tokens =
+           at::arange(batch.rows * T, at::kLong).remainder(one.vocab_size).view({batch.rows, T})},
+      dtype);
+  const at::Tensor x0 = at::randn({batch.rows, T, one.hidden_size}, gen).to(dtype);
   auto pass = [&] {
     at::Tensor x = x0.detach().requires_grad_(true);
     c10::AutoGradMode grad(true);
@@ -105,8 +130,8 @@ double measure(const models::ModelConfig& one, std::int64_t T, at::ScalarType dt
     seconds.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
   }
   std::nth_element(seconds.begin(), seconds.begin() + kRuns / 2, seconds.end());
-  const double flops =
-      (spec.flops_forward_per_token(T) + spec.flops_backward_per_token(T)) * static_cast<double>(T);
+  const double flops = (spec.flops_forward_per_token(T) + spec.flops_backward_per_token(T)) *
+                       static_cast<double>(batch.rows * T);
   return flops / std::max(seconds[kRuns / 2], 1e-9);
 }
 
@@ -121,17 +146,17 @@ std::string speed_cache_dir() {
   return "";
 }
 
-double cpu_flops(const models::ModelConfig& config, std::int64_t seq_len,
+double cpu_flops(const models::ModelConfig& config, std::int64_t seq_len, std::int64_t rows,
                  const std::string& dtype) {
   const models::ModelConfig one = one_block(config);
-  const std::int64_t T = std::clamp<std::int64_t>(seq_len > 0 ? seq_len : 128, 16, 128);
+  const Batch batch = measured_batch(one, seq_len, rows);
   const std::string key = fmt::format(
       "cpu={}|threads={}|C={}|I={}|H={}|KV={}|D={}|E={}/{}x{}|qk_norm={}|window={}|sinks={}|T={}|"
-      "dtype={}",
+      "rows={}|dtype={}",
       cpu_model(), at::get_num_threads(), one.hidden_size, one.intermediate_size, one.num_heads,
       one.num_kv_heads, one.head_dim, one.sparse(0) ? one.num_experts : 0, one.experts_per_token,
       one.moe_intermediate_size, one.qk_norm, one.windowed(0) ? one.sliding_window : 0,
-      one.attention_sinks, T, dtype);
+      one.attention_sinks, batch.T, batch.rows, dtype);
   const std::string dir = speed_cache_dir();
   const fs::path file =
       dir.empty() ? fs::path()
@@ -142,7 +167,7 @@ double cpu_flops(const models::ModelConfig& config, std::int64_t seq_len,
     if (j.is_object() && j.value("key", "") == key && j.value("flops", 0.0) > 0)
       return j.value("flops", 0.0);
   }
-  const double flops = measure(one, T, scalar_of(dtype));
+  const double flops = measure(one, batch, scalar_of(dtype));
   if (!file.empty()) {
     // Written whole under a temporary name, then renamed: concurrent runs never read half a file.
     std::error_code ec;

@@ -9,6 +9,7 @@
 #include <cstring>
 #include <deque>
 #include <exception>
+#include <map>
 #include <mutex>
 #include <optional>
 #include <thread>
@@ -166,7 +167,9 @@ class SimStream final : public Stream {
 class SimDevice final : public Device {
  public:
   explicit SimDevice(const SimDeviceOptions& options)
-      : ledger_(options.bytes_cap), fail_copy_(options.fail_copy) {
+      : ledger_(options.bytes_cap),
+        fail_copy_(options.fail_copy),
+        cache_freed_(options.cache_freed) {
     if (options.link.bytes_per_s < 0 || options.link.latency_s < 0)
       throw Error("simulated device " + options.name +
                   ": link bandwidth and latency must not be negative");
@@ -188,6 +191,7 @@ class SimDevice final : public Device {
       std::fprintf(stderr, "rondo: warning: %s destroyed with %llu buffers (%s) still allocated\n",
                    info_.name.c_str(), static_cast<unsigned long long>(left.allocations),
                    format_bytes(left.bytes_in_use).c_str());
+    drop_cache();
   }
 
   const DeviceInfo& info() const override { return info_; }
@@ -206,8 +210,10 @@ class SimDevice final : public Device {
     if (bytes == 0) return {};
     check_own(stream);
     ledger_.reserve(bytes, info_.name);
-    std::size_t rounded = (bytes + kAlignment - 1) / kAlignment * kAlignment;
-    void* data = std::aligned_alloc(kAlignment, rounded);
+    const std::size_t rounded = (bytes + kAlignment - 1) / kAlignment * kAlignment;
+    void* data = take_cached(rounded);
+    if (data == nullptr) data = std::aligned_alloc(kAlignment, rounded);
+    if (data == nullptr && drop_cache() > 0) data = std::aligned_alloc(kAlignment, rounded);
     if (data == nullptr) {
       ledger_.unreserve(bytes);
       throw OutOfMemory(info_.name + " (host memory exhausted)", bytes,
@@ -284,8 +290,8 @@ class SimDevice final : public Device {
  protected:
   void release(void* data, std::size_t bytes, Stream* stream) noexcept override {
     auto free_now = [this, data, bytes] {
-      std::free(data);
       ledger_.unreserve(bytes);
+      keep_or_free(data, (bytes + kAlignment - 1) / kAlignment * kAlignment);
     };
     if (stream != nullptr) {
       static_cast<SimStream*>(stream)->push(free_now, true);
@@ -302,9 +308,58 @@ class SimDevice final : public Device {
   }
 
  private:
+  // The freed-buffer cache (SimDeviceOptions::cache_freed), keyed by rounded size.
+  void* take_cached(std::size_t rounded) {
+    if (!cache_freed_) return nullptr;
+    std::lock_guard lock(cache_mutex_);
+    auto it = cache_.find(rounded);
+    if (it == cache_.end()) return nullptr;
+    void* data = it->second;
+    cache_.erase(it);
+    cached_bytes_ -= rounded;
+    return data;
+  }
+
+  void keep_or_free(void* data, std::size_t rounded) {
+    if (cache_freed_) {
+      std::lock_guard lock(cache_mutex_);
+      // Kept and in-use bytes together stay under the most ever in use at once (rounding aside):
+      // a run whose buffer sizes change does not hold a second copy of its peak. The largest
+      // kept buffers go first.
+      const MemoryStats now = ledger_.stats();
+      const std::uint64_t room = now.bytes_peak - std::min(now.bytes_peak, now.bytes_in_use);
+      while (!cache_.empty() && cached_bytes_ + rounded > room) {
+        auto largest = std::prev(cache_.end());
+        cached_bytes_ -= largest->first;
+        std::free(largest->second);
+        cache_.erase(largest);
+      }
+      if (cached_bytes_ + rounded <= room) {
+        cache_.emplace(rounded, data);
+        cached_bytes_ += rounded;
+        return;
+      }
+    }
+    std::free(data);
+  }
+
+  std::size_t drop_cache() {
+    std::lock_guard lock(cache_mutex_);
+    const std::size_t dropped = cached_bytes_;
+    for (auto& [rounded, data] : cache_)
+      std::free(data);
+    cache_.clear();
+    cached_bytes_ = 0;
+    return dropped;
+  }
+
   DeviceInfo info_;
   MemoryLedger ledger_;
   std::int64_t fail_copy_;
+  const bool cache_freed_;
+  std::mutex cache_mutex_;
+  std::multimap<std::size_t, void*> cache_;
+  std::size_t cached_bytes_ = 0;
   std::atomic<std::int64_t> copies_{0};
   std::mutex streams_mutex_;
   std::vector<std::unique_ptr<SimStream>> streams_;

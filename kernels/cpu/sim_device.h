@@ -24,6 +24,15 @@ struct SimDeviceOptions {
   // stream as a faulting CUDA copy would: the stream's later work is skipped, and its events and
   // synchronize() report the error. -1 = none.
   std::int64_t fail_copy = -1;
+  // Keep freed buffers for reuse by an allocation of the same rounded size, as CUDA's caching
+  // allocators do, instead of returning them to the C library. Host memory freed to glibc (and
+  // anything above its 32 MiB mmap threshold always is) comes back as fresh pages that the
+  // kernel must fault in and zero on the next touch: on a CPU run, where this device's memory
+  // is the host's, that cost more than the compute it fed. Kept bytes do not count as in use;
+  // they are returned when an allocation finds the host out of memory, and are bounded by the
+  // most bytes ever in use at once. Off for tests that want every use after release to reach
+  // the allocator (AddressSanitizer).
+  bool cache_freed = false;
 };
 
 std::unique_ptr<Device> make_sim_device(const SimDeviceOptions& options);

@@ -61,32 +61,33 @@ class SpeedCache : public ::testing::Test {
 TEST_F(SpeedCache, AMeasurementIsCachedAndRepeatsExactly) {
   EXPECT_EQ(speed_cache_dir(), dir_.string());
   const models::ModelConfig c = shape(128, 344, 4, 2);
-  const double first = cpu_flops(c, 64, "fp32");
+  const double first = cpu_flops(c, 64, 1, "fp32");
   EXPECT_GT(first, 1e6);  // any CPU does a million FLOP/s
   ASSERT_EQ(files().size(), 1u);
   // The same machine and shape: the cached figure, exactly (repeated `rondo plan` calls agree).
-  EXPECT_EQ(cpu_flops(c, 64, "fp32"), first);
-  // Another shape, sequence length or dtype is measured and cached apart.
-  cpu_flops(shape(64, 172, 4, 2), 64, "fp32");
-  cpu_flops(c, 32, "fp32");
-  EXPECT_EQ(files().size(), 3u);
+  EXPECT_EQ(cpu_flops(c, 64, 1, "fp32"), first);
+  // Another shape, sequence length, row count or dtype is measured and cached apart.
+  cpu_flops(shape(64, 172, 4, 2), 64, 1, "fp32");
+  cpu_flops(c, 32, 1, "fp32");
+  cpu_flops(c, 64, 2, "fp32");
+  EXPECT_EQ(files().size(), 4u);
 }
 
 TEST_F(SpeedCache, ABrokenCacheFileIsMeasuredAgainAndRewritten) {
   const models::ModelConfig c = shape(128, 344, 4, 2);
-  cpu_flops(c, 64, "fp32");
+  cpu_flops(c, 64, 1, "fp32");
   ASSERT_EQ(files().size(), 1u);
   { std::ofstream(files()[0]) << "{\"key\": \"not this one\", \"flops\": 5"; }  // truncated
-  const double again = cpu_flops(c, 64, "fp32");
+  const double again = cpu_flops(c, 64, 1, "fp32");
   EXPECT_GT(again, 1e6);
-  EXPECT_EQ(cpu_flops(c, 64, "fp32"), again);  // the rewritten file is read back
+  EXPECT_EQ(cpu_flops(c, 64, 1, "fp32"), again);  // the rewritten file is read back
 }
 
 TEST_F(SpeedCache, ALargeBlockIsMeasuredNarrowerAndQuickly) {
   // A 70B-class block (C = 8192, FFN 28672, 64 query / 8 key-value heads: 0.9B parameters)
   // would take seconds per pass here and gigabytes for its gradients.
   const auto t0 = std::chrono::steady_clock::now();
-  const double flops = cpu_flops(shape(8192, 28672, 64, 8), 4096, "bf16");
+  const double flops = cpu_flops(shape(8192, 28672, 64, 8), 4096, 1, "bf16");
   const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   EXPECT_GT(flops, 1e6);
   EXPECT_LT(s, 60.0);  // generous: a loaded 2-core machine under a sanitizer
@@ -94,7 +95,7 @@ TEST_F(SpeedCache, ALargeBlockIsMeasuredNarrowerAndQuickly) {
 
 TEST_F(SpeedCache, AnUnwritableCacheOnlyCostsTheMeasurement) {
   ::setenv("RONDO_SPEED_CACHE", "/proc/rondo-cannot-write-here", 1);
-  EXPECT_GT(cpu_flops(shape(64, 172, 4, 2), 32, "fp32"), 1e6);
+  EXPECT_GT(cpu_flops(shape(64, 172, 4, 2), 32, 1, "fp32"), 1e6);
 }
 
 }  // namespace
