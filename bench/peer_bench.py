@@ -131,13 +131,11 @@ def run_transformers(args, folder, docs, method):
     return times
 
 
-def run_rondo(args, folder, data, method, workdir):
-    run_dir = Path(workdir) / f"run-{method}"
-    if run_dir.exists():
-        shutil.rmtree(run_dir)
-    config = Path(workdir) / f"{method}.toml"
-    config.write_text(
-        f"""[model]
+def rondo_config(folder, data, method, steps, rows, seq_len, run_dir, hardware=""):
+    """A `rondo train` config of the side-by-side run: fp32, no quantised base, one microbatch of
+    `rows` rows per step, constant lr, no evaluation, samples, checkpoints or exports before the
+    end. `hardware`: lines for its [hardware] table."""
+    return f"""[model]
 path = "{folder}"
 dtype = "fp32"
 quantize = "none"
@@ -145,7 +143,7 @@ quantize = "none"
 [data]
 train = "{data}"
 validation_split = 0.0
-seq_len = {args.seq_len}
+seq_len = {seq_len}
 pack = true
 
 [lora]
@@ -155,8 +153,8 @@ targets = ["all-linear"]
 
 [training]
 method = "{method}"
-steps = {args.steps}
-batch_rows = {args.rows}
+steps = {steps}
+batch_rows = {rows}
 grad_accum = 1
 lr = 1e-4
 schedule = "constant"
@@ -171,11 +169,22 @@ every = 0
 every = 0
 sample_every = 0
 
+[hardware]
+{hardware}
+
 [output]
 run_dir = "{run_dir}"
 exports = []
 """
-    )
+
+
+def run_rondo(args, folder, data, method, workdir):
+    run_dir = Path(workdir) / f"run-{method}"
+    if run_dir.exists():
+        shutil.rmtree(run_dir)
+    config = Path(workdir) / f"{method}.toml"
+    config.write_text(rondo_config(folder, data, method, args.steps, args.rows, args.seq_len,
+                                   run_dir))
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
     done = subprocess.run([str(args.rondo), "train", str(config)], env=env, capture_output=True,
                           text=True)

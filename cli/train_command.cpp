@@ -138,8 +138,10 @@ class Progress {
     std::fflush(out_);
   }
   void step(const engine::StepEvent& e) {
-    status_ = fmt::format("step {}/{}  loss {:.4f}  lr {:.2e}  {:.0f} tok/s  ETA {}", e.step,
-                          e.steps_total, e.loss, e.lr, e.tokens_per_s, eta_text(e.eta_s));
+    // tok/s counts row positions (padding included), as `rondo plan` does; the step's trained
+    // (target) tokens are the event's `tokens`.
+    status_ = fmt::format("step {}/{}  loss {:.4f}  lr {:.2e}  {:.0f} tok/s (with padding)  ETA {}",
+                          e.step, e.steps_total, e.loss, e.lr, e.tokens_per_s, eta_text(e.eta_s));
     if (tty_) {
       std::fprintf(out_, "\r\x1b[K%s", status_.c_str());
       shown_ = true;

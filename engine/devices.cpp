@@ -128,13 +128,13 @@ std::vector<std::unique_ptr<kernels::Device>> open_devices(const DevicePlan& pla
                                                    .bytes_cap = d.bytes_cap,
                                                    .allocator = torch_cuda_allocator(d.index)}));
     else
-      // The CPU "device" is host memory: keep its freed buffers for the next step's (the same
-      // sizes) instead of faulting in fresh pages every step. Simulated devices (tests) free.
+      // The CPU "device" and simulated GPUs are host memory: keep their freed buffers for the
+      // next step's (the same sizes) instead of faulting in fresh pages every step.
       devices.push_back(kernels::make_sim_device({.name = d.name,
                                                   .index = d.index,
                                                   .bytes_cap = d.bytes_cap,
                                                   .link = d.link,
-                                                  .cache_freed = plan.mode == DeviceMode::kCpu}));
+                                                  .cache_freed = true}));
   }
   return devices;
 }

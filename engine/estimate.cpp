@@ -362,7 +362,7 @@ RunEstimate estimate_run(const TrainConfig& config, const models::ModelSummary& 
          .transient_bytes = transient});
   }
   // Simulated GPUs and the CPU all compute on this machine's cores: one measurement for all, so
-  // that equal devices get equal speeds.
+  // that equal devices get equal speeds, and one compute at a time (PlanInputs::shared_compute).
   double host_flops = 0;
   for (const kernels::DeviceInfo& d : devices.devices) {
     double flops = 0;
@@ -377,7 +377,7 @@ RunEstimate estimate_run(const TrainConfig& config, const models::ModelSummary& 
     } else {
       if (host_flops == 0)
         host_flops = cpu_flops(model.config, config.data.seq_len, config.training.batch_rows,
-                               config.model.dtype);
+                               config.model.dtype, lora);
       flops = host_flops;
     }
     e.inputs.devices.push_back({.speed = flops / ref,
@@ -385,6 +385,8 @@ RunEstimate estimate_run(const TrainConfig& config, const models::ModelSummary& 
                                 .link_bytes_per_s = link,
                                 .link_latency_s = latency});
   }
+  e.inputs.shared_compute =
+      devices.mode != DeviceMode::kCuda && devices.mode != DeviceMode::kPlanned;
   e.inputs.tokens_per_step = tokens_per_step;
   // Per token of a step, on each device (the engine uploads a step's inputs once per device):
   // token id, target, position (int64 each), the rotary cos and sin rows, and a row of the
@@ -667,11 +669,14 @@ std::string RunEstimate::text() const {
   if (tokens_per_s > 0) {
     if (steps > 0)
       o << fmt::format(
-          "Speed       about {:.0f} tokens/s (estimated); {} steps of {} tokens: about {}\n",
+          "Speed       about {:.0f} tokens/s (estimated; tokens here are row positions, padding "
+          "included); {} steps of {} tokens: about {}\n",
           tokens_per_s, steps, tokens_per_step, duration_text(seconds));
     else
-      o << fmt::format("Speed       about {:.0f} tokens/s (estimated), {} tokens per step\n",
-                       tokens_per_s, tokens_per_step);
+      o << fmt::format(
+          "Speed       about {:.0f} tokens/s (estimated; row positions, padding included), {} "
+          "tokens per step\n",
+          tokens_per_s, tokens_per_step);
   }
   o << fmt::format("Verdict     {}\n", verdict);
   for (const std::string& p : problems)

@@ -257,6 +257,7 @@ PlanPrediction predict(const Plan& plan, const PlanInputs& in) {
   PlanPrediction p;
   constexpr int kCounted = 2;                    // the step whose bytes are reported
   std::vector<double> device_free(N, 0.0);       // last compute end
+  double cores_free = 0;                         // PlanInputs::shared_compute: last compute end
   std::vector<double> device_job_start(N, 0.0);  // compute start of its current job
   std::vector<std::vector<std::pair<double, double>>> busy(N);
   // Per microbatch: when the previous job's output (or input gradient) is on the host, and on
@@ -343,8 +344,10 @@ PlanPrediction predict(const Plan& plan, const PlanInputs& in) {
           }
         }
         double start = std::max({t, weights_ready, input_ready});
+        if (in.shared_compute) start = std::max(start, cores_free);
         if (job_start < 0) job_start = start;
         double end = start + compute_mb;
+        if (in.shared_compute) cores_free = end;
         busy[d].push_back({start, end});
         t = end;
         handoff_device_time[m] = end;

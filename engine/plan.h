@@ -85,6 +85,11 @@ struct PlanInputs {
   double upper_threshold = 1.1;  // candidate stage budgets in [W, threshold * W]
   int min_stages = 0;            // 0 = number of devices
   bool one_step_stale = false;   // RoundPipe's default: weights lag the gradients by a step
+  // The devices compute on the same cores (simulated GPUs on the CPU): one microbatch's compute
+  // at a time across all of them, each at its full speed when alone. Two simulated GPUs on 2
+  // cores ran a LoRA step 1.6x as long as one device's; counted as parallel, the prediction was
+  // 36% short.
+  bool shared_compute = false;
   // A step's inputs per token (tokens, targets, positions, rotary tables, masks), on every device
   // that runs a job of the step, for the whole step and two steps at a time.
   std::uint64_t input_bytes_per_token = 0;

@@ -98,7 +98,7 @@ Batch measured_batch(const models::ModelConfig& one, std::int64_t seq_len, std::
 }
 
 // FLOP/s of `one`'s block, forward and backward, on a batch: the median of kRuns passes.
-double measure(const models::ModelConfig& one, Batch batch, at::ScalarType dtype) {
+double measure(const models::ModelConfig& one, Batch batch, at::ScalarType dtype, bool frozen) {
   const std::int64_t T = batch.T;
   const models::LayerSpec spec = models::layer_specs(one)[1];
   // A generator of its own: the process's default one is not touched.
@@ -106,7 +106,7 @@ double measure(const models::ModelConfig& one, Batch batch, at::ScalarType dtype
   std::vector<at::Tensor> w;
   for (const models::ParamSpec& p : spec.params) {
     at::Tensor t = p.shape.size() == 1 ? at::ones(p.shape) : 0.02 * at::randn(p.shape, gen);
-    w.push_back(t.to(dtype).requires_grad_(true));
+    w.push_back(t.to(dtype).requires_grad_(!frozen));
   }
   const models::BlockWeights bw = models::BlockWeights::bind(spec, w);
   const models::AttentionContext ctx = models::make_attention_context(
@@ -130,8 +130,10 @@ double measure(const models::ModelConfig& one, Batch batch, at::ScalarType dtype
     seconds.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
   }
   std::nth_element(seconds.begin(), seconds.begin() + kRuns / 2, seconds.end());
-  const double flops = (spec.flops_forward_per_token(T) + spec.flops_backward_per_token(T)) *
-                       static_cast<double>(batch.rows * T);
+  // In the planner's units: a frozen weight's backward (input gradients only) counts half.
+  const double flops =
+      (spec.flops_forward_per_token(T) + spec.flops_backward_per_token(T) * (frozen ? 0.5 : 1.0)) *
+      static_cast<double>(batch.rows * T);
   return flops / std::max(seconds[kRuns / 2], 1e-9);
 }
 
@@ -147,16 +149,16 @@ std::string speed_cache_dir() {
 }
 
 double cpu_flops(const models::ModelConfig& config, std::int64_t seq_len, std::int64_t rows,
-                 const std::string& dtype) {
+                 const std::string& dtype, bool frozen_weights) {
   const models::ModelConfig one = one_block(config);
   const Batch batch = measured_batch(one, seq_len, rows);
   const std::string key = fmt::format(
       "cpu={}|threads={}|C={}|I={}|H={}|KV={}|D={}|E={}/{}x{}|qk_norm={}|window={}|sinks={}|T={}|"
-      "rows={}|dtype={}",
+      "rows={}|dtype={}|frozen={}",
       cpu_model(), at::get_num_threads(), one.hidden_size, one.intermediate_size, one.num_heads,
       one.num_kv_heads, one.head_dim, one.sparse(0) ? one.num_experts : 0, one.experts_per_token,
       one.moe_intermediate_size, one.qk_norm, one.windowed(0) ? one.sliding_window : 0,
-      one.attention_sinks, batch.T, batch.rows, dtype);
+      one.attention_sinks, batch.T, batch.rows, dtype, frozen_weights);
   const std::string dir = speed_cache_dir();
   const fs::path file =
       dir.empty() ? fs::path()
@@ -167,7 +169,7 @@ double cpu_flops(const models::ModelConfig& config, std::int64_t seq_len, std::i
     if (j.is_object() && j.value("key", "") == key && j.value("flops", 0.0) > 0)
       return j.value("flops", 0.0);
   }
-  const double flops = measure(one, batch, scalar_of(dtype));
+  const double flops = measure(one, batch, scalar_of(dtype), frozen_weights);
   if (!file.empty()) {
     // Written whole under a temporary name, then renamed: concurrent runs never read half a file.
     std::error_code ec;

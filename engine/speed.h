@@ -2,14 +2,15 @@
 // compute on it): measured on the model's own work, not a single moment's matmul. One block of
 // the model's shape runs forward and backward under autograd on the run's microbatch (`rows` rows
 // of `seq_len` tokens, cut to 1024 tokens and to 10 GFLOP a pass), five times after a warm-up;
-// the median gives FLOP/s in the planner's units
-// (LayerSpec::flops_*_per_token). Blocks too large to
-// run quickly are measured at a narrower width with the same head size. The result is cached per
-// machine (CPU model, torch's thread count) and shape in $RONDO_SPEED_CACHE (default
-// $XDG_CACHE_HOME/rondo/speed, else ~/.cache/rondo/speed), so repeated `rondo plan` calls agree;
-// an unwritable cache only costs the measurement.
+// the median gives FLOP/s in the planner's units (LayerSpec::flops_*_per_token; a frozen
+// weight's backward counts half). With `frozen_weights` (LoRA) the backward computes input
+// gradients only, as a LoRA run's does: its elementwise work stays while its matmuls halve, so it
+// runs at a FLOP/s of its own. Blocks too large to run quickly are measured at a narrower width
+// with the same head size. The result is cached per machine (CPU model, torch's thread count) and
+// shape in $RONDO_SPEED_CACHE (default $XDG_CACHE_HOME/rondo/speed, else ~/.cache/rondo/speed), so
+// repeated `rondo plan` calls agree; an unwritable cache only costs the measurement.
 //
-//   double flops = engine::cpu_flops(config, seq_len, batch_rows, "bf16");
+//   double flops = engine::cpu_flops(config, seq_len, batch_rows, "bf16", /*frozen_weights=*/true);
 #pragma once
 
 #include <cstdint>
@@ -20,7 +21,7 @@
 namespace rondo::engine {
 
 double cpu_flops(const models::ModelConfig& config, std::int64_t seq_len, std::int64_t rows,
-                 const std::string& dtype);
+                 const std::string& dtype, bool frozen_weights = false);
 
 // Where the cache lives (for tests and messages).
 std::string speed_cache_dir();

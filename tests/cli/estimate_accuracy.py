@@ -60,38 +60,10 @@ data = work / "train.jsonl"
 data.write_text("".join(json.dumps({"text": d}) + "\n" for d in peer_bench.documents(64)))
 
 
-def config(name, method, extra=""):
+def config(name, method, hardware=""):
     path = work / f"{name}.toml"
-    path.write_text(f"""[model]
-path = "{folder}"
-dtype = "fp32"
-quantize = "none"
-[data]
-train = "{data}"
-validation_split = 0.0
-seq_len = 256
-[lora]
-rank = 16
-alpha = 32
-targets = ["all-linear"]
-[training]
-method = "{method}"
-steps = {STEPS}
-batch_rows = 2
-grad_accum = 1
-schedule = "constant"
-warmup_steps = 0
-[checkpoint]
-every = 0
-[eval]
-every = 0
-sample_every = 0
-[hardware]
-{extra}
-[output]
-run_dir = "{work / name}"
-exports = []
-""")
+    path.write_text(peer_bench.rondo_config(folder, data, method, STEPS, 2, 256, work / name,
+                                            hardware))
     return path
 
 

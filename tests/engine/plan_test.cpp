@@ -91,6 +91,27 @@ TEST(Predict, RoundRobinKeepsDevicesBusyWhenMicrobatchesCoverDevices) {
   EXPECT_NEAR(p.idle_fraction, 0.0, 1e-9);
 }
 
+TEST(Predict, DevicesSharingTheCoresTakeTurns) {
+  // The round-robin case above (eight jobs of 0.5 s per step over four devices: 1 s when they run
+  // side by side), on simulated GPUs that share the CPU's cores: one compute at a time, so the
+  // step is all eight jobs end to end.
+  PlanInputs in = uniform(5, 4, 0, 0, 5, 500);
+  const double u = 1e-3;
+  double f[] = {0.5, 0.5, 1, 1, 0.5}, b[] = {0.5, 0.5, 0, 0, 0.5};
+  for (int l = 0; l < 5; ++l) {
+    in.layers[l].forward_s_per_token = f[l] * u;
+    in.layers[l].backward_s_per_token = b[l] * u;
+  }
+  Plan plan{{{0, 2}, {2, 3}, {3, 4}},
+            {4, 5},
+            {{3, 4}, {2, 3}, {1, 2}, {0, 1}},
+            5,
+            RecomputeGrain::kStage};
+  EXPECT_NEAR(predict(plan, in).step_time_s, 1.0, 1e-9);
+  in.shared_compute = true;
+  EXPECT_NEAR(predict(plan, in).step_time_s, 4.0, 1e-9);
+}
+
 TEST(Predict, ExactSynchronyMakesTheNextForwardWaitForItsGradients) {
   PlanInputs in = uniform(4, 2, 1e-3, 1e-3, 2, 200);
   for (auto& l : in.layers)

@@ -66,11 +66,13 @@ TEST_F(SpeedCache, AMeasurementIsCachedAndRepeatsExactly) {
   ASSERT_EQ(files().size(), 1u);
   // The same machine and shape: the cached figure, exactly (repeated `rondo plan` calls agree).
   EXPECT_EQ(cpu_flops(c, 64, 1, "fp32"), first);
-  // Another shape, sequence length, row count or dtype is measured and cached apart.
+  // Another shape, sequence length, row count, dtype or method is measured and cached apart.
   cpu_flops(shape(64, 172, 4, 2), 64, 1, "fp32");
   cpu_flops(c, 32, 1, "fp32");
   cpu_flops(c, 64, 2, "fp32");
-  EXPECT_EQ(files().size(), 4u);
+  cpu_flops(c, 64, 1, "bf16");
+  EXPECT_GT(cpu_flops(c, 64, 1, "fp32", /*frozen_weights=*/true), 1e6);
+  EXPECT_EQ(files().size(), 6u);
 }
 
 TEST_F(SpeedCache, ABrokenCacheFileIsMeasuredAgainAndRewritten) {
