@@ -42,9 +42,13 @@ weight. Worst element as a fraction of max|ref| over 10-48 random runs per eps: 
 eps = 1e-4: the worst rounding effect is ~14 times below the tolerance, while entries with real
 gradients (1e-4..1e-1 here) still get Adam's usual near-unit steps.
 
+GPT-OSS clamps its SwiGLU inputs; a draw whose reference puts one within 1e-6 of the clamp, where
+~1e-7 of rounding decides whether it is clamped, is drawn again (CLAMP_MARGIN).
+
 max_grad_norm is 0.7 of the step-1 gradient norm (a reference pass before the run), so clipping
 is active at least in step 1.
 """
+import contextlib
 import json
 import os
 
@@ -212,6 +216,40 @@ def backward_step(model, step, m):
     return total / count + aux_total, count
 
 
+# GPT-OSS clamps its SwiGLU inputs (gate at +limit, up at +-limit); the test model's limit (0.3)
+# is low so that the clamp acts. An input within rounding of the limit is clamped on one side and
+# not on the other, and that element's gradient flips between its value and zero: seen as a step-2
+# gradient norm 3e-5 off (seed 2162418404, every plan with M = 3; with limit 7 the same draw
+# passes, and its routing margins were all above 2e-4). Rondo and transformers differ by ~1e-7
+# relative there, so a draw whose reference comes within 1e-6 of the limit is drawn again.
+CLAMP_MARGIN = 1e-6
+
+
+@contextlib.contextmanager
+def clamp_margin(model, margins):
+    """Appends, for every GPT-OSS experts call and expert, the least distance of a gate or up
+    input of the tokens routed to it from the clamp."""
+    def hook(mod, args, out):
+        with torch.no_grad():
+            x = args[0].reshape(-1, mod.hidden_size)
+            chosen = args[1].reshape(x.shape[0], -1)  # router_indices: (tokens, top-k)
+            for e in range(mod.num_experts):
+                rows = (chosen == e).any(-1)
+                if not rows.any():
+                    continue
+                gu = x[rows] @ mod.gate_up_proj[e] + mod.gate_up_proj_bias[e]
+                gate, up = gu[..., ::2], gu[..., 1::2]
+                margins.append(min((gate - mod.limit).abs().min().item(),
+                                   (up.abs() - mod.limit).abs().min().item()))
+    hooks = [mod.register_forward_hook(hook) for mod in model.modules()
+             if type(mod).__name__ == "GptOssExperts"]
+    try:
+        yield
+    finally:
+        for h in hooks:
+            h.remove()
+
+
 def reference(model, steps, m, max_norm):
     params = list(model.parameters())  # a tied LM head is the embedding: listed once
     opt = torch.optim.AdamW(params, **HP)
@@ -247,20 +285,35 @@ def test_packed_mask_equals_documents_run_alone():
 @pytest.mark.parametrize("plan_name", sorted(PLANS))
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_three_steps_match_transformers_and_adamw(family, plan_name, tmp_path):
-    seed = int.from_bytes(os.urandom(4), "little")
-    print("seed", seed)
     devices, m, plan = PLANS[plan_name]
-    model = make_model(family, seed)
     model_dir = tmp_path / "model"
-    model.save_pretrained(model_dir)  # safetensors, float32
-    g = torch.Generator().manual_seed(seed)
-    steps = [random_step(g) for _ in range(STEPS)]
+    # Fresh every run (RONDO_ORACLE_SEED repeats a printed one). A draw whose reference puts a
+    # clamped SwiGLU input within rounding of the clamp is drawn again (see clamp_margin).
+    for attempt in range(8):
+        seed = int(os.environ.get("RONDO_ORACLE_SEED") or int.from_bytes(os.urandom(4), "little"))
+        print("seed", seed)
+        model = make_model(family, seed)
+        model.save_pretrained(model_dir)  # safetensors, float32
+        g = torch.Generator().manual_seed(seed)
+        steps = [random_step(g) for _ in range(STEPS)]
 
-    # Clipping active in step 1: max_norm below that step's gradient norm (a dry pass).
-    model.zero_grad()
-    backward_step(model, steps[0], m)
-    max_norm = 0.7 * torch.nn.utils.clip_grad_norm_(list(model.parameters()), float("inf")).item()
-    model.zero_grad()
+        # Clipping active in step 1: max_norm below that step's gradient norm (a dry pass).
+        model.zero_grad()
+        backward_step(model, steps[0], m)
+        max_norm = 0.7 * torch.nn.utils.clip_grad_norm_(list(model.parameters()),
+                                                        float("inf")).item()
+        model.zero_grad()
+        # The reference trains the model in memory; Rondo reads the folder saved above.
+        margins = []
+        with clamp_margin(model, margins):
+            ref = reference(model, steps, m, max_norm)
+        if margins:
+            print(f"least distance of a SwiGLU input from the clamp: {min(margins):.2g}")
+        if os.environ.get("RONDO_ORACLE_SEED") or min(margins, default=1.0) >= CLAMP_MARGIN:
+            break
+        print("drawn again")
+    else:
+        pytest.fail("8 draws in a row put a SwiGLU input at the clamp")
 
     (tmp_path / "in.json").write_text(json.dumps({
         "microbatches": [[{"tokens": t.tolist(), "doc_ids": d.tolist()}
@@ -272,7 +325,6 @@ def test_three_steps_match_transformers_and_adamw(family, plan_name, tmp_path):
            timeout=120)  # ~1 s; a hang in the engine fails here
     got = load_file(str(tmp_path / "out.safetensors"))
 
-    ref = reference(model, steps, m, max_norm)
     for s, (loss, norm, count) in enumerate(ref, 1):
         assert int(got[f"targets{s}"][0]) == count, f"step {s}: targets"
         assert float(got[f"loss{s}"][0]) == pytest.approx(loss, rel=RTOL), f"step {s}: loss"
