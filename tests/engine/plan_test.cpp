@@ -68,48 +68,43 @@ TEST(Predict, OneDeviceWithoutLinkCostsIsTheSumOfCompute) {
   EXPECT_TRUE(p.fits);
 }
 
-TEST(Predict, RoundRobinKeepsDevicesBusyWhenMicrobatchesCoverDevices) {
-  // roundpipe.md §2.6: N = 4, M = 5, eight jobs of equal length (F0 F1 F2 T B1 B2 B3 B4) keep
-  // every device busy after the first fill. Five layers with costs chosen so that every job is
-  // one unit: F0 = f0 + f1, F1 = f2, F2 = f3, T = f4 + b4, B = f + b of one layer each.
+// roundpipe.md §2.6: N = 4, M = 5, eight jobs of equal length (F0 F1 F2 T B1 B2 B3 B4). Five
+// layers with costs chosen so that every job is one unit: F0 = f0 + f1, F1 = f2, F2 = f3,
+// T = f4 + b4, B = f + b of one layer each; a unit is a microbatch of 100 tokens at 1e-3 s per
+// token, 0.1 s, so each job takes 0.5 s per step.
+struct RoundRobinCase {
   PlanInputs in = uniform(5, 4, 0, 0, 5, 500);
-  const double u = 1e-3;  // seconds per token: a job's microbatch of 100 tokens takes 0.1 s
-  double f[] = {0.5, 0.5, 1, 1, 0.5}, b[] = {0.5, 0.5, 0, 0, 0.5};
-  for (int l = 0; l < 5; ++l) {
-    in.layers[l].forward_s_per_token = f[l] * u;
-    in.layers[l].backward_s_per_token = b[l] * u;
-  }
   Plan plan{{{0, 2}, {2, 3}, {3, 4}},
             {4, 5},
             {{3, 4}, {2, 3}, {1, 2}, {0, 1}},
             5,
             RecomputeGrain::kStage};
-  ASSERT_TRUE(plan.problems(5).empty());
-  PlanPrediction p = predict(plan, in);
+  RoundRobinCase() {
+    const double u = 1e-3;
+    const double f[] = {0.5, 0.5, 1, 1, 0.5}, b[] = {0.5, 0.5, 0, 0, 0.5};
+    for (int l = 0; l < 5; ++l) {
+      in.layers[l].forward_s_per_token = f[l] * u;
+      in.layers[l].backward_s_per_token = b[l] * u;
+    }
+  }
+};
+
+TEST(Predict, RoundRobinKeepsDevicesBusyWhenMicrobatchesCoverDevices) {
+  // Every device stays busy after the first fill.
+  const RoundRobinCase c;
+  ASSERT_TRUE(c.plan.problems(5).empty());
+  PlanPrediction p = predict(c.plan, c.in);
   // Eight jobs of 0.5 s per step over four devices: 1 s, if nobody waits.
   EXPECT_NEAR(p.step_time_s, 1.0, 1e-9);
   EXPECT_NEAR(p.idle_fraction, 0.0, 1e-9);
 }
 
 TEST(Predict, DevicesSharingTheCoresTakeTurns) {
-  // The round-robin case above (eight jobs of 0.5 s per step over four devices: 1 s when they run
-  // side by side), on simulated GPUs that share the CPU's cores: one compute at a time, so the
+  // The same jobs on simulated GPUs that share the CPU's cores: one compute at a time, so the
   // step is all eight jobs end to end.
-  PlanInputs in = uniform(5, 4, 0, 0, 5, 500);
-  const double u = 1e-3;
-  double f[] = {0.5, 0.5, 1, 1, 0.5}, b[] = {0.5, 0.5, 0, 0, 0.5};
-  for (int l = 0; l < 5; ++l) {
-    in.layers[l].forward_s_per_token = f[l] * u;
-    in.layers[l].backward_s_per_token = b[l] * u;
-  }
-  Plan plan{{{0, 2}, {2, 3}, {3, 4}},
-            {4, 5},
-            {{3, 4}, {2, 3}, {1, 2}, {0, 1}},
-            5,
-            RecomputeGrain::kStage};
-  EXPECT_NEAR(predict(plan, in).step_time_s, 1.0, 1e-9);
-  in.shared_compute = true;
-  EXPECT_NEAR(predict(plan, in).step_time_s, 4.0, 1e-9);
+  RoundRobinCase c;
+  c.in.shared_compute = true;
+  EXPECT_NEAR(predict(c.plan, c.in).step_time_s, 4.0, 1e-9);
 }
 
 TEST(Predict, ExactSynchronyMakesTheNextForwardWaitForItsGradients) {
