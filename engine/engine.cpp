@@ -2,6 +2,7 @@
 
 #include <ATen/ATen.h>
 #include <c10/core/GradMode.h>
+#include <c10/core/InferenceMode.h>
 #include <c10/util/Exception.h>
 
 #include <algorithm>
@@ -18,6 +19,7 @@
 #include <thread>
 #include <tuple>
 
+#include "engine/estimate.h"
 #include "engine/events.h"
 #include "engine/optimizer.h"
 #include "engine/state.h"
@@ -76,7 +78,8 @@ namespace {
 struct Aborted {};  // thrown inside waits once another thread has failed
 struct Stopped {};  // thrown inside waits for a step that will not run (request_stop)
 
-enum class JobKind { kForward, kTail, kBackward };
+// kEval: evaluation's last job, forward through the tail's layers to the loss sum (no backward).
+enum class JobKind { kForward, kTail, kBackward, kEval };
 
 struct JobSpec {
   JobKind kind = JobKind::kForward;
@@ -209,6 +212,8 @@ struct Engine::Impl {
   int good_steps = 0;
   std::int64_t steps_done = 0;
   bool plan_emitted = false;
+  // Inside evaluate(): `jobs` are the evaluation's, no optimizer runs, nothing is timed.
+  bool evaluating_ = false;
 
   // Per train() call, under mu_.
   std::mutex mu_;
@@ -238,6 +243,7 @@ struct Engine::Impl {
   std::vector<Measurement> measured_;
   PlanInputs costs_;  // the costs the current plan was made from (options.plan_inputs, updated)
   std::vector<StepResult> results_;
+  std::set<std::int64_t> evaluated_;  // evaluate(): batches whose last job has been enqueued
   std::chrono::steady_clock::time_point last_step_end_;
   double last_device_event_t_ = 0;  // optimizer thread only
 
@@ -319,7 +325,9 @@ struct Engine::Impl {
   std::string job_where(std::int64_t g) const {
     const JobSpec& js = jobs[g % jobs.size()];
     const DeviceCtx& d = *devs[g % devs.size()];
-    return "step " + std::to_string(steps_done + g / static_cast<std::int64_t>(jobs.size()) + 1) +
+    const std::int64_t s = g / static_cast<std::int64_t>(jobs.size());
+    return (evaluating_ ? "evaluation, batch " + std::to_string(s + 1)
+                        : "step " + std::to_string(steps_done + s + 1)) +
            ", job " + js.name + " (layers " + std::to_string(js.range.begin) + "-" +
            std::to_string(js.range.end - 1) + ") on " + d.dev->info().name;
   }
@@ -339,21 +347,32 @@ struct Engine::Impl {
 
   // ---- setup ----
 
-  void build_jobs() {
+  // The layers whose streaming copies a job over `r` needs: its own and their tied owners.
+  std::vector<int> streamed(LayerRange r) const {
+    std::set<int> layers;
+    for (int l = r.begin; l < r.end; ++l) {
+      layers.insert(l);
+      for (const offload::TensorState& t : store.layer(l))
+        if (t.tied) layers.insert(t.owner_layer);
+    }
+    return {layers.begin(), layers.end()};
+  }
+
+  // Training's jobs (forward stages, fused tail, backward stages) or, for evaluate(), the forward
+  // stages and an evaluation job over the tail's layers.
+  void build_jobs(bool evaluation = false) {
     const int F = static_cast<int>(plan.forward.size());
     auto add = [&](JobKind kind, LayerRange r, std::string name) {
-      JobSpec js{.kind = kind, .range = r, .name = std::move(name)};
-      std::set<int> streamed;
-      for (int l = r.begin; l < r.end; ++l) {
-        streamed.insert(l);
-        for (const offload::TensorState& t : store.layer(l))
-          if (t.tied) streamed.insert(t.owner_layer);
-      }
-      js.streamed.assign(streamed.begin(), streamed.end());
-      jobs.push_back(std::move(js));
+      jobs.push_back({.kind = kind, .range = r, .name = std::move(name), .streamed = streamed(r)});
     };
     for (int i = 0; i < F; ++i)
       add(JobKind::kForward, plan.forward[i], "F" + std::to_string(i));
+    if (evaluation) {
+      add(JobKind::kEval, plan.tail, "E");
+      for (JobSpec& js : jobs)
+        js.has_output = js.kind == JobKind::kForward;
+      return;  // no checkpoints: nothing runs backward
+    }
     add(JobKind::kTail, plan.tail, "T");
     for (std::size_t i = 0; i < plan.backward.size(); ++i)
       add(JobKind::kBackward, plan.backward[i], "B" + std::to_string(i + 1));
@@ -401,7 +420,7 @@ struct Engine::Impl {
   // Job g's device time, once its work has completed: the device's busy time, the re-planner's
   // measurement, and its span on the event sink's clock.
   void account(std::int64_t g, JobRun& r) {
-    if (r.accounted || r.timing.empty()) return;
+    if (r.accounted || r.timing.empty() || evaluating_) return;
     r.accounted = true;
     const std::int64_t N = static_cast<std::int64_t>(devs.size()),
                        J = static_cast<std::int64_t>(jobs.size());
@@ -463,7 +482,8 @@ struct Engine::Impl {
         }
         std::lock_guard<std::mutex> lock(mu_);
         r->loaded = true;
-        if (options.one_step_stale) loads_[s].push_back({static_cast<int>(g % J), r});
+        if (options.one_step_stale && !evaluating_)
+          loads_[s].push_back({static_cast<int>(g % J), r});
         cv_.notify_all();
       });
       if (failed() || stopped(g / J)) return;
@@ -472,11 +492,12 @@ struct Engine::Impl {
 
   // ---- worker ----
 
-  // The job's weights as device tensors, per layer in spec order.
-  std::vector<at::Tensor> layer_weights(const JobRun& r, int l, c10::Device dev) const {
+  // Layer l's weights among uploaded ones as device tensors, in spec order.
+  std::vector<at::Tensor> layer_weights(const offload::DeviceWeights& weights, int l,
+                                        c10::Device dev) const {
     std::vector<at::Tensor> out;
     for (std::size_t i = 0; i < store.layer(l).size(); ++i)
-      out.push_back(view(r.weights->tensor(l, i), specs[l].params[i].shape, act_dtype, dev));
+      out.push_back(view(weights.tensor(l, i), specs[l].params[i].shape, act_dtype, dev));
     return out;
   }
 
@@ -535,8 +556,9 @@ struct Engine::Impl {
     double s = 0;
     for (int l = js.range.begin; l < js.range.end; ++l) {
       const LayerCosts& c = options.emulate_costs.at(l);
-      s += js.kind == JobKind::kForward ? c.forward_s_per_token
-                                        : c.forward_s_per_token + c.backward_s_per_token;
+      s += js.kind == JobKind::kForward || js.kind == JobKind::kEval
+               ? c.forward_s_per_token
+               : c.forward_s_per_token + c.backward_s_per_token;
     }
     return s * static_cast<double>(tokens) / devs[d]->speed;
   }
@@ -557,10 +579,10 @@ struct Engine::Impl {
     const int j = static_cast<int>(g % J);
     const JobSpec& js = jobs[j];
     DeviceCtx& dc = *devs[d];
-    const int M = plan.microbatches;
     std::unique_lock<std::mutex> lock(mu_);
     wait_step(lock, s, [&] { return steps_.count(s) && runs_.count(g) && runs_[g]->loaded; });
     std::shared_ptr<StepData> step = steps_[s];
+    const int M = static_cast<int>(step->mb.size());  // the plan's; an evaluation's last: fewer
     std::shared_ptr<JobRun> r = runs_[g];
     lock.unlock();
     r->tokens = step->tokens;
@@ -570,8 +592,8 @@ struct Engine::Impl {
     // Weights and (for jobs with a backward) gradient accumulators.
     std::map<int, std::vector<at::Tensor>> w;
     for (int l = js.range.begin; l < js.range.end; ++l)
-      w[l] = layer_weights(*r, l, dc.torch);
-    const bool backward = js.kind != JobKind::kForward;
+      w[l] = layer_weights(*r->weights, l, dc.torch);
+    const bool backward = js.kind == JobKind::kTail || js.kind == JobKind::kBackward;
     const bool convert = store.grad_dtype() != kernels::FloatDType::kF32;
     std::map<int, std::vector<at::Tensor>> acc, out_grad;  // f32 accumulators, store-dtype views
     std::vector<std::pair<int, void*>>
@@ -609,7 +631,7 @@ struct Engine::Impl {
     }
     // The tail's loss, summed over the microbatches on the device.
     float* loss_dev = nullptr;
-    if (js.kind == JobKind::kTail) {
+    if (js.kind == JobKind::kTail || js.kind == JobKind::kEval) {
       r->buffers.push_back(dc.dev->allocate(sizeof(float), dc.compute));
       loss_dev = static_cast<float*>(r->buffers.back().data());
       dc.compute->fill(loss_dev, 0, sizeof(float));
@@ -709,6 +731,10 @@ struct Engine::Impl {
       for (auto& [l, data] : grad_buffers)
         transfers->download_gradients(d, l, data, *ev);
       if (loss_dev) transfers->download_value(d, step->loss->data(), loss_dev, sizeof(float), *ev);
+    } else if (loss_dev) {  // evaluation
+      auto ev = dc.dev->create_event();
+      dc.compute->record(*ev);
+      transfers->download_value(d, step->loss->data(), loss_dev, sizeof(float), *ev);
     }
     r->done_compute = dc.dev->create_event();
     r->done_up = dc.dev->create_event();
@@ -719,6 +745,7 @@ struct Engine::Impl {
     lock.lock();
     r->enqueued = true;
     r->consumed = !backward;
+    if (js.kind == JobKind::kEval) evaluated_.insert(s);
     cv_.notify_all();
   }
 
@@ -752,6 +779,16 @@ struct Engine::Impl {
     return in;
   }
 
+  // Rows of logits the head computes at a time. On a CPU-backed device a chunk's fp32 logits (and
+  // the temporaries of its size) stay well under the tuned heap's block limit, so they are reused
+  // from the heap instead of mapped and faulted in every step (offload/process_heap.h).
+  std::int64_t head_chunk_tokens(c10::Device dev, std::int64_t vocab) const {
+    if (!dev.is_cpu()) return options.head_chunk_tokens;
+    return std::min(options.head_chunk_tokens,
+                    std::max<std::int64_t>(
+                        16, static_cast<std::int64_t>(offload::kHeapBlockLimit) / 2 / (vocab * 4)));
+  }
+
   // One microbatch of one job, on the device (runs in compute-stream order).
   void compute(const JobSpec& js, DeviceCtx& dc, const StepData& step, const MicrobatchInputs& mbi,
                int m, const at::Tensor& in, const at::Tensor& out,
@@ -761,8 +798,9 @@ struct Engine::Impl {
                double loss_scale) {
     const c10::Device dev = dc.torch;
     models::AttentionContext ctx = mbi.ctx;
-    // Training: attention and LoRA dropout (when the model has them) draw from this seed.
-    ctx.dropout_seed = dropout_seed(options.seed, step.step_no, m);
+    // Training: attention and LoRA dropout (when the model has them) draw from this seed;
+    // evaluation has none.
+    if (!evaluating_) ctx.dropout_seed = dropout_seed(options.seed, step.step_no, m);
     // MoE: the first forward of a block records its routing, the backward's recompute replays
     // it; the router load-balancing loss (when the model asks for it) counts each microbatch
     // with weight 1 / M.
@@ -815,15 +853,7 @@ struct Engine::Impl {
         const std::vector<at::Tensor>& hw = w.at(head);
         std::vector<at::Tensor>* hg = grads_of(head);
         const bool lm_trainable = hg && (*hg)[1].defined();
-        // On a CPU-backed device a chunk's fp32 logits (and the temporaries of its size) stay
-        // well under the tuned heap's block limit, so they are reused from the heap instead of
-        // mapped and faulted in every step (offload/process_heap.h).
-        const std::int64_t chunk_tokens =
-            dev.is_cpu() ? std::min(options.head_chunk_tokens,
-                                    std::max<std::int64_t>(
-                                        16, static_cast<std::int64_t>(offload::kHeapBlockLimit) /
-                                                2 / (hw[1].size(0) * 4)))
-                         : options.head_chunk_tokens;
+        const std::int64_t chunk_tokens = head_chunk_tokens(dev, hw[1].size(0));
         at::Tensor gx = models::blocks_forward_backward(
             config, block_runs(range.begin, range.end), x, ctx, [&](const at::Tensor& h) {
               models::HeadGrads r = models::head_forward_backward(
@@ -839,6 +869,17 @@ struct Engine::Impl {
           embed_grad(gx);
         else
           out.copy_(gx);
+        break;
+      }
+      case JobKind::kEval: {
+        c10::AutoGradMode no_grad(false);
+        at::Tensor x = range.begin == 0 ? models::embed(w.at(0)[0], tokens) : in;
+        for (int l = std::max(range.begin, 1); l < head; ++l)
+          x = models::block_forward(config, models::BlockWeights::bind(specs[l], w.at(l)), x, ctx);
+        const std::vector<at::Tensor>& hw = w.at(head);
+        at::from_blob(loss_dev, {}, at::TensorOptions().dtype(at::kFloat).device(dev))
+            .add_(models::head_loss_sum(config, hw[0], hw[1], x, mbi.targets,
+                                        head_chunk_tokens(dev, hw[1].size(0))));
         break;
       }
       case JobKind::kBackward: {
@@ -1034,9 +1075,12 @@ struct Engine::Impl {
                                                 });
   }
 
+  // A step's data (for evaluate(), batch `step_no`'s: 1 to M microbatches, no routing records).
   std::shared_ptr<StepData> make_step(std::int64_t step_no, std::vector<Microbatch> mb) {
-    const std::string where = "step " + std::to_string(step_no);
-    if (static_cast<int>(mb.size()) != plan.microbatches)
+    const std::string where =
+        (evaluating_ ? "evaluation batch " : "step ") + std::to_string(step_no);
+    if (evaluating_ ? mb.empty() || static_cast<int>(mb.size()) > plan.microbatches
+                    : static_cast<int>(mb.size()) != plan.microbatches)
       throw Error(where + ": " + std::to_string(mb.size()) + " microbatches given, the plan runs " +
                   std::to_string(plan.microbatches));
     auto step = std::make_shared<StepData>();
@@ -1061,7 +1105,7 @@ struct Engine::Impl {
           models::make_attention_context(config, b.batch, act_dtype);
       inputs.push_back(
           {ctx.positions, ctx.cos, ctx.sin, ctx.mask, ctx.window_mask, b.batch.tokens, b.targets});
-      if (config.num_experts > 0)
+      if (config.num_experts > 0 && !evaluating_)
         step->routing.push_back(std::make_shared<models::RoutingRecord>());
       step->tokens += b.batch.tokens.numel();
       step->targets += b.targets.ne(-100).sum().item<std::int64_t>();
@@ -1184,15 +1228,13 @@ struct Engine::Impl {
     return all;
   }
 
-  // `steps` steps with the current plan, pipelined; every thread is joined at the end.
-  std::vector<StepResult> run_segment(std::int64_t steps, const BatchSource& batches,
-                                      const std::function<void(const StepResult&)>& on_step) {
-    if (steps <= 0) return {};
+  // The shared state reset for a segment of `total_jobs` jobs, and the devices' clocks read.
+  void begin_segment(std::int64_t total_jobs) {
     {
       std::lock_guard<std::mutex> lock(mu_);
       failed_ = false;
       error_ = nullptr;
-      total_jobs_ = steps * static_cast<std::int64_t>(jobs.size());
+      total_jobs_ = total_jobs;
       stop_steps_ = std::numeric_limits<std::int64_t>::max();
       handed_out_ = 0;
       scales_decided_ = 0;
@@ -1204,6 +1246,7 @@ struct Engine::Impl {
       outputs_.clear();
       ckpts_.clear();
       results_.clear();
+      evaluated_.clear();
       last_step_end_ = std::chrono::steady_clock::now();
     }
     for (auto& dc : devs) {
@@ -1212,6 +1255,13 @@ struct Engine::Impl {
       dc->clock->synchronize();
       dc->clock_t = options.events ? options.events->now() : 0;
     }
+  }
+
+  // `steps` steps with the current plan, pipelined; every thread is joined at the end.
+  std::vector<StepResult> run_segment(std::int64_t steps, const BatchSource& batches,
+                                      const std::function<void(const StepResult&)>& on_step) {
+    if (steps <= 0) return {};
+    begin_segment(steps * static_cast<std::int64_t>(jobs.size()));
     std::vector<std::thread> threads;
     for (std::size_t d = 0; d < devs.size(); ++d) {
       threads.emplace_back([this, d] { loader(static_cast<int>(d)); });
@@ -1254,6 +1304,15 @@ struct Engine::Impl {
     }
     for (auto& t : threads)
       t.join();
+    end_segment();
+    steps_done += static_cast<std::int64_t>(out.size());
+    if (error_) std::rethrow_exception(error_);
+    return out;
+  }
+
+  // After the segment's threads have joined: everything still on the devices waited for and
+  // freed, the store flushed. A failure is left in error_.
+  void end_segment() {
     // Everything still on the devices: wait for it, then free it. A device that failed reports
     // its error again on every later call (CUDA's errors are sticky); the run's error is the
     // first one, with the job it happened in, so these only speak when nothing has yet.
@@ -1290,8 +1349,244 @@ struct Engine::Impl {
     } catch (...) {
       if (!error_) error_ = std::current_exception();
     }
-    steps_done += static_cast<std::int64_t>(out.size());
+  }
+
+  EvalResult evaluate(std::vector<Microbatch> microbatches) {
+    EvalResult result;
+    if (microbatches.empty()) return result;
+    const auto M = static_cast<std::size_t>(plan.microbatches);
+    const auto batches = static_cast<std::int64_t>((microbatches.size() + M - 1) / M);
+    // The evaluation's jobs in place of training's for the segment.
+    std::vector<JobSpec> train_jobs;
+    std::set<int> train_ckpts;
+    jobs.swap(train_jobs);
+    ckpt_layers.swap(train_ckpts);
+    evaluating_ = true;
+    struct Restore {
+      Impl* self;
+      std::vector<JobSpec>& jobs;
+      std::set<int>& ckpts;
+      ~Restore() {
+        self->jobs = std::move(jobs);
+        self->ckpt_layers = std::move(ckpts);
+        self->evaluating_ = false;
+      }
+    } restore{this, train_jobs, train_ckpts};
+    build_jobs(/*evaluation=*/true);
+    begin_segment(batches * static_cast<std::int64_t>(jobs.size()));
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      // No optimizer runs: every layer's streaming copy is as the last update left it.
+      versions_.assign(store.layers(), std::numeric_limits<std::int64_t>::max());
+    }
+    std::vector<std::thread> threads;
+    for (std::size_t d = 0; d < devs.size(); ++d) {
+      threads.emplace_back([this, d] { loader(static_cast<int>(d)); });
+      threads.emplace_back([this, d] { worker(static_cast<int>(d)); });
+    }
+    // Batches of M microbatches (the last may hold fewer), handed out two ahead of the one whose
+    // last job was enqueued, as training's steps are.
+    std::vector<std::shared_ptr<offload::HostBuffer>> losses(static_cast<std::size_t>(batches));
+    auto publish = [&](std::int64_t b) {
+      guarded("evaluation batch " + std::to_string(b + 1) + ", reading the batch", [&] {
+        std::vector<Microbatch> mb;
+        for (std::size_t i = static_cast<std::size_t>(b) * M;
+             i < std::min(static_cast<std::size_t>(b + 1) * M, microbatches.size()); ++i)
+          mb.push_back(std::move(microbatches[i]));
+        auto step = make_step(b + 1, std::move(mb));
+        losses[static_cast<std::size_t>(b)] = step->loss;
+        result.targets += step->targets;
+        std::lock_guard<std::mutex> lock(mu_);
+        steps_[b] = std::move(step);
+        handed_out_ = b + 1;
+        cv_.notify_all();
+      });
+    };
+    publish(0);
+    if (batches > 1) publish(1);
+    for (std::int64_t b = 0; b < batches && !failed(); ++b) {
+      {
+        std::unique_lock<std::mutex> lock(mu_);
+        cv_.wait(lock, [&] { return failed_ || evaluated_.count(b) > 0; });
+        if (failed_) break;
+        steps_.erase(b);  // every job of the batch has it already
+      }
+      if (b + 2 < batches) publish(b + 2);
+    }
+    for (auto& t : threads)
+      t.join();
+    end_segment();
     if (error_) std::rethrow_exception(error_);
+    for (const auto& loss : losses)
+      result.loss_sum += *loss->as<float>();
+    return result;
+  }
+
+  // ---- generation ----
+
+  // Device bytes generation needs beyond the weights: the KV caches of `rows` rows of `slots`
+  // positions, and the prefill's largest temporaries (the blocks' activations, the attention
+  // scores of the plain path, the last position's fp32 logits).
+  std::uint64_t generation_bytes(std::int64_t rows, std::int64_t prompt, std::int64_t slots) const {
+    const auto e = static_cast<std::uint64_t>(elem_size(act_dtype));
+    const auto R = static_cast<std::uint64_t>(rows), P = static_cast<std::uint64_t>(prompt),
+               S = static_cast<std::uint64_t>(slots);
+    const auto blocks = static_cast<std::uint64_t>(std::max<std::int64_t>(config.num_layers, 0));
+    const std::uint64_t kv =
+        blocks * 2 * R * S * static_cast<std::uint64_t>(config.num_kv_heads * config.head_dim) * e;
+    const std::uint64_t wide = static_cast<std::uint64_t>(
+        std::max<std::int64_t>(config.intermediate_size, config.moe_intermediate_size));
+    const std::uint64_t acts =
+        R * P * (6 * static_cast<std::uint64_t>(config.hidden_size) + 3 * wide) * e;
+    const std::uint64_t scores = R * static_cast<std::uint64_t>(config.num_heads) * P * S * 4;
+    return kv + acts + scores + R * static_cast<std::uint64_t>(config.vocab_size) * 4;
+  }
+
+  Generation generate(const std::vector<std::vector<std::int64_t>>& prompts,
+                      const models::SamplingOptions& options, Residency residency) {
+    Generation out;
+    out.tokens.assign(prompts.size(), {});
+    if (prompts.empty() || options.max_new_tokens <= 0) return out;
+    const auto B = static_cast<std::int64_t>(prompts.size());
+    std::int64_t P = 0;
+    for (std::size_t b = 0; b < prompts.size(); ++b) {
+      if (prompts[b].empty())
+        throw Error("generate: prompt " + std::to_string(b + 1) + " of " + std::to_string(B) +
+                    " is empty");
+      for (std::int64_t t : prompts[b])
+        if (t < 0 || t >= config.vocab_size)
+          throw Error("generate: prompt " + std::to_string(b + 1) + ": token id " +
+                      std::to_string(t) + " is outside the vocabulary (" +
+                      std::to_string(config.vocab_size) + ")");
+      P = std::max<std::int64_t>(P, static_cast<std::int64_t>(prompts[b].size()));
+    }
+    // Left-padded rows: every prompt ends at slot P - 1.
+    std::vector<std::int64_t> pad(prompts.size());
+    at::Tensor next = at::zeros({B, P}, at::kLong);
+    for (std::int64_t b = 0; b < B; ++b) {
+      const auto& p = prompts[static_cast<std::size_t>(b)];
+      pad[static_cast<std::size_t>(b)] = P - static_cast<std::int64_t>(p.size());
+      next[b]
+          .narrow(0, pad[static_cast<std::size_t>(b)], static_cast<std::int64_t>(p.size()))
+          .copy_(at::tensor(p, at::kLong));
+    }
+
+    // Resident on the first device when every weight (dequantised, tied ones once) and the
+    // caches fit under its free memory; else the plan's stages, streamed.
+    const int L = static_cast<int>(specs.size());
+    std::uint64_t weight_bytes = 0;
+    for (int l = 0; l < L; ++l)
+      for (std::size_t i = 0; i < specs[l].params.size(); ++i)
+        if (!store.layer(l)[i].tied) weight_bytes += nbytes(specs[l].params[i].shape, act_dtype);
+    const kernels::MemoryStats mem = devs[0]->dev->memory();
+    std::uint64_t free = mem.bytes_cap > mem.bytes_in_use ? mem.bytes_cap - mem.bytes_in_use : 0;
+    // A simulated device's (and the CPU device's) memory is host memory, whose cap may be all of
+    // it: then at most half of what the OS has free.
+    if (devs[0]->dev->info().kind == kernels::DeviceKind::kSim)
+      free = std::min(free, host_memory_available() / 2);
+    out.resident = residency == Residency::kResident ||
+                   (residency == Residency::kAuto &&
+                    weight_bytes + generation_bytes(B, P, P + options.max_new_tokens) <= free);
+    struct Stage {
+      LayerRange range;
+      int device = 0;
+      std::vector<int> layers;
+      std::unique_ptr<offload::DeviceWeights> weights;
+    };
+    std::vector<Stage> stages;
+    if (out.resident) {
+      stages.push_back({.range = {0, L}});
+    } else {
+      for (const LayerRange& r : plan.forward)
+        stages.push_back({.range = r});
+      stages.push_back({.range = plan.tail});
+    }
+    for (std::size_t j = 0; j < stages.size(); ++j) {
+      stages[j].device = static_cast<int>(j % devs.size());
+      stages[j].layers = streamed(stages[j].range);
+    }
+    auto load = [&](std::size_t j) {
+      Stage& st = stages[j];
+      if (!st.weights) st.weights = transfers->load_weights(st.device, st.layers);
+    };
+
+    const std::vector<std::int64_t>& stops =
+        options.stop_tokens.empty() ? config.eos_token_ids : options.stop_tokens;
+    std::vector<std::uint64_t> rng(prompts.size(), options.seed);
+    std::vector<bool> finished(prompts.size(), false);
+    std::vector<models::KvCache> caches(static_cast<std::size_t>(L));
+    const int head = L - 1;
+    std::int64_t offset = 0;
+    for (std::int64_t produced = 0; produced < options.max_new_tokens; ++produced) {
+      const std::int64_t count = next.size(1);
+      at::Tensor x = next, logits;
+      for (std::size_t j = 0; j < stages.size(); ++j) {
+        Stage& st = stages[j];
+        DeviceCtx& dc = *devs[st.device];
+        load(j);
+        // Streamed: the next stage's upload (the next token's first, after the last) overlaps
+        // this one's compute.
+        if (!out.resident && stages.size() > 1) load((j + 1) % stages.size());
+        dc.compute->wait(*st.weights->ready());
+        std::exception_ptr error;
+        dc.compute->enqueue([&] {
+          try {
+            TorchStreamScope scope(*dc.compute);
+            c10::InferenceMode inference;
+            const models::AttentionContext ctx =
+                models::make_decode_context(config, offset, count, act_dtype, dc.torch, pad);
+            at::Tensor h = x.to(dc.torch);
+            if (st.range.begin == 0)
+              h = models::embed(layer_weights(*st.weights, 0, dc.torch)[0], h);
+            for (int l = std::max(st.range.begin, 1); l < std::min(st.range.end, head); ++l)
+              h = models::block_forward(
+                  config,
+                  models::BlockWeights::bind(specs[l], layer_weights(*st.weights, l, dc.torch)), h,
+                  ctx, &caches[static_cast<std::size_t>(l)]);
+            if (st.range.end == L) {
+              const std::vector<at::Tensor> hw = layer_weights(*st.weights, head, dc.torch);
+              logits = models::head_logits(config, hw[0], hw[1], h.narrow(1, count - 1, 1))
+                           .squeeze(1)
+                           .to(at::kCPU);
+            } else {
+              x = h;
+            }
+          } catch (...) {
+            error = std::current_exception();
+          }
+        });
+        dc.compute->synchronize();
+        if (error) {
+          const std::string where = "generating, layers " + std::to_string(st.range.begin) + "-" +
+                                    std::to_string(st.range.end - 1) + " on " +
+                                    dc.dev->info().name + ": ";
+          try {
+            std::rethrow_exception(error);
+          } catch (const Error& e) {
+            throw Error(where + e.what());
+          } catch (const std::exception& e) {
+            throw Error(where + first_line(e.what()));
+          }
+        }
+        if (!out.resident) st.weights.reset();
+      }
+      at::Tensor chosen = at::zeros({B, 1}, at::kLong);
+      for (std::size_t b = 0; b < prompts.size(); ++b) {
+        if (finished[b]) continue;
+        const std::int64_t t =
+            models::sample_token(logits[static_cast<std::int64_t>(b)], options, rng[b]);
+        out.tokens[b].push_back(t);
+        chosen[static_cast<std::int64_t>(b)][0] = t;
+        finished[b] = std::find(stops.begin(), stops.end(), t) != stops.end();
+      }
+      if (std::all_of(finished.begin(), finished.end(), [](bool f) { return f; })) break;
+      offset += count;
+      next = chosen;
+    }
+    for (Stage& st : stages)
+      st.weights.reset();  // the resident weights, or the next token's prefetched stage
+    for (auto& dc : devs)
+      dc->dev->synchronize();  // their stream-ordered release done
     return out;
   }
 };
@@ -1350,6 +1645,15 @@ Engine::~Engine() = default;
 std::vector<StepResult> Engine::train(std::int64_t steps, const BatchSource& batches,
                                       const std::function<void(const StepResult&)>& on_step) {
   return impl_->train(steps, batches, on_step);
+}
+
+EvalResult Engine::evaluate(std::vector<Microbatch> microbatches) {
+  return impl_->evaluate(std::move(microbatches));
+}
+
+Generation Engine::generate(const std::vector<std::vector<std::int64_t>>& prompts,
+                            const models::SamplingOptions& options, Residency residency) {
+  return impl_->generate(prompts, options, residency);
 }
 
 EngineState Engine::state() const {

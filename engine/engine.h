@@ -29,6 +29,7 @@
 #include "engine/plan.h"
 #include "kernels/cpu/adamw.h"
 #include "kernels/device.h"
+#include "models/generate.h"
 #include "models/layers.h"
 #include "offload/host_arena.h"
 #include "offload/layer_store.h"
@@ -102,6 +103,21 @@ struct StepResult {
   double seconds = 0;  // wall time since the previous step ended (or train() began)
 };
 
+// A loss over an evaluation set: the cross-entropy summed over its target tokens, and their count.
+struct EvalResult {
+  double loss_sum = 0;
+  std::int64_t targets = 0;
+  double loss() const { return targets > 0 ? loss_sum / static_cast<double>(targets) : 0.0; }
+};
+
+// Where generate() keeps the weights: kAuto = resident when they fit on the first device.
+enum class Residency { kAuto, kResident, kStreamed };
+
+struct Generation {
+  std::vector<std::vector<std::int64_t>> tokens;  // per prompt: the new tokens, as models::generate
+  bool resident = false;                          // the weights stayed on one device
+};
+
 // What a checkpoint must hold beyond the store's tensors for a bit-identical resume.
 struct EngineState {
   std::int64_t steps_done = 0;      // optimizer steps run, skipped fp16 steps included
@@ -130,6 +146,26 @@ class Engine {
   // stays as it was after the last completed step's update of each layer.
   std::vector<StepResult> train(std::int64_t steps, const BatchSource& batches,
                                 const std::function<void(const StepResult&)>& on_step = {});
+
+  // Between train() calls: the loss of `microbatches` (any number, each as a training microbatch,
+  // no more rows) under the weights the devices train with (the streaming copies), without dropout
+  // and without the router's auxiliary loss. Runs as forward-only jobs on the devices, the weights
+  // streamed as in training: the plan's forward stages, then a job over the tail's layers that
+  // ends in the loss sum (fp32 on the device, per M microbatches), round-robin. Nothing is
+  // updated; the first error is rethrown as train()'s are.
+  EvalResult evaluate(std::vector<Microbatch> microbatches);
+
+  // Between train() calls: text generation from the weights the devices train with (the streaming
+  // copies, LoRA adapters applied unmerged, a quantised base dequantised on the device), all
+  // prompts together (left-padded), a KV cache per block on the device that runs it. Resident:
+  // every layer uploaded once to the first device, when they and the caches fit under its free
+  // memory (or as `residency` says). Streamed: the plan's forward stages and its tail's layers
+  // uploaded again for every token, stage j on device j % N, the next stage's upload overlapping
+  // this one's compute. Each prompt's tokens are chosen as models::generate chooses them (its
+  // own sampling state from options.seed), and stop after a stop token or max_new_tokens.
+  Generation generate(const std::vector<std::vector<std::int64_t>>& prompts,
+                      const models::SamplingOptions& options,
+                      Residency residency = Residency::kAuto);
 
   // Asks train() to return early: the steps already under way finish (and are returned; at most
   // two beyond the one that just ended), no new one starts. Thread-safe, may be called from

@@ -10,7 +10,6 @@
 #include <cmath>
 #include <csignal>
 #include <cstdlib>
-#include <deque>
 #include <filesystem>
 #include <fstream>
 #include <mutex>
@@ -386,84 +385,28 @@ struct Session::Impl {
     return s.str();
   }
 
-  // ---- evaluation and samples, from the weights in training (the streaming copies) ----
+  // ---- samples, from the weights in training (the streaming copies), on the devices ----
 
-  // Layer l's weights as the devices compute with them (quantised ones dequantised, tied ones
-  // through their owner), wherever the store keeps them; the views live as long as `held` (a
-  // deque: adding to it leaves the accesses already in it where they are).
-  std::vector<at::Tensor> layer_weights(offload::LayerStore& store,
-                                        const std::vector<models::LayerSpec>& specs, std::size_t l,
-                                        std::deque<offload::LayerAccess>& held) const {
-    constexpr unsigned kWeights = offload::kBasePart | offload::kStreamPart;
-    held.push_back(store.access(l, kWeights, offload::AccessMode::kRead));
-    const offload::LayerAccess& a = held.back();
-    std::vector<at::Tensor> w;
-    for (std::size_t i = 0; i < specs[l].params.size(); ++i) {
-      if (!a[i].tied) {
-        w.push_back(stream_tensor(a, store, specs, l, i));
-        continue;
-      }
-      const auto ol = static_cast<std::size_t>(a[i].owner_layer);
-      held.push_back(store.access(ol, kWeights, offload::AccessMode::kRead));
-      w.push_back(
-          stream_tensor(held.back(), store, specs, ol, static_cast<std::size_t>(a[i].owner_index)));
-    }
-    return w;
-  }
-
-  std::pair<double, std::int64_t> validation_loss(offload::LayerStore& store,
-                                                  const std::vector<models::LayerSpec>& specs) {
-    c10::NoGradGuard no_grad;
-    const models::ModelConfig& mc = summary.config;
-    double sum = 0;
-    std::int64_t n = 0;
-    for (const Microbatch& mb : val_batcher->all_rows()) {
-      models::AttentionContext ctx =
-          models::make_attention_context(mc, mb.batch, scalar_type(store.stream_dtype()));
-      std::deque<offload::LayerAccess> held;
-      at::Tensor x = models::embed(layer_weights(store, specs, 0, held)[0], mb.batch.tokens);
-      for (std::size_t l = 1; l + 1 < specs.size(); ++l) {
-        held.clear();
-        x = models::block_forward(
-            mc, models::BlockWeights::bind(specs[l], layer_weights(store, specs, l, held)), x, ctx);
-      }
-      held.clear();
-      const std::size_t h = specs.size() - 1;
-      const std::vector<at::Tensor> hw = layer_weights(store, specs, h, held);
-      sum += models::head_loss_sum(mc, hw[0], hw[1], x, mb.targets).item<double>();
-      n += mb.targets.ne(-100).sum().item<std::int64_t>();
-    }
-    return {sum / static_cast<double>(std::max<std::int64_t>(n, 1)), n};
-  }
-
-  std::vector<std::pair<std::string, std::string>> samples(
-      offload::LayerStore& store, const std::vector<models::LayerSpec>& specs) {
-    c10::NoGradGuard no_grad;
-    std::map<std::string, at::Tensor> tensors;
-    std::deque<offload::LayerAccess> held;  // the views below live as long as this
-    for (std::size_t l = 0; l < specs.size(); ++l) {
-      const std::vector<at::Tensor> w = layer_weights(store, specs, l, held);
-      for (std::size_t i = 0; i < specs[l].params.size(); ++i)
-        if (!specs[l].params[i].tied) tensors[specs[l].params[i].name] = w[i].to(at::kFloat);
-    }
-    std::map<std::string, at::Tensor> merged = models::merge_lora(specs, tensors);
-    models::Model m = models::Model::from_tensors(summary.config, std::move(merged), "training");
+  std::vector<std::pair<std::string, std::string>> samples(Engine& eng) {
     std::vector<std::int64_t> stops(summary.config.eos_token_ids.begin(),
                                     summary.config.eos_token_ids.end());
     if (auto e = tok->eos_id()) stops.push_back(*e);
     for (const char* end : {"<|im_end|>", "<|eot_id|>", "</s>"})
       if (auto id = tok->token_to_id(end)) stops.push_back(*id);
     const bool chat = train.format != DataFormat::kText;
-    std::vector<std::pair<std::string, std::string>> out;
+    std::vector<std::vector<std::int64_t>> prompts;
     for (const std::string& prompt : c.eval.prompts) {
       std::vector<std::int32_t> ids =
           chat ? models::render_chat(*tok, *tmpl, {{"user", prompt}}, true).ids
                : tok->encode(prompt, /*add_special_tokens=*/true);
-      std::vector<std::int64_t> p(ids.begin(), ids.end());
-      std::vector<std::int64_t> gen =
-          models::generate(m, p, {.max_new_tokens = c.eval.sample_tokens, .stop_tokens = stops});
-      std::vector<std::int32_t> g(gen.begin(), gen.end());
-      out.emplace_back(prompt, tok->decode(g, /*skip_special_tokens=*/true));
+      prompts.emplace_back(ids.begin(), ids.end());
+    }
+    const Generation gen =
+        eng.generate(prompts, {.max_new_tokens = c.eval.sample_tokens, .stop_tokens = stops});
+    std::vector<std::pair<std::string, std::string>> out;
+    for (std::size_t k = 0; k < prompts.size(); ++k) {
+      std::vector<std::int32_t> g(gen.tokens[k].begin(), gen.tokens[k].end());
+      out.emplace_back(c.eval.prompts[k], tok->decode(g, /*skip_special_tokens=*/true));
     }
     return out;
   }
@@ -740,26 +683,18 @@ struct Session::Impl {
       log(fmt::format("Checkpoint {} ({})", path, format_bytes(bytes)));
       result.checkpoint = path;
     };
+    // Validation: forward-only jobs through the engine, on the run's devices.
     auto evaluate = [&](std::int64_t step) {
-      auto [loss, n] = validation_loss(store, specs);
+      const EvalResult v = eng.evaluate(val_batcher->all_rows());
+      const double loss = v.loss();
+      const std::int64_t n = v.targets;
       sink.emit(EvalEvent{.step = step, .loss = loss, .tokens = n});
       log(fmt::format("Validation loss {:.4f} at step {} ({} tokens)", loss, step, n));
     };
-    // Samples run on the CPU from an fp32 copy of the model with the adapters merged: fine for
-    // small models, not for one that would take a large share of host memory (then a warning).
-    const bool can_sample = static_cast<std::uint64_t>(est.params) * 4 <= est.host_available / 4;
-    bool warned_sampling = false;
+    // Samples: every prompt at once on the devices (Engine::generate).
     auto sample = [&](std::int64_t step) {
-      if (!can_sample) {
-        if (!warned_sampling)
-          sink.warning(fmt::format(
-              "samples skipped: generating them needs an fp32 copy of the model ({}), more than "
-              "a quarter of the host memory available; set eval.sample_every = 0",
-              format_bytes(static_cast<std::uint64_t>(est.params) * 4)));
-        warned_sampling = true;
-        return;
-      }
-      for (auto& [prompt, text] : samples(store, specs)) {
+      if (c.eval.prompts.empty()) return;
+      for (auto& [prompt, text] : samples(eng)) {
         sink.emit(SampleEvent{.step = step, .prompt = prompt, .text = text});
         log(fmt::format("Sample at step {}:\n  > {}\n  {}", step, prompt, text));
       }

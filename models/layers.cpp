@@ -379,6 +379,30 @@ AttentionContext make_decode_context(const ModelConfig& c, std::int64_t offset, 
   return ctx;
 }
 
+AttentionContext make_decode_context(const ModelConfig& c, std::int64_t offset, std::int64_t count,
+                                     at::ScalarType dtype, at::Device device,
+                                     const std::vector<std::int64_t>& left_pad) {
+  RONDO_ASSERT(!left_pad.empty());
+  at::TensorOptions longs = at::TensorOptions().dtype(at::kLong).device(device);
+  const auto B = static_cast<std::int64_t>(left_pad.size());
+  at::Tensor pad = at::tensor(left_pad, at::kLong).to(device).view({B, 1, 1});
+  at::Tensor i = at::arange(offset, offset + count, longs).view({1, count, 1});   // query slots
+  at::Tensor j = at::arange(offset + count, longs).view({1, 1, offset + count});  // key slots
+  AttentionContext ctx;
+  ctx.positions = (i.squeeze(-1) - pad.squeeze(-1)).clamp_min(0);  // (B, count)
+  const at::Tensor real_key = (j >= pad) & (j <= i);
+  const at::Tensor allowed = real_key | (j == i);  // (B, count, keys)
+  ctx.mask = allowed.unsqueeze(1);
+  if (c.sliding_window > 0 && offset + count > c.sliding_window) {
+    const at::Tensor windowed = ((real_key & ((i - j) < c.sliding_window)) | (j == i)).unsqueeze(1);
+    (c.sliding_layers.empty() ? ctx.mask : ctx.window_mask) = windowed;
+  }
+  at::Tensor freqs = ctx.positions.to(at::kFloat).unsqueeze(-1) *
+                     inverse_frequencies(c, offset + count).to(device);
+  set_cos_sin(c, freqs, dtype, ctx);
+  return ctx;
+}
+
 bool parse_expert_name(const std::string& name, std::int64_t* expert, int* projection) {
   std::size_t at = std::string::npos;
   for (const char* moe : {".mlp.experts.", ".block_sparse_moe.experts."})

@@ -147,9 +147,9 @@ at::Tensor seeded_dropout(const at::Tensor& x, double p, std::int64_t seed);
 AttentionContext make_attention_context(const ModelConfig& config, const TokenBatch& batch,
                                         at::ScalarType dtype);
 
-// Generation: keys and values of the tokens seen so far, per block. One sequence (B = 1).
+// Generation: keys and values of the tokens seen so far, per block (B rows).
 struct KvCache {
-  at::Tensor k, v;  // (1, KV, T_seen, D)
+  at::Tensor k, v;  // (B, KV, T_seen, D)
   std::int64_t length() const { return k.defined() ? k.size(2) : 0; }
 };
 
@@ -157,6 +157,13 @@ struct KvCache {
 // over cache + new tokens, the sliding window applied.
 AttentionContext make_decode_context(const ModelConfig& config, std::int64_t offset,
                                      std::int64_t count, at::ScalarType dtype, at::Device device);
+// The same for B rows generated together, row b left-padded by left_pad[b] slots (B = its size):
+// slots offset..offset+count of every row, a padding slot's position 0 and a real token's its slot
+// minus the padding. A real token attends to the real tokens before it (the window applied), a
+// padding slot to itself only (so that no softmax row is empty: its output is never used).
+AttentionContext make_decode_context(const ModelConfig& config, std::int64_t offset,
+                                     std::int64_t count, at::ScalarType dtype, at::Device device,
+                                     const std::vector<std::int64_t>& left_pad);
 
 // The weights of one block, bound by name from a layer's tensors (in LayerSpec::params order).
 // Optional tensors (biases, q/k norms) are undefined when the family has none.

@@ -47,6 +47,11 @@ GPT-OSS clamps its SwiGLU inputs; a draw whose reference puts one within 1e-6 of
 
 max_grad_norm is 0.7 of the step-1 gradient norm (a reference pass before the run), so clipping
 is active at least in step 1.
+
+After the three steps, Engine::evaluate (forward-only jobs on the same devices and plan) computes
+the loss of an evaluation set of 5 microbatches of 2 rows (so batches of M microbatches with a
+shorter last one), against the trained reference's cross-entropy over the same targets without the
+router's auxiliary loss, within 1e-6 relative.
 """
 import contextlib
 import json
@@ -66,6 +71,7 @@ L = 3  # blocks: the layer list is [prefix, block_0, block_1, block_2, head], 5 
 ROWS, SEQ, STEPS = 6, 12, 3
 HP = dict(lr=1e-3, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-4)
 RTOL = 1e-5
+EVAL_MICROBATCHES, EVAL_ROWS, EVAL_RTOL = 5, 2, 1e-6
 
 FAMILIES = {
     "llama_gqa_untied": (T.LlamaForCausalLM, T.LlamaConfig, dict(
@@ -250,6 +256,19 @@ def clamp_margin(model, margins):
             h.remove()
 
 
+def eval_loss(model, microbatches):
+    """Cross-entropy summed over every target of the microbatches (float64), over their count."""
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for tokens, doc_ids in microbatches:
+            y = targets_of(tokens, doc_ids)
+            logits = logits_of(model, tokens, doc_ids)
+            total += F.cross_entropy(logits.reshape(-1, V).double(), y.reshape(-1),
+                                     reduction="sum", ignore_index=-100).item()
+            count += int((y != -100).sum())
+    return total / count, count
+
+
 def reference(model, steps, m, max_norm):
     params = list(model.parameters())  # a tied LM head is the embedding: listed once
     opt = torch.optim.AdamW(params, **HP)
@@ -314,13 +333,19 @@ def test_three_steps_match_transformers_and_adamw(family, plan_name, tmp_path):
         print("drawn again")
     else:
         pytest.fail("8 draws in a row put a SwiGLU input at the clamp")
+    evaluation = []
+    for _ in range(EVAL_MICROBATCHES):
+        tokens, doc_ids = random_step(g)
+        evaluation.append((tokens[:EVAL_ROWS], doc_ids[:EVAL_ROWS]))
+    ref_eval = eval_loss(model, evaluation)  # the trained reference
 
     (tmp_path / "in.json").write_text(json.dumps({
         "microbatches": [[{"tokens": t.tolist(), "doc_ids": d.tolist()}
                           for t, d in zip(split(tokens, m), split(doc_ids, m))]
                          for tokens, doc_ids in steps],
         **plan, "devices": devices, "lr": HP["lr"], "weight_decay": HP["weight_decay"],
-        "betas": list(HP["betas"]), "eps": HP["eps"], "max_grad_norm": max_norm}))
+        "betas": list(HP["betas"]), "eps": HP["eps"], "max_grad_norm": max_norm,
+        "eval": [{"tokens": t.tolist(), "doc_ids": d.tolist()} for t, d in evaluation]}))
     driver("engine-train", model_dir, tmp_path / "in.json", tmp_path / "out.safetensors",
            timeout=120)  # ~1 s; a hang in the engine fails here
     got = load_file(str(tmp_path / "out.safetensors"))
@@ -333,12 +358,16 @@ def test_three_steps_match_transformers_and_adamw(family, plan_name, tmp_path):
               f"norm {norm:.4g} rel diff {abs(got[f'norm{s}'][0] / norm - 1):.2g}, "
               f"clipped to {max_norm:.4g}")
 
+    assert int(got["eval_targets"][0]) == ref_eval[1], "evaluation: targets"
+    assert float(got["eval_loss"][0]) == pytest.approx(ref_eval[0], rel=EVAL_RTOL), "evaluation"
+    print(f"evaluation: loss {ref_eval[0]:.6f} rel diff {abs(got['eval_loss'][0] / ref_eval[0] - 1):.2g}")
+
     # The reference's weights as its checkpoint names them (transformers writes fused experts
     # back as one module per expert); a tied LM head is not written.
     model.save_pretrained(tmp_path / "reference")
     want_all = load_file(str(tmp_path / "reference" / "model.safetensors"))
     initial = load_file(str(model_dir / "model.safetensors"))
-    weights = {n for n in got if not n.startswith(("loss", "norm", "targets"))}
+    weights = {n for n in got if not n.startswith(("loss", "norm", "targets", "eval_"))}
     assert weights == set(want_all)
     worst = 0.0
     for name, want in want_all.items():
