@@ -26,7 +26,8 @@ std::vector<Field> fields(engine::TrainConfig& c) {
   return {
       {"model.path", &c.model.path, "Hugging Face folder or .gguf file"},
       {"model.dtype", &c.model.dtype, "bf16, fp16 (loss scaling) or fp32: weights streamed in"},
-      {"model.quantize", &c.model.quantize, "frozen LoRA base: auto, none, nf4, int8, gguf"},
+      {"model.quantize", &c.model.quantize,
+       "frozen LoRA base: auto, none, nf4, int8, gguf, stored"},
       {"model.double_quant", &c.model.double_quant, "nf4: quantise the block scales too"},
       {"data.train", &c.data.train, "JSONL training file"},
       {"data.validation", &c.data.validation, "JSONL validation file"},

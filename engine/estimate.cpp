@@ -222,6 +222,9 @@ RunEstimate estimate_run(const TrainConfig& config, const models::ModelSummary& 
   e.tokens_per_step = tokens_per_step;
   const bool lora = config.training.method == "lora";
   const bool gguf = model.format == "gguf";
+  bool mxfp4 = false;  // GPT-OSS's experts as its official checkpoints store them
+  for (const auto& [name, type] : model.stored_types)
+    mxfp4 = mxfp4 || type == "MXFP4";
   std::vector<models::LayerSpec> specs = models::layer_specs(model.config);
   if (lora) specs = models::add_lora(specs, config.lora_config());
   const std::uint64_t wb = dtype_bytes(config.model.dtype);
@@ -249,7 +252,7 @@ RunEstimate estimate_run(const TrainConfig& config, const models::ModelSummary& 
     // costs compute, so a base that fits easily is dequantised once, at load.
     const bool roomy = devices.mode == DeviceMode::kCpu &&
                        static_cast<std::uint64_t>(model.params) * wb <= e.host_available / 2;
-    pl.quantize = lora && gguf && !roomy ? "gguf" : "none";
+    pl.quantize = lora && (gguf || mxfp4) && !roomy ? (gguf ? "gguf" : "stored") : "none";
   }
   if (pl.quantize == "gguf" && !gguf) {
     e.problems.push_back("model.quantize: 'gguf' keeps a GGUF file's own block types; " +
@@ -273,15 +276,22 @@ RunEstimate estimate_run(const TrainConfig& config, const models::ModelSummary& 
       if (t.trainable) e.trained_params += p.numel();
       largest_tensor = std::max<std::uint64_t>(largest_tensor, p.numel());
       if (t.trainable) continue;
-      if (p.shape.size() == 2) {
+      auto stored = model.stored_types.find(p.name);
+      if (pl.quantize != "none" && stored != model.stored_types.end() &&
+          stored->second == "MXFP4" && p.shape.size() == 3) {
+        // GPT-OSS's experts as the checkpoint stores them, whenever the base is kept quantised.
+        t.quant = {.type = kernels::QuantType::kMXFP4, .experts = p.shape[0]};
+        t.rows = p.shape[0] * p.shape[1];
+        t.cols = p.shape[2];
+      } else if (p.shape.size() == 2) {
         kernels::QuantFormat f;
         if (pl.quantize == "nf4" && is_projection(p.name))
           f = {.type = kernels::QuantType::kNF4, .double_quant = config.model.double_quant};
         else if (pl.quantize == "int8" && is_projection(p.name))
           f = {.type = kernels::QuantType::kInt8};
-        else if (pl.quantize == "gguf")
-          if (auto it = model.stored_types.find(p.name); it != model.stored_types.end())
-            if (auto q = gguf_kept_type(it->second)) f = {.type = *q};
+        else if (pl.quantize == "gguf" || pl.quantize == "stored")
+          if (stored != model.stored_types.end())
+            if (auto q = gguf_kept_type(stored->second)) f = {.type = *q};
         if (f.type != kernels::QuantType::kNone) {
           t.quant = f;
           t.rows = p.shape[0];

@@ -186,6 +186,7 @@ void load_weights(offload::LayerStore& store, const std::vector<models::LayerSpe
                                 },
                             .blocks = [&](const std::string& n) -> std::optional<at::Tensor> {
                               if (extra.count(n)) return std::nullopt;
+                              if (auto q = reader.read_mxfp4(n)) return q->second;
                               std::optional<models::GgufBlocks> b = reader.read_blocks(n);
                               if (!b) return std::nullopt;
                               return b->bytes;

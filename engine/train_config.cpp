@@ -39,8 +39,9 @@ std::vector<std::string> TrainConfig::validate(bool planning) const {
   if (model.path.empty()) add("model.path", "not set; give a Hugging Face folder or a .gguf file");
   if (!one_of(model.dtype, {"bf16", "fp16", "fp32"}))
     add("model.dtype", "must be bf16, fp16 or fp32 (got '" + model.dtype + "')");
-  if (!one_of(model.quantize, {"auto", "none", "nf4", "int8", "gguf"}))
-    add("model.quantize", "must be auto, none, nf4, int8 or gguf (got '" + model.quantize + "')");
+  if (!one_of(model.quantize, {"auto", "none", "nf4", "int8", "gguf", "stored"}))
+    add("model.quantize",
+        "must be auto, none, nf4, int8, gguf or stored (got '" + model.quantize + "')");
   else if (training.method == "full" && !one_of(model.quantize, {"auto", "none"}))
     add("model.quantize", "'" + model.quantize +
                               "' keeps a frozen base quantised, which needs training.method = "

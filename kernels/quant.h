@@ -24,18 +24,19 @@
 namespace rondo::kernels {
 
 enum class QuantType {
-  kNone,  // not quantised: rejected by every function here
-  kQ4_0,  // GGUF: 32 elements in 18 bytes (f16 scale, 4-bit signed quants)
-  kQ4_1,  // GGUF: 32 elements in 20 bytes (f16 scale and minimum, 4-bit quants)
-  kQ8_0,  // GGUF: 32 elements in 34 bytes (f16 scale, int8 quants)
-  kQ4_K,  // GGUF: 256 elements in 144 bytes (8 sub-blocks with 6-bit scales and minimums)
-  kQ6_K,  // GGUF: 256 elements in 210 bytes (16 sub-blocks with int8 scales, 6-bit quants)
-  kNF4,   // bitsandbytes NormalFloat4: fp32 (or double-quantised) absmax per `block` elements
-  kInt8,  // int8 per output row with one fp32 scale per row (LLM.int8's weights, no outliers)
+  kNone,   // not quantised: rejected by every function here
+  kQ4_0,   // GGUF: 32 elements in 18 bytes (f16 scale, 4-bit signed quants)
+  kQ4_1,   // GGUF: 32 elements in 20 bytes (f16 scale and minimum, 4-bit quants)
+  kQ8_0,   // GGUF: 32 elements in 34 bytes (f16 scale, int8 quants)
+  kQ4_K,   // GGUF: 256 elements in 144 bytes (8 sub-blocks with 6-bit scales and minimums)
+  kQ6_K,   // GGUF: 256 elements in 210 bytes (16 sub-blocks with int8 scales, 6-bit quants)
+  kNF4,    // bitsandbytes NormalFloat4: fp32 (or double-quantised) absmax per `block` elements
+  kInt8,   // int8 per output row with one fp32 scale per row (LLM.int8's weights, no outliers)
+  kMXFP4,  // OCP MX FP4 as GPT-OSS's checkpoints store its experts (Mxfp4Layout); read, never made
 };
 
 const char* to_string(
-    QuantType type);  // "none", "Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K", "NF4", "INT8"
+    QuantType type);  // "none", "Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K", "NF4", "INT8", "MXFP4"
 
 struct QuantFormat {
   QuantType type = QuantType::kNone;
@@ -44,6 +45,7 @@ struct QuantFormat {
   bool double_quant = false;  // NF4: quantise the absmax values too, as bitsandbytes'
                               // compress_statistics=True (8-bit codes per block, an fp32 absmax
                               // per 256 blocks and one fp32 offset); ignored by the other types
+  std::int64_t experts = 1;   // MXFP4: the matrices the blob holds (rows = experts * C)
 };
 
 std::string to_string(const QuantFormat& format);  // "NF4 (block 64, double quant)", "Q4_K"
@@ -80,6 +82,20 @@ struct Int8Layout {
   std::uint64_t bytes = 0;
 };
 Int8Layout int8_layout(std::int64_t rows, std::int64_t cols);
+
+// An MXFP4 blob, as GPT-OSS's checkpoints store a fused expert weight: for each of E = `experts`
+// matrices its stored (R, C) weight in groups of 32 along C. First the blocks (E, R, C/32, 16)
+// uint8, two FP4 (e2m1) values per byte, element 2j in the low nibble and 2j + 1 in the high one;
+// then the scales (E, R, C/32) uint8, each its group's power of two plus 127 (E8M0). The tensor it
+// stands for is (rows, cols) = (E * C, R): each matrix transposed, as the model's fused parameter
+// (E, C, R) lies. Element (e, c, r) is fp4 * 2^(scale - 127) in fp32, as transformers'
+// convert_moe_packed_tensors computes it (a scale of 255 gives an infinity, not NaN).
+struct Mxfp4Layout {
+  std::int64_t experts = 0, c = 0, r = 0;
+  std::uint64_t scales = 0;  // where the scales begin
+  std::uint64_t bytes = 0;
+};
+Mxfp4Layout mxfp4_layout(const QuantFormat& format, std::int64_t rows, std::int64_t cols);
 
 // Dequantises the blob at `src` into (rows, cols) `out` values at `dst`: float32 first, exactly as
 // the format's reference computes it (gguf-py / ggml's dequantize_row_*, bitsandbytes'

@@ -151,6 +151,33 @@ RONDO_QUANT_FN std::uint16_t bf16_of_f32(float f) {
   return static_cast<std::uint16_t>((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
 }
 
+// --- MXFP4 (kernels::Mxfp4Layout)
+// -----------------------------------------------------------------
+
+// The 16 FP4 (e2m1) values, by code.
+#define RONDO_FP4_CODE                                                                        \
+  {                                                                                           \
+    0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f, -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, \
+        -4.0f, -6.0f                                                                          \
+  }
+
+// 2^(scale - 127) as float32, exactly as torch's pow(2.0, e) gives it: 2^-127 is a subnormal,
+// 2^128 an infinity.
+RONDO_QUANT_FN float mxfp4_scale(std::uint8_t scale) {
+  return scale == 0 ? f32_of_bits(1u << 22) : f32_of_bits(std::uint32_t{scale} << 23);
+}
+
+// Element i of the (E * C, R) tensor an MXFP4 blob stands for (i = (e * C + c) * R + r).
+RONDO_QUANT_FN float mxfp4_value(const float* code, const std::uint8_t* blob, std::uint64_t scales,
+                                 std::int64_t c_size, std::int64_t r_size, std::int64_t i) {
+  const std::int64_t r = i % r_size, ec = i / r_size;
+  const std::int64_t c = ec % c_size, e = ec / c_size;
+  const std::int64_t group = (e * r_size + r) * (c_size / 32) + c / 32;
+  const int j = static_cast<int>(c % 32);
+  const std::uint8_t byte = blob[group * 16 + j / 2];
+  return code[(j & 1) ? byte >> 4 : byte & 15] * mxfp4_scale(blob[scales + group]);
+}
+
 // --- GGUF blocks: `b` points at a block, j is the element's index in it --------------------------
 
 // Q8_0: f16 d, then 32 int8 quants. y = q * d.

@@ -155,6 +155,17 @@ struct Reader {
 
 namespace {
 ModelConfig parse_hf_config_json(const json& j, const std::string& source);
+
+// An optional string field: `fallback` when it is absent or null (transformers writes null for
+// unset ones), else the string; anything else is an error naming the field.
+std::string string_or(const json& j, const char* key, const std::string& fallback,
+                      const std::string& source) {
+  auto it = j.find(key);
+  if (it == j.end() || it->is_null()) return fallback;
+  if (!it->is_string())
+    throw Error(source + ": \"" + key + "\" must be a string, not " + it->dump());
+  return it->get<std::string>();
+}
 }  // namespace
 
 ModelConfig parse_hf_config(const std::string& json_text, const std::string& source) {
@@ -183,7 +194,7 @@ ModelConfig parse_hf_config_json(const json& j, const std::string& source) {
   if (j.contains("architectures") && j["architectures"].is_array() && !j["architectures"].empty() &&
       j["architectures"][0].is_string())
     arch = j["architectures"][0].get<std::string>();
-  std::string model_type = j.value("model_type", std::string());
+  std::string model_type = string_or(j, "model_type", "", source);
   // By the class, else (no architectures) by model_type.
   const FamilyNames* found = nullptr;
   for (const FamilyNames& f : kFamilies)
@@ -219,7 +230,7 @@ ModelConfig parse_hf_config_json(const json& j, const std::string& source) {
   c.rms_norm_eps = r.number(j, "rms_norm_eps", 1e-6);
   c.attention_dropout = r.number(j, "attention_dropout", 0.0);
   c.tie_word_embeddings = r.boolean("tie_word_embeddings", false);
-  std::string act = j.value("hidden_act", std::string("silu"));
+  std::string act = string_or(j, "hidden_act", "silu", source);
   if (act != "silu") problems.push_back("hidden_act '" + act + "' is not supported (only silu)");
 
   switch (c.family) {
@@ -383,7 +394,7 @@ ModelConfig parse_hf_config_json(const json& j, const std::string& source) {
     }
   }
 
-  std::string dtype = j.value("torch_dtype", j.value("dtype", std::string("float32")));
+  std::string dtype = string_or(j, "torch_dtype", string_or(j, "dtype", "float32", source), source);
   if (dtype == "bfloat16")
     c.dtype = DType::kBF16;
   else if (dtype == "float16")

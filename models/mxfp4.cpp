@@ -2,6 +2,8 @@
 
 #include <ATen/ATen.h>
 
+#include <cstring>
+
 #include "kernels/error.h"
 #include "models/tensor_view.h"
 
@@ -32,19 +34,25 @@ std::map<std::string, Mxfp4Weight> mxfp4_weights(const Checkpoint& ckpt) {
   return out;
 }
 
+at::Tensor mxfp4_blob(const Mxfp4Weight& w) {
+  at::Tensor blob = at::empty({static_cast<std::int64_t>(w.bytes())}, at::kByte);
+  std::memcpy(blob.data_ptr(), w.blocks->data, w.blocks->bytes);
+  std::memcpy(static_cast<std::uint8_t*>(blob.data_ptr()) + w.blocks->bytes, w.scales->data,
+              w.scales->bytes);
+  return blob;
+}
+
 at::Tensor dequantize_mxfp4(const Mxfp4Weight& w, at::ScalarType dtype) {
-  static const float kFp4[16] = {0.0f,  0.5f,  1.0f,  1.5f,  2.0f,  3.0f,  4.0f,  6.0f,
-                                 -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
-  const at::Tensor lut = at::from_blob(const_cast<float*>(kFp4), {16}, at::kFloat);
-  const at::Tensor blocks = w.blocks->view().to(at::kLong);         // (E, R, G, 16)
-  const at::Tensor exponent = w.scales->view().to(at::kInt) - 127;  // (E, R, G)
-  // Byte j of a group holds values 2j (low nibble) and 2j + 1 (high nibble).
-  const at::Tensor index = at::stack({blocks.bitwise_and(15), blocks.bitwise_right_shift(4)}, -1)
-                               .flatten(-2);  // (E, R, G, 32)
-  at::Tensor values =
-      at::ldexp(lut.index_select(0, index.flatten()).view(index.sizes()), exponent.unsqueeze(-1));
-  const std::int64_t E = w.shape[0], cols = w.shape[1], rows = w.shape[2];
-  return values.view({E, rows, cols}).transpose(1, 2).contiguous().to(dtype);
+  const kernels::FloatDType out = dtype == at::kFloat      ? kernels::FloatDType::kF32
+                                  : dtype == at::kBFloat16 ? kernels::FloatDType::kBF16
+                                  : dtype == at::kHalf     ? kernels::FloatDType::kF16
+                                                           : throw Error(
+                                                                 "MXFP4 dequantises to float32, "
+                                                                     "bfloat16 or float16");
+  at::Tensor t = at::empty(w.shape, at::TensorOptions().dtype(dtype));
+  kernels::dequantize(w.format(), mxfp4_blob(w).data_ptr(), w.shape[0] * w.shape[1], w.shape[2],
+                      out, t.data_ptr());
+  return t;
 }
 
 }  // namespace rondo::models

@@ -85,6 +85,13 @@ at::Tensor WeightReader::read(const std::string& name, DType dtype) const {
   return t.contiguous();
 }
 
+std::optional<std::pair<kernels::QuantFormat, at::Tensor>> WeightReader::read_mxfp4(
+    const std::string& name) const {
+  auto it = impl_->mxfp4.find(name);
+  if (it == impl_->mxfp4.end()) return std::nullopt;
+  return std::make_pair(it->second.format(), mxfp4_blob(it->second));
+}
+
 std::optional<GgufBlocks> WeightReader::read_blocks(const std::string& name) const {
   const Impl& m = *impl_;
   if (!m.gguf) return std::nullopt;

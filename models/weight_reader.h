@@ -18,8 +18,10 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
+#include "kernels/quant.h"
 #include "models/config.h"
 #include "models/dequant.h"
 #include "models/dtype.h"
@@ -55,6 +57,10 @@ class WeightReader {
   // GGUF: the tensor's blocks as stored, when its type is a block type (Q8_0, Q4_K, ...);
   // nullopt for plain types (F32, F16, BF16) and for Hugging Face folders.
   std::optional<GgufBlocks> read_blocks(const std::string& name) const;
+  // Hugging Face: an MXFP4 weight (GPT-OSS's experts) as kernels' MXFP4 blob (mxfp4_blob), with
+  // its format; nullopt for every other tensor.
+  std::optional<std::pair<kernels::QuantFormat, at::Tensor>> read_mxfp4(
+      const std::string& name) const;
   // Drops the tensor's file pages from this process (see release_mapped_pages).
   void release(const std::string& name) const;
 

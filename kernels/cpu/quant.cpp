@@ -39,6 +39,7 @@ static_assert(kChunk % quant::kQKK == 0 && kChunk % quant::kQK == 0);
 
 constexpr float kNf4Code[16] = RONDO_NF4_CODE;
 constexpr float kDynamicMap[256] = RONDO_DYNAMIC_MAP_CODE;
+constexpr float kFp4[16] = RONDO_FP4_CODE;
 
 struct GgufGeometry {
   int elements;  // per block
@@ -162,6 +163,12 @@ void decode_int8(const Int8Layout& layout, std::int64_t cols, const std::uint8_t
   }
 }
 
+void decode_mxfp4(const Mxfp4Layout& layout, const std::uint8_t* src, std::int64_t begin,
+                  std::int64_t end, float* y) {
+  for (std::int64_t i = begin; i < end; ++i)
+    y[i - begin] = quant::mxfp4_value(kFp4, src, layout.scales, layout.c, layout.r, i);
+}
+
 void store_rounded(const float* y, std::int64_t count, FloatDType out, std::uint16_t* dst) {
   if (out == FloatDType::kBF16) {
     for (std::int64_t i = 0; i < count; ++i)
@@ -197,6 +204,8 @@ const char* to_string(QuantType type) {
       return "NF4";
     case QuantType::kInt8:
       return "INT8";
+    case QuantType::kMXFP4:
+      return "MXFP4";
   }
   return "?";
 }
@@ -223,6 +232,13 @@ void check_quant_shape(const QuantFormat& format, std::int64_t rows, std::int64_
                   " (blocks do not cross rows); choose " +
                   (g.elements == quant::kQK ? "NF4 or INT8" : "Q4_0, Q4_1, Q8_0, NF4 or INT8") +
                   " for this tensor");
+    return;
+  }
+  if (format.type == QuantType::kMXFP4) {
+    if (format.experts < 1 || rows % format.experts != 0 || (rows / format.experts) % 32 != 0)
+      throw Error(what + " of " + std::to_string(format.experts) +
+                  " experts: rows must be the experts times a multiple of 32 (the groups run "
+                  "along each expert's rows)");
     return;
   }
   if (format.type == QuantType::kNF4) {
@@ -252,6 +268,19 @@ Nf4Layout nf4_layout(const QuantFormat& format, std::int64_t rows, std::int64_t 
   return l;
 }
 
+Mxfp4Layout mxfp4_layout(const QuantFormat& format, std::int64_t rows, std::int64_t cols) {
+  check_quant_shape(format, rows, cols);
+  RONDO_ASSERT(format.type == QuantType::kMXFP4);
+  Mxfp4Layout l;
+  l.experts = format.experts;
+  l.c = rows / format.experts;
+  l.r = cols;
+  const auto groups = static_cast<std::uint64_t>(rows / 32 * cols);
+  l.scales = groups * 16;
+  l.bytes = groups * 17;
+  return l;
+}
+
 Int8Layout int8_layout(std::int64_t rows, std::int64_t cols) {
   check_quant_shape({.type = QuantType::kInt8}, rows, cols);
   Int8Layout l;
@@ -268,6 +297,7 @@ std::uint64_t quant_bytes(const QuantFormat& format, std::int64_t rows, std::int
            static_cast<std::uint64_t>(g.bytes);
   }
   if (format.type == QuantType::kNF4) return nf4_layout(format, rows, cols).bytes;
+  if (format.type == QuantType::kMXFP4) return mxfp4_layout(format, rows, cols).bytes;
   return int8_layout(rows, cols).bytes;
 }
 
@@ -289,9 +319,13 @@ void dequantize(const QuantFormat& format, const void* src, std::int64_t rows, s
   const Nf4Layout nf4 =
       format.type == QuantType::kNF4 ? nf4_layout(format, rows, cols) : Nf4Layout{};
   const Int8Layout int8 = format.type == QuantType::kInt8 ? int8_layout(rows, cols) : Int8Layout{};
+  const Mxfp4Layout mxfp4 =
+      format.type == QuantType::kMXFP4 ? mxfp4_layout(format, rows, cols) : Mxfp4Layout{};
   auto decode = [&](std::int64_t begin, std::int64_t end, float* y) {
     if (format.type == QuantType::kNF4)
       decode_nf4(format, nf4, blob, begin, end, y);
+    else if (format.type == QuantType::kMXFP4)
+      decode_mxfp4(mxfp4, blob, begin, end, y);
     else if (format.type == QuantType::kInt8)
       decode_int8(int8, cols, blob, begin, end, y);
     else

@@ -591,6 +591,10 @@ void quantize(const QuantFormat& format, const void* src, FloatDType in, std::in
     case QuantType::kInt8:
       quantize_int8_rows(src, in, rows, cols, dst);
       return;
+    case QuantType::kMXFP4:
+      throw Error(
+          "MXFP4 is read from checkpoints that store it (GPT-OSS's experts); Rondo does not "
+          "quantise to it: use nf4 or int8");
     default:
       quantize_gguf(format.type, src, in, rows, cols, dst);
   }

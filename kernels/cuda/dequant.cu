@@ -19,6 +19,7 @@ namespace {
 
 __constant__ float kNf4CodeDevice[16] = RONDO_NF4_CODE;
 __constant__ float kDynamicMapDevice[256] = RONDO_DYNAMIC_MAP_CODE;
+__constant__ float kFp4Device[16] = RONDO_FP4_CODE;
 
 constexpr int kThreads = 256;
 constexpr std::int64_t kMaxBlocks = 1 << 15;  // grid-stride beyond 8 Mi threads
@@ -102,6 +103,15 @@ __global__ void dequantize_int8(const std::uint8_t* src, std::uint64_t scales, s
   }
 }
 
+template <FloatDType Out>
+__global__ void dequantize_mxfp4(const std::uint8_t* src, Mxfp4Layout layout, std::int64_t n,
+                                 void* dst) {
+  const std::int64_t stride = static_cast<std::int64_t>(gridDim.x) * blockDim.x;
+  for (std::int64_t i = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
+       i += stride)
+    store<Out>(dst, i, quant::mxfp4_value(kFp4Device, src, layout.scales, layout.c, layout.r, i));
+}
+
 unsigned grid_for(std::int64_t n) {
   return static_cast<unsigned>(std::min(kMaxBlocks, (n + kThreads - 1) / kThreads));
 }
@@ -145,6 +155,10 @@ void launch(const QuantFormat& format, const std::uint8_t* src, std::int64_t row
           <<<grid, kThreads, 0, stream>>>(src, int8_layout(rows, cols).scales, rows, cols, dst);
       return;
     }
+    case QuantType::kMXFP4:
+      dequantize_mxfp4<Out><<<grid_for(n), kThreads, 0, stream>>>(
+          src, mxfp4_layout(format, rows, cols), n, dst);
+      return;
     case QuantType::kNone:
       break;
   }

@@ -8,6 +8,7 @@
 // tests/oracle/test_quant.py.
 #include <gtest/gtest.h>
 
+#include <array>
 #include <cmath>
 #include <cstring>
 #include <random>
@@ -125,6 +126,20 @@ TEST_F(QuantCudaTest, EqualsTheCpuForRandomBytes) {
         b = static_cast<std::uint8_t>(byte(rng));
       run_on_gpu_and_cpu(*dev_, f, blob, sh.rows, sh.cols);
     }
+}
+
+// MXFP4 (GPT-OSS's experts, read from checkpoints, never made): random bytes, every code and
+// scale, 1 and 3 experts.
+TEST_F(QuantCudaTest, EqualsTheCpuForMxfp4) {
+  auto rng = fresh_rng();
+  std::uniform_int_distribution<int> byte(0, 255);
+  for (auto [experts, c, r] : {std::array<std::int64_t, 3>{1, 32, 1}, {3, 64, 7}, {4, 2880, 96}}) {
+    const QuantFormat f{.type = QuantType::kMXFP4, .experts = experts};
+    std::vector<std::uint8_t> blob(quant_bytes(f, experts * c, r));
+    for (auto& b : blob)
+      b = static_cast<std::uint8_t>(byte(rng));
+    run_on_gpu_and_cpu(*dev_, f, blob, experts * c, r);
+  }
 }
 
 // The kernels read the blob byte by byte: a blob at an odd address (inside a larger buffer)

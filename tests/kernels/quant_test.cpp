@@ -17,6 +17,7 @@
 #include <tbb/task_arena.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
@@ -340,6 +341,27 @@ std::vector<float> reference_decode(const QuantFormat& f, const std::vector<std:
                                   static_cast<double>(f32_at(blob, scales_at + 4 * (i / cols))));
       break;
     }
+    case QuantType::kMXFP4: {
+      // The format's definition (OCP MX, as transformers decodes it): e2m1 = sign, 2 exponent
+      // bits (bias 1; 0 = subnormal), 1 mantissa bit; times 2^(scale - 127), which torch's
+      // pow(2.0, 128) makes an infinity (so 0 times it is NaN).
+      const std::int64_t E = f.experts, C = rows / E, R = cols, G = C / 32;
+      for (std::int64_t e = 0; e < E; ++e)
+        for (std::int64_t c = 0; c < C; ++c)
+          for (std::int64_t r = 0; r < R; ++r) {
+            const std::int64_t group = (e * R + r) * G + c / 32;
+            const std::uint8_t byte = blob[static_cast<std::size_t>(group * 16 + (c % 32) / 2)];
+            const int code = c % 2 ? byte >> 4 : byte & 15;
+            const int exp = (code >> 1) & 3, mant = code & 1;
+            const double magnitude = exp == 0 ? 0.5 * mant : std::ldexp(1.0 + 0.5 * mant, exp - 1);
+            const double value = code & 8 ? -magnitude : magnitude;
+            const int scale = blob[static_cast<std::size_t>(E * R * G * 16 + group)];
+            y[static_cast<std::size_t>((e * C + c) * R + r)] =
+                scale == 255 ? static_cast<float>(value) * std::numeric_limits<float>::infinity()
+                             : static_cast<float>(std::ldexp(value, scale - 127));
+          }
+      break;
+    }
     case QuantType::kNone:
       break;
   }
@@ -555,12 +577,38 @@ TEST(QuantDequantize, EqualsTheReferenceDecoderForRandomBlocks) {
           for (std::int64_t r = 0; r < s.rows; ++r)
             put32(int8_layout(s.rows, s.cols).scales + 4 * r, normal(rng) * 0.01f);
           break;
+        case QuantType::kMXFP4:  // not among the formats swept here (MXFP4's own test below)
         case QuantType::kNone:
           break;
       }
       for (FloatDType out : {FloatDType::kF32, FloatDType::kBF16, FloatDType::kF16})
         expect_dequantize_equals_reference(f, blob, s.rows, s.cols, out);
     }
+}
+
+// MXFP4 (GPT-OSS's experts) equals the format's definition on random bytes: every code, every
+// scale (255 included, as torch's power of two makes it an infinity), 1 and 3 experts, each
+// expert's (R, C) matrix transposed into the (E * C, R) tensor; and Rondo does not make it.
+TEST(QuantDequantize, Mxfp4IsTheFormatsDefinition) {
+  auto rng = rng_for_test();
+  std::uniform_int_distribution<int> byte(0, 255);
+  for (auto [experts, c, r] : {std::array<std::int64_t, 3>{1, 32, 1}, {3, 64, 7}, {2, 96, 301}}) {
+    const QuantFormat f{.type = QuantType::kMXFP4, .experts = experts};
+    const std::int64_t rows = experts * c, cols = r;
+    std::vector<std::uint8_t> blob(quant_bytes(f, rows, cols));
+    EXPECT_EQ(blob.size(), static_cast<std::size_t>(rows * cols / 32 * 17));
+    for (auto& b : blob)
+      b = static_cast<std::uint8_t>(byte(rng));
+    for (FloatDType out : {FloatDType::kF32, FloatDType::kBF16, FloatDType::kF16})
+      expect_dequantize_equals_reference(f, blob, rows, cols, out);
+  }
+  const QuantFormat three{.type = QuantType::kMXFP4, .experts = 3};
+  EXPECT_THROW(quant_bytes(three, 3 * 48, 4), Error);  // 48 rows an expert: not groups of 32
+  EXPECT_THROW(quant_bytes(three, 64, 4), Error);      // not a multiple of the experts
+  std::vector<float> x(64 * 4, 1.0f);
+  std::vector<std::uint8_t> blob(quant_bytes({.type = QuantType::kMXFP4}, 64, 4));
+  EXPECT_THROW(
+      quantize({.type = QuantType::kMXFP4}, x.data(), FloatDType::kF32, 64, 4, blob.data()), Error);
 }
 
 // Large enough to spread over threads; the result must not depend on how many there are.
@@ -661,6 +709,7 @@ double expect_round_trip(const QuantFormat& f, std::int64_t rows, std::int64_t c
         bound = 0.5 * a / 127;
         break;
       }
+      case QuantType::kMXFP4:  // never made (quantize throws)
       case QuantType::kNone:
         break;
     }

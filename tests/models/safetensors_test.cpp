@@ -321,7 +321,16 @@ TEST(Config, AbsurdDimensionsAndWrongTypesAreRejected) {
           "num_hidden_layers":1,"num_attention_heads":2})",
                         "types.json");
       },
-      {"types.json", "wrong type"});
+      {"types.json", "\"hidden_act\" must be a string, not 7"});
+  // Null is what transformers writes for an unset field (Config.to_dict()): the default.
+  const ModelConfig nulls = parse_hf_config(
+      R"({"architectures":null,"model_type":"llama","hidden_act":null,"dtype":null,
+        "torch_dtype":null,"eos_token_id":null,"bos_token_id":null,"pad_token_id":null,
+        "vocab_size":10,"hidden_size":8,"intermediate_size":8,
+        "num_hidden_layers":1,"num_attention_heads":2})",
+      "nulls.json");
+  EXPECT_EQ(nulls.dtype, DType::kF32);
+  EXPECT_EQ(nulls.num_layers, 1);
   expect_error(
       [] {
         parse_hf_config(R"({"architectures":["Qwen2ForCausalLM"],"vocab_size":10,"hidden_size":8,

@@ -174,15 +174,20 @@ std::map<std::string, at::Tensor> base_as_trained(engine::TrainConfig c) {
   for (std::size_t l = 0; l < specs.size(); ++l) {
     const offload::LayerAccess a = store.access(l, offload::kAllParts, offload::AccessMode::kRead);
     for (std::size_t i = 0; i < specs[l].params.size(); ++i)
-      if (!a[i].tied && !models::is_lora_param(specs[l].params[i].name))
+      if (!a[i].tied && !models::is_lora_param(specs[l].params[i].name)) {
         out[specs[l].params[i].name] =
             engine::stream_tensor(a, store, specs, l, i).to(at::kFloat, false, /*copy=*/true);
+        if (a[i].quant.type != kernels::QuantType::kNone)  // what the store keeps, on stdout
+          std::printf("kept %s %s\n", specs[l].params[i].name.c_str(),
+                      kernels::to_string(a[i].quant.type));
+      }
   }
   return out;
 }
 
 // quantised-base <model> <quantize> <double_quant 0|1> <out.safetensors>: every base tensor as a
-// LoRA run with model.quantize = <quantize> computes with it (fp32).
+// LoRA run with model.quantize = <quantize> computes with it (fp32); prints "kept <name> <type>"
+// for each tensor the store keeps quantised.
 int quantised_base(const std::vector<std::string>& args) {
   if (args.size() != 4)
     throw Error("usage: quantised-base <model> <quantize> <double_quant 0|1> <out.safetensors>");

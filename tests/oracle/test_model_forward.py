@@ -234,3 +234,16 @@ def test_gpt_oss_mxfp4_experts_load_as_transformers_dequantises_them(tmp_path):
     out = rondo_forward(folder, tmp_path, tokens)
     diff = np.abs(out["logits"] - want).max()
     assert diff < TOL, f"logits differ by {diff:.3g}"
+
+    # A LoRA run's frozen base: the experts dequantised at load (quantize = none) or kept in MXFP4
+    # and dequantised per use (stored; what the devices compute with), both bit for bit the
+    # experts transformers dequantises; everything else as stored.
+    want_tensors = {n: t.detach().numpy() for n, t in ref.state_dict().items()}
+    for quantize in ("none", "stored"):
+        kept = driver("quantised-base", folder, quantize, 0, tmp_path / f"{quantize}.safetensors")
+        kept = sorted(line.split()[1:] for line in kept.splitlines() if line.startswith("kept "))
+        experts = sorted(n for n in want_tensors if n.endswith(("gate_up_proj", "down_proj")))
+        assert kept == ([] if quantize == "none" else [[n, "MXFP4"] for n in experts]), kept
+        got = load_file(tmp_path / f"{quantize}.safetensors")
+        for name, t in got.items():
+            assert np.array_equal(t, want_tensors[name]), f"{quantize}: {name}"

@@ -330,3 +330,49 @@ def test_lora_on_quantised_bases_learns_and_loads_in_peft(base, tmp_path):
         np.testing.assert_allclose(got, want, rtol=0, atol=1e-4 * scale)
         print(f"{run.name}: peft on the unquantised base differs from the quantised by "
               f"{np.abs(unquantised - want).max() / scale:.4f} of the largest logit")
+
+
+def test_lora_on_a_gpt_oss_base_kept_in_mxfp4_trains_as_on_its_dequantised_experts(tmp_path):
+    """GPT-OSS with MXFP4 experts (as its official checkpoints, written here from the format's
+    description): a LoRA run that keeps them in MXFP4 (model.quantize = stored: host memory and
+    the link carry 17 bytes per 32 values, the devices dequantise) trains exactly as the run that
+    dequantises them at load (quantize = none): the same losses, bit for bit."""
+    from safetensors.torch import save_file
+    from test_model_forward import mxfp4_encode
+    torch.manual_seed(SEED)
+    tok = tb.qwen2()
+    d = tmp_path / "gpt-oss-mxfp4"
+    tb.save(tok, d)
+    (d / "tokenizer_config.json").write_text(json.dumps(
+        {"chat_template": CHATML, "eos_token": "<|im_end|>", "bos_token": None}))
+    config = T.GptOssConfig(vocab_size=tok.get_vocab_size(), hidden_size=64, intermediate_size=32,
+                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                            head_dim=16, num_local_experts=4, num_experts_per_tok=2,
+                            sliding_window=16, max_position_embeddings=256, rms_norm_eps=1e-5)
+    model = T.GptOssForCausalLM(config).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    tensors = {}
+    for name, t in model.state_dict().items():
+        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            tensors[name + "_blocks"], tensors[name + "_scales"] = mxfp4_encode(t.detach())
+        else:
+            tensors[name] = t.detach().contiguous()
+    save_file(tensors, str(d / "model.safetensors"), metadata={"format": "pt"})
+    model.save_pretrained(tmp_path / "plain")  # for config.json as transformers writes it
+    cfg = json.loads((tmp_path / "plain" / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    (d / "config.json").write_text(json.dumps(cfg))
+    data = tmp_path / "chat.jsonl"
+    data.write_text("".join(json.dumps({"messages": [{"role": "user", "content": q},
+                                                     {"role": "assistant", "content": a}]}) + "\n"
+                            for q, a in QA))
+    _, kept, kept_plan = train(tmp_path, d, "mxfp4", "stored", data, 4)
+    _, dequantised, plain_plan = train(tmp_path, d, "dequantised", "none", data, 4)
+    assert kept_plan["placement"]["quantize"] == "stored"
+    assert "MXFP4" in kept_plan["placement"]["formats"], kept_plan["placement"]
+    assert plain_plan["placement"]["quantize"] == "none"
+    print("losses", kept)
+    assert len(kept) == 4 and kept == dequantised
