@@ -1494,13 +1494,12 @@ struct Engine::Impl {
       std::unique_ptr<offload::DeviceWeights> weights;
     };
     std::vector<Stage> stages;
-    if (out.resident) {
-      stages.push_back({.range = {0, L}});
-    } else {
+    if (!out.resident)
       for (const LayerRange& r : plan.forward)
         stages.push_back({.range = r});
-      stages.push_back({.range = plan.tail});
-    }
+    // A plan of one stage (the whole model in the tail) streams nothing either: it stays.
+    out.resident = stages.empty();
+    stages.push_back({.range = out.resident ? LayerRange{0, L} : plan.tail});
     for (std::size_t j = 0; j < stages.size(); ++j) {
       stages[j].device = static_cast<int>(j % devs.size());
       stages[j].layers = streamed(stages[j].range);

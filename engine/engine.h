@@ -159,10 +159,11 @@ class Engine {
   // copies, LoRA adapters applied unmerged, a quantised base dequantised on the device), all
   // prompts together (left-padded), a KV cache per block on the device that runs it. Resident:
   // every layer uploaded once to the first device, when they and the caches fit under its free
-  // memory (or as `residency` says). Streamed: the plan's forward stages and its tail's layers
-  // uploaded again for every token, stage j on device j % N, the next stage's upload overlapping
-  // this one's compute. Each prompt's tokens are chosen as models::generate chooses them (its
-  // own sampling state from options.seed), and stop after a stop token or max_new_tokens.
+  // memory, or when the plan is one stage (or as `residency` says). Streamed: the plan's forward
+  // stages and its tail's layers uploaded again for every token, stage j on device j % N, the next
+  // stage's upload overlapping this one's compute. Each prompt's tokens are chosen as
+  // models::generate chooses them (its own sampling state from options.seed), and stop after a stop
+  // token or max_new_tokens.
   Generation generate(const std::vector<std::vector<std::int64_t>>& prompts,
                       const models::SamplingOptions& options,
                       Residency residency = Residency::kAuto);

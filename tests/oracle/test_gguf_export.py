@@ -352,9 +352,7 @@ def hf_trained(request, tmp_path_factory):
     d = tmp_path_factory.mktemp(f"hf-{request.param}")
     tok = tb.qwen2()
     base = d / "base"
-    tb.save(tok, base)
-    (base / "tokenizer_config.json").write_text(json.dumps(
-        {"chat_template": CHATML, "eos_token": "<|im_end|>", "bos_token": None}))
+    tb.save_chatml(tok, base)
     rope = None
     if request.param == "llama3":
         rope = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0,

@@ -36,9 +36,7 @@ QT = gguf.GGMLQuantizationType
 SEED = int.from_bytes(os.urandom(4), "little")
 QUANT_DRIVER = os.environ.get("RONDO_QUANT_DRIVER", "")
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-CHATML = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\\n' + "
-          "message['content'] + '<|im_end|>' + '\\n'}}{% endfor %}{% if add_generation_prompt %}"
-          "{{ '<|im_start|>assistant\\n' }}{% endif %}")
+CHATML = tb.CHATML
 QA = [("hello", "hi there"), ("two plus two", "four"), ("colour of the sky", "blue"),
       ("opposite of hot", "cold"), ("a baby cat", "a kitten"), ("days in a week", "seven"),
       ("capital of France", "Paris"), ("bees make", "honey")]
@@ -56,9 +54,7 @@ def base(tmp_path_factory):
     torch.manual_seed(SEED)
     d = tmp_path_factory.mktemp("base")
     tok = tb.qwen2()
-    tb.save(tok, d)
-    (d / "tokenizer_config.json").write_text(json.dumps(
-        {"chat_template": CHATML, "eos_token": "<|im_end|>", "bos_token": None}))
+    tb.save_chatml(tok, d)
     cfg = T.LlamaConfig(vocab_size=tok.get_vocab_size(), hidden_size=256, intermediate_size=512,
                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                         max_position_embeddings=256, tie_word_embeddings=False,
@@ -342,9 +338,7 @@ def test_lora_on_a_gpt_oss_base_kept_in_mxfp4_trains_as_on_its_dequantised_exper
     torch.manual_seed(SEED)
     tok = tb.qwen2()
     d = tmp_path / "gpt-oss-mxfp4"
-    tb.save(tok, d)
-    (d / "tokenizer_config.json").write_text(json.dumps(
-        {"chat_template": CHATML, "eos_token": "<|im_end|>", "bos_token": None}))
+    tb.save_chatml(tok, d)
     config = T.GptOssConfig(vocab_size=tok.get_vocab_size(), hidden_size=64, intermediate_size=32,
                             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                             head_dim=16, num_local_experts=4, num_experts_per_tok=2,

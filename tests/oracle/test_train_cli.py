@@ -18,10 +18,6 @@ from safetensors.numpy import load_file
 import tokenizer_builders as tb
 from rondo_oracle import RONDO, driver
 
-CHATML = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\\n' + "
-          "message['content'] + '<|im_end|>' + '\\n'}}{% endfor %}{% if add_generation_prompt %}"
-          "{{ '<|im_start|>assistant\\n' }}{% endif %}")
-
 QA = [("hello", "hi there"), ("two plus two", "four"), ("colour of the sky", "blue"),
       ("opposite of hot", "cold"), ("a baby cat", "a kitten"), ("days in a week", "seven"),
       ("capital of France", "Paris"), ("bees make", "honey")]
@@ -39,9 +35,7 @@ def test_trained_adapter_and_merged_checkpoint_load_in_peft_and_transformers(tmp
     torch.manual_seed(seed)
     tok = tb.qwen2()
     base_dir = tmp_path / "base"
-    tb.save(tok, base_dir)
-    (base_dir / "tokenizer_config.json").write_text(json.dumps(
-        {"chat_template": CHATML, "eos_token": "<|im_end|>", "bos_token": None}))
+    tb.save_chatml(tok, base_dir)
     config = T.Qwen2Config(vocab_size=tok.get_vocab_size(), hidden_size=32, intermediate_size=48,
                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                            max_position_embeddings=128, tie_word_embeddings=True,

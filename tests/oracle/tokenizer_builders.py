@@ -186,3 +186,16 @@ def save(tok, folder, name="tokenizer.json"):
     path = os.path.join(folder, name)
     tok.save(path)
     return path
+
+
+CHATML = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\\n' + "
+          "message['content'] + '<|im_end|>' + '\\n'}}{% endfor %}{% if add_generation_prompt %}"
+          "{{ '<|im_start|>assistant\\n' }}{% endif %}")
+
+
+def save_chatml(tok, folder):
+    """The tokenizer and a tokenizer_config.json with ChatML and <|im_end|> as the end token, as a
+    model folder of the tests' chat models holds them."""
+    save(tok, folder)
+    with open(os.path.join(folder, "tokenizer_config.json"), "w", encoding="utf-8") as f:
+        json.dump({"chat_template": CHATML, "eos_token": "<|im_end|>", "bos_token": None}, f)
