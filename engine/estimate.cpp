@@ -224,7 +224,7 @@ RunEstimate estimate_run(const TrainConfig& config, const models::ModelSummary& 
   const bool gguf = model.format == "gguf";
   bool mxfp4 = false;  // GPT-OSS's experts as its official checkpoints store them
   for (const auto& [name, type] : model.stored_types)
-    mxfp4 = mxfp4 || type == "MXFP4";
+    mxfp4 = mxfp4 || (!gguf && type == "MXFP4");
   std::vector<models::LayerSpec> specs = models::layer_specs(model.config);
   if (lora) specs = models::add_lora(specs, config.lora_config());
   const std::uint64_t wb = dtype_bytes(config.model.dtype);
@@ -277,9 +277,10 @@ RunEstimate estimate_run(const TrainConfig& config, const models::ModelSummary& 
       largest_tensor = std::max<std::uint64_t>(largest_tensor, p.numel());
       if (t.trainable) continue;
       auto stored = model.stored_types.find(p.name);
-      if (pl.quantize != "none" && stored != model.stored_types.end() &&
+      if (!gguf && pl.quantize != "none" && stored != model.stored_types.end() &&
           stored->second == "MXFP4" && p.shape.size() == 3) {
-        // GPT-OSS's experts as the checkpoint stores them, whenever the base is kept quantised.
+        // GPT-OSS's experts as the checkpoint stores them, whenever the base is kept quantised
+        // (a GGUF stores them in other tensors and is dequantised at load).
         t.quant = {.type = kernels::QuantType::kMXFP4, .experts = p.shape[0]};
         t.rows = p.shape[0] * p.shape[1];
         t.cols = p.shape[2];

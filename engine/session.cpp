@@ -213,9 +213,14 @@ struct Session::Impl {
         if (e == "gguf") models::check_gguf_mergeable(c.model.path, models::GgufExportType::kQ8_0);
       }
     summary = models::inspect_model(c.model.path, c.data.seq_len);
+    const bool gguf_adapter = std::find(c.output.exports.begin(), c.output.exports.end(),
+                                        "gguf-adapter") != c.output.exports.end();
+    if (!o.plan_only && gguf_adapter && summary.config.family == models::Family::kGptOss)
+      throw Error(
+          "output.exports: a GGUF adapter of GPT-OSS is not supported yet; export a PEFT adapter "
+          "(adapter) or a merged model (merged)");
     if (!o.plan_only && c.training.method == "lora" && summary.config.num_experts > 0 &&
-        std::find(c.output.exports.begin(), c.output.exports.end(), "gguf-adapter") !=
-            c.output.exports.end())
+        gguf_adapter)
       for (const std::string& t : c.lora_config().targets)
         if (t == "all-linear" || t == "gate_proj" || t == "up_proj" || t == "down_proj" ||
             t == "gate")

@@ -33,6 +33,8 @@ enum class QuantType {
   kNF4,    // bitsandbytes NormalFloat4: fp32 (or double-quantised) absmax per `block` elements
   kInt8,   // int8 per output row with one fp32 scale per row (LLM.int8's weights, no outliers)
   kMXFP4,  // OCP MX FP4 as GPT-OSS's checkpoints store its experts (Mxfp4Layout); read, never made
+  kGgufMXFP4,  // GGUF: ggml's block_mxfp4, 32 elements in 17 bytes (E8M0 scale, 4-bit e2m1
+               // quants as Q4_0 orders them); read, never made
 };
 
 const char* to_string(

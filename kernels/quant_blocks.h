@@ -180,6 +180,26 @@ RONDO_QUANT_FN float mxfp4_value(const float* code, const std::uint8_t* blob, st
 
 // --- GGUF blocks: `b` points at a block, j is the element's index in it --------------------------
 
+// MXFP4 as ggml stores it (block_mxfp4): byte 0 the E8M0 scale e, then 16 bytes, element j in the
+// low nibble of byte 1 + j and element j + 16 in the high one. y = kvalues[q] * 2^(e - 128), with
+// ggml's kvalues_mxfp4 (twice the e2m1 values, code 8 a plain 0) and GGML_E8M0_TO_FP32_HALF.
+constexpr int kMxfp4GgufBytes = 1 + 16;
+#define RONDO_MXFP4_GGUF_CODE                                                                 \
+  {                                                                                           \
+    0.0f, 1.0f, 2.0f, 3.0f, 4.0f, 6.0f, 8.0f, 12.0f, 0.0f, -1.0f, -2.0f, -3.0f, -4.0f, -6.0f, \
+        -8.0f, -12.0f                                                                         \
+  }
+RONDO_QUANT_FN float mxfp4_gguf_scale(const std::uint8_t* b) {
+  const std::uint32_t e = b[0];
+  return f32_of_bits(e < 2 ? 0x00200000u << e : (e - 1) << 23);
+}
+RONDO_QUANT_FN int mxfp4_gguf_quant(const std::uint8_t* b, int j) {
+  return j < 16 ? b[1 + j] & 15 : b[1 + j - 16] >> 4;
+}
+RONDO_QUANT_FN float mxfp4_gguf_apply(const float* code, float d, int q) {
+  return code[q] * d;
+}
+
 // Q8_0: f16 d, then 32 int8 quants. y = q * d.
 RONDO_QUANT_FN float q8_0_scale(const std::uint8_t* b) {
   return f32_of_f16(load_u16(b));

@@ -48,7 +48,7 @@ constexpr std::array<GgmlTypeInfo, 34> kTypes{{
     {GgmlType::kBF16, "BF16", 1, 2, true},
     {GgmlType::kTQ1_0, "TQ1_0", kQKK, 2 + 52, false},
     {GgmlType::kTQ2_0, "TQ2_0", kQKK, 2 + 64, false},
-    {GgmlType::kMXFP4, "MXFP4", kQK, 1 + 16, false},
+    {GgmlType::kMXFP4, "MXFP4", kQK, 1 + 16, true},
     {GgmlType::kNVFP4, "NVFP4", 64, 4 + 32, false},
     {GgmlType::kQ1_0, "Q1_0", 128, 2 + 16, false},
 }};
@@ -78,7 +78,7 @@ const GgmlTypeInfo& ggml_type_info(GgmlType type) {
 }
 
 const char* ggml_dequantizable_types() {
-  return "F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q4_K, Q6_K";
+  return "F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q4_K, Q6_K, MXFP4";
 }
 
 std::string ggml_not_dequantizable(GgmlType type) {
@@ -192,6 +192,8 @@ kernels::QuantType ggml_quant_type(GgmlType type) {
       return kernels::QuantType::kQ4_K;
     case GgmlType::kQ6_K:
       return kernels::QuantType::kQ6_K;
+    case GgmlType::kMXFP4:
+      return kernels::QuantType::kGgufMXFP4;
     default:
       return kernels::QuantType::kNone;
   }

@@ -125,6 +125,16 @@ std::vector<std::uint8_t> encode(const at::Tensor& t, GgmlType type, const std::
   return out;
 }
 
+// The architecture a GGUF Rondo writes says. GPT-OSS is read, not yet written: its merged
+// export and adapters have not been checked against llama.cpp.
+std::string export_architecture(Family family) {
+  if (family == Family::kGptOss)
+    throw Error(
+        "GGUF export of GPT-OSS is not supported yet: export a merged Hugging Face folder "
+        "(--format merged) or a PEFT adapter (--format adapter)");
+  return gguf_architecture(family);
+}
+
 // HF name -> the mapping of the model's tensors.
 std::unordered_map<std::string, GgufTensorMapping> by_hf_name(const ModelConfig& config) {
   std::unordered_map<std::string, GgufTensorMapping> out;
@@ -203,7 +213,7 @@ std::string hf_chat_template(const std::string& dir) {
 // llama.cpp's metadata for a model from a Hugging Face folder: the architecture's keys (as
 // llama.cpp's converter writes them) and the tokenizer (byte-level BPE).
 void set_hf_metadata(GgufWriter& w, const std::string& dir, const ModelConfig& c) {
-  const std::string arch = gguf_architecture(c.family);
+  const std::string arch = export_architecture(c.family);
   auto key = [&](const char* k) { return arch + "." + k; };
   auto u32 = [](std::int64_t v) { return static_cast<std::uint32_t>(v); };
   w.set_string("general.architecture", arch);
@@ -310,7 +320,7 @@ void write_gguf_adapter(const std::string& path, const ModelConfig& config,
                         const std::map<std::string, at::Tensor>& tensors, const LoraConfig& lora) {
   const auto mapping = by_hf_name(config);
   GgufWriter w;
-  w.set_string("general.architecture", gguf_architecture(config.family));
+  w.set_string("general.architecture", export_architecture(config.family));
   w.set_string("general.type", "adapter");
   w.set_string("adapter.type", "lora");
   // llama.cpp scales by alpha / r, with r read from lora_b.

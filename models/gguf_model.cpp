@@ -117,10 +117,13 @@ ModelConfig config_from_gguf(const GgufFile& file) {
   } else if (arch == "qwen3moe") {
     c.family = Family::kQwen3Moe;
     c.architecture = "Qwen3MoeForCausalLM";
+  } else if (arch == "gpt-oss") {
+    c.family = Family::kGptOss;
+    c.architecture = "GptOssForCausalLM";
   } else {
     throw Error(file.path() + ": metadata 'general.architecture' is '" + arch +
                 "', which Rondo does not support (supported: llama, which includes Mistral and "
-                "Mixtral, qwen2, qwen3, qwen3moe)");
+                "Mixtral, qwen2, qwen3, qwen3moe, gpt-oss)");
   }
   auto key = [&](const char* suffix) { return arch + "." + suffix; };
   // Experts: llama.cpp's llama with expert_count is Mixtral. Every block with a router
@@ -132,11 +135,12 @@ ModelConfig config_from_gguf(const GgufFile& file) {
       c.family = Family::kMixtral;
       c.architecture = "MixtralForCausalLM";
     }
-    if (c.family != Family::kMixtral && c.family != Family::kQwen3Moe)
+    if (c.family != Family::kMixtral && c.family != Family::kQwen3Moe &&
+        c.family != Family::kGptOss)
       throw Error(file.path() + ": metadata '" + key("expert_count") + "' says " +
                   std::to_string(c.num_experts) +
                   " experts; Rondo reads experts for llama "
-                  "(Mixtral) and qwen3moe only");
+                  "(Mixtral), qwen3moe and gpt-oss only");
     c.experts_per_token = file.get_int(key("expert_used_count"));
     c.norm_topk_prob = file.get_bool(key("expert_weights_norm"), true);
   }
@@ -209,6 +213,43 @@ ModelConfig config_from_gguf(const GgufFile& file) {
   c.attention_out_bias = file.find_tensor("blk.0.attn_output.bias") != nullptr;
   c.mlp_bias = file.find_tensor("blk.0.ffn_gate.bias") != nullptr;
   c.qk_norm = c.family == Family::kQwen3 || c.family == Family::kQwen3Moe;
+  if (c.family == Family::kGptOss) {
+    // As llama.cpp reads gpt-oss: every block sparse with biased experts and router, sinks,
+    // biased attention, even layers sliding (unless sliding_window_pattern says otherwise), and
+    // the SwiGLU's alpha and limit it hardcodes (transformers' defaults). The YaRN of GPT-OSS's
+    // checkpoints does not truncate its correction range; llama.cpp keeps no flag for it.
+    if (c.num_experts <= 0)
+      throw Error(file.path() + ": metadata '" + key("expert_count") +
+                  "' is missing: gpt-oss blocks are mixtures of experts");
+    c.sparse_layers.clear();
+    c.attention_bias = c.attention_out_bias = true;
+    c.attention_sinks = true;
+    c.swiglu_alpha = 1.702;
+    c.swiglu_limit = 7.0;
+    c.rope.truncate = false;
+    c.sliding_window = file.get_int(key("attention.sliding_window"));
+    c.sliding_layers.assign(
+        static_cast<std::size_t>(std::clamp<std::int64_t>(c.num_layers, 0, 4096)), false);
+    const GgufValue* pattern = file.find(key("attention.sliding_window_pattern"));
+    for (std::size_t l = 0; l < c.sliding_layers.size(); ++l) {
+      if (pattern == nullptr) {
+        c.sliding_layers[l] = l % 2 == 0;
+      } else if (pattern->type() == GgufValueType::kArray) {
+        if (pattern->size() != c.sliding_layers.size())
+          throw Error(file.path() + ": metadata '" + key("attention.sliding_window_pattern") +
+                      "' lists " + std::to_string(pattern->size()) + " layers, the model has " +
+                      std::to_string(c.sliding_layers.size()));
+        const std::optional<bool> b = pattern->at(l).to_bool();
+        if (!b)
+          throw Error(file.path() + ": metadata '" + key("attention.sliding_window_pattern") +
+                      "' must be booleans or one integer");
+        c.sliding_layers[l] = *b;
+      } else {  // every n-th layer is full, as llama.cpp's set_swa_pattern
+        const std::int64_t n = file.get_int(key("attention.sliding_window_pattern"));
+        c.sliding_layers[l] = n <= 0 || static_cast<std::int64_t>(l) % n < n - 1;
+      }
+    }
+  }
 
   // The declared dtype: F32 or F16 when every tensor is (F32 norms beside F16 matrices count as
   // F16); anything quantised or BF16 streams as BF16.
@@ -259,11 +300,9 @@ const char* gguf_architecture(Family family) {
     case Family::kMixtral:
       return "llama";  // llama.cpp stores Mixtral as llama with experts
     case Family::kGptOss:
-      break;
+      return "gpt-oss";
   }
-  throw Error(std::string("GGUF for ") + to_string(family) +
-              " is not supported yet: export a merged Hugging Face folder (--format merged) or a "
-              "PEFT adapter (--format adapter)");
+  return "?";
 }
 
 std::vector<GgufTensorMapping> gguf_names(const ModelConfig& c) {
@@ -296,6 +335,31 @@ std::vector<GgufTensorMapping> gguf_names(const ModelConfig& c) {
     if (c.qk_norm) {
       add(g + "attn_q_norm.weight", h + "self_attn.q_norm.weight", {D});
       add(g + "attn_k_norm.weight", h + "self_attn.k_norm.weight", {D});
+    }
+    if (c.family == Family::kGptOss) {
+      // llama.cpp's gpt-oss: gate and up as separate expert tensors (E, I, C), down as (E, C, I),
+      // F32 biases; HF's fused x @ W experts are made from them (GgufTensorMapping).
+      const std::int64_t E = c.num_experts, I = c.moe_intermediate_size;
+      add(g + "attn_sinks.weight", h + "self_attn.sinks", {H});
+      add(g + "post_attention_norm.weight", h + "post_attention_layernorm.weight", {C});
+      add(g + "ffn_gate_inp.weight", h + "mlp.router.weight", {E, C});
+      add(g + "ffn_gate_inp.bias", h + "mlp.router.bias", {E});
+      auto fused = [&](std::string gguf, std::string gguf2, std::string hf,
+                       std::vector<std::int64_t> shape, std::vector<std::int64_t> gguf_shape,
+                       bool transpose) {
+        add(std::move(gguf), std::move(hf), std::move(shape));
+        out.back().gguf_name2 = std::move(gguf2);
+        out.back().gguf_shape = std::move(gguf_shape);
+        out.back().transpose = transpose;
+      };
+      fused(g + "ffn_gate_exps.weight", g + "ffn_up_exps.weight", h + "mlp.experts.gate_up_proj",
+            {E, C, 2 * I}, {E, I, C}, true);
+      fused(g + "ffn_gate_exps.bias", g + "ffn_up_exps.bias", h + "mlp.experts.gate_up_proj_bias",
+            {E, 2 * I}, {E, I}, false);
+      fused(g + "ffn_down_exps.weight", "", h + "mlp.experts.down_proj", {E, I, C}, {E, C, I},
+            true);
+      add(g + "ffn_down_exps.bias", h + "mlp.experts.down_proj_bias", {E, C});
+      continue;
     }
     add(g + "ffn_norm.weight", h + "post_attention_layernorm.weight", {C});
     if (c.sparse(l)) {
@@ -332,24 +396,26 @@ std::vector<GgufTensorMapping> gguf_names(const ModelConfig& c) {
 std::vector<GgufTensorMapping> gguf_tensor_mapping(const GgufFile& file, const ModelConfig& c) {
   std::vector<GgufTensorMapping> out = gguf_names(c);
   std::unordered_set<std::string> expected;
-  for (const GgufTensorMapping& m : out) {
-    expected.insert(m.gguf_name);
-    const GgufTensorInfo* t = file.find_tensor(m.gguf_name);
-    const std::string what = file.path() + ": tensor '" + m.gguf_name + "' (" + m.hf_name + ")";
-    if (t == nullptr)
-      throw Error(what + " is missing; the " + to_string(c.family) +
-                  " model its metadata describes needs it");
-    std::vector<std::int64_t> want = m.shape;
-    if (m.expert >= 0) want.insert(want.begin(), c.num_experts);
-    if (t->shape() != want)
-      throw Error(what + " has shape " + shape_text(t->shape()) + " but the model's metadata " +
-                  "implies " + shape_text(want) + "; the file is inconsistent");
-    if (m.expert >= 0 && t->n_bytes % static_cast<std::uint64_t>(c.num_experts) != 0)
-      throw Error(what + ": its " + std::to_string(t->n_bytes) + " bytes do not split into " +
-                  std::to_string(c.num_experts) + " experts");
-    if (!ggml_type_info(t->type).dequantizable)
-      throw Error(what + " " + ggml_not_dequantizable(t->type));
-  }
+  for (const GgufTensorMapping& m : out)
+    for (const std::string& name : {m.gguf_name, m.gguf_name2}) {
+      if (name.empty()) continue;
+      expected.insert(name);
+      const GgufTensorInfo* t = file.find_tensor(name);
+      const std::string what = file.path() + ": tensor '" + name + "' (" + m.hf_name + ")";
+      if (t == nullptr)
+        throw Error(what + " is missing; the " + to_string(c.family) +
+                    " model its metadata describes needs it");
+      std::vector<std::int64_t> want = m.gguf_shape.empty() ? m.shape : m.gguf_shape;
+      if (m.expert >= 0) want.insert(want.begin(), c.num_experts);
+      if (t->shape() != want)
+        throw Error(what + " has shape " + shape_text(t->shape()) + " but the model's metadata " +
+                    "implies " + shape_text(want) + "; the file is inconsistent");
+      if (m.expert >= 0 && t->n_bytes % static_cast<std::uint64_t>(c.num_experts) != 0)
+        throw Error(what + ": its " + std::to_string(t->n_bytes) + " bytes do not split into " +
+                    std::to_string(c.num_experts) + " experts");
+      if (!ggml_type_info(t->type).dequantizable)
+        throw Error(what + " " + ggml_not_dequantizable(t->type));
+    }
   for (const GgufTensorInfo& t : file.tensors())
     if (expected.count(t.name) == 0 && t.name != kRopeFreqs)
       throw Error(file.path() + ": tensor '" + t.name + "' is not part of the " +
@@ -361,6 +427,15 @@ std::vector<GgufTensorMapping> gguf_tensor_mapping(const GgufFile& file, const M
 }
 
 at::Tensor load_hf_tensor(const GgufFile& file, const GgufTensorMapping& m, DType target) {
+  if (!m.gguf_shape.empty()) {  // GPT-OSS's fused experts (see GgufTensorMapping)
+    at::Tensor t = load_tensor(file, m.gguf_name, target);
+    if (!m.gguf_name2.empty())
+      t = at::stack({t, load_tensor(file, m.gguf_name2, target)}, 2).flatten(1, 2);
+    if (m.transpose) t = t.transpose(-1, -2);
+    t = t.contiguous();
+    RONDO_ASSERT(t.sizes().vec() == m.shape);
+    return t;
+  }
   at::Tensor t = load_tensor(file, m.gguf_name, target, m.expert);
   RONDO_ASSERT(t.sizes().vec() == m.shape);
   if (m.unpermute_heads > 0) {

@@ -23,8 +23,8 @@
 
 namespace rondo::models {
 
-// Family and dimensions from `general.architecture` (llama, qwen2, qwen3, qwen3moe; llama with
-// experts is Mixtral) and `<arch>.*` keys;
+// Family and dimensions from `general.architecture` (llama, qwen2, qwen3, qwen3moe, gpt-oss; llama
+// with experts is Mixtral) and `<arch>.*` keys;
 // vocab size from `tokenizer.ggml.tokens`; tied embeddings when `output.weight` is absent; llama3
 // rope scaling recovered from `rope_freqs.weight`. Throws Error naming the file and key.
 ModelConfig config_from_gguf(const GgufFile& file);
@@ -36,6 +36,13 @@ struct GgufTensorMapping {
   std::int64_t unpermute_heads = 0;  // > 0: undo llama.cpp's q/k row permutation over this many
                                      // heads (llama only)
   std::int64_t expert = -1;          // >= 0: this slice of a GGUF expert tensor (E, rows, cols)
+  // GPT-OSS's fused experts from llama.cpp's separate tensors. With gguf_shape set (each GGUF
+  // tensor's torch shape): the HF tensor is gguf_name's, or with gguf_name2 the two interleaved
+  // along dimension 1 (row i of the first becomes row 2i, of the second 2i + 1: HF's gate and up
+  // as gate_up), then with `transpose` its last two dimensions swapped (HF's x @ W layout).
+  std::string gguf_name2;
+  std::vector<std::int64_t> gguf_shape;
+  bool transpose = false;
 };
 
 // Every tensor a model of this config has, in HF order (embedding, layers, norm, head), under
@@ -47,7 +54,8 @@ std::vector<GgufTensorMapping> gguf_names(const ModelConfig& config);
 // rotary pair (the rotation frequency is divided by it).
 std::vector<double> llama3_rope_factors(const RopeConfig& rope, std::int64_t head_dim);
 
-// llama.cpp's `general.architecture` for a family: llama (Mistral too), qwen2, qwen3.
+// llama.cpp's `general.architecture` for a family: llama (Mistral, Mixtral too), qwen2, qwen3,
+// qwen3moe, gpt-oss.
 const char* gguf_architecture(Family family);
 
 // The same as gguf_names(config), checked against a file. Throws Error naming

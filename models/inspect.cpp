@@ -88,7 +88,8 @@ ModelSummary inspect_model(const std::string& path, std::int64_t seq_len) {
     s.config = config_from_gguf(file);
     for (const GgufTensorMapping& m : gguf_tensor_mapping(file, s.config)) {
       const GgufTensorInfo& t = file.tensor(m.gguf_name);
-      stored[m.hf_name] = {t.n_bytes, ggml_type_info(t.type).name};
+      const std::uint64_t second = m.gguf_name2.empty() ? 0 : file.tensor(m.gguf_name2).n_bytes;
+      stored[m.hf_name] = {t.n_bytes + second, ggml_type_info(t.type).name};
     }
   }
   for (const LayerSpec& spec : layer_specs(s.config)) {

@@ -98,6 +98,7 @@ std::optional<GgufBlocks> WeightReader::read_blocks(const std::string& name) con
   auto it = m.mapping.find(name);
   if (it == m.mapping.end()) throw Error(m.path + ": no tensor '" + name + "'");
   const GgufTensorMapping& map = it->second;
+  if (!map.gguf_shape.empty()) return std::nullopt;  // made from other tensors: dequantised
   const GgufTensorInfo& info = m.gguf->tensor(map.gguf_name);
   const GgmlTypeInfo& type = ggml_type_info(info.type);
   if (type.block_size == 1 || map.shape.size() != 2) return std::nullopt;
@@ -132,6 +133,10 @@ void WeightReader::release(const std::string& name) const {
     auto it = m.mapping.find(name);
     if (it == m.mapping.end()) return;
     const GgufTensorInfo& info = m.gguf->tensor(it->second.gguf_name);
+    if (!it->second.gguf_name2.empty()) {
+      const GgufTensorInfo& second = m.gguf->tensor(it->second.gguf_name2);
+      release_mapped_pages(m.gguf->tensor_data(second), second.n_bytes);
+    }
     if (it->second.expert >= 0) {  // that expert's slice only
       const std::uint64_t slice = info.n_bytes / static_cast<std::uint64_t>(info.shape()[0]);
       release_mapped_pages(

@@ -40,6 +40,7 @@ static_assert(kChunk % quant::kQKK == 0 && kChunk % quant::kQK == 0);
 constexpr float kNf4Code[16] = RONDO_NF4_CODE;
 constexpr float kDynamicMap[256] = RONDO_DYNAMIC_MAP_CODE;
 constexpr float kFp4[16] = RONDO_FP4_CODE;
+constexpr float kMxfp4Gguf[16] = RONDO_MXFP4_GGUF_CODE;
 
 struct GgufGeometry {
   int elements;  // per block
@@ -53,6 +54,7 @@ bool is_gguf(QuantType type) {
     case QuantType::kQ8_0:
     case QuantType::kQ4_K:
     case QuantType::kQ6_K:
+    case QuantType::kGgufMXFP4:
       return true;
     default:
       return false;
@@ -71,6 +73,8 @@ GgufGeometry gguf_geometry(QuantType type) {
       return {quant::kQKK, quant::kQ4_KBytes};
     case QuantType::kQ6_K:
       return {quant::kQKK, quant::kQ6_KBytes};
+    case QuantType::kGgufMXFP4:
+      return {quant::kQK, quant::kMxfp4GgufBytes};
     default:
       RONDO_ASSERT_MSG(false, std::string("not a GGUF type: ") + to_string(type));
   }
@@ -121,6 +125,12 @@ void decode_gguf(QuantType type, const std::uint8_t* src, std::int64_t begin, st
             out[j] = quant::q4_k_apply(d_sub, m_sub, quant::q4_k_quant(b, j));
         }
         break;
+      case QuantType::kGgufMXFP4: {
+        const float d = quant::mxfp4_gguf_scale(b);
+        for (int j = 0; j < quant::kQK; ++j)
+          out[j] = quant::mxfp4_gguf_apply(kMxfp4Gguf, d, quant::mxfp4_gguf_quant(b, j));
+        break;
+      }
       case QuantType::kQ6_K: {
         float d_sub[16];
         for (int sub = 0; sub < 16; ++sub)
@@ -206,6 +216,8 @@ const char* to_string(QuantType type) {
       return "INT8";
     case QuantType::kMXFP4:
       return "MXFP4";
+    case QuantType::kGgufMXFP4:
+      return "MXFP4 (ggml)";
   }
   return "?";
 }

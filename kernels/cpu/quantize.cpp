@@ -569,6 +569,8 @@ void quantize_gguf(QuantType type, const void* src, FloatDType in, std::int64_t 
     case QuantType::kQ6_K:
       fn = quantize_q6_k, elements = quant::kQKK, bytes = quant::kQ6_KBytes;
       break;
+    case QuantType::kGgufMXFP4:
+      throw Error("MXFP4 is read from GGUF files that store it; Rondo does not quantise to it");
     default:
       throw Error(std::string("quantize_gguf: ") + to_string(type) + " is not a GGUF type");
   }

@@ -20,6 +20,7 @@ namespace {
 __constant__ float kNf4CodeDevice[16] = RONDO_NF4_CODE;
 __constant__ float kDynamicMapDevice[256] = RONDO_DYNAMIC_MAP_CODE;
 __constant__ float kFp4Device[16] = RONDO_FP4_CODE;
+__constant__ float kMxfp4GgufDevice[16] = RONDO_MXFP4_GGUF_CODE;
 
 constexpr int kThreads = 256;
 constexpr std::int64_t kMaxBlocks = 1 << 15;  // grid-stride beyond 8 Mi threads
@@ -56,6 +57,11 @@ __device__ __forceinline__ float gguf_value(const std::uint8_t* src, std::int64_
     float d_sub, m_sub;
     quant::q4_k_sub(b, j / 32, &d_sub, &m_sub);
     return quant::q4_k_apply(d_sub, m_sub, quant::q4_k_quant(b, j));
+  } else if constexpr (T == QuantType::kGgufMXFP4) {
+    const std::uint8_t* b = src + (i / quant::kQK) * quant::kMxfp4GgufBytes;
+    const int j = static_cast<int>(i % quant::kQK);
+    return quant::mxfp4_gguf_apply(kMxfp4GgufDevice, quant::mxfp4_gguf_scale(b),
+                                   quant::mxfp4_gguf_quant(b, j));
   } else {
     static_assert(T == QuantType::kQ6_K, "a GGUF type");
     const std::uint8_t* b = src + (i / quant::kQKK) * quant::kQ6_KBytes;
@@ -155,6 +161,10 @@ void launch(const QuantFormat& format, const std::uint8_t* src, std::int64_t row
           <<<grid, kThreads, 0, stream>>>(src, int8_layout(rows, cols).scales, rows, cols, dst);
       return;
     }
+    case QuantType::kGgufMXFP4:
+      dequantize_gguf<QuantType::kGgufMXFP4, Out>
+          <<<grid_for(n), kThreads, 0, stream>>>(src, n, dst);
+      return;
     case QuantType::kMXFP4:
       dequantize_mxfp4<Out><<<grid_for(n), kThreads, 0, stream>>>(
           src, mxfp4_layout(format, rows, cols), n, dst);

@@ -129,7 +129,7 @@ TEST_F(QuantCudaTest, EqualsTheCpuForRandomBytes) {
 }
 
 // MXFP4 (GPT-OSS's experts, read from checkpoints, never made): random bytes, every code and
-// scale, 1 and 3 experts.
+// scale, 1 and 3 experts; and ggml's MXFP4 blocks.
 TEST_F(QuantCudaTest, EqualsTheCpuForMxfp4) {
   auto rng = fresh_rng();
   std::uniform_int_distribution<int> byte(0, 255);
@@ -139,6 +139,14 @@ TEST_F(QuantCudaTest, EqualsTheCpuForMxfp4) {
     for (auto& b : blob)
       b = static_cast<std::uint8_t>(byte(rng));
     run_on_gpu_and_cpu(*dev_, f, blob, experts * c, r);
+  }
+  // ggml's block_mxfp4 (GGUF), every scale byte.
+  const QuantFormat ggml{.type = QuantType::kGgufMXFP4};
+  for (auto [rows, cols] : {std::array<std::int64_t, 2>{1, 32}, {67, 288}, {1000, 4096}}) {
+    std::vector<std::uint8_t> blob(quant_bytes(ggml, rows, cols));
+    for (auto& b : blob)
+      b = static_cast<std::uint8_t>(byte(rng));
+    run_on_gpu_and_cpu(*dev_, ggml, blob, rows, cols);
   }
 }
 

@@ -362,6 +362,20 @@ std::vector<float> reference_decode(const QuantFormat& f, const std::vector<std:
           }
       break;
     }
+    case QuantType::kGgufMXFP4:
+      // ggml's block_mxfp4: e, then element j in the low nibble of byte j, j + 16 in the high
+      // one; kvalues_mxfp4 (twice e2m1, code 8 a plain 0) times GGML_E8M0_TO_FP32_HALF(e).
+      for (std::int64_t b = 0; b < n / 32; ++b) {
+        const int e = blob[static_cast<std::size_t>(17 * b)];
+        const double d = std::ldexp(1.0, e - 128);
+        for (int j = 0; j < 32; ++j) {
+          const std::uint8_t byte = blob[static_cast<std::size_t>(17 * b + 1 + j % 16)];
+          const int code = j < 16 ? byte & 15 : byte >> 4;
+          const int kvalues[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+          y[static_cast<std::size_t>(32 * b + j)] = static_cast<float>(kvalues[code] * d);
+        }
+      }
+      break;
     case QuantType::kNone:
       break;
   }
@@ -578,6 +592,7 @@ TEST(QuantDequantize, EqualsTheReferenceDecoderForRandomBlocks) {
             put32(int8_layout(s.rows, s.cols).scales + 4 * r, normal(rng) * 0.01f);
           break;
         case QuantType::kMXFP4:  // not among the formats swept here (MXFP4's own test below)
+        case QuantType::kGgufMXFP4:
         case QuantType::kNone:
           break;
       }
@@ -588,8 +603,9 @@ TEST(QuantDequantize, EqualsTheReferenceDecoderForRandomBlocks) {
 
 // MXFP4 (GPT-OSS's experts) equals the format's definition on random bytes: every code, every
 // scale (255 included, as torch's power of two makes it an infinity), 1 and 3 experts, each
-// expert's (R, C) matrix transposed into the (E * C, R) tensor; and Rondo does not make it.
-TEST(QuantDequantize, Mxfp4IsTheFormatsDefinition) {
+// expert's (R, C) matrix transposed into the (E * C, R) tensor; ggml's MXFP4 blocks (GGUF) equal
+// ggml's definition likewise; and Rondo makes neither.
+TEST(QuantDequantize, Mxfp4AndGgmlMxfp4AreTheirDefinitions) {
   auto rng = rng_for_test();
   std::uniform_int_distribution<int> byte(0, 255);
   for (auto [experts, c, r] : {std::array<std::int64_t, 3>{1, 32, 1}, {3, 64, 7}, {2, 96, 301}}) {
@@ -601,6 +617,16 @@ TEST(QuantDequantize, Mxfp4IsTheFormatsDefinition) {
       b = static_cast<std::uint8_t>(byte(rng));
     for (FloatDType out : {FloatDType::kF32, FloatDType::kBF16, FloatDType::kF16})
       expect_dequantize_equals_reference(f, blob, rows, cols, out);
+  }
+  // ggml's MXFP4 blocks (GGUF) likewise.
+  const QuantFormat ggml{.type = QuantType::kGgufMXFP4};
+  for (auto [rows, cols] : {std::array<std::int64_t, 2>{1, 32}, {5, 96}, {3, 4096}}) {
+    std::vector<std::uint8_t> blob(quant_bytes(ggml, rows, cols));
+    EXPECT_EQ(blob.size(), static_cast<std::size_t>(rows * cols / 32 * 17));
+    for (auto& b : blob)
+      b = static_cast<std::uint8_t>(byte(rng));
+    for (FloatDType out : {FloatDType::kF32, FloatDType::kBF16, FloatDType::kF16})
+      expect_dequantize_equals_reference(ggml, blob, rows, cols, out);
   }
   const QuantFormat three{.type = QuantType::kMXFP4, .experts = 3};
   EXPECT_THROW(quant_bytes(three, 3 * 48, 4), Error);  // 48 rows an expert: not groups of 32
@@ -710,6 +736,7 @@ double expect_round_trip(const QuantFormat& f, std::int64_t rows, std::int64_t c
         break;
       }
       case QuantType::kMXFP4:  // never made (quantize throws)
+      case QuantType::kGgufMXFP4:
       case QuantType::kNone:
         break;
     }

@@ -129,8 +129,13 @@ def raw_q6_k(rng, n_blocks):
     return np.concatenate([body, d], axis=1)
 
 
+def raw_mxfp4(rng, n_blocks):
+    # e8m0 scale (every value, 0 and 255 included), 16 bytes of nibbles
+    return rng.integers(0, 256, (n_blocks, 1 + 16), dtype=np.uint8)
+
+
 RAW = {QT.Q8_0: raw_q8_0, QT.Q4_0: raw_q4_0, QT.Q4_1: raw_q4_1, QT.Q4_K: raw_q4_k,
-       QT.Q6_K: raw_q6_k}
+       QT.Q6_K: raw_q6_k, QT.MXFP4: raw_mxfp4}
 
 
 def raw_tensor(rng, qtype, shape):
@@ -180,6 +185,9 @@ def dequant_cases(rng):
             add(f"{qtype.name}.quantized.{'x'.join(map(str, shape))}",
                 gguf.quants.quantize(v, qtype), qtype, None)
         add(f"{qtype.name}.raw", raw_tensor(rng, qtype, (5, 64)), qtype, None)
+    for shape in ((3, 96), (1, 32), (4, 2, 64), (2, 8192)):  # 2 x 8192: every scale byte
+        add(f"MXFP4.raw.{'x'.join(map(str, shape))}", raw_tensor(rng, QT.MXFP4, shape), QT.MXFP4,
+            None)
     for qtype in (QT.Q4_K, QT.Q6_K):
         for shape in ((3, 512), (1, 256), (2, 3, 256)):
             add(f"{qtype.name}.raw.{'x'.join(map(str, shape))}", raw_tensor(rng, qtype, shape),
@@ -212,7 +220,7 @@ def test_dequant_every_type_equals_gguf(tmp_path, rng, target):
             check_f32(got[name], ref, name)
         else:
             check_bf16(got[name], ref, name)
-    assert seen == {"f32", "f16", "bf16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K"}
+    assert seen == {"f32", "f16", "bf16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K", "MXFP4"}
 
 
 def test_unsupported_type_is_named(tmp_path, rng):
@@ -643,6 +651,121 @@ def test_moe_gguf_logits_equal_transformers(tmp_path, kind):
     convert(model, path, arch)
     tokens = torch.randint(0, model.config.vocab_size, (2, 13),
                            generator=torch.Generator().manual_seed(SEED))
+    (tmp_path / "batch.json").write_text(json.dumps({"tokens": tokens.tolist(), "dtype": "F32"}))
+    driver("forward", path, tmp_path / "batch.json", tmp_path / "out.safetensors")
+    from safetensors.numpy import load_file
+    got = load_file(str(tmp_path / "out.safetensors"))["logits"]
+    with torch.no_grad():
+        want = model(input_ids=tokens).logits.numpy()
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-4 * max(1.0, np.abs(want).max()))
+
+
+def convert_gpt_oss(model, path, experts_qtype=None):
+    """A GPT-OSS model as llama.cpp's converter writes it (conversion/gpt_oss.py): arch gpt-oss,
+    HF's fused x @ W experts split into ffn_gate_exps / ffn_up_exps (E, I, C) from the even and odd
+    columns of gate_up_proj and ffn_down_exps (E, C, I), their biases likewise, F32 norms, biases,
+    sinks and router. experts_qtype: the three expert weights in that ggml type (the rest F32).
+    Returns the HF model's state dict with the experts as the file holds them (gguf-py's
+    dequantisation, fused back)."""
+    cfg = model.config
+    H, KV, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    rope = cfg.rope_parameters
+    sd = {k: v.detach().float().numpy().copy() for k, v in model.state_dict().items()}
+    names = {"input_layernorm.weight": "attn_norm.weight",
+             "post_attention_layernorm.weight": "post_attention_norm.weight",
+             "self_attn.sinks": "attn_sinks.weight",
+             "mlp.router.weight": "ffn_gate_inp.weight", "mlp.router.bias": "ffn_gate_inp.bias",
+             "mlp.experts.down_proj_bias": "ffn_down_exps.bias"}
+    for p in ("q", "k", "v"):
+        names[f"self_attn.{p}_proj.weight"] = f"attn_{p}.weight"
+        names[f"self_attn.{p}_proj.bias"] = f"attn_{p}.bias"
+    names["self_attn.o_proj.weight"] = "attn_output.weight"
+    names["self_attn.o_proj.bias"] = "attn_output.bias"
+    tensors, expected = [], dict(sd)
+
+    def add_expert(name, x):  # (E, rows, cols); returns what the file holds, as float32
+        x = np.ascontiguousarray(x)
+        if experts_qtype is None:
+            tensors.append((name, x, None))
+            return x
+        q = gguf.quants.quantize(x, experts_qtype)
+        tensors.append((name, q, experts_qtype))
+        return gguf.quants.dequantize(q, experts_qtype)
+
+    for name, x in sd.items():
+        if name == "model.embed_tokens.weight":
+            tensors.append(("token_embd.weight", x, None))
+        elif name == "model.norm.weight":
+            tensors.append(("output_norm.weight", x, None))
+        elif name == "lm_head.weight":
+            tensors.append(("output.weight", x, None))
+        else:
+            layer, rest = int(name.split(".")[2]), ".".join(name.split(".")[3:])
+            blk = f"blk.{layer}."
+            if rest == "mlp.experts.gate_up_proj":  # (E, C, 2I), gate and up interleaved
+                gate = add_expert(blk + "ffn_gate_exps.weight", x[:, :, ::2].transpose(0, 2, 1))
+                up = add_expert(blk + "ffn_up_exps.weight", x[:, :, 1::2].transpose(0, 2, 1))
+                fused = np.stack([gate, up], axis=2).reshape(x.shape[0], -1, x.shape[1])
+                expected[name] = fused.transpose(0, 2, 1)
+            elif rest == "mlp.experts.gate_up_proj_bias":
+                tensors.append((blk + "ffn_gate_exps.bias", np.ascontiguousarray(x[:, ::2]), None))
+                tensors.append((blk + "ffn_up_exps.bias", np.ascontiguousarray(x[:, 1::2]), None))
+            elif rest == "mlp.experts.down_proj":  # (E, I, C)
+                expected[name] = add_expert(blk + "ffn_down_exps.weight",
+                                            x.transpose(0, 2, 1)).transpose(0, 2, 1)
+            else:
+                tensors.append((blk + names[rest], x, None))
+
+    def kv(w):
+        w.add_context_length(cfg.max_position_embeddings)
+        w.add_embedding_length(cfg.hidden_size)
+        w.add_block_count(cfg.num_hidden_layers)
+        w.add_feed_forward_length(cfg.intermediate_size)
+        w.add_head_count(H)
+        w.add_head_count_kv(KV)
+        w.add_key_length(D)
+        w.add_value_length(D)
+        w.add_rope_freq_base(rope["rope_theta"])
+        w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+        w.add_expert_count(cfg.num_local_experts)
+        w.add_expert_used_count(cfg.num_experts_per_tok)
+        w.add_expert_feed_forward_length(cfg.intermediate_size)
+        w.add_sliding_window(cfg.sliding_window)
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(rope["factor"])
+        w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+        w.add_token_list([f"tok{i}" for i in range(cfg.vocab_size)])
+        w.add_bos_token_id(1)
+        w.add_eos_token_id(2)
+
+    write_gguf(path, "gpt-oss", tensors, kv=kv)
+    return expected
+
+
+@pytest.mark.parametrize("experts", ["f32", "mxfp4"])
+def test_gpt_oss_gguf_logits_equal_transformers(tmp_path, experts):
+    """GPT-OSS in llama.cpp's layout (separate gate, up and down expert tensors, sinks, biases,
+    YaRN, even layers sliding), experts in F32 or MXFP4: Rondo's logits from the GGUF alone equal
+    transformers' on the weights the file holds (fp32), with windows shorter than the rows."""
+    import transformers as tf
+    torch.manual_seed(SEED)
+    cfg = tf.GptOssConfig(vocab_size=97, hidden_size=64, intermediate_size=32,
+                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                          head_dim=16, num_local_experts=4, num_experts_per_tok=2,
+                          sliding_window=6, rms_norm_eps=1e-5)
+    model = tf.GptOssForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    path = tmp_path / "model.gguf"
+    expected = convert_gpt_oss(model, path, None if experts == "f32" else QT.MXFP4)
+    if experts == "mxfp4":  # the reference computes with what the file holds
+        plain = model.model.layers[0].mlp.experts.gate_up_proj.detach().numpy()
+        held = expected["model.layers.0.mlp.experts.gate_up_proj"]
+        assert 1e-3 < np.linalg.norm(held - plain) / np.linalg.norm(plain) < 0.5
+        model.load_state_dict({k: torch.from_numpy(np.ascontiguousarray(v))
+                               for k, v in expected.items()})
+    tokens = torch.randint(0, cfg.vocab_size, (2, 13), generator=torch.Generator().manual_seed(SEED))
     (tmp_path / "batch.json").write_text(json.dumps({"tokens": tokens.tolist(), "dtype": "F32"}))
     driver("forward", path, tmp_path / "batch.json", tmp_path / "out.safetensors")
     from safetensors.numpy import load_file
