@@ -354,6 +354,20 @@ def gguf_name(hf):
     return f"blk.{parts[2]}.{dict(GGUF_NAMES)[module]}.{kind}"
 
 
+def add_dimensions(w, cfg, head_dim):
+    """The dimension keys llama.cpp's converter writes for every architecture (TextModel)."""
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+
+
 def convert(model, path, arch, quant=None, drop=(), extra=()):
     """Writes `model` as llama.cpp would; returns {hf name: expected float32 tensor}. quant: a
     ggml type for the 2-D weights (reference: gguf-py's dequantisation of what was written).
@@ -364,17 +378,8 @@ def convert(model, path, arch, quant=None, drop=(), extra=()):
     rope = cfg.rope_parameters
 
     def kv(w):
-        w.add_context_length(cfg.max_position_embeddings)
-        w.add_embedding_length(cfg.hidden_size)
-        w.add_block_count(cfg.num_hidden_layers)
-        w.add_feed_forward_length(cfg.intermediate_size)
-        w.add_head_count(H)
-        w.add_head_count_kv(KV)
-        w.add_key_length(D)
-        w.add_value_length(D)
+        add_dimensions(w, cfg, D)
         w.add_rope_dimension_count(D)
-        w.add_rope_freq_base(rope["rope_theta"])
-        w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
         w.add_token_list([f"tok{i}" for i in range(cfg.vocab_size)])
         w.add_bos_token_id(1)
         w.add_eos_token_id(2)
@@ -717,16 +722,7 @@ def convert_gpt_oss(model, path, experts_qtype=None):
                 tensors.append((blk + names[rest], x, None))
 
     def kv(w):
-        w.add_context_length(cfg.max_position_embeddings)
-        w.add_embedding_length(cfg.hidden_size)
-        w.add_block_count(cfg.num_hidden_layers)
-        w.add_feed_forward_length(cfg.intermediate_size)
-        w.add_head_count(H)
-        w.add_head_count_kv(KV)
-        w.add_key_length(D)
-        w.add_value_length(D)
-        w.add_rope_freq_base(rope["rope_theta"])
-        w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+        add_dimensions(w, cfg, D)
         w.add_expert_count(cfg.num_local_experts)
         w.add_expert_used_count(cfg.num_experts_per_tok)
         w.add_expert_feed_forward_length(cfg.intermediate_size)

@@ -30,7 +30,8 @@ from safetensors.numpy import load_file
 
 import tokenizer_builders as tb
 from rondo_oracle import RONDO, driver
-from test_gguf import gguf_name, llama_cpp_inverse_permute, llama_cpp_permute, write_gguf
+from test_gguf import (add_dimensions, gguf_name, llama_cpp_inverse_permute, llama_cpp_permute,
+                       write_gguf)
 
 QT = gguf.GGMLQuantizationType
 SEED = int.from_bytes(os.urandom(4), "little")
@@ -150,15 +151,8 @@ def write_model_gguf(model, tok, path, qtype, tmp_path):
     merges = json.loads(tok.to_str())["model"]["merges"]
 
     def kv(w):
-        w.add_context_length(cfg.max_position_embeddings)
-        w.add_embedding_length(cfg.hidden_size)
-        w.add_block_count(cfg.num_hidden_layers)
-        w.add_feed_forward_length(cfg.intermediate_size)
-        w.add_head_count(H)
-        w.add_head_count_kv(KV)
+        add_dimensions(w, cfg, D)
         w.add_rope_dimension_count(D)
-        w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
-        w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
         w.add_tokenizer_model("gpt2")
         w.add_tokenizer_pre("qwen2")
         w.add_token_list(tokens)
