@@ -163,7 +163,8 @@ std::vector<LayerSpec> add_lora(std::vector<LayerSpec> specs, const LoraConfig& 
   // A mixture of experts, as PEFT 0.21 with transformers 5 adapts one (Note [LoRA on experts]):
   // the MLP names mean the sparse blocks' fused experts, gate_proj and up_proj together.
   const bool moe = !specs.empty() && specs.front().config.num_experts > 0;
-  // GPT-OSS's experts (interleaved gate/up, biases) have no PEFT conversion: attention only.
+  // GPT-OSS's experts (fused x @ W, interleaved gate/up, biases) and router: not mapped yet (peft
+  // 0.21 adapts them through target_parameters): attention only.
   const bool fused_experts = moe && specs.front().config.family == Family::kGptOss;
   if (fused_experts)
     for (const std::string& t : lora.targets)
