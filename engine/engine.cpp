@@ -779,14 +779,8 @@ struct Engine::Impl {
     return in;
   }
 
-  // Rows of logits the head computes at a time. On a CPU-backed device a chunk's fp32 logits (and
-  // the temporaries of its size) stay well under the tuned heap's block limit, so they are reused
-  // from the heap instead of mapped and faulted in every step (offload/process_heap.h).
   std::int64_t head_chunk_tokens(c10::Device dev, std::int64_t vocab) const {
-    if (!dev.is_cpu()) return options.head_chunk_tokens;
-    return std::min(options.head_chunk_tokens,
-                    std::max<std::int64_t>(
-                        16, static_cast<std::int64_t>(offload::kHeapBlockLimit) / 2 / (vocab * 4)));
+    return engine::head_chunk_tokens(options.head_chunk_tokens, vocab, dev.is_cpu());
   }
 
   // One microbatch of one job, on the device (runs in compute-stream order).
@@ -1589,6 +1583,13 @@ struct Engine::Impl {
     return out;
   }
 };
+
+std::int64_t head_chunk_tokens(std::int64_t configured, std::int64_t vocab, bool cpu_backed) {
+  if (!cpu_backed) return configured;
+  return std::min(configured,
+                  std::max<std::int64_t>(16, static_cast<std::int64_t>(offload::kHeapBlockLimit) /
+                                                 2 / (std::max<std::int64_t>(vocab, 1) * 4)));
+}
 
 std::int64_t dropout_seed(std::uint64_t run_seed, std::int64_t step, int microbatch) {
   // splitmix64 of the three, kept non-negative (negative means "no dropout").

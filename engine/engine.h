@@ -89,6 +89,12 @@ struct EngineOptions {
   std::vector<double> emulate_speeds;  // per device; empty = all 1
 };
 
+// Rows of logits the head computes at a time: `configured` (EngineOptions::head_chunk_tokens); on
+// a CPU-backed device (the CPU, simulated GPUs) at most what keeps a chunk's fp32 logits under
+// half the tuned heap's block limit (offload/process_heap.h), so that they are reused from the
+// heap instead of mapped and faulted in every step; at least 16.
+std::int64_t head_chunk_tokens(std::int64_t configured, std::int64_t vocab, bool cpu_backed);
+
 // The dropout seed of one microbatch of one (1-based) step: what AttentionContext::dropout_seed
 // holds while the engine trains (and what a reference loop must use to draw the same masks).
 std::int64_t dropout_seed(std::uint64_t run_seed, std::int64_t step, int microbatch);

@@ -344,8 +344,11 @@ RunEstimate estimate_run(const TrainConfig& config, const models::ModelSummary& 
     std::uint64_t transient = 0;
     if (specs[l].kind == models::LayerKind::kHead) {
       const auto V = static_cast<std::uint64_t>(model.config.vocab_size);
+      // The CPU and simulated GPUs compute in host memory, in smaller chunks.
+      const bool cpu_backed = devices.mode == DeviceMode::kCpu || devices.mode == DeviceMode::kSim;
       const std::uint64_t chunk = std::min<std::uint64_t>(
-          EngineOptions{}.head_chunk_tokens,
+          static_cast<std::uint64_t>(head_chunk_tokens(EngineOptions{}.head_chunk_tokens,
+                                                       model.config.vocab_size, cpu_backed)),
           std::max<std::uint64_t>(static_cast<std::uint64_t>(tokens_per_step / std::max(M, 1)), 1));
       transient = chunk * V * (2 * wb + 2 * 4);
       for (std::size_t i = 1; i < specs[l].params.size(); ++i)

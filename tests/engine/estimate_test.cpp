@@ -48,6 +48,40 @@ TEST(Estimate, TheHeadsBackwardTransientsAreCounted) {
   fs::remove_all(dir);
 }
 
+// The head's logits go in chunks of 1024 rows on a GPU, but the CPU (and simulated GPUs, which
+// compute in host memory) keep a chunk's fp32 logits within 16 MiB (half the tuned heap's block
+// limit, offload/process_heap.h): the planner counts the chunk the device will use.
+TEST(Estimate, TheHeadsChunkOnTheCpuIsTheEnginesSmallerOne) {
+  const fs::path dir = fs::path(::testing::TempDir()) / "estimate_cpu_head_chunk";
+  fs::remove_all(dir);
+  const std::int64_t V = 50000, C = 32, T = 512;
+  test::write_model_folder(
+      dir.string(), 1,
+      {.layers = 1, .hidden = static_cast<int>(C), .intermediate = 64, .vocab = V});
+  const models::ModelSummary summary = models::inspect_model(dir.string(), T);
+  auto head_transient = [&](const DeviceSelection& selection) {
+    TrainConfig c;
+    c.model.path = dir.string();
+    c.model.dtype = "fp32";
+    c.data.seq_len = T;
+    c.training.method = "lora";
+    c.training.grad_accum = 1;
+    const RunEstimate est = estimate_run(c, summary, plan_devices(selection), 1, T,
+                                         /*host_free=*/1ull << 40, /*disk_free=*/1ull << 40);
+    return est.inputs.layers.back().transient_bytes;
+  };
+  // Per row of logits: fp32 logits in the streaming dtype and in fp32, their fp32 gradient and its
+  // copy (fp32 here): 16 bytes per vocabulary entry.
+  const std::uint64_t per_row = static_cast<std::uint64_t>(V) * 16;
+  const std::uint64_t cpu = head_transient({}), sim = head_transient({.sim_devices = 2}),
+                      gpu = head_transient({.gpu = "RTX 4090"});
+  EXPECT_EQ(gpu, per_row * T);  // the whole microbatch: fewer rows than a chunk
+  const std::uint64_t rows_in_16mib = (16ull << 20) / (static_cast<std::uint64_t>(V) * 4);  // 83
+  EXPECT_EQ(cpu, per_row * rows_in_16mib);
+  EXPECT_EQ(sim, cpu);
+  fs::remove_all(dir);
+}
+
 // A run says when its steps are far from what the plan predicted (the median of the judged
 // steps, so one slow step does not), either way, and not when they are within 25%.
 TEST(Estimate, StepsFarFromThePredictionAreSaid) {
