@@ -166,8 +166,8 @@ void launch(const QuantFormat& format, const std::uint8_t* src, std::int64_t row
           <<<grid_for(n), kThreads, 0, stream>>>(src, n, dst);
       return;
     case QuantType::kMXFP4:
-      dequantize_mxfp4<Out><<<grid_for(n), kThreads, 0, stream>>>(
-          src, mxfp4_layout(format, rows, cols), n, dst);
+      dequantize_mxfp4<Out>
+          <<<grid_for(n), kThreads, 0, stream>>>(src, mxfp4_layout(format, rows, cols), n, dst);
       return;
     case QuantType::kNone:
       break;
