@@ -65,6 +65,7 @@ void write_peft_adapter(const std::string& dir, const std::vector<LayerSpec>& sp
   // (Note [LoRA on experts] in lora.cpp), with gate_up_proj's rank and alpha doubled: what
   // add_lora adapted.
   const bool moe = !specs.empty() && specs.front().config.num_experts > 0;
+  const bool gpt_oss = moe && specs.front().config.family == Family::kGptOss;
   nlohmann::json targets = nlohmann::json::array(), parameters = nlohmann::json::array();
   for (const char* m :
        {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}) {
@@ -81,10 +82,11 @@ void write_peft_adapter(const std::string& dir, const std::vector<LayerSpec>& sp
     parameters.push_back("down_proj");
   if (any_spec([](const LayerSpec& s) {
         return std::any_of(s.params.begin(), s.params.end(), [](const ParamSpec& p) {
-          return p.name.find(".mlp.gate.lora_A.") != std::string::npos;
+          return p.name.find(".mlp.gate.lora_A.") != std::string::npos ||
+                 p.name.find(".mlp.router.lora_A.") != std::string::npos;
         });
       }))
-    parameters.push_back("gate.weight");  // the router
+    parameters.push_back(gpt_oss ? "router.weight" : "gate.weight");  // the router
   nlohmann::json config = {{"peft_type", "LORA"},
                            {"task_type", "CAUSAL_LM"},
                            {"base_model_name_or_path", peft_base_name(base_model)},
@@ -100,7 +102,9 @@ void write_peft_adapter(const std::string& dir, const std::vector<LayerSpec>& sp
                            {"modules_to_save", nullptr}};
   if (!parameters.empty()) {
     config["target_parameters"] = parameters;
-    if (std::find(parameters.begin(), parameters.end(), "gate_up_proj") != parameters.end()) {
+    // GPT-OSS's experts are named as parameters, at the adapter's own rank and alpha.
+    if (!gpt_oss &&
+        std::find(parameters.begin(), parameters.end(), "gate_up_proj") != parameters.end()) {
       config["rank_pattern"] = {{".*\\.gate_up_proj", 2 * lora.rank}};
       config["alpha_pattern"] = {{".*\\.gate_up_proj", 2 * lora.alpha}};
     }

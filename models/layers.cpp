@@ -499,7 +499,8 @@ BlockWeights BlockWeights::bind(const LayerSpec& spec, const std::vector<at::Ten
     if (name.rfind(lora_prefix, 0) ==
         0) {  // base_model.model.model.layers.3.mlp.up_proj.lora_A.weight
       const std::string local = name.substr(lora_prefix.size());
-      if (local.rfind("mlp.gate.lora_", 0) == 0) {  // the router's (PEFT's gate.weight)
+      if (local.rfind("mlp.gate.lora_", 0) == 0 ||
+          local.rfind("mlp.router.lora_", 0) == 0) {  // the router's (gate.weight, router.weight)
         (local.find(".lora_A.") != std::string::npos ? w.router_lora_a : w.router_lora_b) =
             tensors[i];
         continue;
@@ -633,30 +634,32 @@ at::Tensor moe_mlp(const ModelConfig& c, const BlockWeights& w, const at::Tensor
     if (n == 0) continue;
     const at::Tensor tokens = token_of.narrow(0, start, n);
     const at::Tensor xs = x.index_select(0, tokens);
+    // Expert e's share of an adapter in PEFT's layout: x A_e^T B_e^T * scaling (GPT-OSS's
+    // x @ W layout takes the same product: PEFT adds (B_e A_e)^T to its (in, out) weight).
+    auto expert_lora = [&](int which, const at::Tensor& in) {
+      const auto [a, b] = expert_lora_factors(w.expert_lora_a[which], w.expert_lora_b[which], E, e);
+      return at::linear(at::linear(in, a), b) * w.expert_lora_scaling[which];
+    };
     at::Tensor y;
     if (fused) {  // GPT-OSS: interleaved gate/up, biases, the clamped SwiGLU
-      const at::Tensor gu = at::matmul(xs, w.fused_gate_up[e]) + w.fused_gate_up_bias[e];
+      at::Tensor gu = at::matmul(xs, w.fused_gate_up[e]) + w.fused_gate_up_bias[e];
+      if (w.expert_lora_a[0].defined()) gu = gu + expert_lora(0, xs);  // interleaved, as gu
       const at::Tensor g = gu.slice(1, 0, std::nullopt, 2).clamp_max(c.swiglu_limit);
       const at::Tensor u = gu.slice(1, 1, std::nullopt, 2).clamp(-c.swiglu_limit, c.swiglu_limit);
       const at::Tensor act = (u + 1) * (g * at::sigmoid(g * c.swiglu_alpha));
       y = at::matmul(act, w.fused_down[e]) + w.fused_down_bias[e];
+      if (w.expert_lora_a[1].defined()) y = y + expert_lora(1, act);
     } else {
-      // Expert e's share of an adapter in PEFT's layout: x A_e^T B_e^T * scaling.
-      auto lora = [&](int which, const at::Tensor& in) {
-        const auto [a, b] =
-            expert_lora_factors(w.expert_lora_a[which], w.expert_lora_b[which], E, e);
-        return at::linear(at::linear(in, a), b) * w.expert_lora_scaling[which];
-      };
       at::Tensor gate = at::linear(xs, w.expert_gate[e]), up = at::linear(xs, w.expert_up[e]);
       if (w.expert_lora_a[0].defined()) {  // gate_up_proj's adapter: gate rows, then up rows
         const std::int64_t I = gate.size(1);
-        const at::Tensor d = lora(0, xs);
+        const at::Tensor d = expert_lora(0, xs);
         gate = gate + d.narrow(1, 0, I);
         up = up + d.narrow(1, I, I);
       }
       const at::Tensor act = at::silu(gate) * up;
       y = at::linear(act, w.expert_down[e]);
-      if (w.expert_lora_a[1].defined()) y = y + lora(1, act);
+      if (w.expert_lora_a[1].defined()) y = y + expert_lora(1, act);
     }
     y = y * weight_of.narrow(0, start, n).unsqueeze(1);
     out = out.index_add(0, tokens, y.to(out.scalar_type()));

@@ -119,15 +119,18 @@ LoraConfig parse_peft_adapter_config(const std::string& json_text, const std::st
         for (const char* p : {"gate_proj", "up_proj"})
           if (std::find(c.targets.begin(), c.targets.end(), p) == c.targets.end())
             c.targets.push_back(p);
-      } else if (name == "gate.weight" || name.ends_with(".gate.weight")) {  // the router
+      } else if (name == "gate.weight" || name.ends_with(".gate.weight") ||
+                 name == "router.weight" || name.ends_with(".router.weight")) {  // the router
         if (std::find(c.targets.begin(), c.targets.end(), "gate") == c.targets.end())
           c.targets.push_back("gate");
       } else if (leaf == "down_proj") {
         if (std::find(c.targets.begin(), c.targets.end(), leaf) == c.targets.end())
           c.targets.push_back(leaf);
       } else {
-        problems.push_back("target_parameters: '" + name +
-                           "' is not an expert weight Rondo adapts (gate_up_proj, down_proj)");
+        problems.push_back(
+            "target_parameters: '" + name +
+            "' is not an expert or router weight Rondo adapts (gate_up_proj, down_proj, "
+            "gate.weight, router.weight)");
       }
     }
   }
@@ -163,25 +166,23 @@ std::vector<LayerSpec> add_lora(std::vector<LayerSpec> specs, const LoraConfig& 
   // A mixture of experts, as PEFT 0.21 with transformers 5 adapts one (Note [LoRA on experts]):
   // the MLP names mean the sparse blocks' fused experts, gate_proj and up_proj together.
   const bool moe = !specs.empty() && specs.front().config.num_experts > 0;
-  // GPT-OSS's experts (fused x @ W, interleaved gate/up, biases) and router: not mapped yet (peft
-  // 0.21 adapts them through target_parameters): attention only.
-  const bool fused_experts = moe && specs.front().config.family == Family::kGptOss;
-  if (fused_experts)
-    for (const std::string& t : lora.targets)
-      if (t == "gate_proj" || t == "up_proj" || t == "down_proj" || t == "gate")
-        throw Error("LoRA target '" + t +
-                    "': LoRA on GPT-OSS's experts and router is not supported yet; target the "
-                    "attention projections q_proj, k_proj, v_proj, o_proj (all-linear does)");
-  const bool gate_up = !fused_experts && targets(lora, "gate_proj") && targets(lora, "up_proj");
-  const bool down = !fused_experts && targets(lora, "down_proj");
+  // GPT-OSS's experts and router are plain parameters to PEFT, adapted only when named
+  // (target_parameters; all-linear reaches its attention alone), at the adapter's own rank.
+  const bool gpt_oss = moe && specs.front().config.family == Family::kGptOss;
+  auto named = [&](const char* t) {
+    return std::find(lora.targets.begin(), lora.targets.end(), t) != lora.targets.end();
+  };
+  const bool gate_up = gpt_oss ? named("gate_proj") && named("up_proj")
+                               : targets(lora, "gate_proj") && targets(lora, "up_proj");
+  const bool down = gpt_oss ? named("down_proj") : targets(lora, "down_proj");
   // The router only when named (all-linear leaves it frozen).
-  const bool router =
-      std::find(lora.targets.begin(), lora.targets.end(), "gate") != lora.targets.end();
+  const bool router = named("gate");
   if (router && !moe)
     throw Error("LoRA target 'gate' is a mixture of experts' router; " +
                 (specs.empty() ? std::string("this model") : specs.front().config.architecture) +
                 " has none");
-  if (moe && targets(lora, "gate_proj") != targets(lora, "up_proj"))
+  if (moe && (gpt_oss ? named("gate_proj") != named("up_proj")
+                      : targets(lora, "gate_proj") != targets(lora, "up_proj")))
     throw Error(
         "LoRA targets: gate_proj and up_proj of a mixture of experts are one fused weight per "
         "expert (gate_up_proj, as transformers 5 and PEFT hold them): target both or neither");
@@ -205,31 +206,34 @@ std::vector<LayerSpec> add_lora(std::vector<LayerSpec> specs, const LoraConfig& 
       adapters.push_back({"base_model.model." + base + ".lora_B.weight", {out, lora.rank}});
     }
     if (moe && s.config.sparse(s.block)) {
-      // PEFT's layout for a 3-D parameter (E, out, in): A (E*R, in), B (out, E*R). gate_up_proj
-      // has rank and alpha doubled (PEFT keeps alpha / r of the two projections it fuses); the
-      // parameter wrapped first (gate_up_proj) is the inner one, base_layer, when both are.
+      // PEFT's layout for a 3-D parameter (E, out, in), or GPT-OSS's (E, in, out): A (E*R, in),
+      // B (out, E*R). Converted from module names, gate_up_proj has rank and alpha doubled (PEFT
+      // keeps alpha / r of the two projections it fuses); GPT-OSS's, named as a parameter, has
+      // the adapter's own. The parameter wrapped first (gate_up_proj) is the inner one,
+      // base_layer, when both are.
       const std::int64_t E = s.config.num_experts, I = s.config.moe_intermediate_size,
-                         C = s.config.hidden_size, r = lora.rank;
+                         C = s.config.hidden_size, r = lora.rank * (gpt_oss ? 1 : 2);
       const std::string experts = "base_model.model." + prefix + "mlp.experts.";
       if (gate_up) {
         const std::string stem = experts + (down ? "base_layer." : "");
-        adapters.push_back({stem + "lora_A.weight", {2 * r * E, C}});
-        adapters.push_back({stem + "lora_B.weight", {2 * I, 2 * r * E}});
+        adapters.push_back({stem + "lora_A.weight", {r * E, C}});
+        adapters.push_back({stem + "lora_B.weight", {2 * I, r * E}});
         LoraConfig fused = lora;
-        fused.rank = 2 * lora.rank;
-        fused.alpha = 2 * lora.alpha;
+        fused.rank = static_cast<int>(r);
+        fused.alpha = gpt_oss ? lora.alpha : 2 * lora.alpha;
         s.lora_fused_scaling = fused.scaling();
         s.lora_experts_gate_up = true;
       }
       if (down) {
-        adapters.push_back({experts + "lora_A.weight", {r * E, I}});
-        adapters.push_back({experts + "lora_B.weight", {C, r * E}});
+        adapters.push_back({experts + "lora_A.weight", {lora.rank * E, I}});
+        adapters.push_back({experts + "lora_B.weight", {C, lora.rank * E}});
         s.lora_experts_down = true;
       }
-      if (router) {  // PEFT's target_parameters gate.weight: a plain 2-D adapter
-        const std::string gate = "base_model.model." + prefix + "mlp.gate.";
-        adapters.push_back({gate + "lora_A.weight", {r, C}});
-        adapters.push_back({gate + "lora_B.weight", {E, r}});
+      if (router) {  // PEFT's target_parameters gate.weight (router.weight): a 2-D adapter
+        const std::string gate =
+            "base_model.model." + prefix + (gpt_oss ? "mlp.router." : "mlp.gate.");
+        adapters.push_back({gate + "lora_A.weight", {lora.rank, C}});
+        adapters.push_back({gate + "lora_B.weight", {E, lora.rank}});
       }
     }
     s.params.insert(s.params.end(), adapters.begin(), adapters.end());
@@ -279,6 +283,23 @@ std::map<std::string, at::Tensor> merge_lora(const std::vector<LayerSpec>& specs
           w = w.to(at::kFloat) + d * (fused ? spec.lora_fused_scaling : spec.lora_scaling);
         }
         out.emplace(p.name, w);
+        continue;
+      }
+      const std::string experts = "model.layers." + std::to_string(spec.block) + ".mlp.experts.";
+      const bool fused_gate_up = p.name == experts + "gate_up_proj",
+                 fused_down = p.name == experts + "down_proj";
+      if (fused_gate_up ? spec.lora_experts_gate_up : fused_down && spec.lora_experts_down) {
+        // GPT-OSS's (E, in, out) experts: expert e gains (B_e A_e)^T, as PEFT's ParamWrapper adds.
+        const std::string stem = "base_model.model." + experts +
+                                 (fused_gate_up && spec.lora_experts_down ? "base_layer." : "");
+        const at::Tensor a = all.at(stem + "lora_A.weight").to(at::kFloat),
+                         b = all.at(stem + "lora_B.weight").to(at::kFloat);
+        std::vector<at::Tensor> deltas;
+        for (std::int64_t x = 0; x < spec.config.num_experts; ++x)
+          deltas.push_back(expert_lora_delta(a, b, spec.config.num_experts, x).t());
+        out.emplace(p.name,
+                    w.to(at::kFloat) + at::stack(deltas) * (fused_gate_up ? spec.lora_fused_scaling
+                                                                          : spec.lora_scaling));
         continue;
       }
       std::string stem = p.name.substr(0, p.name.size() - std::string(".weight").size());

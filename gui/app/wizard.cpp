@@ -273,10 +273,16 @@ SetupWizard::SetupWizard(QWidget* parent) : QWizard(parent) {
   m_rslora->setToolTip("Keeps the adapters' effect steady at high ranks");
   auto* targets = new QHBoxLayout;
   for (const char* t : {"all-linear", "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
-                        "up_proj", "down_proj"}) {
+                        "up_proj", "down_proj", "gate"}) {
     auto* c = new QCheckBox(t);
     c->setObjectName(QString("target_") + t);
     c->setChecked(QString(t) == "all-linear");
+    if (QString(t) == "gate")
+      c->setToolTip("A mixture of experts' router: frozen unless checked");
+    else if (QString(t) == "all-linear")
+      c->setToolTip(
+          "Every projection; on GPT-OSS the attention alone (check gate_proj, up_proj "
+          "and down_proj for its experts, as PEFT names them)");
     targets->addWidget(c);
     m_targets << c;
   }
@@ -479,7 +485,11 @@ WizardConfig SetupWizard::config() const {
   c.loraTargets.clear();
   for (QCheckBox* t : m_targets)
     if (t->isChecked()) c.loraTargets << t->text();
-  if (c.loraTargets.contains("all-linear")) c.loraTargets = {"all-linear"};
+  // all-linear covers the attention everywhere; the MLP names stay (on GPT-OSS all-linear does
+  // not reach the experts) and so does the router, which all-linear never adapts.
+  if (c.loraTargets.contains("all-linear"))
+    for (const char* t : {"q_proj", "k_proj", "v_proj", "o_proj"})
+      c.loraTargets.removeAll(t);
   c.steps = m_steps->value();
   c.epochs = m_epochs->value();
   c.batchRows = m_batchRows->value();

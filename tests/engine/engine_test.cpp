@@ -376,6 +376,14 @@ TEST(Engine, LoraOnExpertsTrainsLikeThePlainLoop) {
       test::tiny_qwen3_moe(3),
       {.rank = 2, .alpha = 4, .targets = {"all-linear", "gate"}, .rslora = true},
       2u * (4 * 3 + 3 * 2), seed);
+  // GPT-OSS: the experts (x @ W, interleaved gate/up) and router named, as PEFT's
+  // target_parameters; all-linear is its attention. 4 + 3 adapters in each of 3 sparse blocks.
+  expect_lora_like_plain_loop(
+      test::tiny_gpt_oss(3),
+      {.rank = 2,
+       .alpha = 3,
+       .targets = {"all-linear", "gate_proj", "up_proj", "down_proj", "gate"}},
+      2u * (4 + 3) * 3, seed);
 }
 
 // The NVMe tier changes where bytes live, not what is computed: full fine-tuning with every

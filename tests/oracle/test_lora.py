@@ -3,7 +3,8 @@ B so the adapter matters), saved with save_pretrained; Rondo loads the base fold
 folder (adapter_config.json + adapter_model.safetensors) and its logits equal peft's within 1e-4
 (fp32, different summation orders; the adapter's own contribution is checked to be far larger).
 Covers dense families and the mixtures of experts (Qwen3-MoE, Mixtral: experts and router
-adapters in PEFT's target_parameters form; GPT-OSS: attention), all-linear and a subset of
+adapters in PEFT's target_parameters form; GPT-OSS: its experts and router named as
+target_parameters), all-linear and a subset of
 targets, plain and rsLoRA scaling. Also: adapter configs Rondo cannot reproduce are refused with
 the field named; and 3 LoRA training steps from the same starting adapters equal peft +
 torch.optim.AdamW (the load-balancing loss on for MoE)."""
@@ -21,6 +22,7 @@ from safetensors.numpy import load_file
 from rondo_oracle import driver, DriverError
 
 V = 64
+OSS_PARAMETERS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj", "mlp.router.weight"]
 FAMILIES = {
     "llama": (T.LlamaForCausalLM, T.LlamaConfig, dict(num_key_value_heads=2,
                                                      tie_word_embeddings=False)),
@@ -34,7 +36,8 @@ FAMILIES = {
         norm_topk_prob=True, mlp_only_layers=[1])),
     "mixtral": (T.MixtralForCausalLM, T.MixtralConfig, dict(
         num_key_value_heads=2, num_local_experts=3, num_experts_per_tok=2)),
-    # GPT-OSS: adapters on the attention (its experts have no PEFT module names).
+    # GPT-OSS: its experts (fused x @ W, interleaved gate/up) and router are parameters to PEFT,
+    # adapted when named in target_parameters; all-linear reaches only its attention.
     "gpt_oss": (T.GptOssForCausalLM, T.GptOssConfig, dict(
         num_key_value_heads=2, head_dim=8, num_local_experts=3, num_experts_per_tok=2,
         sliding_window=4)),
@@ -48,6 +51,9 @@ ADAPTERS = {
     # Mixtral's MLP names (w1 gate, w3 up, w2 down), on its experts, with attention.
     "mixtral_experts_rslora": dict(r=3, lora_alpha=4, target_modules=["q_proj", "w1", "w3", "w2"],
                                    use_rslora=True),
+    # GPT-OSS's experts and router, as parameters (rank and alpha as given), with attention.
+    "oss_experts": dict(r=2, lora_alpha=3, target_modules=["q_proj", "v_proj"],
+                        target_parameters=OSS_PARAMETERS, use_rslora=False),
 }
 
 
@@ -69,14 +75,15 @@ def make(tmp_path, family, adapter, seed):
     return base, model
 
 
-MOE = {"qwen3_moe", "mixtral"}
+MOE = {"qwen3_moe", "mixtral", "gpt_oss"}
 # PEFT's all-linear on a mixture of experts adapts attention, experts and the router
 # (target_parameters gate.weight); Mixtral's MLP names are its own.
 CASES = [(f, a) for f in FAMILIES for a in ADAPTERS
-         if f != "gpt_oss" and ((a == "mixtral_experts_rslora") == (f == "mixtral") or
+         if f != "gpt_oss" and a != "oss_experts" and ((a == "mixtral_experts_rslora") == (f == "mixtral") or
                                 (f == "mixtral" and a in ("qv_r8_rslora", "all_linear_r4")))]
-CASES += [("gpt_oss", "qv_r8_rslora"), ("gpt_oss", "all_linear_r4")]
-EXPERTS = {"qwen3_moe": "mlp_r2", "mixtral": "mixtral_experts_rslora"}  # an adapter on experts
+CASES += [("gpt_oss", "qv_r8_rslora"), ("gpt_oss", "all_linear_r4"), ("gpt_oss", "oss_experts")]
+EXPERTS = {"qwen3_moe": "mlp_r2", "mixtral": "mixtral_experts_rslora",  # an adapter on experts
+           "gpt_oss": "oss_experts"}
 
 
 @pytest.mark.parametrize("family,adapter", CASES)
@@ -192,10 +199,9 @@ def test_trained_adapter_exports_load_in_peft_and_transformers(family, tmp_path)
              for _ in range(3)]
     eval_tokens = torch.randint(0, V, (2, 9), generator=g)
     (tmp_path / "in.json").write_text(json.dumps({
-        # On a mixture of experts: the experts' gate_up_proj and down_proj (PEFT's
+        # On a mixture of experts: the experts' gate_up_proj and down_proj and the router (PEFT's
         # target_parameters), written so that peft reads them back.
-        "lora": {"r": 4, "alpha": 8, "targets": ["q_proj", "v_proj"] +
-                 (["o_proj"] if family == "gpt_oss" else ["down_proj"]) +
+        "lora": {"r": 4, "alpha": 8, "targets": ["q_proj", "v_proj", "down_proj"] +
                  (["gate_proj", "up_proj", "gate"] if family in MOE else []), "rslora": True},
         "seed": seed % 2**31, "lr": 1e-2, "steps": steps, "eval_tokens": eval_tokens.tolist()}))
     out = tmp_path / "out"
@@ -218,12 +224,16 @@ def test_trained_adapter_exports_load_in_peft_and_transformers(family, tmp_path)
     np.testing.assert_allclose(via_merged, via_peft, rtol=0, atol=1e-4 * scale)
     config = json.loads((out / "adapter" / "adapter_config.json").read_text())
     assert config["r"] == 4 and config["use_rslora"] is True
+    if family in MOE:  # the experts' and router's adapters are in what peft loaded
+        adapted = {n for n, _ in peft_model.named_parameters() if "lora_A" in n}
+        assert any(".mlp.experts." in n for n in adapted), sorted(adapted)
+        assert any(".mlp.gate." in n or ".mlp.router." in n for n in adapted), sorted(adapted)
 
 
 def test_moe_adapters_rondo_cannot_reproduce_are_refused(tmp_path):
-    """Training refuses gate_proj without up_proj (one fused weight per expert), dropout on
-    experts or the router (PEFT cannot apply it), the router of a dense model and GPT-OSS's
-    experts, each saying what to do."""
+    """Training refuses gate_proj without up_proj (one fused weight per expert, Qwen3-MoE's and
+    GPT-OSS's alike), dropout on experts or the router (PEFT cannot apply it) and the router of a
+    dense model, each saying what to do."""
     make(tmp_path, "qwen3_moe", "mlp_r2", 1)
 
     def train(lora, base=tmp_path / "base"):
@@ -241,8 +251,8 @@ def test_moe_adapters_rondo_cannot_reproduce_are_refused(tmp_path):
     msg = train({"targets": ["gate"]}, tmp_path / "dense" / "base")
     assert "'gate' is a mixture of experts' router" in msg, msg
     make(tmp_path / "oss", "gpt_oss", "qv_r8_rslora", 1)
-    msg = train({"targets": ["q_proj", "down_proj"]}, tmp_path / "oss" / "base")
-    assert "LoRA on GPT-OSS's experts and router is not supported yet" in msg, msg
+    msg = train({"targets": ["q_proj", "up_proj"]}, tmp_path / "oss" / "base")
+    assert "gate_proj and up_proj" in msg and "target both or neither" in msg, msg
 
 
 def peft_router_logits(model, tokens):
@@ -260,12 +270,13 @@ def peft_router_logits(model, tokens):
     return out, tuple(logits)
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("family", ["llama", "qwen3_moe", "mixtral", "gpt_oss"])
 def test_three_lora_steps_equal_peft_and_adamw(family, tmp_path):
     """LoRA training from the same starting adapters (peft's, B made non-zero), 3 steps of 2
     microbatches: Rondo's engine (2 simulated devices, a recomputed backward stage) against peft
     + torch.optim.AdamW. On the mixtures of experts: all-linear as peft resolves it (attention,
-    the experts' gate_up_proj and down_proj, the router's gate.weight) and the router's
+    the experts' gate_up_proj and down_proj, the router's gate.weight; GPT-OSS: all-linear and
+    its experts and router named as target_parameters) and the router's
     load-balancing loss on (each microbatch's counts 1/2), so every kind of adapter and the aux
     loss's gradient are in the trajectory. AdamW eps 1e-4 (see test_engine.py: it keeps Adam from
     magnifying rounding noise in entries whose gradient cancels)."""
@@ -285,8 +296,10 @@ def test_three_lora_steps_equal_peft_and_adamw(family, tmp_path):
         for p in base.parameters():
             p.add_(0.1 * torch.randn_like(p))
     base.save_pretrained(tmp_path / "base")
-    model = peft.get_peft_model(base, peft.LoraConfig(r=2, lora_alpha=4, lora_dropout=0.0,
-                                                      target_modules="all-linear"))
+    oss = family == "gpt_oss"
+    model = peft.get_peft_model(base, peft.LoraConfig(
+        r=2, lora_alpha=4, lora_dropout=0.0, target_modules="all-linear",
+        **(dict(target_parameters=OSS_PARAMETERS) if oss else {})))
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "lora_B" in name:
@@ -296,7 +309,8 @@ def test_three_lora_steps_equal_peft_and_adamw(family, tmp_path):
     steps = [[torch.randint(0, V, (2, 10), generator=g) for _ in range(2)] for _ in range(3)]
     lr, eps = 1e-3, 1e-4
     (tmp_path / "in.json").write_text(json.dumps({
-        "lora": {"r": 2, "alpha": 4, "targets": ["all-linear"] + (["gate"] if moe else []),
+        "lora": {"r": 2, "alpha": 4, "targets": ["all-linear"] + (["gate"] if moe else []) +
+                 (["gate_proj", "up_proj", "down_proj"] if oss else []),
                  "rslora": False},
         "seed": 1, "lr": lr, "eps": eps, "init_adapter": str(tmp_path / "init"),
         "steps": [[t.tolist() for t in step] for step in steps], "eval_tokens": [[1, 2]]}))
@@ -326,7 +340,8 @@ def test_three_lora_steps_equal_peft_and_adamw(family, tmp_path):
     assert set(got) == set(want)
     start = load_file(tmp_path / "init" / "adapter_model.safetensors")
     if moe:
-        assert any(".mlp.experts." in n for n in want) and any(".mlp.gate." in n for n in want)
+        assert any(".mlp.experts." in n for n in want)
+        assert any(".mlp.gate." in n or ".mlp.router." in n for n in want)
     for name, ref in want.items():
         scale = np.abs(ref).max()
         assert np.abs(ref - start[name]).max() > 1e-4 * scale, f"{name} hardly moved"

@@ -230,7 +230,7 @@ def rondo(*args):
     return p.stdout + p.stderr
 
 
-def train(tmp_path, model_path, name, quantize, data, steps):
+def train(tmp_path, model_path, name, quantize, data, steps, targets=("all-linear",)):
     run = tmp_path / name
     cfg = tmp_path / f"{name}.toml"
     cfg.write_text(f"""
@@ -244,6 +244,7 @@ seq_len = 64
 [lora]
 rank = 8
 alpha = 16
+targets = {json.dumps(list(targets))}
 [training]
 steps = {steps}
 batch_rows = 2
@@ -326,7 +327,8 @@ def test_lora_on_a_gpt_oss_base_kept_in_mxfp4_trains_as_on_its_dequantised_exper
     """GPT-OSS with MXFP4 experts (as its official checkpoints, written here from the format's
     description): a LoRA run that keeps them in MXFP4 (model.quantize = stored: host memory and
     the link carry 17 bytes per 32 values, the devices dequantise) trains exactly as the run that
-    dequantises them at load (quantize = none): the same losses, bit for bit."""
+    dequantises them at load (quantize = none): the same losses, bit for bit. The adapters are on
+    the attention and on the experts themselves (gate_up_proj, down_proj)."""
     from safetensors.torch import save_file
     from test_model_forward import mxfp4_encode
     torch.manual_seed(SEED)
@@ -357,10 +359,13 @@ def test_lora_on_a_gpt_oss_base_kept_in_mxfp4_trains_as_on_its_dequantised_exper
     data.write_text("".join(json.dumps({"messages": [{"role": "user", "content": q},
                                                      {"role": "assistant", "content": a}]}) + "\n"
                             for q, a in QA))
-    _, kept, kept_plan = train(tmp_path, d, "mxfp4", "stored", data, 4)
-    _, dequantised, plain_plan = train(tmp_path, d, "dequantised", "none", data, 4)
+    targets = ("all-linear", "gate_proj", "up_proj", "down_proj")
+    kept_run, kept, kept_plan = train(tmp_path, d, "mxfp4", "stored", data, 4, targets)
+    _, dequantised, plain_plan = train(tmp_path, d, "dequantised", "none", data, 4, targets)
     assert kept_plan["placement"]["quantize"] == "stored"
     assert "MXFP4" in kept_plan["placement"]["formats"], kept_plan["placement"]
     assert plain_plan["placement"]["quantize"] == "none"
     print("losses", kept)
     assert len(kept) == 4 and kept == dequantised
+    adapter = json.loads(next(kept_run.rglob("adapter_config.json")).read_text())
+    assert adapter["target_parameters"] == ["gate_up_proj", "down_proj"], adapter

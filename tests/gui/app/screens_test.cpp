@@ -85,6 +85,14 @@ class Screens : public QObject {
     QVERIFY(w.config().toToml().contains("dropout = 0.05\nrslora = true"));
     w.findChild<QCheckBox*>("loraRslora")->setChecked(false);
     w.findChild<QDoubleSpinBox*>("loraDropout")->setValue(0);
+    // all-linear absorbs the attention names; the experts' (GPT-OSS's all-linear leaves them
+    // out) and the router's stay.
+    for (const char* t : {"q_proj", "down_proj", "gate"})
+      w.findChild<QCheckBox*>(QString("target_") + t)->setChecked(true);
+    QVERIFY2(w.config().toToml().contains("targets = [\"all-linear\", \"down_proj\", \"gate\"]"),
+             qPrintable(w.config().toToml()));
+    for (const char* t : {"q_proj", "down_proj", "gate"})
+      w.findChild<QCheckBox*>(QString("target_") + t)->setChecked(false);
     img = test::screenshot(&w, "wizard_3_method");
     QVERIFY(test::colours(img) > 8);
 
