@@ -533,10 +533,11 @@ BlockWeights BlockWeights::bind(const LayerSpec& spec, const std::vector<at::Ten
   return w;
 }
 
-at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+at::Tensor rms_norm(const ModelConfig& c, const at::Tensor& x, const at::Tensor& weight) {
   at::Tensor h = x.to(at::promote_types(x.scalar_type(), at::kFloat));  // f64 stays f64
   at::Tensor variance = h.pow(2).mean(-1, /*keepdim=*/true);
-  h = h * at::rsqrt(variance + eps);
+  h = h * at::rsqrt(variance + c.rms_norm_eps);
+  if (c.family == Family::kGptOss) return (weight * h).to(x.scalar_type());
   return weight * h.to(x.scalar_type());
 }
 
@@ -723,13 +724,13 @@ at::Tensor block_forward(const ModelConfig& c, const BlockWeights& w, const at::
                          const AttentionContext& ctx, KvCache* cache) {
   const std::int64_t B = x.size(0), T = x.size(1), H = c.num_heads, KV = c.num_kv_heads,
                      D = c.head_dim;
-  at::Tensor h = rms_norm(x, w.input_norm, c.rms_norm_eps);
+  at::Tensor h = rms_norm(c, x, w.input_norm);
   at::Tensor q = project(w, BlockWeights::kQ, h, w.q, w.q_bias, ctx).view({B, T, H, D});
   at::Tensor k = project(w, BlockWeights::kK, h, w.k, w.k_bias, ctx).view({B, T, KV, D});
   at::Tensor v = project(w, BlockWeights::kV, h, w.v, w.v_bias, ctx).view({B, T, KV, D});
   if (c.qk_norm) {
-    q = rms_norm(q, w.q_norm, c.rms_norm_eps);
-    k = rms_norm(k, w.k_norm, c.rms_norm_eps);
+    q = rms_norm(c, q, w.q_norm);
+    k = rms_norm(c, k, w.k_norm);
   }
   q = q.transpose(1, 2);  // (B, H, T, D)
   k = k.transpose(1, 2);
@@ -795,7 +796,7 @@ at::Tensor block_forward(const ModelConfig& c, const BlockWeights& w, const at::
   }
   a = a.transpose(1, 2).reshape({B, T, H * D});
   at::Tensor out = x + project(w, BlockWeights::kO, a, w.o, w.o_bias, ctx);
-  h = rms_norm(out, w.post_norm, c.rms_norm_eps);
+  h = rms_norm(c, out, w.post_norm);
   if (w.router.defined()) return out + moe_mlp(c, w, h, ctx);
   at::Tensor gated = at::silu(project(w, BlockWeights::kGate, h, w.gate, w.gate_bias, ctx)) *
                      project(w, BlockWeights::kUp, h, w.up, w.up_bias, ctx);
@@ -805,7 +806,7 @@ at::Tensor block_forward(const ModelConfig& c, const BlockWeights& w, const at::
 
 at::Tensor head_logits(const ModelConfig& c, const at::Tensor& norm_weight,
                        const at::Tensor& lm_head_weight, const at::Tensor& x) {
-  at::Tensor h = rms_norm(x, norm_weight, c.rms_norm_eps);
+  at::Tensor h = rms_norm(c, x, norm_weight);
   return at::linear(h, lm_head_weight).to(at::kFloat);
 }
 
@@ -813,7 +814,7 @@ at::Tensor head_loss_sum(const ModelConfig& c, const at::Tensor& norm_weight,
                          const at::Tensor& lm_head_weight, const at::Tensor& x,
                          const at::Tensor& targets, std::int64_t chunk_tokens) {
   RONDO_ASSERT(chunk_tokens > 0);
-  at::Tensor h = rms_norm(x, norm_weight, c.rms_norm_eps).reshape({-1, x.size(-1)});
+  at::Tensor h = rms_norm(c, x, norm_weight).reshape({-1, x.size(-1)});
   at::Tensor t = targets.reshape({-1}).to(at::kLong);
   const std::int64_t N = h.size(0);
   at::Tensor total = at::zeros({}, h.options().dtype(at::kFloat));
@@ -933,7 +934,7 @@ HeadGrads head_forward_backward(const ModelConfig& c, const at::Tensor& norm_wei
   at::Tensor h;
   {
     c10::AutoGradMode grad(true);
-    h = rms_norm(x_leaf, w_leaf, c.rms_norm_eps);
+    h = rms_norm(c, x_leaf, w_leaf);
   }
   const std::int64_t C = x.size(-1), V = lm_head_weight.size(0);
   at::Tensor h2 = h.detach().reshape({-1, C});

@@ -277,8 +277,8 @@ at::Tensor blocks_forward_backward(const ModelConfig& config, const std::vector<
 // added to `grad_weight` (V, C).
 void embed_backward(const at::Tensor& tokens, const at::Tensor& grad_x, at::Tensor& grad_weight);
 
-// RMSNorm as Hugging Face computes it: in fp32 (f64 for f64 input), then back to the input dtype,
-// times the weight.
-at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
+// RMSNorm as Hugging Face computes it for the family: in fp32 (f64 for f64 input), then back to
+// the input dtype, times the weight; GPT-OSS multiplies by the weight in fp32 before the cast.
+at::Tensor rms_norm(const ModelConfig& c, const at::Tensor& x, const at::Tensor& weight);
 
 }  // namespace rondo::models

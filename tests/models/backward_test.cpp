@@ -61,7 +61,7 @@ TEST(Backward, StagePiecesEqualAutogradThroughTheWholeModel) {
   at::Tensor x = embed(leaf[0][0], batch.tokens);
   for (std::size_t b = 1; b <= 4; ++b)
     x = block_forward(c, BlockWeights::bind(specs[b], leaf[b]), x, ctx);
-  at::Tensor logits = at::linear(rms_norm(x, final_norm, c.rms_norm_eps), leaf[0][0]);
+  at::Tensor logits = at::linear(rms_norm(c, x, final_norm), leaf[0][0]);
   at::Tensor loss = at::cross_entropy_loss(logits.reshape({-1, c.vocab_size}),
                                            targets.reshape({-1}), {}, at::Reduction::Sum, -100);
   torch::autograd::backward({loss * scale});

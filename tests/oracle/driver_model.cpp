@@ -7,6 +7,8 @@
 //     in.json: {"prompt": [...], "max_new_tokens": n, "temperature": t, "top_p": p, "seed": s,
 //               "adapter": "<peft folder>" (optional)}
 //     out.json: {"tokens": [...]} (new tokens only)
+//   rms-norm <config.json> <in.safetensors> <out.safetensors>
+//     in: "x" and "weight" in their own dtypes; writes "y", the family's RMSNorm of x.
 #include <ATen/ATen.h>
 
 #include <fstream>
@@ -15,7 +17,9 @@
 #include "driver.h"
 #include "driver_json.h"
 #include "kernels/error.h"
+#include "models/config.h"
 #include "models/generate.h"
+#include "models/layers.h"
 #include "models/model.h"
 #include "models/peft_adapter.h"
 #include "models/safetensors.h"
@@ -60,6 +64,19 @@ int generate(const std::vector<std::string>& args) {
   return 0;
 }
 
+int rms_norm(const std::vector<std::string>& args) {
+  if (args.size() != 3) throw Error("usage: rms-norm <config.json> <in.safetensors> <out>");
+  std::ifstream f(args[0]);
+  const std::string text((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+  const models::ModelConfig c = models::parse_hf_config(text, args[0]);
+  const models::SafetensorsFile in(args[1]);
+  const at::Tensor y = models::rms_norm(c, in.find("x")->view(), in.find("weight")->view());
+  models::write_safetensors(args[2], {{"y", y}});
+  return 0;
+}
+
+RegisterCommand reg_rms_norm("rms-norm", "<config.json> <in.safetensors> <out.safetensors>",
+                             rms_norm);
 RegisterCommand reg_forward("forward", "<model> <batch.json> <out.safetensors>", forward);
 RegisterCommand reg_generate("generate", "<model> <in.json> <out.json>", generate);
 

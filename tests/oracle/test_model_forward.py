@@ -173,6 +173,44 @@ def test_half_precision_checkpoints_load_to_the_same_weights(dtype, tmp_path):
     assert np.abs(out["logits"] - ref).max() < TOL
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32],
+                         ids=["bf16", "f16", "f32"])
+def test_rms_norm_rounds_as_each_family_does(dtype, tmp_path):
+    """RMSNorm in half precision, bit for bit as transformers' module of each family: Llama's and
+    Qwen3's cast the normalised rows back before the weight, GPT-OSS's multiplies by the weight in
+    fp32 first (the two differ on these inputs, so the test tells them apart)."""
+    from safetensors.torch import load_file as load_torch, save_file
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssRMSNorm
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
+    seed = int.from_bytes(os.urandom(4), "little")
+    print("seed", seed)
+    g = torch.Generator().manual_seed(seed)
+    C, eps = 64, 1e-5
+    x = (3 * torch.randn(2, 7, C, generator=g)).to(dtype)
+    w = (1 + 0.5 * torch.randn(C, generator=g)).to(dtype)
+    save_file({"x": x, "weight": w}, str(tmp_path / "in.safetensors"))
+    refs = {}
+    for name, norm, config in [
+            ("llama", LlamaRMSNorm, T.LlamaConfig), ("qwen3", Qwen3RMSNorm, T.Qwen3Config),
+            ("gpt_oss", GptOssRMSNorm, T.GptOssConfig)]:
+        module = norm(C, eps=eps).to(dtype)
+        with torch.no_grad():
+            module.weight.copy_(w)
+            refs[name] = module(x)
+        config(vocab_size=V, hidden_size=C, num_attention_heads=4, num_key_value_heads=4,
+               head_dim=16, rms_norm_eps=eps,
+               num_hidden_layers=1).save_pretrained(tmp_path / name)
+        driver("rms-norm", tmp_path / name / "config.json", tmp_path / "in.safetensors",
+               tmp_path / f"{name}.safetensors")
+        got = load_torch(tmp_path / f"{name}.safetensors")["y"]
+        assert got.dtype == refs[name].dtype, (name, got.dtype)
+        assert torch.equal(got, refs[name]), \
+            f"{name}: {(got.float() - refs[name].float()).abs().max():.3g} off"
+    if dtype != torch.float32:
+        assert not torch.equal(refs["llama"], refs["gpt_oss"]), "the families' roundings agree here"
+
+
 FP4 = torch.tensor([0, .5, 1, 1.5, 2, 3, 4, 6, -0., -.5, -1, -1.5, -2, -3, -4, -6])
 
 

@@ -85,7 +85,7 @@ double PlainLoop::forward_backward(const std::vector<engine::Microbatch>& microb
     std::vector<at::Tensor> head = layer(s.specs.size() - 1);
     // The head as one plain graph: norm, LM head, cross-entropy in fp32 (or the loop's dtype when
     // wider, so that an f64 loop is f64 throughout).
-    at::Tensor logits = at::linear(models::rms_norm(x, head[0], s.config.rms_norm_eps), head[1]);
+    at::Tensor logits = at::linear(models::rms_norm(s.config, x, head[0]), head[1]);
     logits = logits.to(at::promote_types(logits.scalar_type(), at::kFloat));
     at::Tensor sum = at::cross_entropy_loss(logits.reshape({-1, logits.size(-1)}),
                                             mb.targets.reshape({-1}), {}, at::Reduction::Sum, -100);
