@@ -9,6 +9,10 @@ batch, backward (gradients accumulate over the microbatches), then clip_grad_nor
 parameters and torch.optim.AdamW.step(). The targets are computed here, independently of Rondo:
 the next token inside the same document, none at each document's last token.
 
+The dense variants (llama3, linear and YaRN rope, Mistral's window, Qwen2's max_window_layers,
+Qwen3's layer_types) run on one two-device plan (VARIANTS); those with windows shorter than the
+rows on rows of one document each, which the reference runs under the model's own mask.
+
 Mixtures of experts (Qwen3-MoE, Mixtral, GPT-OSS) run with output_router_logits: the reference
 adds, per microbatch, router_aux_loss_coef times transformers' own load_balancing_loss_func on the
 routers' logits (taken with forward hooks) divided by the number of microbatches, Rondo's
@@ -98,6 +102,42 @@ FAMILIES = {
         output_router_logits=True, router_aux_loss_coef=0.05)),
 }
 
+# The dense variants (rope scalings, per-layer windows) on one plan of two devices with stage
+# boundaries and a recomputed backward: what differs from their family is the forward, whose
+# gradient the engine takes like any other. Windows shorter than the rows need rows of one
+# document (transformers applies no window under a 4D mask), so those rows are not packed.
+# Dynamic (NTK) rope is left out: training rows never pass max_position_embeddings
+# (data.seq_len <= max_position_embeddings), where it is plain rope (test_model_forward checks it
+# past that length).
+VARIANTS = {
+    "llama3_rope": (T.LlamaForCausalLM, T.LlamaConfig, dict(
+        num_attention_heads=4, num_key_value_heads=2, rope_theta=500000.0,
+        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                      "high_freq_factor": 4.0, "original_max_position_embeddings": 16})),
+    "llama_linear_rope": (T.LlamaForCausalLM, T.LlamaConfig, dict(
+        num_attention_heads=4, num_key_value_heads=2,
+        rope_scaling={"rope_type": "linear", "factor": 4.0})),
+    "qwen2_yarn_rope": (T.Qwen2ForCausalLM, T.Qwen2Config, dict(
+        num_attention_heads=4, num_key_value_heads=2,
+        rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16})),
+    "qwen3_qk_norm_yarn_mscale": (T.Qwen3ForCausalLM, T.Qwen3Config, dict(
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        rope_scaling={"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 16,
+                      "beta_fast": 16, "beta_slow": 2, "mscale": 1.0, "mscale_all_dim": 0.5,
+                      "truncate": False})),
+    "mistral_window": (T.MistralForCausalLM, T.MistralConfig, dict(
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=5)),
+    "qwen2_window_layers": (T.Qwen2ForCausalLM, T.Qwen2Config, dict(
+        num_attention_heads=4, num_key_value_heads=2, use_sliding_window=True, sliding_window=4,
+        max_window_layers=1)),
+    "qwen3_layer_types": (T.Qwen3ForCausalLM, T.Qwen3Config, dict(
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, use_sliding_window=True,
+        sliding_window=4,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"])),
+}
+UNPACKED = {"mistral_window", "qwen2_window_layers", "qwen3_layer_types"}
+VARIANT_PLAN = "2dev_stages_M2_stage"
+
 # (devices, M, plan) over the 5 layers. The tail ends at 5 and holds the head; forward stages cover
 # [0, tail begin) ascending, backward stages the same range descending (cut independently).
 PLANS = {
@@ -114,7 +154,7 @@ PLANS = {
 
 
 def make_model(family, seed):
-    model_cls, config_cls, extra = FAMILIES[family]
+    model_cls, config_cls, extra = {**FAMILIES, **VARIANTS}[family]
     torch.manual_seed(seed)
     config = config_cls(vocab_size=V, hidden_size=32, intermediate_size=56, num_hidden_layers=L,
                         max_position_embeddings=64, rms_norm_eps=1e-5,
@@ -126,11 +166,12 @@ def make_model(family, seed):
     return model
 
 
-def random_step(g):
-    """One step's global batch: tokens and doc_ids (ROWS, SEQ), two documents per row."""
+def random_step(g, packed=True):
+    """One step's global batch: tokens and doc_ids (ROWS, SEQ), two documents per row (one when
+    not packed)."""
     tokens = torch.randint(0, V, (ROWS, SEQ), generator=g)
     doc_ids = torch.zeros(ROWS, SEQ, dtype=torch.long)
-    for r in range(ROWS):
+    for r in range(ROWS if packed else 0):
         cut = int(torch.randint(1, SEQ, (1,), generator=g))
         doc_ids[r, cut:] = 1
     return tokens, doc_ids
@@ -177,6 +218,8 @@ def output_of(model, tokens, doc_ids):
     logits = []
     hooks = [r.register_forward_hook(lambda mod, inp, out: logits.append(out[0]))
              for r in routers]
+    if not doc_ids.any():  # one document per row: the model's own causal (and windowed) mask
+        mask = None
     try:
         out = model(input_ids=tokens, attention_mask=mask, position_ids=pos,
                     output_router_logits=False) if routers else \
@@ -301,10 +344,12 @@ def test_packed_mask_equals_documents_run_alone():
                     assert diff < 1e-5, f"{family} row {r} [{a},{b}): {diff:.3g}"
 
 
-@pytest.mark.parametrize("plan_name", sorted(PLANS))
-@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize("family,plan_name",
+                         [(f, p) for f in sorted(FAMILIES) for p in sorted(PLANS)] +
+                         [(v, VARIANT_PLAN) for v in sorted(VARIANTS)])
 def test_three_steps_match_transformers_and_adamw(family, plan_name, tmp_path):
     devices, m, plan = PLANS[plan_name]
+    packed = family not in UNPACKED
     model_dir = tmp_path / "model"
     # Fresh every run (RONDO_ORACLE_SEED repeats a printed one). A draw whose reference puts a
     # clamped SwiGLU input within rounding of the clamp is drawn again (see clamp_margin).
@@ -314,7 +359,7 @@ def test_three_steps_match_transformers_and_adamw(family, plan_name, tmp_path):
         model = make_model(family, seed)
         model.save_pretrained(model_dir)  # safetensors, float32
         g = torch.Generator().manual_seed(seed)
-        steps = [random_step(g) for _ in range(STEPS)]
+        steps = [random_step(g, packed) for _ in range(STEPS)]
 
         # Clipping active in step 1: max_norm below that step's gradient norm (a dry pass).
         model.zero_grad()
@@ -335,7 +380,7 @@ def test_three_steps_match_transformers_and_adamw(family, plan_name, tmp_path):
         pytest.fail("8 draws in a row put a SwiGLU input at the clamp")
     evaluation = []
     for _ in range(EVAL_MICROBATCHES):
-        tokens, doc_ids = random_step(g)
+        tokens, doc_ids = random_step(g, packed)
         evaluation.append((tokens[:EVAL_ROWS], doc_ids[:EVAL_ROWS]))
     ref_eval = eval_loss(model, evaluation)  # the trained reference
 
