@@ -19,6 +19,8 @@
 #include "cli/config_file.h"
 #include "cli/train_command.h"
 #include "engine/checkpoint.h"
+#include "engine/devices.h"
+#include "engine/inference.h"
 #include "kernels/error.h"
 #include "models/generate.h"
 #include "models/model.h"
@@ -50,6 +52,89 @@ void add_sampling_options(CLI::App& command, long long& max_new_tokens, const ch
       ->check(CLI::IsMember({"f32", "bf16"}));
 }
 
+void add_device_options(CLI::App& command, GenerationDevices& d) {
+  command.add_option("--sim", d.sim,
+                     "Generate on N simulated GPUs (CPU-backed, behind an emulated PCIe link)");
+  command.add_option("--sim-memory", d.sim_memory, "Memory of each simulated GPU")
+      ->capture_default_str();
+  command.add_option("--memory-cap", d.memory_cap,
+                     "Use at most this much of each GPU's memory, e.g. 24GB (the weights stream "
+                     "stage by stage when they do not fit)");
+  command.add_flag("--cpu", d.cpu, "Generate on the CPU even when the machine has GPUs");
+}
+
+// The model a generate or chat command talks to: on the devices (engine::DeviceGenerator, the
+// adapters unmerged) when the machine has GPUs or simulated ones are asked for, else a
+// models::Model in host memory (the adapters merged), as before there were devices.
+class Generator {
+ public:
+  // `trained`: a full run's weights, or with `lora` the adapters; they may view a file the caller
+  // keeps mapped until this returns (both paths copy them).
+  Generator(const std::string& model_path, const models::LoraConfig* lora,
+            std::map<std::string, at::Tensor> trained, const std::string& source,
+            const std::string& dtype, const GenerationDevices& d) {
+    if (d.cpu && d.sim > 0) throw Error("--cpu and --sim exclude each other");
+    std::optional<engine::DevicePlan> plan;
+    if (!d.cpu) {
+      engine::DeviceSelection s;
+      s.sim_devices = d.sim;
+      s.sim_bytes = parse_bytes(d.sim_memory, "--sim-memory");
+      if (!d.memory_cap.empty()) s.memory_cap = parse_bytes(d.memory_cap, "--memory-cap");
+      plan = engine::plan_devices(s);
+    } else if (!d.memory_cap.empty()) {
+      throw Error("--memory-cap is for GPUs; --cpu generates in host memory");
+    }
+    if (plan &&
+        (plan->mode == engine::DeviceMode::kCuda || plan->mode == engine::DeviceMode::kSim)) {
+      engine::GeneratorOptions g;
+      g.model = model_path;
+      if (lora) g.lora = *lora;
+      g.trained = std::move(trained);
+      g.source = source;
+      g.devices = std::move(*plan);
+      g.dtype = dtype == "bf16" ? kernels::FloatDType::kBF16 : kernels::FloatDType::kF32;
+      device_ = std::make_unique<engine::DeviceGenerator>(std::move(g));
+      where_ = device_->where();
+      return;
+    }
+    const models::LoadOptions load{.dtype = dtype == "bf16" ? models::DType::kBF16
+                                                            : models::DType::kF32};
+    cpu_.emplace(trained.empty() && !lora
+                     ? models::Model::load(model_path, load)
+                     : models::load_with_trained(model_path, lora, trained, source, load));
+    where_ = "the CPU";
+  }
+
+  const models::ModelConfig& config() const { return device_ ? device_->config() : cpu_->config(); }
+  // Where it ran, and on the devices how the weights were held: "2 simulated GPUs (weights
+  // streamed stage by stage)".
+  std::string where() const {
+    if (!device_ || !generated_) return where_;
+    return where_ + (resident_ ? " (weights resident)" : " (weights streamed stage by stage)");
+  }
+
+  void generate(const std::vector<std::int64_t>& prompt, const models::SamplingOptions& sampling,
+                const std::function<void(std::int64_t)>& on_token) {
+    if (device_) {
+      resident_ =
+          device_->generate({prompt}, sampling, [&](std::size_t, std::int64_t t) { on_token(t); })
+              .resident;
+      generated_ = true;
+    } else {
+      models::generate(*cpu_, prompt, sampling, [&](std::int64_t t) {
+        on_token(t);
+        return true;
+      });
+    }
+  }
+
+ private:
+  std::unique_ptr<engine::DeviceGenerator> device_;
+  std::optional<models::Model> cpu_;
+  std::string where_;
+  bool generated_ = false, resident_ = false;
+};
+
 }  // namespace
 
 void add_generate_options(CLI::App& command, GenerateOptions& o) {
@@ -68,15 +153,17 @@ void add_generate_options(CLI::App& command, GenerateOptions& o) {
                        o.seed, o.dtype);
   command.add_option("--adapter", o.adapter,
                      "A LoRA adapter to use: a PEFT folder (rondo export) or a LoRA run's folder");
+  add_device_options(command, o.devices);
 }
 
 namespace {
 
 // Sampling as the options say, stopping at the model's and the tokenizer's end tokens (and, for a
 // chat, the formats' end-of-turn tokens).
-models::SamplingOptions sampling_for(const models::Model& model, const models::Tokenizer& tok,
-                                     bool chat, long long max_new_tokens, double temperature,
-                                     double top_p, unsigned long long seed) {
+models::SamplingOptions sampling_for(const models::ModelConfig& config,
+                                     const models::Tokenizer& tok, bool chat,
+                                     long long max_new_tokens, double temperature, double top_p,
+                                     unsigned long long seed) {
   models::SamplingOptions sampling;
   sampling.max_new_tokens = max_new_tokens;
   sampling.temperature = temperature;
@@ -85,7 +172,7 @@ models::SamplingOptions sampling_for(const models::Model& model, const models::T
   if (chat)
     for (const char* end : {"<|im_end|>", "<|eot_id|>", "</s>"})
       if (auto id = tok.token_to_id(end)) sampling.stop_tokens.push_back(*id);
-  for (std::int64_t e : model.config().eos_token_ids)
+  for (std::int64_t e : config.eos_token_ids)
     sampling.stop_tokens.push_back(e);
   if (auto e = tok.eos_id()) sampling.stop_tokens.push_back(*e);
   return sampling;
@@ -99,7 +186,7 @@ struct Reply {
 
 // Generates from `ids`, printing the text on stdout as it comes; returns it.
 // `out` takes each piece of text as it is decoded (default: written to stdout at once).
-Reply stream_reply(const models::Model& model, const models::Tokenizer& tok,
+Reply stream_reply(Generator& model, const models::Tokenizer& tok,
                    const std::vector<std::int32_t>& ids, const models::SamplingOptions& sampling,
                    const std::function<void(const std::string&)>& out = {}) {
   models::TextStreamer streamer(tok);
@@ -115,9 +202,8 @@ Reply stream_reply(const models::Model& model, const models::Tokenizer& tok,
   };
   const auto start = std::chrono::steady_clock::now();
   const std::vector<std::int64_t> prompt(ids.begin(), ids.end());
-  models::generate(model, prompt, sampling, [&](std::int64_t token) {
+  model.generate(prompt, sampling, [&](std::int64_t token) {
     print(streamer.push(static_cast<std::int32_t>(token)));
-    return true;
   });
   print(streamer.finish());
   r.tokens = streamer.ids().size();
@@ -160,17 +246,19 @@ int run_generate(const GenerateOptions& o) {
   }
   if (ids.empty()) throw Error("the prompt is empty after tokenization");
 
-  const models::LoadOptions load{.dtype = o.dtype == "bf16" ? models::DType::kBF16
-                                                            : models::DType::kF32};
-  models::Model model = o.adapter.empty() ? models::Model::load(o.model, load)
-                                          : models::load_with_adapter(o.model, o.adapter, load);
+  std::optional<models::PeftAdapter> adapter;
+  if (!o.adapter.empty()) adapter = models::read_peft_adapter(o.adapter);
+  Generator model(o.model, adapter ? &adapter->lora : nullptr,
+                  adapter ? adapter->tensors : std::map<std::string, at::Tensor>{},
+                  adapter ? adapter->source : std::string(), o.dtype, o.devices);
   const Reply r = stream_reply(
       model, tok, ids,
-      sampling_for(model, tok, o.chat, o.max_new_tokens, o.temperature, o.top_p, o.seed));
+      sampling_for(model.config(), tok, o.chat, o.max_new_tokens, o.temperature, o.top_p, o.seed));
   std::fputc('\n', stdout);
   std::fflush(stdout);
-  std::fprintf(stderr, "rondo: %zu prompt tokens, %zu generated in %.2f s (%.1f tokens/s)\n",
-               ids.size(), r.tokens, r.seconds, r.tokens / std::max(r.seconds, 1e-9));
+  std::fprintf(stderr, "rondo: %zu prompt tokens, %zu generated in %.2f s (%.1f tokens/s) on %s\n",
+               ids.size(), r.tokens, r.seconds, r.tokens / std::max(r.seconds, 1e-9),
+               model.where().c_str());
   return 0;
 }
 
@@ -191,15 +279,14 @@ void add_chat_options(CLI::App& command, ChatOptions& o) {
   command.add_flag("--jsonl", o.jsonl,
                    "For programs: stdin lines are JSON strings, stdout is one JSON object per line "
                    "(ready, token, reply, info, error)");
+  add_device_options(command, o.devices);
 }
 
 int run_chat(const ChatOptions& o) {
-  const models::LoadOptions load{.dtype = o.dtype == "bf16" ? models::DType::kBF16
-                                                            : models::DType::kF32};
   std::error_code ec;
   const bool run = fs::exists(fs::path(o.target) / "config.toml", ec);
   std::string model_path = o.target, chat_format = o.chat_format, what = o.target;
-  std::optional<models::Model> model;
+  std::optional<Generator> model;
   if (run) {
     if (!o.adapter.empty())
       throw Error("--adapter goes with a model; " + o.target +
@@ -212,15 +299,17 @@ int run_chat(const ChatOptions& o) {
     const ChosenCheckpoint chosen = checkpoint_for(o.target, o.checkpoint, "to chat with");
     const models::SafetensorsFile state((fs::path(chosen.path) / "state.safetensors").string());
     const models::LoraConfig lora = c.lora_config();
-    model.emplace(models::load_with_trained(model_path,
-                                            c.training.method == "lora" ? &lora : nullptr,
-                                            engine::checkpoint_weights(state), chosen.path, load));
+    model.emplace(model_path, c.training.method == "lora" ? &lora : nullptr,
+                  engine::checkpoint_weights(state), chosen.path, o.dtype, o.devices);
     what = chosen.path;
   } else {
     if (!o.checkpoint.empty())
       throw Error("--checkpoint goes with a run folder; " + o.target + " has no config.toml");
-    model.emplace(o.adapter.empty() ? models::Model::load(o.target, load)
-                                    : models::load_with_adapter(o.target, o.adapter, load));
+    std::optional<models::PeftAdapter> adapter;
+    if (!o.adapter.empty()) adapter = models::read_peft_adapter(o.adapter);
+    model.emplace(o.target, adapter ? &adapter->lora : nullptr,
+                  adapter ? adapter->tensors : std::map<std::string, at::Tensor>{},
+                  adapter ? adapter->source : std::string(), o.dtype, o.devices);
     if (!o.adapter.empty()) what = o.target + " with " + o.adapter;
   }
   const models::Tokenizer tok = models::load_tokenizer(model_path);
@@ -252,9 +341,9 @@ int run_chat(const ChatOptions& o) {
     emit({{"type", "ready"}, {"text", what}});
   else
     std::fprintf(stderr,
-                 "rondo: chatting with %s. Commands: /reset, /system TEXT, /save FILE, /quit "
-                 "(or Ctrl-D).\n",
-                 what.c_str());
+                 "rondo: chatting with %s on %s. Commands: /reset, /system TEXT, /save FILE, "
+                 "/quit (or Ctrl-D).\n",
+                 what.c_str(), model->where().c_str());
   std::string line;
   for (;;) {
     if (tty) {
@@ -300,8 +389,8 @@ int run_chat(const ChatOptions& o) {
       next.push_back({"user", line});
       const std::vector<std::int32_t> ids =
           models::render_chat(tok, tmpl, next, /*add_generation_prompt=*/true).ids;
-      const models::SamplingOptions sampling =
-          sampling_for(*model, tok, true, o.max_new_tokens, o.temperature, o.top_p, o.seed);
+      const models::SamplingOptions sampling = sampling_for(
+          model->config(), tok, true, o.max_new_tokens, o.temperature, o.top_p, o.seed);
       std::function<void(const std::string&)> out;
       if (o.jsonl) out = [&](const std::string& t) { emit({{"type", "token"}, {"text", t}}); };
       const Reply r = stream_reply(*model, tok, ids, sampling, out);

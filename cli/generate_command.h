@@ -9,6 +9,16 @@ class App;
 
 namespace rondo::cli {
 
+// Where generate and chat run: the CUDA GPUs when the machine has any (or simulated ones on
+// request), the weights resident on the first when they fit, else streamed stage by stage; the CPU
+// when there is no GPU, or with --cpu.
+struct GenerationDevices {
+  int sim = 0;                      // --sim N
+  std::string sim_memory = "24GB";  // --sim-memory
+  std::string memory_cap;           // --memory-cap, "" = whole device
+  bool cpu = false;                 // --cpu
+};
+
 struct GenerateOptions {
   std::string model;
   std::string prompt;
@@ -21,6 +31,7 @@ struct GenerateOptions {
   unsigned long long seed = 0;
   std::string dtype = "f32";
   std::string adapter;  // a PEFT adapter folder (or a run folder) folded into the model
+  GenerationDevices devices;
 };
 
 void add_generate_options(CLI::App& command, GenerateOptions& options);
@@ -47,6 +58,7 @@ struct ChatOptions {
   // and stdout is one JSON object per line: {"type": "ready"|"token"|"reply"|"info"|"error",
   // "text": ...} (a reply also has "tokens" and "seconds").
   bool jsonl = false;
+  GenerationDevices devices;
 };
 
 void add_chat_options(CLI::App& command, ChatOptions& options);

@@ -1437,7 +1437,8 @@ struct Engine::Impl {
   }
 
   Generation generate(const std::vector<std::vector<std::int64_t>>& prompts,
-                      const models::SamplingOptions& options, Residency residency) {
+                      const models::SamplingOptions& options, Residency residency,
+                      const std::function<void(std::size_t, std::int64_t)>& on_token) {
     Generation out;
     out.tokens.assign(prompts.size(), {});
     if (prompts.empty() || options.max_new_tokens <= 0) return out;
@@ -1569,6 +1570,7 @@ struct Engine::Impl {
         const std::int64_t t =
             models::sample_token(logits[static_cast<std::int64_t>(b)], options, rng[b]);
         out.tokens[b].push_back(t);
+        if (on_token) on_token(b, t);
         chosen[static_cast<std::int64_t>(b)][0] = t;
         finished[b] = std::find(stops.begin(), stops.end(), t) != stops.end();
       }
@@ -1652,8 +1654,9 @@ EvalResult Engine::evaluate(std::vector<Microbatch> microbatches) {
 }
 
 Generation Engine::generate(const std::vector<std::vector<std::int64_t>>& prompts,
-                            const models::SamplingOptions& options, Residency residency) {
-  return impl_->generate(prompts, options, residency);
+                            const models::SamplingOptions& options, Residency residency,
+                            const std::function<void(std::size_t, std::int64_t)>& on_token) {
+  return impl_->generate(prompts, options, residency, on_token);
 }
 
 EngineState Engine::state() const {

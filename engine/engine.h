@@ -169,10 +169,12 @@ class Engine {
   // stages and its tail's layers uploaded again for every token, stage j on device j % N, the next
   // stage's upload overlapping this one's compute. Each prompt's tokens are chosen as
   // models::generate chooses them (its own sampling state from options.seed), and stop after a stop
-  // token or max_new_tokens.
+  // token or max_new_tokens. `on_token(prompt index, token)` runs on this thread as each token is
+  // chosen (to stream the text).
   Generation generate(const std::vector<std::vector<std::int64_t>>& prompts,
                       const models::SamplingOptions& options,
-                      Residency residency = Residency::kAuto);
+                      Residency residency = Residency::kAuto,
+                      const std::function<void(std::size_t, std::int64_t)>& on_token = {});
 
   // Asks train() to return early: the steps already under way finish (and are returned; at most
   // two beyond the one that just ended), no new one starts. Thread-safe, may be called from

@@ -18,8 +18,7 @@ namespace rondo::models {
 
 namespace fs = std::filesystem;
 
-Model load_with_adapter(const std::string& model_path, const std::string& adapter,
-                        const LoadOptions& options) {
+PeftAdapter read_peft_adapter(const std::string& adapter) {
   fs::path dir(adapter);
   std::error_code ec;
   if (!fs::exists(dir / "adapter_config.json", ec) &&
@@ -30,23 +29,26 @@ Model load_with_adapter(const std::string& model_path, const std::string& adapte
     throw Error(adapter +
                 ": no adapter_config.json; give a PEFT adapter folder (rondo export RUN writes "
                 "one; a finished LoRA run has it in RUN/adapter)");
-  const LoraConfig lora = parse_peft_adapter_config(
+  PeftAdapter out;
+  out.lora = parse_peft_adapter_config(
       read_text_file(config_path.string(), "the LoRA adapter config"), config_path.string());
-  const SafetensorsFile file((dir / "adapter_model.safetensors").string());
-  std::map<std::string, at::Tensor> trained;
-  for (const TensorEntry& t : file.tensors())
-    trained.emplace(t.name, t.view());
-  return load_with_trained(model_path, &lora, trained, file.path(), options);
+  auto file = std::make_shared<SafetensorsFile>((dir / "adapter_model.safetensors").string());
+  for (const TensorEntry& t : file->tensors())
+    out.tensors.emplace(t.name, t.view());
+  out.source = file->path();
+  out.file = std::move(file);
+  return out;
 }
 
-Model load_with_trained(const std::string& model_path, const LoraConfig* lora,
-                        const std::map<std::string, at::Tensor>& trained, const std::string& source,
+Model load_with_adapter(const std::string& model_path, const std::string& adapter,
                         const LoadOptions& options) {
-  // The merged model keeps the base's untouched tensors, which may view its file mapping: the
-  // mapping stays alive with it (the base's other tensors go with the base).
-  const Model base = Model::load(model_path, {.dtype = DType::kF32});
-  const std::vector<LayerSpec> specs = lora ? add_lora(base.layers(), *lora) : base.layers();
-  std::map<std::string, at::Tensor> all;
+  const PeftAdapter a = read_peft_adapter(adapter);
+  return load_with_trained(model_path, &a.lora, a.tensors, a.source, options);
+}
+
+std::vector<std::string> trained_problems(const std::vector<LayerSpec>& specs,
+                                          const std::map<std::string, at::Tensor>& trained,
+                                          bool lora) {
   std::vector<std::string> problems;
   std::set<std::string> known;
   for (const LayerSpec& spec : specs)
@@ -57,23 +59,44 @@ Model load_with_trained(const std::string& model_path, const LoraConfig* lora,
       if (it == trained.end()) {
         if (is_lora_param(p.name))
           problems.push_back("no tensor " + p.name + " (the adapter config targets it)");
-        else
-          all.emplace(p.name, base.tensor(p.name));
       } else if (it->second.sizes().vec() != p.shape) {
         problems.push_back(p.name + " is " + shape_text(it->second.sizes().vec()) +
                            ", this base needs " + shape_text(p.shape));
-      } else {  // a copy: `trained` may view a mapping that goes before the model does
-        all.emplace(p.name, it->second.to(at::kFloat, /*non_blocking=*/false, /*copy=*/true));
       }
     }
   for (const auto& [name, t] : trained)
     if (!known.count(name))
       problems.push_back(name + " is not a tensor of this base" +
                          (lora ? "'s targeted projections" : ""));
-  if (!problems.empty())
-    throw Error(join_problems(
-        source + " does not fit " + model_path + (lora ? " (an adapter of another model?):" : ":"),
-        problems));
+  return problems;
+}
+
+void throw_trained_problems(const std::vector<std::string>& problems, const std::string& source,
+                            const std::string& model_path, bool lora) {
+  throw Error(join_problems(
+      source + " does not fit " + model_path + (lora ? " (an adapter of another model?):" : ":"),
+      problems));
+}
+
+Model load_with_trained(const std::string& model_path, const LoraConfig* lora,
+                        const std::map<std::string, at::Tensor>& trained, const std::string& source,
+                        const LoadOptions& options) {
+  // The merged model keeps the base's untouched tensors, which may view its file mapping: the
+  // mapping stays alive with it (the base's other tensors go with the base).
+  const Model base = Model::load(model_path, {.dtype = DType::kF32});
+  const std::vector<LayerSpec> specs = lora ? add_lora(base.layers(), *lora) : base.layers();
+  const std::vector<std::string> problems = trained_problems(specs, trained, lora != nullptr);
+  if (!problems.empty()) throw_trained_problems(problems, source, model_path, lora != nullptr);
+  std::map<std::string, at::Tensor> all;
+  for (const LayerSpec& spec : specs)
+    for (const ParamSpec& p : spec.params) {
+      if (p.tied) continue;
+      auto it = trained.find(p.name);
+      // A copy: `trained` may view a mapping that goes before the model does.
+      all.emplace(p.name, it == trained.end() ? base.tensor(p.name)
+                                              : it->second.to(at::kFloat, /*non_blocking=*/false,
+                                                              /*copy=*/true));
+    }
   std::map<std::string, at::Tensor> merged = lora ? merge_lora(specs, all) : std::move(all);
   all.clear();
   std::shared_ptr<void> keepalive = base.keepalive();

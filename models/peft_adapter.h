@@ -8,12 +8,35 @@
 #pragma once
 
 #include <map>
+#include <memory>
 #include <string>
+#include <vector>
 
 #include "models/lora.h"
 #include "models/model.h"
 
 namespace rondo::models {
+
+// A PEFT adapter folder as read: its config and its tensors (views of the file, which `file`
+// keeps mapped). `adapter` is the folder or a run folder holding one in adapter/.
+struct PeftAdapter {
+  LoraConfig lora;
+  std::map<std::string, at::Tensor> tensors;
+  std::string source;  // the safetensors file, for errors
+  std::shared_ptr<void> file;
+};
+PeftAdapter read_peft_adapter(const std::string& adapter);
+
+// Every way `trained` does not fit `specs` (the base's layers, with `lora`'s adapters when given):
+// an adapter the config targets but the tensors lack, a shape the base does not have, a tensor the
+// base has no place for. Empty when it fits.
+std::vector<std::string> trained_problems(const std::vector<LayerSpec>& specs,
+                                          const std::map<std::string, at::Tensor>& trained,
+                                          bool lora);
+// The Error for those problems, naming `source` and `model_path`.
+[[noreturn]] void throw_trained_problems(const std::vector<std::string>& problems,
+                                         const std::string& source, const std::string& model_path,
+                                         bool lora);
 
 // The base (a Hugging Face folder or a .gguf file) with W + B A * scaling for every adapted
 // projection, merged in fp32, then held in options.dtype (default fp32).

@@ -261,6 +261,60 @@ TEST_F(TrainCli, ChatTalksToTheRunsWeights) {
   EXPECT_TRUE(contains(r.out, "--checkpoint goes with a run folder")) << r.out;
 }
 
+// `rondo generate` and `rondo chat` on the devices (simulated GPUs here; CUDA ones when the
+// machine has them): the adapters applied unmerged on the devices give the CPU path's greedy
+// tokens, with the weights resident on the first device, and streamed stage by stage over two
+// when a device holds too little for all of them (whose reply is the same again). The engine's
+// generation is checked against transformers in tests/oracle/test_generate.py.
+TEST_F(TrainCli, GenerateAndChatOnTheDevicesEqualTheCpu) {
+  const fs::path cfg = dir / "c.toml";
+  write(cfg, config("run"));
+  Result r = run_rondo("train " + cfg.string() + " --set training.steps=3");
+  ASSERT_EQ(r.code, 0) << r.out;
+  const std::string gen =
+      "generate " + model.string() + " --chat -p hello -n 8 --adapter " + (dir / "run").string();
+  const Result cpu = run_rondo(gen + " --cpu", /*with_stderr=*/false);
+  ASSERT_EQ(cpu.code, 0) << cpu.out;
+  ASSERT_GT(cpu.out.size(), 2u) << "an empty reply would make the comparisons below void";
+  const std::vector<std::pair<std::string, std::string>> where = {
+      {" --sim 2", "on 2 simulated GPUs (weights resident)"},
+      {" --sim 2 --sim-memory 150KB", "on 2 simulated GPUs (weights streamed stage by stage)"}};
+  for (const auto& [flags, said] : where) {
+    SCOPED_TRACE(flags);
+    r = run_rondo(gen + flags, /*with_stderr=*/false);
+    ASSERT_EQ(r.code, 0) << r.out;
+    EXPECT_EQ(r.out, cpu.out);
+    r = run_rondo(gen + flags);
+    EXPECT_TRUE(contains(r.out, said)) << r.out;
+    // The run's checkpoint through `rondo chat`: its first reply is the same one.
+    write(dir / "in.txt", "hello\n");
+    r = run_rondo(
+        "chat " + (dir / "run").string() + " -n 8" + flags + " < " + (dir / "in.txt").string(),
+        /*with_stderr=*/false);
+    ASSERT_EQ(r.code, 0) << r.out;
+    EXPECT_EQ(r.out.substr(0, cpu.out.size()), cpu.out) << r.out;
+  }
+  // A full run's checkpoint (every weight trained) chats alike on the devices and the CPU.
+  r = run_rondo("train " + cfg.string() + " --set training.steps=3 --set training.method=full " +
+                "--set output.run_dir=" + (dir / "full").string());
+  ASSERT_EQ(r.code, 0) << r.out;
+  const std::string chat =
+      "chat " + (dir / "full").string() + " -n 8 < " + (dir / "in.txt").string();
+  const Result full_cpu = run_rondo(chat + " --cpu", /*with_stderr=*/false);
+  ASSERT_EQ(full_cpu.code, 0) << full_cpu.out;
+  ASSERT_GT(full_cpu.out.size(), 2u);
+  r = run_rondo(chat + " --sim 2", /*with_stderr=*/false);
+  EXPECT_EQ(r.out, full_cpu.out);
+  r = run_rondo(gen + " --cpu --sim 2");
+  EXPECT_EQ(r.code, 1) << r.out;
+  EXPECT_TRUE(contains(r.out, "--cpu and --sim exclude each other")) << r.out;
+  // Devices too small for two layers at once: refused before generating, saying what helps.
+  r = run_rondo(gen + " --sim 2 --sim-memory 40KB");
+  EXPECT_EQ(r.code, 1) << r.out;
+  EXPECT_TRUE(contains(r.out, "streaming puts two layers on a device at once")) << r.out;
+  EXPECT_TRUE(contains(r.out, "--cpu")) << r.out;
+}
+
 // Left out, output.exports follows the method (a full run has no adapter: it used to fail its
 // config check on the default); set, it is kept (and 'adapter' on a full run stays an error).
 TEST_F(TrainCli, ExportsFollowTheMethodUnlessSet) {

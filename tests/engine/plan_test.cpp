@@ -7,6 +7,7 @@
 
 #include <cmath>
 
+#include "engine/inference.h"
 #include "kernels/error.h"
 
 namespace rondo::engine {
@@ -313,6 +314,25 @@ TEST(PlanInputs, ProblemsAreListed) {
   ASSERT_EQ(problems.size(), 1u);
   EXPECT_NE(problems[0].find("device 1"), std::string::npos) << problems[0];
   EXPECT_THROW(predict(plan_reference(uniform(4, 2, 1e-3, 1e-3, 2, 100)), nan), Error);
+}
+
+}  // namespace
+}  // namespace rondo::engine
+
+namespace rondo::engine {
+namespace {
+
+// Generation's plan: layers in order into stages of at most the budget (a larger layer alone),
+// the last stage the tail, backward stages mirroring the forward ones; valid for the engine.
+TEST(GenerationPlan, CutsTheLayersInOrderUnderTheBudget) {
+  const Plan p = generation_plan({4, 10, 10, 3, 30, 5}, 20);
+  EXPECT_EQ(p.describe(), "F[0,2) F[2,4) F[4,5) T[5,6) B[4,5) B[2,4) B[0,2) M=1 stage");
+  EXPECT_TRUE(p.problems(6).empty());
+  const Plan one = generation_plan({4, 10, 5}, 1000);
+  EXPECT_TRUE(one.forward.empty() && one.backward.empty());
+  EXPECT_EQ(one.tail.begin, 0);
+  EXPECT_EQ(one.tail.end, 3);
+  EXPECT_TRUE(one.problems(3).empty());
 }
 
 }  // namespace
