@@ -110,15 +110,18 @@ class Generator {
   // streamed stage by stage)".
   std::string where() const {
     if (!device_ || !generated_) return where_;
-    return where_ + (resident_ ? " (weights resident)" : " (weights streamed stage by stage)");
+    return where_ + (resident_  ? " (weights resident)"
+                     : kv_host_ ? " (weights streamed stage by stage, KV caches in host memory)"
+                                : " (weights streamed stage by stage)");
   }
 
   void generate(const std::vector<std::int64_t>& prompt, const models::SamplingOptions& sampling,
                 const std::function<void(std::int64_t)>& on_token) {
     if (device_) {
-      resident_ =
-          device_->generate({prompt}, sampling, [&](std::size_t, std::int64_t t) { on_token(t); })
-              .resident;
+      const engine::Generation g =
+          device_->generate({prompt}, sampling, [&](std::size_t, std::int64_t t) { on_token(t); });
+      resident_ = g.resident;
+      kv_host_ = g.kv_host;
       generated_ = true;
     } else {
       models::generate(*cpu_, prompt, sampling, [&](std::int64_t t) {
@@ -132,7 +135,7 @@ class Generator {
   std::unique_ptr<engine::DeviceGenerator> device_;
   std::optional<models::Model> cpu_;
   std::string where_;
-  bool generated_ = false, resident_ = false;
+  bool generated_ = false, resident_ = false, kv_host_ = false;
 };
 
 }  // namespace

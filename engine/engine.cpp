@@ -1418,16 +1418,23 @@ struct Engine::Impl {
 
   // ---- generation ----
 
-  // Device bytes generation needs beyond the weights: the KV caches of `rows` rows of `slots`
-  // positions, and the prefill's largest temporaries (the blocks' activations, the attention
-  // scores of the plain path, the last position's fp32 logits).
-  std::uint64_t generation_bytes(std::int64_t rows, std::int64_t prompt, std::int64_t slots) const {
+  // The KV cache of one block: `rows` rows of `slots` positions.
+  std::uint64_t kv_bytes(std::int64_t rows, std::int64_t slots) const {
+    return 2 * static_cast<std::uint64_t>(rows) * static_cast<std::uint64_t>(slots) *
+           static_cast<std::uint64_t>(config.num_kv_heads * config.head_dim) *
+           static_cast<std::uint64_t>(elem_size(act_dtype));
+  }
+
+  // Device bytes generation needs beyond the weights: the KV caches of `blocks` blocks, and the
+  // prefill's largest temporaries (the blocks' activations, the attention scores of the plain
+  // path, the last position's fp32 logits).
+  std::uint64_t generation_bytes(std::int64_t rows, std::int64_t prompt, std::int64_t slots,
+                                 std::int64_t blocks) const {
     const auto e = static_cast<std::uint64_t>(elem_size(act_dtype));
     const auto R = static_cast<std::uint64_t>(rows), P = static_cast<std::uint64_t>(prompt),
                S = static_cast<std::uint64_t>(slots);
-    const auto blocks = static_cast<std::uint64_t>(std::max<std::int64_t>(config.num_layers, 0));
     const std::uint64_t kv =
-        blocks * 2 * R * S * static_cast<std::uint64_t>(config.num_kv_heads * config.head_dim) * e;
+        static_cast<std::uint64_t>(std::max<std::int64_t>(blocks, 0)) * kv_bytes(rows, slots);
     const std::uint64_t wide = static_cast<std::uint64_t>(
         std::max<std::int64_t>(config.intermediate_size, config.moe_intermediate_size));
     const std::uint64_t acts =
@@ -1437,8 +1444,9 @@ struct Engine::Impl {
   }
 
   Generation generate(const std::vector<std::vector<std::int64_t>>& prompts,
-                      const models::SamplingOptions& options, Residency residency,
-                      const std::function<void(std::size_t, std::int64_t)>& on_token) {
+                      const models::SamplingOptions& options, const GenerateSettings& settings) {
+    const Residency residency = settings.residency;
+    const auto& on_token = settings.on_token;
     Generation out;
     out.tokens.assign(prompts.size(), {});
     if (prompts.empty() || options.max_new_tokens <= 0) return out;
@@ -1479,9 +1487,11 @@ struct Engine::Impl {
     // it: then at most half of what the OS has free.
     if (devs[0]->dev->info().kind == kernels::DeviceKind::kSim)
       free = std::min(free, host_memory_available() / 2);
-    out.resident = residency == Residency::kResident ||
-                   (residency == Residency::kAuto &&
-                    weight_bytes + generation_bytes(B, P, P + options.max_new_tokens) <= free);
+    out.resident =
+        residency == Residency::kResident ||
+        (residency == Residency::kAuto &&
+         weight_bytes + generation_bytes(B, P, P + options.max_new_tokens, config.num_layers) <=
+             free);
     struct Stage {
       LayerRange range;
       int device = 0;
@@ -1503,6 +1513,33 @@ struct Engine::Impl {
       Stage& st = stages[j];
       if (!st.weights) st.weights = transfers->load_weights(st.device, st.layers);
     };
+    // Streamed, the KV caches of every block a device runs pile up on it; when they would not fit
+    // beside two stages of weights and the prefill's temporaries, they stay in host memory between
+    // tokens instead (each block's cache goes up before the block runs and comes back after).
+    std::vector<std::uint64_t> stage_bytes;
+    for (const Stage& st : stages) {
+      std::uint64_t b = 0;
+      for (int l : st.layers)
+        for (std::size_t i = 0; i < specs[l].params.size(); ++i)
+          if (!store.layer(l)[i].tied) b += nbytes(specs[l].params[i].shape, act_dtype);
+      stage_bytes.push_back(b);
+    }
+    std::sort(stage_bytes.rbegin(), stage_bytes.rend());
+    const std::uint64_t two_stages = stage_bytes[0] + (stage_bytes.size() > 1 ? stage_bytes[1] : 0);
+    bool kv_host = settings.kv_caches == KvCaches::kHost;
+    if (settings.kv_caches == KvCaches::kAuto && !out.resident)
+      for (std::size_t d = 0; d < devs.size(); ++d) {
+        std::int64_t blocks = 0;
+        for (const Stage& st : stages)
+          if (st.device == static_cast<int>(d))
+            for (int l = st.range.begin; l < st.range.end; ++l)
+              blocks += l > 0 && l < L - 1;
+        const kernels::MemoryStats m = devs[d]->dev->memory();
+        const std::uint64_t room = m.bytes_cap > m.bytes_in_use ? m.bytes_cap - m.bytes_in_use : 0;
+        kv_host = kv_host ||
+                  two_stages + generation_bytes(B, P, P + options.max_new_tokens, blocks) > room;
+      }
+    out.kv_host = kv_host;
 
     const std::vector<std::int64_t>& stops =
         options.stop_tokens.empty() ? config.eos_token_ids : options.stop_tokens;
@@ -1532,11 +1569,21 @@ struct Engine::Impl {
             at::Tensor h = x.to(dc.torch);
             if (st.range.begin == 0)
               h = models::embed(layer_weights(*st.weights, 0, dc.torch)[0], h);
-            for (int l = std::max(st.range.begin, 1); l < std::min(st.range.end, head); ++l)
+            for (int l = std::max(st.range.begin, 1); l < std::min(st.range.end, head); ++l) {
+              models::KvCache& cache = caches[static_cast<std::size_t>(l)];
+              if (kv_host && cache.k.defined()) {
+                cache.k = cache.k.to(dc.torch);
+                cache.v = cache.v.to(dc.torch);
+              }
               h = models::block_forward(
                   config,
                   models::BlockWeights::bind(specs[l], layer_weights(*st.weights, l, dc.torch)), h,
-                  ctx, &caches[static_cast<std::size_t>(l)]);
+                  ctx, &cache);
+              if (kv_host) {
+                cache.k = cache.k.to(at::kCPU);
+                cache.v = cache.v.to(at::kCPU);
+              }
+            }
             if (st.range.end == L) {
               const std::vector<at::Tensor> hw = layer_weights(*st.weights, head, dc.torch);
               logits = models::head_logits(config, hw[0], hw[1], h.narrow(1, count - 1, 1))
@@ -1654,9 +1701,9 @@ EvalResult Engine::evaluate(std::vector<Microbatch> microbatches) {
 }
 
 Generation Engine::generate(const std::vector<std::vector<std::int64_t>>& prompts,
-                            const models::SamplingOptions& options, Residency residency,
-                            const std::function<void(std::size_t, std::int64_t)>& on_token) {
-  return impl_->generate(prompts, options, residency, on_token);
+                            const models::SamplingOptions& options,
+                            const GenerateSettings& settings) {
+  return impl_->generate(prompts, options, settings);
 }
 
 EngineState Engine::state() const {

@@ -118,10 +118,21 @@ struct EvalResult {
 
 // Where generate() keeps the weights: kAuto = resident when they fit on the first device.
 enum class Residency { kAuto, kResident, kStreamed };
+// Where generate() keeps the KV caches between tokens: kAuto = on the devices that run their
+// blocks, unless (streamed) they would not fit there beside two stages of weights.
+enum class KvCaches { kAuto, kDevice, kHost };
+
+struct GenerateSettings {
+  Residency residency = Residency::kAuto;
+  KvCaches kv_caches = KvCaches::kAuto;
+  // Runs on the calling thread as each token is chosen: (prompt index, token), to stream text.
+  std::function<void(std::size_t, std::int64_t)> on_token;
+};
 
 struct Generation {
   std::vector<std::vector<std::int64_t>> tokens;  // per prompt: the new tokens, as models::generate
   bool resident = false;                          // the weights stayed on one device
+  bool kv_host = false;  // the KV caches stayed in host memory between tokens
 };
 
 // What a checkpoint must hold beyond the store's tensors for a bit-identical resume.
@@ -169,12 +180,11 @@ class Engine {
   // stages and its tail's layers uploaded again for every token, stage j on device j % N, the next
   // stage's upload overlapping this one's compute. Each prompt's tokens are chosen as
   // models::generate chooses them (its own sampling state from options.seed), and stop after a stop
-  // token or max_new_tokens. `on_token(prompt index, token)` runs on this thread as each token is
-  // chosen (to stream the text).
+  // token or max_new_tokens. The KV caches stay on the devices, or in host memory between tokens
+  // (settings.kv_caches; kAuto: when streaming and they would not fit).
   Generation generate(const std::vector<std::vector<std::int64_t>>& prompts,
                       const models::SamplingOptions& options,
-                      Residency residency = Residency::kAuto,
-                      const std::function<void(std::size_t, std::int64_t)>& on_token = {});
+                      const GenerateSettings& settings = {});
 
   // Asks train() to return early: the steps already under way finish (and are returned; at most
   // two beyond the one that just ended), no new one starts. Thread-safe, may be called from

@@ -119,7 +119,7 @@ Generation DeviceGenerator::generate(
     const std::vector<std::vector<std::int64_t>>& prompts, const models::SamplingOptions& options,
     const std::function<void(std::size_t, std::int64_t)>& on_token) {
   try {
-    return impl_->engine->generate(prompts, options, Residency::kAuto, on_token);
+    return impl_->engine->generate(prompts, options, {.on_token = on_token});
   } catch (const Error& e) {
     // A device out of memory (uploading, or computing) advises what helps a training run; say
     // what helps here.

@@ -305,6 +305,16 @@ TEST_F(TrainCli, GenerateAndChatOnTheDevicesEqualTheCpu) {
   ASSERT_GT(full_cpu.out.size(), 2u);
   r = run_rondo(chat + " --sim 2", /*with_stderr=*/false);
   EXPECT_EQ(r.out, full_cpu.out);
+  // A long generation whose KV caches would not fit beside the streamed weights keeps them in
+  // host memory between tokens: the same tokens again.
+  const std::string longer =
+      "generate " + model.string() + " -p 'hello there' -n 300 --adapter " + (dir / "run").string();
+  const Result cpu_long = run_rondo(longer + " --cpu", /*with_stderr=*/false);
+  ASSERT_EQ(cpu_long.code, 0) << cpu_long.out;
+  r = run_rondo(longer + " --sim 2 --sim-memory 150KB", /*with_stderr=*/false);
+  EXPECT_EQ(r.out, cpu_long.out);
+  r = run_rondo(longer + " --sim 2 --sim-memory 150KB");
+  EXPECT_TRUE(contains(r.out, "KV caches in host memory")) << r.out;
   r = run_rondo(gen + " --cpu --sim 2");
   EXPECT_EQ(r.code, 1) << r.out;
   EXPECT_TRUE(contains(r.out, "--cpu and --sim exclude each other")) << r.out;

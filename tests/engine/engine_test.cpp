@@ -602,11 +602,13 @@ TEST(Engine, EvaluatesAndGeneratesOnTheDevicesLikeAPlainLoop) {
     int devices;
     Plan plan;
     Residency residency;
+    KvCaches kv = KvCaches::kAuto;
   };
   Plan whole{.tail = {0, L}, .microbatches = 2};
+  const Plan streamed = random_plan(L, 2, RecomputeGrain::kLayer, rng);
   for (const Setup& setup :
-       {Setup{1, whole, Residency::kResident},
-        Setup{3, random_plan(L, 2, RecomputeGrain::kLayer, rng), Residency::kStreamed}}) {
+       {Setup{1, whole, Residency::kResident}, Setup{3, streamed, Residency::kStreamed},
+        Setup{3, streamed, Residency::kStreamed, KvCaches::kHost}}) {
     SCOPED_TRACE(setup.plan.describe() + " on " + std::to_string(setup.devices) + " devices");
     auto devs = sim_devices(setup.devices);
     Engine engine(s.config, s.specs, store, arena, raw(devs), setup.plan, {});
@@ -614,8 +616,10 @@ TEST(Engine, EvaluatesAndGeneratesOnTheDevicesLikeAPlainLoop) {
     EXPECT_EQ(got.targets, want_targets);
     EXPECT_NEAR(got.loss(), want_sum / static_cast<double>(want_targets),
                 1e-6 * want_sum / static_cast<double>(want_targets));
-    const Generation gen = engine.generate(prompts, greedy, setup.residency);
+    const Generation gen =
+        engine.generate(prompts, greedy, {.residency = setup.residency, .kv_caches = setup.kv});
     EXPECT_EQ(gen.resident, setup.residency == Residency::kResident);
+    EXPECT_EQ(gen.kv_host, setup.kv == KvCaches::kHost);
     ASSERT_EQ(gen.tokens.size(), prompts.size());
     for (std::size_t k = 0; k < prompts.size(); ++k) {
       ASSERT_EQ(gen.tokens[k].size(), want_tokens[k].size()) << "prompt " << k;

@@ -160,10 +160,16 @@ int engine_generate(const std::vector<std::string>& args) {
     throw Error("residency must be resident or streamed");
   models::SamplingOptions options;
   options.max_new_tokens = j["max_new_tokens"];
-  const engine::Generation g = eng.generate(
-      j["prompts"].get<std::vector<std::vector<std::int64_t>>>(), options,
-      residency == "resident" ? engine::Residency::kResident : engine::Residency::kStreamed);
-  std::ofstream(args[2]) << nlohmann::json{{"tokens", g.tokens}, {"resident", g.resident}}.dump();
+  const engine::Generation g =
+      eng.generate(j["prompts"].get<std::vector<std::vector<std::int64_t>>>(), options,
+                   {.residency = residency == "resident" ? engine::Residency::kResident
+                                                         : engine::Residency::kStreamed,
+                    .kv_caches = j.value("kv_host", false) ? engine::KvCaches::kHost
+                                                           : engine::KvCaches::kDevice});
+  std::ofstream(args[2]) << nlohmann::json{
+      {"tokens", g.tokens},
+      {"resident", g.resident},
+      {"kv_host", g.kv_host}}.dump();
   return 0;
 }
 
