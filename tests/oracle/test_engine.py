@@ -69,6 +69,7 @@ import transformers as T
 from safetensors.numpy import load_file
 
 from rondo_oracle import driver
+from test_model_forward import VARIANTS as FORWARD_VARIANTS
 
 V = 64  # vocabulary
 L = 3  # blocks: the layer list is [prefix, block_0, block_1, block_2, head], 5 layers
@@ -108,34 +109,11 @@ FAMILIES = {
 # document (transformers applies no window under a 4D mask), so those rows are not packed.
 # Dynamic (NTK) rope is left out: training rows never pass max_position_embeddings
 # (data.seq_len <= max_position_embeddings), where it is plain rope (test_model_forward checks it
-# past that length).
-VARIANTS = {
-    "llama3_rope": (T.LlamaForCausalLM, T.LlamaConfig, dict(
-        num_attention_heads=4, num_key_value_heads=2, rope_theta=500000.0,
-        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                      "high_freq_factor": 4.0, "original_max_position_embeddings": 16})),
-    "llama_linear_rope": (T.LlamaForCausalLM, T.LlamaConfig, dict(
-        num_attention_heads=4, num_key_value_heads=2,
-        rope_scaling={"rope_type": "linear", "factor": 4.0})),
-    "qwen2_yarn_rope": (T.Qwen2ForCausalLM, T.Qwen2Config, dict(
-        num_attention_heads=4, num_key_value_heads=2,
-        rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16})),
-    "qwen3_qk_norm_yarn_mscale": (T.Qwen3ForCausalLM, T.Qwen3Config, dict(
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-        rope_scaling={"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 16,
-                      "beta_fast": 16, "beta_slow": 2, "mscale": 1.0, "mscale_all_dim": 0.5,
-                      "truncate": False})),
-    "mistral_window": (T.MistralForCausalLM, T.MistralConfig, dict(
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=5)),
-    "qwen2_window_layers": (T.Qwen2ForCausalLM, T.Qwen2Config, dict(
-        num_attention_heads=4, num_key_value_heads=2, use_sliding_window=True, sliding_window=4,
-        max_window_layers=1)),
-    "qwen3_layer_types": (T.Qwen3ForCausalLM, T.Qwen3Config, dict(
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, use_sliding_window=True,
-        sliding_window=4,
-        layer_types=["sliding_attention", "full_attention", "sliding_attention"])),
-}
-UNPACKED = {"mistral_window", "qwen2_window_layers", "qwen3_layer_types"}
+# past that length). They are the models whose logits test_model_forward checks.
+VARIANTS = {name: FORWARD_VARIANTS[name] for name in [
+    "llama3_rope_scaling", "llama_linear_rope", "qwen2_yarn_rope", "qwen3_yarn_mscale",
+    "mistral_sliding_window", "qwen2_window_layers", "qwen3_layer_types"]}
+UNPACKED = {"mistral_sliding_window", "qwen2_window_layers", "qwen3_layer_types"}
 VARIANT_PLAN = "2dev_stages_M2_stage"
 
 # (devices, M, plan) over the 5 layers. The tail ends at 5 and holds the head; forward stages cover
