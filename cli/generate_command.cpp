@@ -21,6 +21,7 @@
 #include "engine/checkpoint.h"
 #include "engine/devices.h"
 #include "engine/inference.h"
+#include "engine/run_lock.h"
 #include "kernels/error.h"
 #include "models/generate.h"
 #include "models/model.h"
@@ -70,9 +71,11 @@ class Generator {
  public:
   // `trained`: a full run's weights, or with `lora` the adapters; they may view a file the caller
   // keeps mapped until this returns (both paths copy them).
+  // `gpus_busy`: why the GPUs are better left alone (a run training on them): the CPU then.
   Generator(const std::string& model_path, const models::LoraConfig* lora,
             std::map<std::string, at::Tensor> trained, const std::string& source,
-            const std::string& dtype, const GenerationDevices& d) {
+            const std::string& dtype, const GenerationDevices& d,
+            const std::string& gpus_busy = "") {
     if (d.cpu && d.sim > 0) throw Error("--cpu and --sim exclude each other");
     std::optional<engine::DevicePlan> plan;
     if (!d.cpu) {
@@ -84,7 +87,8 @@ class Generator {
     } else if (!d.memory_cap.empty()) {
       throw Error("--memory-cap is for GPUs; --cpu generates in host memory");
     }
-    if (plan &&
+    const bool busy = plan && plan->mode == engine::DeviceMode::kCuda && !gpus_busy.empty();
+    if (plan && !busy &&
         (plan->mode == engine::DeviceMode::kCuda || plan->mode == engine::DeviceMode::kSim)) {
       engine::GeneratorOptions g;
       g.model = model_path;
@@ -102,7 +106,7 @@ class Generator {
     cpu_.emplace(trained.empty() && !lora
                      ? models::Model::load(model_path, load)
                      : models::load_with_trained(model_path, lora, trained, source, load));
-    where_ = "the CPU";
+    where_ = busy ? "the CPU (" + gpus_busy + ")" : "the CPU";
   }
 
   const models::ModelConfig& config() const { return device_ ? device_->config() : cpu_->config(); }
@@ -302,8 +306,13 @@ int run_chat(const ChatOptions& o) {
     const ChosenCheckpoint chosen = checkpoint_for(o.target, o.checkpoint, "to chat with");
     const models::SafetensorsFile state((fs::path(chosen.path) / "state.safetensors").string());
     const models::LoraConfig lora = c.lora_config();
+    // A run still training holds the GPUs' memory under its own plan: chat beside it on the CPU.
+    const std::string holder = engine::RunLock::holder(o.target);
     model.emplace(model_path, c.training.method == "lora" ? &lora : nullptr,
-                  engine::checkpoint_weights(state), chosen.path, o.dtype, o.devices);
+                  engine::checkpoint_weights(state), chosen.path, o.dtype, o.devices,
+                  holder.empty() ? ""
+                                 : "the run is training in " + holder +
+                                       " on the GPUs; chat after it ends to use them");
     what = chosen.path;
   } else {
     if (!o.checkpoint.empty())

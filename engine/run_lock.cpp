@@ -33,6 +33,21 @@ bool alive(pid_t pid) {
   return ::kill(pid, 0) == 0 || errno == EPERM;
 }
 
+// "process N (rondo train)" from what the holder wrote into the lock file; "another process" when
+// it has not written yet.
+std::string holder_of(int fd) {
+  char buf[256];
+  const ssize_t n = ::pread(fd, buf, sizeof buf - 1, 0);
+  std::string holder;
+  if (n > 0) holder.assign(buf, static_cast<std::size_t>(n));
+  while (!holder.empty() && (holder.back() == '\n' || holder.back() == ' '))
+    holder.pop_back();
+  if (holder.empty()) return "another process";
+  const std::size_t space = holder.find(' ');
+  return "process " + holder.substr(0, space) +
+         (space == std::string::npos ? "" : " (" + holder.substr(space + 1) + ")");
+}
+
 }  // namespace
 
 RunLock::RunLock(const std::string& run_dir, const std::string& what, bool reader) : dir_(run_dir) {
@@ -52,27 +67,13 @@ RunLock::RunLock(const std::string& run_dir, const std::string& what, bool reade
   } while (rc != 0 && errno == EINTR);
   if (rc != 0) {
     const int err = errno;
-    std::string holder;
-    if (err == EWOULDBLOCK) {
-      char buf[256];
-      const ssize_t n = ::pread(fd_, buf, sizeof buf - 1, 0);
-      if (n > 0) holder.assign(buf, static_cast<std::size_t>(n));
-      while (!holder.empty() && (holder.back() == '\n' || holder.back() == ' '))
-        holder.pop_back();
-    }
+    // The holder writes "<pid> <what>" right after it locks.
+    const std::string who = err == EWOULDBLOCK ? holder_of(fd_) : "";
     ::close(fd_);
     fd_ = -1;
     if (err != EWOULDBLOCK)
       throw Error("cannot lock the run folder " + run_dir + " (" + path +
                   "): " + std::strerror(err));
-    // The holder writes "<pid> <what>" right after it locks; an empty file is a holder that has
-    // not written yet.
-    std::string who = "another process";
-    if (!holder.empty()) {
-      const std::size_t space = holder.find(' ');
-      who = "process " + holder.substr(0, space) +
-            (space == std::string::npos ? "" : " (" + holder.substr(space + 1) + ")");
-    }
     throw Error(run_dir + " is in use by " + who +
                 ": one process at a time trains or exports a run; wait for it to end, or stop it "
                 "(Ctrl-C in its terminal) and run this again");
@@ -85,6 +86,19 @@ RunLock::RunLock(const std::string& run_dir, const std::string& what, bool reade
     fd_ = -1;
     throw Error("cannot write the run's lock file " + path + ": " + std::strerror(err));
   }
+}
+
+std::string RunLock::holder(const std::string& run_dir) {
+  const std::string path = (fs::path(run_dir) / kFile).string();
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return "";  // never locked (or unreadable: nothing to say)
+  int rc;
+  do {
+    rc = ::flock(fd, LOCK_SH | LOCK_NB);
+  } while (rc != 0 && errno == EINTR);
+  const std::string who = rc != 0 && errno == EWOULDBLOCK ? holder_of(fd) : "";
+  ::close(fd);  // releases the shared lock at once
+  return who;
 }
 
 RunLock::~RunLock() {

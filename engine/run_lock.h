@@ -33,6 +33,10 @@ class RunLock {
   // is touched (a run folder could be any folder). Returns the paths removed.
   std::vector<std::string> remove_stale_temporaries() const;
 
+  // Who holds the folder's lock now ("process N (rondo train)"), or "" when nobody does. Takes
+  // and drops a shared lock at once: a writer starting in that instant is refused as usual.
+  static std::string holder(const std::string& run_dir);
+
   // Whether the folder could not be written (only with `reader`).
   bool read_only() const { return read_only_; }
 

@@ -18,6 +18,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "engine/run_lock.h"
 #include "engine/state.h"
 #include "kernels/error.h"
 #include "models/checksum.h"
@@ -533,6 +534,23 @@ TEST_F(CheckpointTest, ReadRefusesWhatIsNotACheckpoint) {
   expect_read_error(step_dir(2), s, {"version 3"});
 
   expect_read_error((root_ / "nowhere").string(), s, {"no such checkpoint folder"});
+}
+
+// RunLock::holder says who holds a run folder (rondo chat asks before taking the GPUs a training
+// run may be using), and nothing once the holder is gone or when there never was one.
+TEST(RunLockHolder, NamesTheHolderWhileItHoldsTheLock) {
+  const std::string dir = ::testing::TempDir() + "rondo-runlock-" + std::to_string(::getpid());
+  std::filesystem::create_directories(dir);
+  EXPECT_EQ(RunLock::holder(dir), "");  // no lock file yet
+  {
+    RunLock lock(dir, "rondo train");
+    EXPECT_EQ(RunLock::holder(dir), "process " + std::to_string(::getpid()) + " (rondo train)");
+    // Asking took nothing from the holder: a second writer is still refused.
+    EXPECT_THROW(RunLock(dir, "rondo export"), Error);
+  }
+  EXPECT_EQ(RunLock::holder(dir), "");
+  RunLock again(dir, "rondo train --resume");  // the probe left no lock behind
+  std::filesystem::remove_all(dir);
 }
 
 }  // namespace
