@@ -84,8 +84,6 @@ class Generator {
       s.sim_bytes = parse_bytes(d.sim_memory, "--sim-memory");
       if (!d.memory_cap.empty()) s.memory_cap = parse_bytes(d.memory_cap, "--memory-cap");
       plan = engine::plan_devices(s);
-    } else if (!d.memory_cap.empty()) {
-      throw Error("--memory-cap is for GPUs; --cpu generates in host memory");
     }
     const bool busy = plan && plan->mode == engine::DeviceMode::kCuda && !gpus_busy.empty();
     if (plan && !busy &&
@@ -307,12 +305,14 @@ int run_chat(const ChatOptions& o) {
     const models::SafetensorsFile state((fs::path(chosen.path) / "state.safetensors").string());
     const models::LoraConfig lora = c.lora_config();
     // A run still training holds the GPUs' memory under its own plan: chat beside it on the CPU.
+    // (An export holds the lock too, on the CPU.)
     const std::string holder = engine::RunLock::holder(o.target);
+    const bool training = holder.find("(rondo train") != std::string::npos;
     model.emplace(model_path, c.training.method == "lora" ? &lora : nullptr,
                   engine::checkpoint_weights(state), chosen.path, o.dtype, o.devices,
-                  holder.empty() ? ""
-                                 : "the run is training in " + holder +
-                                       " on the GPUs; chat after it ends to use them");
+                  training ? "the run is training in " + holder +
+                                 " on the GPUs; chat after it ends to use them"
+                           : "");
     what = chosen.path;
   } else {
     if (!o.checkpoint.empty())

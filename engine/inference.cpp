@@ -121,12 +121,12 @@ Generation DeviceGenerator::generate(
   try {
     return impl_->engine->generate(prompts, options, {.on_token = on_token});
   } catch (const Error& e) {
-    // A device out of memory (uploading, or computing) advises what helps a training run; say
-    // what helps here.
+    // A device out of memory (the engine's pool uploading, or torch's allocator computing)
+    // advises what helps a training run, or nothing; say what helps here.
     std::string what = e.what();
-    const std::size_t cut = what.find("; use more microbatches");
-    if (cut == std::string::npos) throw;
-    what.resize(cut);
+    if (what.find("out of memory") == std::string::npos) throw;
+    if (const std::size_t cut = what.find("; use more microbatches"); cut != std::string::npos)
+      what.resize(cut);
     throw Error("generating on " + where() + ": " + what +
                 "; give the devices more memory (--memory-cap, --sim-memory), generate fewer "
                 "tokens (--max-new-tokens), or generate on the CPU (--cpu)");

@@ -184,6 +184,8 @@ void write_merged(
     std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
     if (std::string(name) == "config.json") {  // the weights' dtype as written
       nlohmann::json j = nlohmann::json::parse(text);
+      // Written dense: a quantised base's (GPT-OSS's MXFP4 experts) format no longer applies.
+      j.erase("quantization_config");
       j["torch_dtype"] = dtype == DType::kBF16  ? "bfloat16"
                          : dtype == DType::kF16 ? "float16"
                                                 : "float32";

@@ -20,10 +20,10 @@ namespace rondo::models {
 // A PEFT adapter folder as read: its config and its tensors (views of the file, which `file`
 // keeps mapped). `adapter` is the folder or a run folder holding one in adapter/.
 struct PeftAdapter {
+  std::shared_ptr<void> file;  // first: destroyed after the views below
   LoraConfig lora;
-  std::map<std::string, at::Tensor> tensors;
-  std::string source;  // the safetensors file, for errors
-  std::shared_ptr<void> file;
+  std::map<std::string, at::Tensor> tensors;  // views of `file`: copy what must outlive it
+  std::string source;                         // the safetensors file, for errors
 };
 PeftAdapter read_peft_adapter(const std::string& adapter);
 

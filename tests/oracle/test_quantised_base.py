@@ -230,7 +230,8 @@ def rondo(*args):
     return p.stdout + p.stderr
 
 
-def train(tmp_path, model_path, name, quantize, data, steps, targets=("all-linear",)):
+def train(tmp_path, model_path, name, quantize, data, steps, targets=("all-linear",),
+          exports=("adapter",)):
     run = tmp_path / name
     cfg = tmp_path / f"{name}.toml"
     cfg.write_text(f"""
@@ -256,7 +257,7 @@ seed = 7
 sim_devices = 2
 [output]
 run_dir = "{run}"
-exports = ["adapter"]
+exports = {json.dumps(list(exports))}
 """)
     rondo("train", cfg)
     events = [json.loads(l) for l in (run / "events.jsonl").read_text().splitlines()]
@@ -360,7 +361,8 @@ def test_lora_on_a_gpt_oss_base_kept_in_mxfp4_trains_as_on_its_dequantised_exper
                                                      {"role": "assistant", "content": a}]}) + "\n"
                             for q, a in QA))
     targets = ("all-linear", "gate_proj", "up_proj", "down_proj")
-    kept_run, kept, kept_plan = train(tmp_path, d, "mxfp4", "stored", data, 4, targets)
+    kept_run, kept, kept_plan = train(tmp_path, d, "mxfp4", "stored", data, 4, targets,
+                                      exports=("adapter", "merged"))
     _, dequantised, plain_plan = train(tmp_path, d, "dequantised", "none", data, 4, targets)
     assert kept_plan["placement"]["quantize"] == "stored"
     assert "MXFP4" in kept_plan["placement"]["formats"], kept_plan["placement"]
@@ -369,3 +371,8 @@ def test_lora_on_a_gpt_oss_base_kept_in_mxfp4_trains_as_on_its_dequantised_exper
     assert len(kept) == 4 and kept == dequantised
     adapter = json.loads(next(kept_run.rglob("adapter_config.json")).read_text())
     assert adapter["target_parameters"] == ["gate_up_proj", "down_proj"], adapter
+    # The merged checkpoint is dense: no MXFP4 quantization_config left for transformers to
+    # expect blocks by, and transformers loads it.
+    merged = kept_run / "merged"
+    assert "quantization_config" not in json.loads((merged / "config.json").read_text())
+    T.GptOssForCausalLM.from_pretrained(merged)
