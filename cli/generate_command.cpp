@@ -11,6 +11,7 @@
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
 #include <functional>
 #include <iostream>
 #include <nlohmann/json.hpp>
@@ -117,6 +118,23 @@ class Generator {
                                 : " (weights streamed stage by stage)");
   }
 
+  // Every prompt's new tokens: one batch on the devices, one prompt after another on the CPU.
+  std::vector<std::vector<std::int64_t>> generate_all(
+      const std::vector<std::vector<std::int64_t>>& prompts,
+      const models::SamplingOptions& sampling) {
+    if (device_) {
+      const engine::Generation g = device_->generate(prompts, sampling);
+      resident_ = g.resident;
+      kv_host_ = g.kv_host;
+      generated_ = true;
+      return g.tokens;
+    }
+    std::vector<std::vector<std::int64_t>> out;
+    for (const auto& p : prompts)
+      out.push_back(models::generate(*cpu_, p, sampling));
+    return out;
+  }
+
   void generate(const std::vector<std::int64_t>& prompt, const models::SamplingOptions& sampling,
                 const std::function<void(std::int64_t)>& on_token) {
     if (device_) {
@@ -144,9 +162,12 @@ class Generator {
 
 void add_generate_options(CLI::App& command, GenerateOptions& o) {
   command.add_option("model", o.model, "A Hugging Face model folder or a .gguf file")->required();
-  command
-      .add_option("--prompt,-p", o.prompt, "The text to continue, or the user message with --chat")
-      ->required();
+  command.add_option("--prompt,-p", o.prompt,
+                     "The text to continue, or the user message with --chat");
+  command.add_option("--prompts", o.prompts_file,
+                     "A file of prompts, one per line (blank lines skipped), generated together "
+                     "(batched on the GPUs); prints one JSON object per prompt: prompt, text, "
+                     "tokens");
   command.add_flag("--chat", o.chat,
                    "Render the prompt as a user turn with the model's chat template");
   command.add_option(
@@ -238,24 +259,77 @@ void save_conversation(const std::string& path, const std::vector<models::ChatMe
 int run_generate(const GenerateOptions& o) {
   if (!o.chat && (!o.chat_format.empty() || !o.system.empty()))
     throw Error("--chat-format and --system only apply with --chat");
-  models::Tokenizer tok = models::load_tokenizer(o.model);
-  std::vector<std::int32_t> ids;
-  if (o.chat) {
-    models::ChatTemplate tmpl = models::load_model_chat_template(o.model, o.chat_format);
-    std::vector<models::ChatMessage> messages;
-    if (!o.system.empty()) messages.push_back({"system", o.system});
-    messages.push_back({"user", o.prompt});
-    ids = models::render_chat(tok, tmpl, messages, /*add_generation_prompt=*/true).ids;
+  if (o.prompt.empty() == o.prompts_file.empty())
+    throw Error("give one of --prompt TEXT or --prompts FILE");
+  std::vector<std::string> texts;
+  if (!o.prompts_file.empty()) {
+    std::ifstream in(o.prompts_file);
+    if (!in) throw Error("cannot read " + o.prompts_file + ": " + std::strerror(errno));
+    for (std::string line; std::getline(in, line);) {
+      if (!line.empty() && line.back() == '\r') line.pop_back();
+      if (line.find_first_not_of(" \t") != std::string::npos) texts.push_back(line);
+    }
+    if (texts.empty()) throw Error(o.prompts_file + " holds no prompt (one per line)");
   } else {
-    ids = tok.encode(o.prompt, /*add_special_tokens=*/true);
+    texts.push_back(o.prompt);
   }
-  if (ids.empty()) throw Error("the prompt is empty after tokenization");
+  models::Tokenizer tok = models::load_tokenizer(o.model);
+  std::optional<models::ChatTemplate> tmpl;
+  if (o.chat) tmpl = models::load_model_chat_template(o.model, o.chat_format);
+  std::vector<std::vector<std::int64_t>> prompts;
+  for (std::size_t i = 0; i < texts.size(); ++i) {
+    std::vector<std::int32_t> ids;
+    if (o.chat) {
+      std::vector<models::ChatMessage> messages;
+      if (!o.system.empty()) messages.push_back({"system", o.system});
+      messages.push_back({"user", texts[i]});
+      ids = models::render_chat(tok, *tmpl, messages, /*add_generation_prompt=*/true).ids;
+    } else {
+      ids = tok.encode(texts[i], /*add_special_tokens=*/true);
+    }
+    if (ids.empty())
+      throw Error(o.prompts_file.empty() ? std::string("the prompt is empty after tokenization")
+                                         : fmt::format("{}: prompt {} is empty after tokenization",
+                                                       o.prompts_file, i + 1));
+    prompts.emplace_back(ids.begin(), ids.end());
+  }
+  const std::vector<std::int32_t> ids(prompts[0].begin(), prompts[0].end());
 
   std::optional<models::PeftAdapter> adapter;
   if (!o.adapter.empty()) adapter = models::read_peft_adapter(o.adapter);
   Generator model(o.model, adapter ? &adapter->lora : nullptr,
                   adapter ? adapter->tensors : std::map<std::string, at::Tensor>{},
                   adapter ? adapter->source : std::string(), o.dtype, o.devices);
+  if (!o.prompts_file.empty()) {
+    const auto start = std::chrono::steady_clock::now();
+    const std::vector<std::vector<std::int64_t>> outs =
+        model.generate_all(prompts, sampling_for(model.config(), tok, o.chat, o.max_new_tokens,
+                                                 o.temperature, o.top_p, o.seed));
+    const double seconds =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    std::size_t in_tokens = 0, out_tokens = 0;
+    for (std::size_t i = 0; i < outs.size(); ++i) {
+      models::TextStreamer streamer(tok);
+      std::string text;
+      for (std::int64_t t : outs[i])
+        text += streamer.push(static_cast<std::int32_t>(t));
+      text += streamer.finish();
+      in_tokens += prompts[i].size();
+      out_tokens += outs[i].size();
+      const std::string line =
+          nlohmann::ordered_json{{"prompt", texts[i]}, {"text", text}, {"tokens", outs[i].size()}}
+              .dump(-1, ' ', false, nlohmann::json::error_handler_t::replace) +
+          "\n";
+      std::fwrite(line.data(), 1, line.size(), stdout);
+    }
+    std::fflush(stdout);
+    std::fprintf(stderr,
+                 "rondo: %zu prompts, %zu prompt tokens, %zu generated in %.2f s (%.1f tokens/s) "
+                 "on %s\n",
+                 texts.size(), in_tokens, out_tokens, seconds, out_tokens / std::max(seconds, 1e-9),
+                 model.where().c_str());
+    return 0;
+  }
   const Reply r = stream_reply(
       model, tok, ids,
       sampling_for(model.config(), tok, o.chat, o.max_new_tokens, o.temperature, o.top_p, o.seed));

@@ -22,6 +22,9 @@ struct GenerationDevices {
 struct GenerateOptions {
   std::string model;
   std::string prompt;
+  // One prompt per line of this file, all generated at once (batched on the devices); stdout
+  // gets one JSON object per prompt: {"prompt", "text", "tokens"}.
+  std::string prompts_file;
   bool chat = false;
   std::string chat_format;  // "" = recognise the model's template
   std::string system;       // system message for --chat

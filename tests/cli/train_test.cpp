@@ -315,6 +315,28 @@ TEST_F(TrainCli, GenerateAndChatOnTheDevicesEqualTheCpu) {
   EXPECT_EQ(r.out, cpu_long.out);
   r = run_rondo(longer + " --sim 2 --sim-memory 150KB");
   EXPECT_TRUE(contains(r.out, "KV caches in host memory")) << r.out;
+  // Several prompts at once (--prompts): one batch on the devices, streamed, gives each prompt
+  // what the CPU gives it alone.
+  write(dir / "prompts.txt", "hello there\n\nwhat is up\nhi\n");
+  const std::string batch = "generate " + model.string() + " -n 8 --prompts " +
+                            (dir / "prompts.txt").string() + " --adapter " + (dir / "run").string();
+  r = run_rondo(batch + " --sim 2 --sim-memory 150KB", /*with_stderr=*/false);
+  ASSERT_EQ(r.code, 0) << r.out;
+  std::istringstream lines(r.out);
+  std::vector<json> got;
+  for (std::string line; std::getline(lines, line);)
+    got.push_back(json::parse(line));
+  ASSERT_EQ(got.size(), 3u) << r.out;
+  for (const json& g : got) {
+    const Result alone =
+        run_rondo("generate " + model.string() + " -n 8 --cpu --adapter " + (dir / "run").string() +
+                      " -p '" + g["prompt"].get<std::string>() + "'",
+                  /*with_stderr=*/false);
+    EXPECT_EQ(g["text"].get<std::string>() + "\n", alone.out) << g.dump();
+  }
+  EXPECT_EQ(got[1]["prompt"], "what is up");
+  r = run_rondo(batch + " --sim 2 --sim-memory 150KB");
+  EXPECT_TRUE(contains(r.out, "3 prompts")) << r.out;
   r = run_rondo(gen + " --cpu --sim 2");
   EXPECT_EQ(r.code, 1) << r.out;
   EXPECT_TRUE(contains(r.out, "--cpu and --sim exclude each other")) << r.out;
