@@ -112,10 +112,12 @@ class Generator {
   // Where it ran, and on the devices how the weights were held: "2 simulated GPUs (weights
   // streamed stage by stage)".
   std::string where() const {
-    if (!device_ || !generated_) return where_;
-    return where_ + (resident_  ? " (weights resident)"
-                     : kv_host_ ? " (weights streamed stage by stage, KV caches in host memory)"
-                                : " (weights streamed stage by stage)");
+    if (!device_ || !last_) return where_;
+    return where_ + (last_->resident ? " (weights resident)"
+                     : last_->spread ? " (weights resident, spread over the devices)"
+                     : last_->kv_host
+                         ? " (weights streamed stage by stage, KV caches in host memory)"
+                         : " (weights streamed stage by stage)");
   }
 
   // Every prompt's new tokens: one batch on the devices, one prompt after another on the CPU.
@@ -123,11 +125,8 @@ class Generator {
       const std::vector<std::vector<std::int64_t>>& prompts,
       const models::SamplingOptions& sampling) {
     if (device_) {
-      const engine::Generation g = device_->generate(prompts, sampling);
-      resident_ = g.resident;
-      kv_host_ = g.kv_host;
-      generated_ = true;
-      return g.tokens;
+      last_ = device_->generate(prompts, sampling);
+      return last_->tokens;
     }
     std::vector<std::vector<std::int64_t>> out;
     for (const auto& p : prompts)
@@ -138,11 +137,8 @@ class Generator {
   void generate(const std::vector<std::int64_t>& prompt, const models::SamplingOptions& sampling,
                 const std::function<void(std::int64_t)>& on_token) {
     if (device_) {
-      const engine::Generation g =
+      last_ =
           device_->generate({prompt}, sampling, [&](std::size_t, std::int64_t t) { on_token(t); });
-      resident_ = g.resident;
-      kv_host_ = g.kv_host;
-      generated_ = true;
     } else {
       models::generate(*cpu_, prompt, sampling, [&](std::int64_t t) {
         on_token(t);
@@ -155,7 +151,7 @@ class Generator {
   std::unique_ptr<engine::DeviceGenerator> device_;
   std::optional<models::Model> cpu_;
   std::string where_;
-  bool generated_ = false, resident_ = false, kv_host_ = false;
+  std::optional<engine::Generation> last_;  // on the devices: how the last generation ran
 };
 
 }  // namespace

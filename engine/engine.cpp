@@ -1513,32 +1513,49 @@ struct Engine::Impl {
       Stage& st = stages[j];
       if (!st.weights) st.weights = transfers->load_weights(st.device, st.layers);
     };
-    // Streamed, the KV caches of every block a device runs pile up on it; when they would not fit
-    // beside two stages of weights and the prefill's temporaries, they stay in host memory between
-    // tokens instead (each block's cache goes up before the block runs and comes back after).
-    std::vector<std::uint64_t> stage_bytes;
+    // Per device: the weights of its stages, its blocks (their KV caches) and its free memory
+    // (simulated devices share host memory: at most their share of half of what the OS has).
+    const std::size_t N = devs.size();
+    std::vector<std::uint64_t> stage_bytes, device_bytes(N, 0), room(N, 0);
+    std::vector<std::int64_t> device_blocks(N, 0);
     for (const Stage& st : stages) {
       std::uint64_t b = 0;
       for (int l : st.layers)
         for (std::size_t i = 0; i < specs[l].params.size(); ++i)
           if (!store.layer(l)[i].tied) b += nbytes(specs[l].params[i].shape, act_dtype);
       stage_bytes.push_back(b);
+      device_bytes[static_cast<std::size_t>(st.device)] += b;
+      for (int l = st.range.begin; l < st.range.end; ++l)
+        device_blocks[static_cast<std::size_t>(st.device)] += l > 0 && l < L - 1;
     }
-    std::sort(stage_bytes.rbegin(), stage_bytes.rend());
-    const std::uint64_t two_stages = stage_bytes[0] + (stage_bytes.size() > 1 ? stage_bytes[1] : 0);
+    for (std::size_t d = 0; d < N; ++d) {
+      const kernels::MemoryStats m = devs[d]->dev->memory();
+      room[d] = m.bytes_cap > m.bytes_in_use ? m.bytes_cap - m.bytes_in_use : 0;
+      if (devs[d]->dev->info().kind == kernels::DeviceKind::kSim)
+        room[d] = std::min(room[d], host_memory_available() / 2 / N);
+    }
+    const std::int64_t slots = P + options.max_new_tokens;
+    // Spread: when every device holds all of its stages (stage j on device j mod N), their blocks'
+    // caches and the prefill's temporaries, the stages stay where they are across tokens, loaded
+    // once: a model larger than one device but not than all of them streams nothing.
+    bool spread = residency == Residency::kSpread;
+    if (residency == Residency::kAuto && !out.resident && N > 1 && stages.size() > 1) {
+      spread = true;
+      for (std::size_t d = 0; d < N; ++d)
+        spread =
+            spread && device_bytes[d] + generation_bytes(B, P, slots, device_blocks[d]) <= room[d];
+    }
+    out.spread = spread && !out.resident;
+    // Streamed, the KV caches of every block a device runs pile up on it; when they would not fit
+    // beside two stages of weights and the prefill's temporaries, they stay in host memory between
+    // tokens instead (each block's cache goes up before the block runs and comes back after).
+    std::vector<std::uint64_t> largest = stage_bytes;
+    std::sort(largest.rbegin(), largest.rend());
+    const std::uint64_t two_stages = largest[0] + (largest.size() > 1 ? largest[1] : 0);
     bool kv_host = settings.kv_caches == KvCaches::kHost;
-    if (settings.kv_caches == KvCaches::kAuto && !out.resident)
-      for (std::size_t d = 0; d < devs.size(); ++d) {
-        std::int64_t blocks = 0;
-        for (const Stage& st : stages)
-          if (st.device == static_cast<int>(d))
-            for (int l = st.range.begin; l < st.range.end; ++l)
-              blocks += l > 0 && l < L - 1;
-        const kernels::MemoryStats m = devs[d]->dev->memory();
-        const std::uint64_t room = m.bytes_cap > m.bytes_in_use ? m.bytes_cap - m.bytes_in_use : 0;
-        kv_host = kv_host ||
-                  two_stages + generation_bytes(B, P, P + options.max_new_tokens, blocks) > room;
-      }
+    if (settings.kv_caches == KvCaches::kAuto && !out.resident && !out.spread)
+      for (std::size_t d = 0; d < N; ++d)
+        kv_host = kv_host || two_stages + generation_bytes(B, P, slots, device_blocks[d]) > room[d];
     out.kv_host = kv_host;
 
     const std::vector<std::int64_t>& stops =
@@ -1609,7 +1626,7 @@ struct Engine::Impl {
             throw Error(where + first_line(e.what()));
           }
         }
-        if (!out.resident) st.weights.reset();
+        if (!out.resident && !out.spread) st.weights.reset();
       }
       at::Tensor chosen = at::zeros({B, 1}, at::kLong);
       for (std::size_t b = 0; b < prompts.size(); ++b) {

@@ -116,8 +116,9 @@ struct EvalResult {
   double loss() const { return targets > 0 ? loss_sum / static_cast<double>(targets) : 0.0; }
 };
 
-// Where generate() keeps the weights: kAuto = resident when they fit on the first device.
-enum class Residency { kAuto, kResident, kStreamed };
+// Where generate() keeps the weights: kAuto = resident when they fit on the first device, else
+// spread when every device holds its own stages, else streamed.
+enum class Residency { kAuto, kResident, kSpread, kStreamed };
 // Where generate() keeps the KV caches between tokens: kAuto = on the devices that run their
 // blocks, unless (streamed) they would not fit there beside two stages of weights.
 enum class KvCaches { kAuto, kDevice, kHost };
@@ -132,6 +133,7 @@ struct GenerateSettings {
 struct Generation {
   std::vector<std::vector<std::int64_t>> tokens;  // per prompt: the new tokens, as models::generate
   bool resident = false;                          // the weights stayed on one device
+  bool spread = false;   // each stage stayed on its device across tokens (uploaded once)
   bool kv_host = false;  // the KV caches stayed in host memory between tokens
 };
 
@@ -176,12 +178,13 @@ class Engine {
   // copies, LoRA adapters applied unmerged, a quantised base dequantised on the device), all
   // prompts together (left-padded), a KV cache per block on the device that runs it. Resident:
   // every layer uploaded once to the first device, when they and the caches fit under its free
-  // memory, or when the plan is one stage (or as `residency` says). Streamed: the plan's forward
-  // stages and its tail's layers uploaded again for every token, stage j on device j % N, the next
-  // stage's upload overlapping this one's compute. Each prompt's tokens are chosen as
-  // models::generate chooses them (its own sampling state from options.seed), and stop after a stop
-  // token or max_new_tokens. The KV caches stay on the devices, or in host memory between tokens
-  // (settings.kv_caches; kAuto: when streaming and they would not fit).
+  // memory, or when the plan is one stage (or as `residency` says). Spread: the plan's stages,
+  // stage j on device j % N, each uploaded once and kept, when every device holds its own.
+  // Streamed: the plan's forward stages and its tail's layers uploaded again for every token, stage
+  // j on device j % N, the next stage's upload overlapping this one's compute. Each prompt's tokens
+  // are chosen as models::generate chooses them (its own sampling state from options.seed), and
+  // stop after a stop token or max_new_tokens. The KV caches stay on the devices, or in host memory
+  // between tokens (settings.kv_caches; kAuto: when streaming and they would not fit).
   Generation generate(const std::vector<std::vector<std::int64_t>>& prompts,
                       const models::SamplingOptions& options,
                       const GenerateSettings& settings = {});

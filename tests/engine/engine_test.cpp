@@ -607,7 +607,8 @@ TEST(Engine, EvaluatesAndGeneratesOnTheDevicesLikeAPlainLoop) {
   Plan whole{.tail = {0, L}, .microbatches = 2};
   const Plan streamed = random_plan(L, 2, RecomputeGrain::kLayer, rng);
   for (const Setup& setup :
-       {Setup{1, whole, Residency::kResident}, Setup{3, streamed, Residency::kStreamed},
+       {Setup{1, whole, Residency::kResident}, Setup{3, streamed, Residency::kSpread},
+        Setup{3, streamed, Residency::kStreamed},
         Setup{3, streamed, Residency::kStreamed, KvCaches::kHost}}) {
     SCOPED_TRACE(setup.plan.describe() + " on " + std::to_string(setup.devices) + " devices");
     auto devs = sim_devices(setup.devices);
@@ -619,6 +620,7 @@ TEST(Engine, EvaluatesAndGeneratesOnTheDevicesLikeAPlainLoop) {
     const Generation gen =
         engine.generate(prompts, greedy, {.residency = setup.residency, .kv_caches = setup.kv});
     EXPECT_EQ(gen.resident, setup.residency == Residency::kResident);
+    EXPECT_EQ(gen.spread, setup.residency == Residency::kSpread);
     EXPECT_EQ(gen.kv_host, setup.kv == KvCaches::kHost);
     ASSERT_EQ(gen.tokens.size(), prompts.size());
     for (std::size_t k = 0; k < prompts.size(); ++k) {

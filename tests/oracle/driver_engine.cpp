@@ -156,19 +156,21 @@ int engine_generate(const std::vector<std::string>& args) {
   SimDevices devices(j["devices"].get<int>());
   engine::Engine eng(model.config(), specs, store, arena, devices.raw, plan_of(j, 1), {});
   const std::string residency = j["residency"];
-  if (residency != "resident" && residency != "streamed")
-    throw Error("residency must be resident or streamed");
+  if (residency != "resident" && residency != "spread" && residency != "streamed")
+    throw Error("residency must be resident, spread or streamed");
   models::SamplingOptions options;
   options.max_new_tokens = j["max_new_tokens"];
   const engine::Generation g =
       eng.generate(j["prompts"].get<std::vector<std::vector<std::int64_t>>>(), options,
                    {.residency = residency == "resident" ? engine::Residency::kResident
+                                 : residency == "spread" ? engine::Residency::kSpread
                                                          : engine::Residency::kStreamed,
                     .kv_caches = j.value("kv_host", false) ? engine::KvCaches::kHost
                                                            : engine::KvCaches::kDevice});
   std::ofstream(args[2]) << nlohmann::json{
       {"tokens", g.tokens},
       {"resident", g.resident},
+      {"spread", g.spread},
       {"kv_host", g.kv_host}}.dump();
   return 0;
 }

@@ -97,14 +97,15 @@ def agree_but_for_near_ties(got, want, gaps, what):
 
 
 # Engine::generate: 3 prompts of different lengths at once (left-padded), on simulated devices:
-# every layer resident on one device, or the plan's stages streamed per token over two devices
-# (the KV caches on the devices, or in host memory between tokens).
+# every layer resident on one device, the plan's stages kept on two devices (spread), or streamed
+# per token over two devices (the KV caches on the devices, or in host memory between tokens).
 DEVICE_VARIANTS = ["llama_gqa_tied", "mistral_sliding_window", "qwen3_layer_types", "gpt_oss",
                    "qwen3_moe_sparse_step"]
 STREAMED_PLAN = dict(forward=[[0, 2], [2, 3]], tail=[3, 5], backward=[[1, 3], [0, 1]])
 
 
 @pytest.mark.parametrize("residency,devices,kv_host", [("resident", 1, False),
+                                                      ("spread", 2, False),
                                                       ("streamed", 2, False),
                                                       ("streamed", 2, True)])
 @pytest.mark.parametrize("name", DEVICE_VARIANTS)
@@ -123,6 +124,7 @@ def test_batched_generation_on_devices_matches_transformers_and_the_cpu_path(
     driver("engine-generate", tmp_path / "model", tmp_path / "in.json", tmp_path / "out.json")
     out = json.loads((tmp_path / "out.json").read_text())
     assert out["resident"] == (residency == "resident")
+    assert out["spread"] == (residency == "spread")
     assert out["kv_host"] == kv_host
     assert len(out["tokens"]) == len(prompts)
     for k, prompt in enumerate(prompts):
