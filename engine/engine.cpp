@@ -1475,7 +1475,7 @@ struct Engine::Impl {
     }
 
     // Resident on the first device when every weight (dequantised, tied ones once) and the
-    // caches fit under its free memory; else the plan's stages, streamed.
+    // caches fit under its free memory; else the plan's stages, spread or streamed (below).
     const int L = static_cast<int>(specs.size());
     std::uint64_t weight_bytes = 0;
     for (int l = 0; l < L; ++l)
