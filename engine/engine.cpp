@@ -1572,9 +1572,12 @@ struct Engine::Impl {
         Stage& st = stages[j];
         DeviceCtx& dc = *devs[st.device];
         load(j);
-        // Streamed: the next stage's upload (the next token's first, after the last) overlaps
-        // this one's compute.
-        if (!out.resident && stages.size() > 1) load((j + 1) % stages.size());
+        // Streamed: the next stages' uploads (the next token's first, after the last) overlap
+        // this one's compute, one stage ahead on each other device (so every device's link works,
+        // and no device holds more than its running stage and one more).
+        if (!out.resident && stages.size() > 1)
+          for (std::size_t k = 1; k < std::max<std::size_t>(2, N) && k < stages.size(); ++k)
+            load((j + k) % stages.size());
         dc.compute->wait(*st.weights->ready());
         std::exception_ptr error;
         dc.compute->enqueue([&] {

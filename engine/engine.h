@@ -181,10 +181,10 @@ class Engine {
   // memory, or when the plan is one stage (or as `residency` says). Spread: the plan's stages,
   // stage j on device j % N, each uploaded once and kept, when every device holds its own.
   // Streamed: the plan's forward stages and its tail's layers uploaded again for every token, stage
-  // j on device j % N, the next stage's upload overlapping this one's compute. Each prompt's tokens
-  // are chosen as models::generate chooses them (its own sampling state from options.seed), and
-  // stop after a stop token or max_new_tokens. The KV caches stay on the devices, or in host memory
-  // between tokens (settings.kv_caches; kAuto: when streaming and they would not fit).
+  // j on device j % N, the next stages' uploads (one per other device) overlapping. Each prompt's
+  // tokens are chosen as models::generate chooses them (its own sampling state from options.seed),
+  // and stop after a stop token or max_new_tokens. The KV caches stay on the devices, or in host
+  // memory between tokens (settings.kv_caches; kAuto: when streaming and they would not fit).
   Generation generate(const std::vector<std::vector<std::int64_t>>& prompts,
                       const models::SamplingOptions& options,
                       const GenerateSettings& settings = {});
