@@ -10,6 +10,7 @@
 #include <gtest/gtest.h>
 
 #include <map>
+#include <memory>
 #include <optional>
 
 #include "engine/devices.h"
@@ -146,6 +147,30 @@ TEST_F(EngineCuda, RepeatsBitIdenticallyOnOneGpu) {
   EXPECT_EQ(differ, 0) << "of " << a->masters.size() << " tensors";
 }
 
+// The model's weights frozen in a host store, and one CUDA device (cap 2 GiB) to run them on:
+// what evaluation and generation need; null without a GPU.
+struct FrozenOnOneGpu {
+  std::vector<std::unique_ptr<kernels::Device>> devices;
+  std::vector<models::LayerSpec> specs;
+  offload::HostArena arena;
+  std::optional<offload::LayerStore> store;
+
+  static std::unique_ptr<FrozenOnOneGpu> open(const models::ModelConfig& config,
+                                              const std::map<std::string, at::Tensor>& weights) {
+    DevicePlan dp = plan_devices({.memory_cap = 2ull << 30});
+    if (dp.mode != DeviceMode::kCuda) return nullptr;
+    dp.devices.resize(1);
+    auto g = std::make_unique<FrozenOnOneGpu>();
+    g->devices = open_devices(dp);
+    g->specs = models::layer_specs(config);
+    g->store.emplace(g->arena,
+                     layer_descs(g->specs, [](const models::ParamSpec&) { return false; }),
+                     kernels::FloatDType::kF32, kernels::FloatDType::kF32);
+    load_weights(*g->store, g->specs, [&](const std::string& n) { return weights.at(n); });
+    return g;
+  }
+};
+
 // Generation on the GPU (greedy, two prompts of different lengths): every layer resident, the
 // stages streamed per token, and streamed with the KV caches in host memory between tokens (the
 // copies up and down that simulated devices, whose tensors are host memory already, cannot
@@ -153,16 +178,9 @@ TEST_F(EngineCuda, RepeatsBitIdenticallyOnOneGpu) {
 // path's (models::generate on the same weights; later ones may part at a near tie, as GPU sums
 // round otherwise); every upload is freed.
 TEST_F(EngineCuda, GeneratesAsTheCpuDoesResidentStreamedAndWithHostCaches) {
-  DevicePlan dp = plan_devices({.memory_cap = 2ull << 30});
-  if (dp.mode != DeviceMode::kCuda) GTEST_SKIP() << "no CUDA device";
-  dp.devices.resize(1);
-  auto devices = open_devices(dp);
-  const auto specs = models::layer_specs(config);
-  offload::HostArena arena;
-  offload::LayerStore store(arena,
-                            layer_descs(specs, [](const models::ParamSpec&) { return false; }),
-                            kernels::FloatDType::kF32, kernels::FloatDType::kF32);
-  load_weights(store, specs, [&](const std::string& n) { return weights.at(n); });
+  const std::unique_ptr<FrozenOnOneGpu> gpu = FrozenOnOneGpu::open(config, weights);
+  if (!gpu) GTEST_SKIP() << "no CUDA device";
+  auto& [devices, specs, arena, store] = *gpu;
   const models::Model cpu = models::Model::from_tensors(config, weights, "cpu reference", nullptr);
   const std::vector<std::vector<std::int64_t>> prompts = {{3, 1, 4, 1, 5}, {9, 2}};
   const models::SamplingOptions greedy{.max_new_tokens = 10, .stop_tokens = {-1}};
@@ -179,7 +197,7 @@ TEST_F(EngineCuda, GeneratesAsTheCpuDoesResidentStreamedAndWithHostCaches) {
     SCOPED_TRACE(std::string(s.residency == Residency::kResident ? "resident" : "streamed") +
                  (s.kv == KvCaches::kHost ? ", host caches" : ""));
     {
-      Engine engine(config, specs, store, arena, {devices[0].get()}, s.plan, {});
+      Engine engine(config, specs, *store, arena, {devices[0].get()}, s.plan, {});
       const Generation g =
           engine.generate(prompts, greedy, {.residency = s.residency, .kv_caches = s.kv});
       EXPECT_EQ(g.kv_host, s.kv == KvCaches::kHost);
@@ -200,20 +218,13 @@ TEST_F(EngineCuda, GeneratesAsTheCpuDoesResidentStreamedAndWithHostCaches) {
 // the plain loop's loss on the CPU over the same microbatches, within 1e-4 relative (GPU sums),
 // under a staged plan, and frees every upload.
 TEST_F(EngineCuda, EvaluatesAsThePlainLoopOnOneGpu) {
-  DevicePlan dp = plan_devices({.memory_cap = 2ull << 30});
-  if (dp.mode != DeviceMode::kCuda) GTEST_SKIP() << "no CUDA device";
-  dp.devices.resize(1);
-  auto devices = open_devices(dp);
-  const auto specs = models::layer_specs(config);
-  offload::HostArena arena;
-  offload::LayerStore store(arena,
-                            layer_descs(specs, [](const models::ParamSpec&) { return false; }),
-                            kernels::FloatDType::kF32, kernels::FloatDType::kF32);
-  load_weights(store, specs, [&](const std::string& n) { return weights.at(n); });
+  const std::unique_ptr<FrozenOnOneGpu> gpu = FrozenOnOneGpu::open(config, weights);
+  if (!gpu) GTEST_SKIP() << "no CUDA device";
+  auto& [devices, specs, arena, store] = *gpu;
   const Plan staged{{{0, 2}, {2, 4}}, {4, 6}, {{2, 4}, {0, 2}}, 3, RecomputeGrain::kStage};
   double got = 0;
   {
-    Engine engine(config, specs, store, arena, {devices[0].get()}, staged, {});
+    Engine engine(config, specs, *store, arena, {devices[0].get()}, staged, {});
     got = engine.evaluate(steps[0]).loss();
   }
   EXPECT_EQ(devices[0]->memory().bytes_in_use, 0u);
