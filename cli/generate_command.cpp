@@ -258,12 +258,17 @@ int run_generate(const GenerateOptions& o) {
   if (o.prompt.empty() == o.prompts_file.empty())
     throw Error("give one of --prompt TEXT or --prompts FILE");
   std::vector<std::string> texts;
+  std::vector<std::size_t> line_of;  // each prompt's line in the file, for errors
   if (!o.prompts_file.empty()) {
     std::ifstream in(o.prompts_file);
     if (!in) throw Error("cannot read " + o.prompts_file + ": " + std::strerror(errno));
+    std::size_t n = 0;
     for (std::string line; std::getline(in, line);) {
+      ++n;
       if (!line.empty() && line.back() == '\r') line.pop_back();
-      if (line.find_first_not_of(" \t") != std::string::npos) texts.push_back(line);
+      if (line.find_first_not_of(" \t") == std::string::npos) continue;
+      texts.push_back(line);
+      line_of.push_back(n);
     }
     if (texts.empty()) throw Error(o.prompts_file + " holds no prompt (one per line)");
   } else {
@@ -285,8 +290,9 @@ int run_generate(const GenerateOptions& o) {
     }
     if (ids.empty())
       throw Error(o.prompts_file.empty() ? std::string("the prompt is empty after tokenization")
-                                         : fmt::format("{}: prompt {} is empty after tokenization",
-                                                       o.prompts_file, i + 1));
+                                         : fmt::format("{}:{}: the prompt is empty after "
+                                                       "tokenization",
+                                                       o.prompts_file, line_of[i]));
     prompts.emplace_back(ids.begin(), ids.end());
   }
   const std::vector<std::int32_t> ids(prompts[0].begin(), prompts[0].end());

@@ -605,7 +605,10 @@ TEST(Engine, EvaluatesAndGeneratesOnTheDevicesLikeAPlainLoop) {
     KvCaches kv = KvCaches::kAuto;
   };
   Plan whole{.tail = {0, L}, .microbatches = 2};
-  const Plan streamed = random_plan(L, 2, RecomputeGrain::kLayer, rng);
+  // At least one forward stage: a plan of the tail alone is resident by definition.
+  Plan streamed = random_plan(L, 2, RecomputeGrain::kLayer, rng);
+  while (streamed.forward.empty())
+    streamed = random_plan(L, 2, RecomputeGrain::kLayer, rng);
   for (const Setup& setup :
        {Setup{1, whole, Residency::kResident}, Setup{3, streamed, Residency::kSpread},
         Setup{3, streamed, Residency::kStreamed},
