@@ -1477,10 +1477,12 @@ struct Engine::Impl {
     // Resident on the first device when every weight (dequantised, tied ones once) and the
     // caches fit under its free memory; else the plan's stages, spread or streamed (below).
     const int L = static_cast<int>(specs.size());
+    auto layer_bytes = [&](int l) {
+      return static_cast<std::uint64_t>(specs[l].param_count()) * elem_size(act_dtype);
+    };
     std::uint64_t weight_bytes = 0;
     for (int l = 0; l < L; ++l)
-      for (std::size_t i = 0; i < specs[l].params.size(); ++i)
-        if (!store.layer(l)[i].tied) weight_bytes += nbytes(specs[l].params[i].shape, act_dtype);
+      weight_bytes += layer_bytes(l);
     const kernels::MemoryStats mem = devs[0]->dev->memory();
     std::uint64_t free = mem.bytes_cap > mem.bytes_in_use ? mem.bytes_cap - mem.bytes_in_use : 0;
     // A simulated device's (and the CPU device's) memory is host memory, whose cap may be all of
@@ -1521,8 +1523,7 @@ struct Engine::Impl {
     for (const Stage& st : stages) {
       std::uint64_t b = 0;
       for (int l : st.layers)
-        for (std::size_t i = 0; i < specs[l].params.size(); ++i)
-          if (!store.layer(l)[i].tied) b += nbytes(specs[l].params[i].shape, act_dtype);
+        b += layer_bytes(l);
       stage_bytes.push_back(b);
       device_bytes[static_cast<std::size_t>(st.device)] += b;
       for (int l = st.range.begin; l < st.range.end; ++l)

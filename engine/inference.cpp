@@ -57,31 +57,15 @@ struct DeviceGenerator::Impl {
         models::trained_problems(specs, o.trained, o.lora.has_value());
     if (!problems.empty())
       models::throw_trained_problems(problems, o.source, o.model, o.lora.has_value());
-    // Every tensor frozen, in the streaming dtype; the adapters apart (applied unmerged).
-    store.emplace(arena, layer_descs(specs, [](const models::ParamSpec&) { return false; }),
-                  o.dtype, kernels::FloatDType::kF32);
-    load_weights(*store, specs, reader, o.trained);
-    o.trained.clear();
-    devices = open_devices(o.devices);
-    std::vector<kernels::Device*> raw;
-    std::uint64_t budget = std::numeric_limits<std::uint64_t>::max();
-    for (auto& d : devices) {
-      raw.push_back(d.get());
-      // A stage computing and the next one arriving, with room left for caches and activations.
-      budget = std::min(budget, d->info().bytes_cap / 4);
-    }
+    // Checked before anything is loaded: a layer no device can stream.
+    std::uint64_t smallest = std::numeric_limits<std::uint64_t>::max();
+    for (const kernels::DeviceInfo& d : o.devices.devices)
+      smallest = std::min(smallest, d.bytes_cap);
+    if (o.devices.devices.empty()) smallest = 0;
     std::vector<std::uint64_t> bytes;
-    const std::uint64_t smallest =
-        budget == std::numeric_limits<std::uint64_t>::max() ? 0 : budget * 4;
     for (const models::LayerSpec& s : specs) {
-      std::uint64_t b = 0;
-      for (const models::ParamSpec& p : s.params)
-        if (!p.tied) {
-          std::uint64_t n = 1;
-          for (std::int64_t d : p.shape)
-            n *= static_cast<std::uint64_t>(d);
-          b += n * kernels::dtype_size(o.dtype);
-        }
+      const std::uint64_t b =
+          static_cast<std::uint64_t>(s.param_count()) * kernels::dtype_size(o.dtype);
       bytes.push_back(b);
       // Streaming holds a layer computing and the next one arriving, on one device at worst.
       if (2 * b > smallest)
@@ -95,7 +79,18 @@ struct DeviceGenerator::Impl {
                                                  : std::string("the embedding"),
             bytes.size(), specs.size(), format_bytes(b), format_bytes(smallest)));
     }
-    engine.emplace(reader.config(), specs, *store, arena, raw, generation_plan(bytes, budget),
+    // Every tensor frozen, in the streaming dtype; the adapters apart (applied unmerged).
+    store.emplace(arena, layer_descs(specs, [](const models::ParamSpec&) { return false; }),
+                  o.dtype, kernels::FloatDType::kF32);
+    load_weights(*store, specs, reader, o.trained);
+    o.trained.clear();
+    devices = open_devices(o.devices);
+    std::vector<kernels::Device*> raw;
+    for (auto& d : devices)
+      raw.push_back(d.get());
+    // Stages of a quarter of the smallest device: one computing and the next one arriving, with
+    // room left for caches and activations.
+    engine.emplace(reader.config(), specs, *store, arena, raw, generation_plan(bytes, smallest / 4),
                    EngineOptions{});
   }
 };
