@@ -111,7 +111,8 @@ struct Handoff {
   kernels::Device* device = nullptr;      // where the data is; nullptr = host staging memory
   std::unique_ptr<kernels::Event> event;  // kept on the device: compute done
   kernels::DeviceBuffer dev;
-  offload::Staged host;  // went through the host
+  offload::Staged host;      // went through the host
+  offload::Spilled spilled;  // a checkpoint on the NVMe tier (read back into `host` when received)
   std::vector<std::int64_t> sizes;
 };
 
@@ -380,13 +381,7 @@ struct Engine::Impl {
     // next backward stage unless they reach the prefix.
     for (JobSpec& js : jobs)
       js.has_output = js.kind == JobKind::kForward || js.range.begin > 0;
-    if (plan.grain == RecomputeGrain::kLayer) {
-      for (int l = 1; l < plan.tail.begin; ++l)
-        ckpt_layers.insert(l);
-    } else {
-      for (const LayerRange& r : plan.backward)
-        if (std::max(r.begin, 1) < r.end) ckpt_layers.insert(std::max(r.begin, 1));
-    }
+    ckpt_layers = plan.checkpointed_layers();
   }
 
   // ---- loader ----
@@ -480,6 +475,9 @@ struct Engine::Impl {
           }
           if (prev && prev->weights) prev->weights->release_staging();
         }
+        // The first microbatch's checkpoints, if on the NVMe tier, start their way back (before
+        // `loaded`: the job does not receive them yet).
+        prefetch_checkpoints(js, s, 0);
         std::lock_guard<std::mutex> lock(mu_);
         r->loaded = true;
         if (options.one_step_stale && !evaluating_)
@@ -509,6 +507,7 @@ struct Engine::Impl {
     wait(lock, [&] { return h->ready; });
     slots.erase(key);  // consumed once: this job owns its buffers from here
     lock.unlock();
+    if (h->spilled) h->host = transfers->unspill(h->spilled);
     at::Tensor t;
     if (h->device == dc.dev) {
       dc.compute->wait(*h->event);
@@ -523,6 +522,23 @@ struct Engine::Impl {
     }
     lock.lock();
     return t;
+  }
+
+  // Starts reading back the checkpoints of microbatch m that backward job `js` of step s receives,
+  // where they are on the NVMe tier already; only the job's own worker (or its loader before the
+  // job starts) calls it, so no receive() of them runs meanwhile.
+  void prefetch_checkpoints(const JobSpec& js, std::int64_t s, int m) {
+    if (!transfers->spills() || js.kind != JobKind::kBackward) return;
+    std::vector<std::shared_ptr<Handoff>> spilled;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      for (int l : ckpt_layers)
+        if (l >= js.range.begin && l < js.range.end)
+          if (auto it = ckpts_.find({s, l, m}); it != ckpts_.end() && it->second->ready)
+            spilled.push_back(it->second);
+    }
+    for (auto& h : spilled)
+      if (h->spilled) transfers->prefetch(h->spilled);
   }
 
   // Publishes `dev_buf` (written by compute work enqueued before this call) to the consumer:
@@ -542,7 +558,12 @@ struct Engine::Impl {
       h->dev = std::move(dev_buf);
     } else {
       h->device = nullptr;
-      h->host = transfers->download(dc.index, dev_buf.data(), nbytes(sizes, act_dtype), *ev);
+      const std::size_t bytes = nbytes(sizes, act_dtype);
+      offload::Staged staged = transfers->download(dc.index, dev_buf.data(), bytes, *ev);
+      if (&slots == &ckpts_ && transfers->spills())
+        h->spilled = transfers->spill(std::move(staged), bytes);
+      else
+        h->host = std::move(staged);
       r.buffers.push_back(std::move(dev_buf));
     }
     h->sizes = std::move(sizes);
@@ -647,6 +668,7 @@ struct Engine::Impl {
       // Inputs.
       at::Tensor in;
       std::map<int, at::Tensor> saved;  // backward: checkpointed block inputs
+      prefetch_checkpoints(js, s, m + 1);
       lock.lock();
       const bool from_tokens = js.kind != JobKind::kBackward && js.range.begin == 0;
       if (!from_tokens) in = receive(dc, *r, outputs_, {g - 1, m, 0}, lock);
@@ -1195,6 +1217,11 @@ struct Engine::Impl {
     if (!moved) return;
     Plan next = plan_ours(costs_);
     if (next.describe() == plan.describe()) return;
+    // Checkpoints on the NVMe tier have the space the first plan's need (the planner's); a plan
+    // that saves more would wait for space forever.
+    if (transfers->spills() &&
+        next.checkpointed_layers().size() > plan.checkpointed_layers().size())
+      return;
     plan = std::move(next);
     transfers->clear_staging();  // sized for the old plan's stages
     jobs.clear();
@@ -1688,7 +1715,8 @@ Engine::Engine(const models::ModelConfig& config, const std::vector<models::Laye
   impl_ = std::make_unique<Impl>(config, specs, store, arena, std::move(plan), std::move(options));
   impl_->transfers = std::make_unique<offload::Transfers>(
       store, arena, devices,
-      offload::TransferOptions{.max_chunk_bytes = impl_->options.max_chunk_bytes});
+      offload::TransferOptions{.max_chunk_bytes = impl_->options.max_chunk_bytes,
+                               .spill_bytes = impl_->options.spill_checkpoint_bytes});
   for (std::size_t d = 0; d < devices.size(); ++d) {
     auto dc = std::make_unique<DeviceCtx>();
     dc->dev = devices[d];

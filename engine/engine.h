@@ -66,6 +66,10 @@ struct EngineOptions {
   std::uint64_t seed = 0;  // run seed: dropout draws depend on it, the step and the microbatch
   std::int64_t head_chunk_tokens = 1024;  // rows of logits at a time in the fused tail
   std::uint64_t max_chunk_bytes = 256ull << 20;
+  // Activation checkpoints on the NVMe tier: bytes of the store's NVMe file (store.nvme(), sized
+  // for them) they may take; 0 = they stay in host staging memory. Written there once downloaded,
+  // read back (one microbatch ahead) for the backward; the results are the same bit for bit.
+  std::uint64_t spill_checkpoint_bytes = 0;
   EventSink* events = nullptr;  // plan, span and device events when set
   // The costs the plan was made from: for the plan event's prediction and for re-planning. May
   // be null (then no prediction and no re-planning).

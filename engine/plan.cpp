@@ -44,6 +44,18 @@ std::vector<std::string> Plan::problems(int layers) const {
   return out;
 }
 
+std::set<int> Plan::checkpointed_layers() const {
+  std::set<int> out;
+  if (grain == RecomputeGrain::kLayer) {
+    for (int l = 1; l < tail.begin; ++l)
+      out.insert(l);
+  } else {
+    for (const LayerRange& r : backward)
+      if (std::max(r.begin, 1) < r.end) out.insert(std::max(r.begin, 1));
+  }
+  return out;
+}
+
 std::string Plan::describe() const {
   auto range = [](char kind, const LayerRange& r) {
     return std::string(1, kind) + "[" + std::to_string(r.begin) + "," + std::to_string(r.end) + ")";

@@ -17,6 +17,7 @@
 #pragma once
 
 #include <cstdint>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -47,6 +48,10 @@ struct Plan {
   std::vector<std::string> problems(int layers) const;
   // "F[0,4) F[4,9) T[9,12) B[5,9) B[0,5) M=3 stage"
   std::string describe() const;
+  // The layers whose inputs the forward saves for the backward (activation checkpoints, one per
+  // microbatch each): every block before the tail (layer grain), or each backward stage's first
+  // block (stage grain); never layer 0's (the tokens).
+  std::set<int> checkpointed_layers() const;
 };
 
 // What one layer costs, as the planner sees it. Compute times are per token on a device of speed

@@ -36,6 +36,14 @@ Transfers::Transfers(LayerStore& store, HostArena& arena, std::vector<kernels::D
                      TransferOptions options)
     : store_(store), arena_(arena), options_(options) {
   RONDO_ASSERT(options_.max_chunk_bytes > 0 && options_.nvme_window >= 1);
+  if (options_.spill_bytes > 0) {
+    if (!store_.nvme())
+      throw InternalError("transfers: activation checkpoints on NVMe without an NVMe tier");
+    spill_ = std::make_unique<ActivationSpill>(
+        *store_.nvme(), options_.spill_bytes,
+        [this](std::size_t bytes) { return take_staging(bytes); },
+        [this](HostBuffer b) { recycle(std::move(b)); });
+  }
   for (kernels::Device* dev : devices) {
     DeviceLinks l;
     l.dev = dev;
@@ -46,7 +54,9 @@ Transfers::Transfers(LayerStore& store, HostArena& arena, std::vector<kernels::D
   }
 }
 
-Transfers::~Transfers() = default;
+Transfers::~Transfers() {
+  spill_.reset();  // its writer recycles into free_
+}
 
 namespace {
 unsigned nvme_parts(const LayerStore& store, std::size_t layer, bool frozen_only) {
@@ -201,7 +211,7 @@ Uploaded Transfers::upload(int d, const Staged& staged, std::size_t bytes) {
   const DeviceLinks& dl = devs_.at(d);
   Uploaded u;
   u.buffer = dl.dev->allocate(bytes, dl.act_up);
-  dl.act_up->wait(*staged.done);
+  if (staged.done) dl.act_up->wait(*staged.done);
   dl.act_up->upload(u.buffer.data(), staged.host.data(), bytes);
   u.ready = dl.dev->create_event();
   dl.act_up->record(*u.ready);
@@ -239,9 +249,31 @@ std::unique_ptr<kernels::Event> Transfers::download_value(int d, void* dst, cons
   return ev;
 }
 
+Spilled Transfers::spill(Staged staged, std::size_t bytes) {
+  RONDO_ASSERT(spill_);
+  return spill_->write(std::move(staged.host), bytes, std::move(staged.done));
+}
+
+void Transfers::prefetch(Spilled& spilled) {
+  RONDO_ASSERT(spill_);
+  spill_->prefetch(spilled);
+}
+
+Staged Transfers::unspill(Spilled& spilled) {
+  RONDO_ASSERT(spill_);
+  Staged s;
+  s.host = spill_->read(spilled);
+  return s;
+}
+
 TransferStats Transfers::stats() const {
-  std::lock_guard<std::mutex> lock(mutex_);
-  return stats_;
+  TransferStats s;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    s = stats_;
+  }
+  if (spill_) s.spill = spill_->stats();
+  return s;
 }
 
 }  // namespace rondo::offload

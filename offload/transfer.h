@@ -28,6 +28,7 @@
 #include <vector>
 
 #include "kernels/device.h"
+#include "offload/activation_spill.h"
 #include "offload/host_arena.h"
 #include "offload/layer_store.h"
 
@@ -41,6 +42,9 @@ struct TransferOptions {
   // this many layers per device (plus as many read ahead for its next job), whatever a stage's
   // size, while reads overlap uploads.
   int nvme_window = 2;
+  // Bytes of the store's NVMe tier (store.nvme(), sized for them) for activation checkpoints:
+  // > 0 turns spill() on (offload/activation_spill.h).
+  std::uint64_t spill_bytes = 0;
 };
 
 // Bytes moved, by direction and kind, since the engine was made (for events and benchmarks).
@@ -50,6 +54,7 @@ struct TransferStats {
   std::uint64_t activations_up = 0, activations_down = 0;
   std::uint64_t gradients_down = 0;
   std::uint64_t nvme_read = 0;  // weights read from the NVMe tier for uploads
+  SpillStats spill;             // activation checkpoints on the NVMe tier
 };
 
 // Some layers' weights on one device. Destroying it frees the device memory in stream order and
@@ -81,7 +86,7 @@ class DeviceWeights {
   std::shared_ptr<kernels::Event> ready_;
 };
 
-// An activation in host staging memory, complete once `done` has (download stream).
+// An activation in host staging memory, complete once `done` has (download stream; null: now).
 struct Staged {
   HostBuffer host;
   std::unique_ptr<kernels::Event> done;
@@ -133,6 +138,15 @@ class Transfers {
   // Frees the pooled staging memory (between segments, when nothing is in flight).
   void clear_staging();
 
+  // Activation checkpoints on the NVMe tier (TransferOptions::spill_bytes > 0): a staged one is
+  // written there in the background once downloaded, its staging recycled once written; unspill()
+  // brings it back into staging (blocking; prefetch() starts that early). Throws IoError there
+  // when its write or read failed.
+  bool spills() const { return spill_ != nullptr; }
+  Spilled spill(Staged staged, std::size_t bytes);
+  void prefetch(Spilled& spilled);
+  Staged unspill(Spilled& spilled);
+
   // Layer `layer`'s gradients, laid out as the store's gradient region, from `src` on device d
   // into the store, after `after`; returns the event behind the copy.
   std::unique_ptr<kernels::Event> download_gradients(int d, int layer, const void* src,
@@ -158,6 +172,7 @@ class Transfers {
   mutable std::mutex mutex_;
   std::multimap<std::size_t, HostBuffer> free_;  // recycled staging, by size
   TransferStats stats_;
+  std::unique_ptr<ActivationSpill> spill_;  // last: its writer thread recycles into free_
 };
 
 }  // namespace rondo::offload

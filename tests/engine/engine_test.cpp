@@ -25,6 +25,7 @@
 #include "kernels/cpu/sim_device.h"
 #include "kernels/quant.h"
 #include "models/lora.h"
+#include "offload/activation_spill.h"
 #include "offload/nvme_store.h"
 #include "tests/support/plain_loop.h"
 
@@ -88,7 +89,8 @@ struct EngineRun {
   std::map<std::string, at::Tensor> grads1;   // step 1, by name (tied copies summed)
   std::map<std::string, at::Tensor> weights;  // after the last step: masters
   std::vector<StepResult> results;
-  Plan final_plan;  // the plan in use at the end (re-planning may change it)
+  Plan final_plan;                 // the plan in use at the end (re-planning may change it)
+  std::uint64_t nvme_written = 0;  // bytes the NVMe tier wrote, when there is one
 };
 
 std::vector<std::unique_ptr<kernels::Device>> sim_devices(int n, std::uint64_t bytes = 1ull << 30,
@@ -134,7 +136,8 @@ EngineRun run_engine(const Case& s, const Plan& plan, int devices, EngineOptions
   if (!placement.nvme_dir.empty())
     nvme = std::make_unique<offload::NvmeStore>(
         offload::NvmeStoreOptions{.dir = placement.nvme_dir},
-        offload::LayerStore::nvme_bytes(descs, kernels::FloatDType::kF32));
+        offload::LayerStore::nvme_bytes(descs, kernels::FloatDType::kF32) +
+            options.spill_checkpoint_bytes);
   offload::LayerStore store(arena, descs, kernels::FloatDType::kF32, kernels::FloatDType::kF32,
                             nvme.get());
   load_weights(store, s.specs, [&](const std::string& n) { return s.weights.at(n); });
@@ -161,6 +164,7 @@ EngineRun run_engine(const Case& s, const Plan& plan, int devices, EngineOptions
                                [&](std::int64_t step) { return s.steps.at(step - 1); });
     out.final_plan = engine.plan();
   }
+  if (nvme) out.nvme_written = nvme->info().bytes_written;
   for (std::size_t l = 0; l < s.specs.size(); ++l) {
     const offload::LayerAccess a = store.access(l, offload::kAllParts, offload::AccessMode::kRead);
     for (std::size_t i = 0; i < s.specs[l].params.size(); ++i) {
@@ -453,6 +457,48 @@ TEST(Engine, NvmeTierTrainsBitForBitLikeHostMemory) {
     for (auto& [name, w] : host.weights)
       EXPECT_TRUE(w.equal(nvme.weights.at(name))) << name;
   }
+}
+
+// Activation checkpoints on the NVMe tier (very long sequences) come back as they went: training
+// with them there ends bit for bit where the same run with them in host memory ends, in layer grain
+// (every block's input saved) and stage grain, with room for two steps' checkpoints (what the
+// planner gives) or for one only (regions are reused, and what finds no space stays in host
+// memory).
+TEST(Engine, CheckpointsOnNvmeTrainBitForBitLikeHostMemory) {
+  const unsigned seed = std::random_device{}();
+  std::printf("seed %u\n", seed);
+  std::mt19937 rng(seed);
+  const std::string dir = ::testing::TempDir() + "rondo-engine-spill-" + std::to_string(seed);
+  const int M = 3;
+  Case s = make_case(test::tiny_llama(5), M, seed);
+  std::int64_t rows = 0, tokens = 0;  // the largest microbatch
+  for (const auto& step : s.steps)
+    for (const Microbatch& mb : step) {
+      rows = std::max(rows, mb.batch.tokens.size(0));
+      tokens = std::max(tokens, mb.batch.tokens.size(1));
+    }
+  const std::uint64_t ckpt_bytes = static_cast<std::uint64_t>(rows * tokens) *
+                                   static_cast<std::uint64_t>(s.config.hidden_size) * 4;
+  for (RecomputeGrain grain : {RecomputeGrain::kLayer, RecomputeGrain::kStage})
+    for (int steps_room : {2, 1}) {
+      Plan plan;
+      do {
+        plan = random_plan(static_cast<int>(s.specs.size()), M, grain, rng);
+      } while (plan.checkpointed_layers().empty());
+      SCOPED_TRACE(plan.describe() + ", room for " + std::to_string(steps_room) + " step(s)");
+      const EngineRun host = run_engine(s, plan, 2);
+      EngineOptions o;
+      o.spill_checkpoint_bytes = offload::ActivationSpill::capacity_for(
+          ckpt_bytes, plan.checkpointed_layers().size() * M * steps_room, 1u << 20);
+      const EngineRun nvme = run_engine(s, plan, 2, o, {}, {.nvme_dir = dir});
+      EXPECT_GT(nvme.nvme_written, 0u) << "no checkpoint reached the drive";
+      for (std::size_t i = 0; i < host.results.size(); ++i)
+        EXPECT_EQ(host.results[i].loss, nvme.results[i].loss) << "step " << i + 1;
+      for (auto& [name, w] : host.weights)
+        EXPECT_TRUE(w.equal(nvme.weights.at(name))) << name;
+      for (auto& [name, g] : host.grads1)
+        EXPECT_TRUE(g.equal(nvme.grads1.at(name))) << name;
+    }
 }
 
 // A quantised frozen base (NF4 with double quantisation, INT8) travels quantised and is
