@@ -22,6 +22,8 @@
 #include "kernels/error.h"
 #include "kernels/quant.h"
 #include "models/lora.h"
+#include "offload/activation_spill.h"
+#include "offload/nvme_store.h"
 
 namespace fs = std::filesystem;
 
@@ -125,6 +127,14 @@ std::string step_time_warning(double predicted_s, std::vector<double> measured_s
 // limit is the budget minus that. When no budget is given, the budget is what the OS reports
 // available minus the overhead.
 
+std::uint64_t checkpoint_spill_bytes(const Plan& plan, std::uint64_t checkpoint_bytes) {
+  return offload::ActivationSpill::capacity_for(
+      checkpoint_bytes,
+      2 * plan.checkpointed_layers().size() *
+          static_cast<std::uint64_t>(std::max(plan.microbatches, 1)),
+      offload::NvmeStoreOptions{}.block_bytes);
+}
+
 std::uint64_t host_fixed_overhead() {
   std::ifstream f("/proc/self/status");
   std::string key;
@@ -137,6 +147,7 @@ std::uint64_t host_fixed_overhead() {
 namespace {
 
 constexpr int kBase = 0, kTrained = 1, kOptimizer = 2;  // LayerDesc parts, in this order
+constexpr int kActivations = 3;  // not a layer's part: activation checkpoints (Placement)
 const char* const kPartNames[3] = {"frozen weights", "trained weights", "optimizer state"};
 
 // The GGUF block types Rondo streams as stored (and dequantises on the device).
@@ -209,6 +220,12 @@ std::string Placement::lines() const {
     if (p == kBase && !formats.empty()) out += " as " + formats;
     out += "\n";
   }
+  if (host_activations > 0)
+    out += fmt::format("  {:<16} {}\n", "activations",
+                       activations == offload::Tier::kNvme
+                           ? fmt::format("NVMe {} (checkpoints; {} in host memory without it)",
+                                         format_bytes(spill_bytes), format_bytes(host_activations))
+                           : fmt::format("host {} (checkpoints)", format_bytes(host_activations)));
   return out;
 }
 
@@ -421,22 +438,28 @@ RunEstimate estimate_run(const TrainConfig& config, const models::ModelSummary& 
     e.problems.push_back(std::string("device memory: ") + err.what());
   }
   const std::size_t N = std::max<std::size_t>(devices.devices.size(), 1);
-  // Host staging for activations, two steps in flight: the checkpoints each backward stage (or,
-  // in layer grain, each block) waits for, and the outputs handed between jobs on different
-  // devices (two per device at most: one being written, one being read); and each step's packed
-  // inputs (the main thread prepares up to two steps ahead of the one running).
-  {
-    std::uint64_t ckpts = 0;
-    if (planned) {
-      if (e.plan.grain == RecomputeGrain::kLayer)
-        ckpts = static_cast<std::uint64_t>(std::max(e.plan.tail.begin - 1, 0));
-      else
-        for (const LayerRange& r : e.plan.backward)
-          ckpts += r.begin >= 1 ? 1 : 0;
-    }
-    e.host.staging =
-        (2 * ckpts + 2 * N + 2) * static_cast<std::uint64_t>(tokens_per_step) * C * wb +
-        3 * static_cast<std::uint64_t>(tokens_per_step) * e.inputs.input_bytes_per_token;
+  // Host staging for activations, two steps in flight: the outputs handed between jobs on
+  // different devices (two per device at most: one being written, one being read) and each step's
+  // packed inputs (the main thread prepares up to two steps ahead of the one running); and the
+  // checkpoints each backward stage (or, in layer grain, each block) waits for.
+  const auto T = static_cast<std::uint64_t>(tokens_per_step);
+  e.host.staging = (2 * N + 2) * T * C * wb + 3 * T * e.inputs.input_bytes_per_token;
+  const std::uint64_t ckpts = planned ? e.plan.checkpointed_layers().size() : 0;
+  const auto M_plan = static_cast<std::uint64_t>(std::max(planned ? e.plan.microbatches : 1, 1));
+  pl.activation_checkpoint_bytes = (T + M_plan - 1) / M_plan * C * wb;  // one microbatch's
+  pl.host_activations = 2 * ckpts * T * C * wb;
+  e.host.checkpoints = pl.host_activations;
+  // On the NVMe tier instead, host memory holds per device the checkpoints of the microbatch a
+  // backward job runs and of the next one (read ahead), and overall those waiting for the drive
+  // (offload/activation_spill.h: 4 queued, one being written, one per device downloaded).
+  std::uint64_t spill_window = 0;
+  if (planned) {
+    std::uint64_t per_job = 0;
+    const std::set<int> saved = e.plan.checkpointed_layers();
+    for (const LayerRange& r : e.plan.backward)
+      per_job = std::max<std::uint64_t>(
+          per_job, std::distance(saved.lower_bound(r.begin), saved.lower_bound(r.end)));
+    spill_window = ((4 + 1 + N) + 2 * N * per_job) * pl.activation_checkpoint_bytes;
   }
 
   // --- Host memory and the NVMe tier ----------------------------------------------------------
@@ -446,6 +469,9 @@ RunEstimate estimate_run(const TrainConfig& config, const models::ModelSummary& 
           : static_cast<double>(parse_bytes(config.hardware.disk_speed, "hardware.disk_speed"));
   auto needs = [&](const std::vector<offload::LayerDesc>& layers) {
     HostNeeds h = e.host;
+    h.checkpoints = pl.activations == offload::Tier::kNvme
+                        ? std::min(spill_window, pl.host_activations)
+                        : pl.host_activations;
     const offload::LayerStore::HostBytes hb =
         offload::LayerStore::host_bytes(layers, sd, kernels::FloatDType::kF32);
     h.weights = hb.weights;
@@ -475,10 +501,19 @@ RunEstimate estimate_run(const TrainConfig& config, const models::ModelSummary& 
   const std::uint64_t target = e.host_available / 100 * 85;
   if (e.host.total() > target && !offload_dir.empty()) {
     // Move state to NVMe, the cheapest per byte first: optimizer state (touched once per step),
-    // then the frozen base (read by two jobs per step), then trained weights (written and read
-    // every step); the last layers first (the first stage's layers are needed first after an
-    // update). Layers with tied tensors stay (their owner and the tying layer share a copy).
-    for (int p : {kOptimizer, kBase, kTrained}) {
+    // then the frozen base (read by two jobs per step), then activation checkpoints (written and
+    // read once per step, but on the backward's path: read one microbatch ahead of it), then
+    // trained weights (written and read every step); the last layers first (the first stage's
+    // layers are needed first after an update). Layers with tied tensors stay (their owner and the
+    // tying layer share a copy).
+    for (int p : {kOptimizer, kBase, kActivations, kTrained}) {
+      if (p == kActivations) {
+        if (e.host.total() > target && spill_window < pl.host_activations) {
+          pl.activations = offload::Tier::kNvme;
+          e.host = needs(pl.layers);
+        }
+        continue;
+      }
       for (std::size_t l = pl.layers.size(); l-- > 0;) {
         if (e.host.total() <= target) break;
         if (parts[l][p] == 0 || layer_has_ties(pl.layers, l)) continue;
@@ -486,6 +521,20 @@ RunEstimate estimate_run(const TrainConfig& config, const models::ModelSummary& 
         e.host = needs(pl.layers);
       }
     }
+    // The checkpoints move all at once, and may free more than was missing: layers moved before
+    // them come back while the host keeps its headroom (the last moved first).
+    if (pl.activations == offload::Tier::kNvme)
+      for (int p : {kBase, kOptimizer})
+        for (std::size_t l = 0; l < pl.layers.size(); ++l) {
+          if (tier_of(pl.layers[l], p) != offload::Tier::kNvme) continue;
+          tier_of(pl.layers[l], p) = offload::Tier::kHost;
+          const HostNeeds back = needs(pl.layers);
+          if (back.total() > target) {
+            tier_of(pl.layers[l], p) = offload::Tier::kNvme;
+            break;
+          }
+          e.host = back;
+        }
   }
   for (std::size_t l = 0; l < pl.layers.size(); ++l)
     for (int p = 0; p < 3; ++p) {
@@ -497,6 +546,11 @@ RunEstimate estimate_run(const TrainConfig& config, const models::ModelSummary& 
       }
     }
   pl.nvme_bytes = offload::LayerStore::nvme_bytes(pl.layers, sd);
+  if (pl.activations == offload::Tier::kNvme) {
+    pl.spill_bytes = checkpoint_spill_bytes(e.plan, pl.activation_checkpoint_bytes);
+    pl.nvme_bytes += pl.spill_bytes;
+    e.inputs.checkpoints_on_nvme = true;
+  }
   if (pl.nvme_bytes > 0) {
     // The NVMe tier's traffic in the plan: reads before uploads, and the optimizer's
     // read-modify-writes; then plan again with it.
@@ -556,9 +610,11 @@ RunEstimate estimate_run(const TrainConfig& config, const models::ModelSummary& 
 
   const std::uint64_t need = e.host.total();
   const std::string breakdown = fmt::format(
-      "weights {}, masters {}, moments {}, gradients {}, loading {}, staging {}{}",
+      "weights {}, masters {}, moments {}, gradients {}, loading {}, staging {}, activation "
+      "checkpoints {}{}",
       format_bytes(e.host.weights), format_bytes(e.host.masters), format_bytes(e.host.moments),
       format_bytes(e.host.grads), format_bytes(e.host.loading), format_bytes(e.host.staging),
+      format_bytes(e.host.checkpoints),
       e.host.nvme_staging ? ", NVMe staging " + format_bytes(e.host.nvme_staging) : "");
   if (need > e.host_available) {
     // What would make it fit, only what applies to this run.
@@ -727,6 +783,7 @@ std::string RunEstimate::json() const {
                         {"grads", host.grads},
                         {"loading", host.loading},
                         {"staging", host.staging},
+                        {"checkpoints", host.checkpoints},
                         {"nvme_staging", host.nvme_staging}}},
                       {"disk", {{"needed_bytes", disk_needed}, {"free_bytes", disk_free}}},
                       {"placement",
@@ -746,7 +803,12 @@ std::string RunEstimate::json() const {
                         {"optimizer_state",
                          {{"host_bytes", placement.host_part[2]},
                           {"nvme_bytes", placement.nvme_part[2]},
-                          {"nvme_layers", placement.nvme_layers[2]}}}}},
+                          {"nvme_layers", placement.nvme_layers[2]}}},
+                        {"activation_checkpoints",
+                         {{"tier", offload::to_string(placement.activations)},
+                          {"host_bytes", placement.host_activations},
+                          {"nvme_bytes", placement.spill_bytes},
+                          {"checkpoint_bytes", placement.activation_checkpoint_bytes}}}}},
                       {"traffic_per_step",
                        {{"up_bytes", prediction.bytes_up},
                         {"weights_up_bytes", prediction.bytes_weights_up},

@@ -30,10 +30,13 @@ struct HostNeeds {
   std::uint64_t moments = 0;  // AdamW m and v, fp32, kept in host memory
   std::uint64_t grads = 0;    // fp32 gradients of the trained parameters (always host memory)
   std::uint64_t loading = 0;  // the largest tensor converted while loading (one at a time)
-  std::uint64_t staging = 0;  // activations, checkpoints and stage outputs in flight
+  std::uint64_t staging = 0;  // stage outputs and step inputs in flight
+  // Activation checkpoints kept for the backward, two steps' worth; on the NVMe tier, those read
+  // ahead and those waiting for the drive.
+  std::uint64_t checkpoints = 0;
   std::uint64_t nvme_staging = 0;  // NVMe reads ahead of uploads and write-backs in flight
   std::uint64_t total() const {
-    return weights + masters + moments + grads + loading + staging + nvme_staging;
+    return weights + masters + moments + grads + loading + staging + checkpoints + nvme_staging;
   }
 };
 
@@ -49,8 +52,13 @@ struct Placement {
   // Bytes of each class in host memory and on NVMe: frozen base, trained weights, optimizer.
   std::uint64_t host_part[3] = {0, 0, 0}, nvme_part[3] = {0, 0, 0};
   int nvme_layers[3] = {0, 0, 0};  // layers with that part on NVMe
-  double disk_bytes_per_s = 0;     // read speed assumed for offload_dir
-  std::string lines() const;       // one line per class for `rondo plan`
+  // Activation checkpoints (docs/training.md, "Bigger than host memory"): where they live, what
+  // two steps of them take in host memory, one microbatch's checkpoint, and the NVMe space set
+  // aside for them (checkpoint_spill_bytes) when there.
+  offload::Tier activations = offload::Tier::kHost;
+  std::uint64_t host_activations = 0, activation_checkpoint_bytes = 0, spill_bytes = 0;
+  double disk_bytes_per_s = 0;  // read speed assumed for offload_dir
+  std::string lines() const;    // one line per class for `rondo plan`
 };
 
 struct RunEstimate {
@@ -100,6 +108,10 @@ RunEstimate estimate_run(const TrainConfig& config, const models::ModelSummary& 
                          std::int64_t tokens_per_step, std::uint64_t host_free = 0,
                          std::uint64_t disk_free = 0,
                          const std::optional<ResumePoint>& resume = std::nullopt);
+
+// The NVMe space activation checkpoints of `plan` take on the tier: two steps' worth (every
+// microbatch's, of `checkpoint_bytes` each at most), in the store's default 1 MiB blocks.
+std::uint64_t checkpoint_spill_bytes(const Plan& plan, std::uint64_t checkpoint_bytes);
 
 std::uint64_t host_memory_available();  // MemAvailable, bytes
 // What the process needs outside its host budget: the runtime (torch, code, heaps), measured as

@@ -351,8 +351,13 @@ PlanPrediction predict(const Plan& plan, const PlanInputs& in) {
           // The saved inputs (checkpoints) come back, each once it has reached the host.
           for (int l = job.range.begin; l < job.range.end; ++l) {
             if (plan.grain == RecomputeGrain::kStage && l != job.range.begin) continue;
-            input_ready = std::max(input_ready, send_up(d, checkpoint_home[l][m],
-                                                        tokens_mb * input_bytes(in, l), false));
+            const double bytes = tokens_mb * input_bytes(in, l);
+            double home = checkpoint_home[l][m];
+            if (in.checkpoints_on_nvme) {
+              home = nvme.send(std::max(home, device_job_start[d]), bytes, false);
+              if (step == kCounted) p.bytes_nvme_read += bytes;
+            }
+            input_ready = std::max(input_ready, send_up(d, home, bytes, false));
           }
         }
         double start = std::max({t, weights_ready, input_ready});
@@ -369,11 +374,16 @@ PlanPrediction predict(const Plan& plan, const PlanInputs& in) {
           // stayed on the device; inner layers' inputs go down as they are computed.
           for (int l = job.range.begin; l < job.range.end; ++l) {
             if (!saved_for_backward[l]) continue;
+            const double bytes = tokens_mb * input_bytes(in, l);
             if (l == job.range.begin && input_on_host >= 0)
               checkpoint_home[l][m] = input_on_host;
             else
-              checkpoint_home[l][m] = send_down(d, l == job.range.begin ? start : end,
-                                                tokens_mb * input_bytes(in, l), false);
+              checkpoint_home[l][m] =
+                  send_down(d, l == job.range.begin ? start : end, bytes, false);
+            if (in.checkpoints_on_nvme) {
+              checkpoint_home[l][m] = nvme.send(checkpoint_home[l][m], bytes, false);
+              if (step == kCounted) p.bytes_nvme_write += bytes;
+            }
           }
         }
         // Output (forward) or input gradient (tail, backward) goes down for the next job,

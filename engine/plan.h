@@ -86,7 +86,10 @@ struct PlanInputs {
   std::int64_t tokens_per_step = 0;  // global batch in tokens (split over the microbatches)
   int microbatches = 0;              // M; 0 = devices + 1
   RecomputeGrain grain = RecomputeGrain::kStage;
-  double nvme_bytes_per_s = 0;   // the NVMe tier, shared by every device; 0 = none in use
+  double nvme_bytes_per_s = 0;  // the NVMe tier, shared by every device; 0 = none in use
+  // Activation checkpoints go to the NVMe tier once downloaded and come back from it (read ahead
+  // from when the backward job's device starts its previous job) before their upload.
+  bool checkpoints_on_nvme = false;
   double upper_threshold = 1.1;  // candidate stage budgets in [W, threshold * W]
   int min_stages = 0;            // 0 = number of devices
   bool one_step_stale = false;   // RoundPipe's default: weights lag the gradients by a step

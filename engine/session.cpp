@@ -641,6 +641,9 @@ struct Session::Impl {
     eo.events = &sink;
     eo.plan_inputs = &est.inputs;
     eo.placement_json = placement_json(nvme.get());
+    // Activation checkpoints on the NVMe tier: the space the planner set aside in the store's file
+    // (for est.plan; a resumed plan that saves more keeps the rest in host memory).
+    eo.spill_checkpoint_bytes = est.placement.spill_bytes;
     Engine eng(summary.config, specs, store, arena, raw, resume_plan ? *resume_plan : est.plan, eo);
     if (!from_checkpoint.empty()) eng.restore(state);
     {

@@ -90,7 +90,7 @@ struct HardwareSection {
   std::string memory_cap;   // per GPU, e.g. "24GB"; "" = whole device
   std::string host_memory;  // host memory the run may use, e.g. "64GB"; "" = what is free
   // A folder on an NVMe drive for the state that does not fit host_memory (frozen base weights,
-  // masters and moments); "" = none: everything must fit in host memory.
+  // masters and moments, activation checkpoints); "" = none: everything must fit in host memory.
   std::string offload_dir;
   std::string offload_io = "auto";  // "auto" (io_uring where it works), "io_uring", "threads"
   std::string disk_speed;           // offload_dir's sequential read speed for planning, e.g.

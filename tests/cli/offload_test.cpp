@@ -4,11 +4,14 @@
 // thread-pool fallback forced on tmpfs), end bit for bit where the same runs held in host memory
 // end, and stay under the budget plus the overhead the run states. NVMe faults (EIO, ENOSPC, a
 // short read, a corrupt block) end the run with an error naming the file and offset, and a resume
-// once the fault is gone ends bit-identical to an uninterrupted run. `rondo plan` answers for a
-// config.json-only Llama-3-70B on an RTX 4090.
+// once the fault is gone ends bit-identical to an uninterrupted run. Very long sequences put the
+// activation checkpoints on the tier. `rondo plan` answers for config.json-only Llama-3-70B and
+// Llama-3-8B (16k-token rows) on an RTX 4090.
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -180,8 +183,16 @@ TEST_F(Offload, FaultsEndTheRunNamedAndAResumeEndsExactly) {
   Result ref = train("ref", "full", extra);
   ASSERT_EQ(ref.code, 0) << ref.out;
   const json end = last(events(dir / "ref" / "events.jsonl"), "run_end");
-  // Block reads per step (1 MiB blocks): a fault in the third step, after a checkpoint.
-  const double reads_per_step = end["nvme_read_bytes"].get<double>() / 6 / (1 << 20);
+  // Reads per step: the layers' state in 1 MiB blocks, and one per activation checkpoint (the
+  // budget puts those on the tier too; the plan sets aside two steps of them, one region each);
+  // a fault in the third step, after a checkpoint.
+  const json ckpts =
+      last(events(dir / "ref" / "events.jsonl"), "plan")["placement"]["activation_checkpoints"];
+  const double ckpt_bytes = ckpts["checkpoint_bytes"].get<double>();
+  const double ckpt_reads =
+      ckpts["nvme_bytes"].get<double>() / 2 / (std::ceil(ckpt_bytes / (1 << 20)) * (1 << 20));
+  const double reads_per_step =
+      (end["nvme_read_bytes"].get<double>() / 6 - ckpt_reads * ckpt_bytes) / (1 << 20) + ckpt_reads;
   ASSERT_GT(reads_per_step, 1) << end.dump();
   const int nth = static_cast<int>(2.5 * reads_per_step);
   for (const std::string& fault :
@@ -214,6 +225,154 @@ TEST_F(Offload, FaultsEndTheRunNamedAndAResumeEndsExactly) {
     EXPECT_TRUE(export_bytes(run, "full") == export_bytes("ref", "full"))
         << "the resumed run's export differs";
   }
+}
+
+// Very long sequences: the activation checkpoints (every backward stage's input, each microbatch,
+// two steps) outgrow the weights. Under a budget that holds the rest but not them, the planner
+// puts them on the NVMe tier and says so; the run ends bit for bit where the same run in host
+// memory ends (losses and export), within its budget, the drive carried them, and the host arena's
+// peak is lower by a good part of a step's checkpoints.
+TEST_F(Offload, LongSequencesPutActivationCheckpointsOnNvme) {
+  const fs::path longer = dir / "long-model";
+  rondo::test::write_tiny_model_folder(longer.string(), 7, 12, 2048, 64, 128);
+  auto long_config = [&](const std::string& run, const std::string& extra) {
+    std::string c = config(run, "lora", extra);
+    for (auto [from, to] : {std::pair<std::string, std::string>{model.string(), longer.string()},
+                            {"seq_len = 32", "seq_len = 2048"},
+                            {"steps = 6", "steps = 3"},
+                            {"batch_rows = 2\ngrad_accum = 2", "batch_rows = 1\ngrad_accum = 4"}}) {
+      const std::size_t at = c.find(from);
+      EXPECT_NE(at, std::string::npos) << from;
+      if (at != std::string::npos) c.replace(at, from.size(), to);
+    }
+    const fs::path cfg = dir / (run + ".toml");
+    std::ofstream(cfg) << c;
+    return cfg.string();
+  };
+  // Rows of 2048 tokens need long texts.
+  {
+    std::string lines;
+    for (int i = 0; i < 8; ++i) {
+      std::string text;
+      for (int w = 0; w < 900; ++w)
+        text += "word" + std::to_string((i * 7 + w) % 97) + " ";
+      lines += json{{"text", text}}.dump() + "\n";
+    }
+    std::ofstream(data) << lines;
+  }
+  Result p = run_rondo("plan --json " + long_config("probe", ""), false);
+  ASSERT_EQ(p.code == 0 || p.code == 3, true) << p.out;
+  const json free_plan = json::parse(p.out);
+  const auto in_host =
+      free_plan["placement"]["activation_checkpoints"]["host_bytes"].get<std::uint64_t>();
+  const auto needed = free_plan["host"]["needed_bytes"].get<std::uint64_t>();
+  // (The rest is mostly staging: each token's row of the packed-document mask, 2048 keys.)
+  ASSERT_GT(in_host, needed / 5) << "the checkpoints are a small share: " << free_plan.dump(2);
+  // Room for everything but half the checkpoints (and the planner's 15% headroom).
+  const std::uint64_t budget = (needed - in_host / 2) * 100 / 85;
+  const std::string nvme = (dir / "nvme").string();
+  const std::string extra =
+      "host_memory = \"" + std::to_string(budget) + "\"\noffload_dir = \"" + nvme + "\"\n";
+  p = run_rondo("plan --json " + long_config("probe", extra), false);
+  const json tiered = json::parse(p.out);
+  EXPECT_EQ(tiered["placement"]["activation_checkpoints"]["tier"], "nvme") << p.out;
+  EXPECT_LE(tiered["host"]["needed_bytes"].get<std::uint64_t>(), budget) << p.out;
+  EXPECT_GT(tiered["traffic_per_step"]["nvme_write_bytes"].get<double>(), 0) << p.out;
+
+  Result ref = run_rondo("train " + long_config("mem", ""));
+  ASSERT_EQ(ref.code, 0) << ref.out;
+  Result r = run_rondo("train " + long_config("spill", extra));
+  ASSERT_EQ(r.code, 0) << r.out;
+  const json plan = last(events(dir / "spill" / "events.jsonl"), "plan");
+  EXPECT_EQ(plan["placement"]["activation_checkpoints"]["tier"], "nvme") << plan.dump();
+  const json end = last(events(dir / "spill" / "events.jsonl"), "run_end");
+  // Only the checkpoints are on the tier: what it wrote is theirs.
+  for (const char* part : {"frozen_weights", "trained_weights", "optimizer_state"})
+    EXPECT_EQ(tiered["placement"][part]["nvme_bytes"], 0) << part;
+  EXPECT_GT(end["nvme_written_bytes"].get<std::uint64_t>(), 0u) << end.dump();
+  const json mem_end = last(events(dir / "mem" / "events.jsonl"), "run_end");
+  std::printf(
+      "checkpoints %.1f MiB in host memory, budget %.1f MiB: %.1f MiB written to %s; arena peak "
+      "%.1f MiB (%.1f MiB in host memory)\n",
+      in_host / 1048576.0, budget / 1048576.0, end["nvme_written_bytes"].get<double>() / 1048576.0,
+      plan["placement"]["backend"].get<std::string>().c_str(),
+      end["host_arena_peak_bytes"].get<double>() / 1048576.0,
+      mem_end["host_arena_peak_bytes"].get<double>() / 1048576.0);
+  // In host memory a whole step's checkpoints are alive when its tail starts (half of in_host); on
+  // the tier only those read ahead or waiting for the drive are.
+  EXPECT_LT(end["host_arena_peak_bytes"].get<double>(),
+            mem_end["host_arena_peak_bytes"].get<double>() - in_host / 5.0);
+  EXPECT_EQ(step_losses(dir / "spill" / "events.jsonl"), step_losses(dir / "mem" / "events.jsonl"));
+  EXPECT_TRUE(slurp(dir / "mem" / "adapter" / "adapter_model.safetensors") ==
+              slurp(dir / "spill" / "adapter" / "adapter_model.safetensors"))
+      << "the exports differ";
+  expect_budget_held(dir / "spill");
+}
+
+// "Does Llama-3-8B LoRA on 16k-token rows fit on my 24 GB card with 32 GB of RAM?" The
+// checkpoints alone would take 32 GiB of host memory; with an NVMe folder they go there.
+TEST_F(Offload, PlansLongSequencesWithTheirCheckpointsOnNvme) {
+  const fs::path llama = dir / "Llama-3-8B";
+  fs::create_directories(llama);
+  std::ofstream(llama / "config.json") << json{
+      {"architectures", {"LlamaForCausalLM"}},
+      {"model_type", "llama"},
+      {"hidden_size", 4096},
+      {"intermediate_size", 14336},
+      {"num_hidden_layers", 32},
+      {"num_attention_heads", 32},
+      {"num_key_value_heads", 8},
+      {"vocab_size", 128256},
+      {"max_position_embeddings", 131072},
+      {"rms_norm_eps", 1e-5},
+      {"rope_theta", 500000.0},
+      {"tie_word_embeddings", false},
+      {"torch_dtype", "bfloat16"}}.dump(2);
+  const std::string base = "plan --json --set model.path=" + llama.string() +
+                           " --set model.quantize=nf4 --set hardware.gpu='RTX 4090'"
+                           " --set training.steps=100 --set data.seq_len=16384"
+                           " --set training.batch_rows=1 --set training.grad_accum=4"
+                           " --set hardware.host_memory=32GB";
+  Result r = run_rondo(base, false);
+  const json in_host = json::parse(r.out);
+  EXPECT_EQ(in_host["verdict"], "does not fit") << r.out;
+  // Two steps of checkpoints, computed here: one per backward stage that starts past the
+  // embedding, for each of 4 microbatches of 16384 tokens, 4096 bf16 values per token.
+  int saved = 0;
+  {
+    const std::string plan = in_host["plan"].get<std::string>();  // "... B[5,9) B[0,5) M=4 stage"
+    for (std::size_t at = plan.find("B["); at != std::string::npos; at = plan.find("B[", at + 1)) {
+      int begin = 0, end = 0;
+      ASSERT_EQ(std::sscanf(plan.c_str() + at, "B[%d,%d)", &begin, &end), 2) << plan;
+      saved += std::max(begin, 1) < end;
+    }
+  }
+  ASSERT_GT(saved, 0) << r.out;
+  EXPECT_EQ(in_host["placement"]["activation_checkpoints"]["host_bytes"].get<std::uint64_t>(),
+            2ull * saved * 4 * 16384 * 4096 * 2)
+      << r.out;
+  const std::string problems = in_host["problems"].dump();
+  EXPECT_TRUE(contains(problems, "activation checkpoints")) << problems;
+  EXPECT_TRUE(contains(problems, "hardware.offload_dir")) << problems;
+
+  r = run_rondo(base + " --set hardware.offload_dir=" + (dir / "nvme").string(), false);
+  const json tiered = json::parse(r.out);
+  EXPECT_NE(tiered["verdict"], "does not fit") << r.out;
+  EXPECT_EQ(tiered["placement"]["activation_checkpoints"]["tier"], "nvme") << r.out;
+  EXPECT_LE(tiered["host"]["needed_bytes"].get<double>(), 32.0 * (1 << 30) * 0.85) << r.out;
+  // The frozen base stays in host memory: the checkpoints free enough.
+  EXPECT_EQ(tiered["placement"]["frozen_weights"]["nvme_bytes"], 0) << r.out;
+  // A step writes and reads one step of checkpoints.
+  const double one_step = 1.0 * saved * 4 * 16384 * 4096 * 2;
+  EXPECT_GE(tiered["traffic_per_step"]["nvme_write_bytes"].get<double>(), one_step) << r.out;
+  EXPECT_GE(tiered["traffic_per_step"]["nvme_read_bytes"].get<double>(), one_step) << r.out;
+  EXPECT_GE(tiered["step_seconds"].get<double>(), in_host["step_seconds"].get<double>());
+  std::printf(
+      "8B NF4, 16k rows, RTX 4090, 32 GB + NVMe: %s, step %.1f s (%.1f s in host memory), "
+      "checkpoints %.1f GiB on NVMe\n",
+      tiered["verdict"].get<std::string>().c_str(), tiered["step_seconds"].get<double>(),
+      in_host["step_seconds"].get<double>(),
+      tiered["placement"]["activation_checkpoints"]["nvme_bytes"].get<double>() / (1 << 30));
 }
 
 // "Does Llama-3-70B LoRA fit on my 24 GB card with 64 GB of RAM and an NVMe drive?", asked before
