@@ -25,6 +25,7 @@
 #include "engine/state.h"
 #include "engine/torch_device.h"
 #include "kernels/error.h"
+#include "models/attention_masks.h"
 #include "offload/process_heap.h"
 #include "offload/transfer.h"
 
@@ -116,10 +117,12 @@ struct Handoff {
   std::vector<std::int64_t> sizes;
 };
 
-// One microbatch's inputs where a job runs: views into DeviceInputs::buffer.
+// One microbatch's inputs where a job runs: views into DeviceInputs::buffer, and the masks built
+// from `docs` on the device (in compute-stream order, before any job's compute reads them).
 struct MicrobatchInputs {
-  models::AttentionContext ctx;  // positions, cos, sin, mask, window_mask
+  models::AttentionContext ctx;  // positions, cos, sin; mask, window_mask
   at::Tensor tokens, targets;
+  at::Tensor docs;  // packed rows' document ids (models::packed_doc_ids); undefined: none
 };
 
 // A step's inputs on one device: every microbatch's, uploaded in one copy by the first job of the
@@ -136,8 +139,9 @@ struct PackedTensor {
   std::vector<std::int64_t> sizes;
   at::ScalarType dtype = at::kFloat;
 };
-// The tensors packed per microbatch, in this order.
-enum InputSlot { kPositions, kCos, kSin, kMask, kWindowMask, kTokens, kTargets, kInputSlots };
+// The tensors packed per microbatch, in this order. The masks are not among them: a (B, 1, T, T)
+// mask per microbatch would cross the link (T bytes per token); the devices build them.
+enum InputSlot { kPositions, kCos, kSin, kDocs, kTokens, kTargets, kInputSlots };
 
 struct StepData {
   std::vector<Microbatch> mb;
@@ -607,7 +611,7 @@ struct Engine::Impl {
     std::shared_ptr<JobRun> r = runs_[g];
     lock.unlock();
     r->tokens = step->tokens;
-    const std::shared_ptr<DeviceInputs> inputs = inputs_on(dc, *step, *r);
+    const std::shared_ptr<DeviceInputs> inputs = inputs_on(dc, *step, *r, job_where(g));
     dc.compute->wait(*r->weights_ready);
 
     // Weights and (for jobs with a backward) gradient accumulators.
@@ -774,7 +778,8 @@ struct Engine::Impl {
   // The step's inputs on dc: uploaded by the first job of the step there, in one copy on the
   // compute stream (ahead of that job's compute), from the packed host buffer, which `r` keeps
   // alive until the copy is done.
-  std::shared_ptr<DeviceInputs> inputs_on(DeviceCtx& dc, StepData& step, JobRun& r) {
+  std::shared_ptr<DeviceInputs> inputs_on(DeviceCtx& dc, StepData& step, JobRun& r,
+                                          const std::string& where) {
     std::lock_guard<std::mutex> lock(step.inputs_mu);
     std::shared_ptr<DeviceInputs>& have = step.on_device[dc.index];
     if (have) return have;
@@ -792,11 +797,23 @@ struct Engine::Impl {
       mbi.ctx.positions = view_of(slots[kPositions]);
       mbi.ctx.cos = view_of(slots[kCos]);
       mbi.ctx.sin = view_of(slots[kSin]);
-      mbi.ctx.mask = view_of(slots[kMask]);
-      mbi.ctx.window_mask = view_of(slots[kWindowMask]);
+      mbi.docs = view_of(slots[kDocs]);
       mbi.tokens = view_of(slots[kTokens]);
       mbi.targets = view_of(slots[kTargets]);
     }
+    // The masks, on the device behind the upload (models/attention_masks.h), once per step.
+    dc.compute->enqueue([this, &dc, in, where = where + ": attention masks"] {
+      if (failed()) return;
+      guarded(where, [&] {
+        TorchStreamScope scope(*dc.compute);
+        for (MicrobatchInputs& mbi : in->mb) {
+          models::AttentionMasks masks = models::attention_masks(
+              config, mbi.docs, mbi.tokens.size(0), mbi.tokens.size(1), dc.torch);
+          mbi.ctx.mask = std::move(masks.mask);
+          mbi.ctx.window_mask = std::move(masks.window_mask);
+        }
+      });
+    });
     have = in;
     return in;
   }
@@ -1118,9 +1135,9 @@ struct Engine::Impl {
                     " is outside the vocabulary (0.." + std::to_string(config.vocab_size - 1) +
                     ")");
       const models::AttentionContext ctx =
-          models::make_attention_context(config, b.batch, act_dtype);
-      inputs.push_back(
-          {ctx.positions, ctx.cos, ctx.sin, ctx.mask, ctx.window_mask, b.batch.tokens, b.targets});
+          models::attention_context_without_masks(config, b.batch, act_dtype);
+      inputs.push_back({ctx.positions, ctx.cos, ctx.sin, models::packed_doc_ids(b.batch),
+                        b.batch.tokens, b.targets});
       if (config.num_experts > 0 && !evaluating_)
         step->routing.push_back(std::make_shared<models::RoutingRecord>());
       step->tokens += b.batch.tokens.numel();
@@ -1591,6 +1608,9 @@ struct Engine::Impl {
     std::vector<std::uint64_t> rng(prompts.size(), options.seed);
     std::vector<bool> finished(prompts.size(), false);
     std::vector<models::KvCache> caches(static_cast<std::size_t>(L));
+    // kv_host: each block's cache in host memory, allocated for every slot at its first token
+    // (page-locked for a GPU), filled up to kv_length[l].
+    std::vector<std::int64_t> kv_length(static_cast<std::size_t>(L), 0);
     const int head = L - 1;
     std::int64_t offset = 0;
     for (std::int64_t produced = 0; produced < options.max_new_tokens; ++produced) {
@@ -1618,18 +1638,34 @@ struct Engine::Impl {
             if (st.range.begin == 0)
               h = models::embed(layer_weights(*st.weights, 0, dc.torch)[0], h);
             for (int l = std::max(st.range.begin, 1); l < std::min(st.range.end, head); ++l) {
-              models::KvCache& cache = caches[static_cast<std::size_t>(l)];
-              if (kv_host && cache.k.defined()) {
-                cache.k = cache.k.to(dc.torch);
-                cache.v = cache.v.to(dc.torch);
+              models::KvCache& kept = caches[static_cast<std::size_t>(l)];
+              models::KvCache on_device;
+              models::KvCache& cache = kv_host ? on_device : kept;
+              const std::int64_t had = kv_length[static_cast<std::size_t>(l)];
+              if (kv_host && had > 0) {
+                cache.k = kept.k.narrow(2, 0, had).to(dc.torch);
+                cache.v = kept.v.narrow(2, 0, had).to(dc.torch);
+                out.kv_bytes_up += cache.k.nbytes() + cache.v.nbytes();
               }
               h = models::block_forward(
                   config,
                   models::BlockWeights::bind(specs[l], layer_weights(*st.weights, l, dc.torch)), h,
                   ctx, &cache);
-              if (kv_host) {
-                cache.k = cache.k.to(at::kCPU);
-                cache.v = cache.v.to(at::kCPU);
+              if (kv_host) {  // only the new positions come down
+                if (!kept.k.defined()) {
+                  std::vector<std::int64_t> sizes = cache.k.sizes().vec();
+                  sizes[2] = slots;
+                  const at::TensorOptions o =
+                      cache.k.options().device(at::kCPU).pinned_memory(dc.torch.is_cuda());
+                  kept.k = at::empty(sizes, o);
+                  kept.v = at::empty(sizes, o);
+                }
+                const at::Tensor k = cache.k.narrow(2, had, count),
+                                 v = cache.v.narrow(2, had, count);
+                kept.k.narrow(2, had, count).copy_(k);
+                kept.v.narrow(2, had, count).copy_(v);
+                out.kv_bytes_down += k.nbytes() + v.nbytes();
+                kv_length[static_cast<std::size_t>(l)] = had + count;
               }
             }
             if (st.range.end == L) {

@@ -139,6 +139,9 @@ struct Generation {
   bool resident = false;                          // the weights stayed on one device
   bool spread = false;   // each stage stayed on its device across tokens (uploaded once)
   bool kv_host = false;  // the KV caches stayed in host memory between tokens
+  // kv_host: bytes of KV cache moved between host memory and the devices. Up: each block's cache
+  // so far before it runs; down: only the keys and values of the new positions.
+  std::uint64_t kv_bytes_up = 0, kv_bytes_down = 0;
 };
 
 // What a checkpoint must hold beyond the store's tensors for a bit-identical resume.

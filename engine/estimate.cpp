@@ -420,13 +420,15 @@ RunEstimate estimate_run(const TrainConfig& config, const models::ModelSummary& 
       devices.mode != DeviceMode::kCuda && devices.mode != DeviceMode::kPlanned;
   e.inputs.tokens_per_step = tokens_per_step;
   // Per token of a step, on each device (the engine uploads a step's inputs once per device):
-  // token id, target, position (int64 each), the rotary cos and sin rows, and a row of the
-  // packed-document mask (one bool per key) and of the sliding-window mask where there is one.
+  // token id, target, position, document id (int64 each), the rotary cos and sin rows; and built
+  // there from the document ids, a row of the packed-document mask (one bool per key) and of the
+  // sliding-window mask where there is one. Host staging holds the uploaded part only.
+  const std::uint64_t uploaded_bytes_per_token =
+      4 * 8 + 2 * static_cast<std::uint64_t>(model.config.head_dim) * wb;
   {
     const auto T = static_cast<std::uint64_t>(std::max<std::int64_t>(config.data.seq_len, 0));
-    e.inputs.input_bytes_per_token = 3 * 8 +
-                                     2 * static_cast<std::uint64_t>(model.config.head_dim) * wb +
-                                     T + (model.config.sliding_window > 0 ? T : 0);
+    e.inputs.input_bytes_per_token =
+        uploaded_bytes_per_token + T + (model.config.sliding_window > 0 ? T : 0);
   }
   e.inputs.microbatches = M;
   e.inputs.one_step_stale = config.training.one_step_stale;
@@ -443,7 +445,7 @@ RunEstimate estimate_run(const TrainConfig& config, const models::ModelSummary& 
   // packed inputs (the main thread prepares up to two steps ahead of the one running); and the
   // checkpoints each backward stage (or, in layer grain, each block) waits for.
   const auto T = static_cast<std::uint64_t>(tokens_per_step);
-  e.host.staging = (2 * N + 2) * T * C * wb + 3 * T * e.inputs.input_bytes_per_token;
+  e.host.staging = (2 * N + 2) * T * C * wb + 3 * T * uploaded_bytes_per_token;
   const std::uint64_t ckpts = planned ? e.plan.checkpointed_layers().size() : 0;
   const auto M_plan = static_cast<std::uint64_t>(std::max(planned ? e.plan.microbatches : 1, 1));
   pl.activation_checkpoint_bytes = (T + M_plan - 1) / M_plan * C * wb;  // one microbatch's

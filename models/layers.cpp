@@ -11,6 +11,7 @@
 #include <map>
 
 #include "kernels/error.h"
+#include "models/attention_masks.h"
 
 namespace rondo::models {
 
@@ -302,45 +303,38 @@ at::Tensor project(const BlockWeights& w, BlockWeights::Projection p, const at::
 
 }  // namespace
 
-AttentionContext make_attention_context(const ModelConfig& c, const TokenBatch& batch,
-                                        at::ScalarType dtype) {
-  const at::Tensor& tokens = batch.tokens;
-  if (tokens.dim() != 2) throw Error("token batch must be (B, T)");
-  const std::int64_t B = tokens.size(0), T = tokens.size(1);
-  AttentionContext ctx;
-  at::TensorOptions longs = at::TensorOptions().dtype(at::kLong).device(tokens.device());
-  if (batch.doc_ids.defined()) {
-    if (batch.doc_ids.sizes() != tokens.sizes()) throw Error("doc_ids must have the tokens' shape");
-    at::Tensor docs = batch.doc_ids.to(at::kCPU, at::kLong).contiguous();
-    at::Tensor pos = at::empty({B, T}, at::kLong);
-    const std::int64_t* d = docs.data_ptr<std::int64_t>();
-    std::int64_t* p = pos.data_ptr<std::int64_t>();
-    for (std::int64_t b = 0; b < B; ++b)
-      for (std::int64_t t = 0; t < T; ++t) {
-        std::int64_t i = b * T + t;
-        p[i] = (t > 0 && d[i] == d[i - 1]) ? p[i - 1] + 1 : 0;
-        if (t > 0 && d[i] != d[i - 1])
-          for (std::int64_t u = 0; u < t; ++u)
-            if (d[b * T + u] == d[i])
-              throw Error("doc_ids: document " + std::to_string(d[i]) + " of row " +
-                          std::to_string(b) + " is not contiguous");
-      }
-    ctx.positions = pos.to(tokens.device());
-    // A mask only where some row holds more than one document: with one per row it would be the
-    // plain causal one, and it would keep attention off the fused kernels.
-    bool packed = false;
-    for (std::int64_t b = 0; b < B && !packed; ++b)
-      for (std::int64_t t = 1; t < T && !packed; ++t)
-        packed = d[b * T + t] != d[b * T + t - 1];
-    if (packed) {
-      at::Tensor dd = batch.doc_ids.to(longs);
-      at::Tensor same = dd.unsqueeze(2).eq(dd.unsqueeze(1));  // (B, T, T)
-      at::Tensor causal =
-          at::ones({T, T}, at::TensorOptions().dtype(at::kBool).device(tokens.device())).tril();
-      ctx.mask = (same & causal).unsqueeze(1);
+at::Tensor packed_doc_ids(const TokenBatch& batch) {
+  if (!batch.doc_ids.defined()) return {};
+  if (batch.doc_ids.sizes() != batch.tokens.sizes())
+    throw Error("doc_ids must have the tokens' shape");
+  at::Tensor docs = batch.doc_ids.to(at::kCPU, at::kLong).contiguous();
+  const std::int64_t B = docs.size(0), T = docs.size(1);
+  const std::int64_t* d = docs.data_ptr<std::int64_t>();
+  bool packed = false;
+  for (std::int64_t b = 0; b < B; ++b)
+    for (std::int64_t t = 1; t < T; ++t) {
+      const std::int64_t i = b * T + t;
+      if (d[i] == d[i - 1]) continue;
+      packed = true;
+      for (std::int64_t u = 0; u < t; ++u)
+        if (d[b * T + u] == d[i])
+          throw Error("doc_ids: document " + std::to_string(d[i]) + " of row " + std::to_string(b) +
+                      " is not contiguous");
     }
-  } else {
-    ctx.positions = at::arange(T, longs).unsqueeze(0).expand({B, T});
+  // A mask only where some row holds more than one document: with one per row it would be the
+  // plain causal one, and it would keep attention off the fused kernels.
+  return packed ? docs : at::Tensor();
+}
+
+AttentionMasks attention_masks(const ModelConfig& c, const at::Tensor& docs, std::int64_t B,
+                               std::int64_t T, at::Device device) {
+  AttentionMasks out;
+  const at::TensorOptions longs = at::TensorOptions().dtype(at::kLong).device(device);
+  if (docs.defined()) {
+    at::Tensor same = docs.unsqueeze(2).eq(docs.unsqueeze(1));  // (B, T, T)
+    at::Tensor causal =
+        at::ones({T, T}, at::TensorOptions().dtype(at::kBool).device(device)).tril();
+    out.mask = (same & causal).unsqueeze(1);
   }
   if (c.sliding_window > 0 && T > c.sliding_window) {
     // Keys more than sliding_window - 1 positions back are out of reach: in every layer
@@ -348,8 +342,42 @@ AttentionContext make_attention_context(const ModelConfig& c, const TokenBatch& 
     at::Tensor i = at::arange(T, longs).unsqueeze(1), j = at::arange(T, longs).unsqueeze(0);
     at::Tensor window = ((i - j) < c.sliding_window) & (j <= i);
     at::Tensor base =
-        ctx.mask.defined() ? ctx.mask : window.unsqueeze(0).unsqueeze(0).expand({B, 1, T, T});
-    (c.sliding_layers.empty() ? ctx.mask : ctx.window_mask) = base & window;
+        out.mask.defined() ? out.mask : window.unsqueeze(0).unsqueeze(0).expand({B, 1, T, T});
+    (c.sliding_layers.empty() ? out.mask : out.window_mask) = base & window;
+  }
+  return out;
+}
+
+AttentionContext make_attention_context(const ModelConfig& c, const TokenBatch& batch,
+                                        at::ScalarType dtype) {
+  AttentionContext ctx = attention_context_without_masks(c, batch, dtype);
+  const at::Tensor docs = packed_doc_ids(batch);
+  const at::Device device = batch.tokens.device();
+  AttentionMasks masks = attention_masks(c, docs.defined() ? docs.to(device) : docs,
+                                         batch.tokens.size(0), batch.tokens.size(1), device);
+  ctx.mask = std::move(masks.mask);
+  ctx.window_mask = std::move(masks.window_mask);
+  return ctx;
+}
+
+AttentionContext attention_context_without_masks(const ModelConfig& c, const TokenBatch& batch,
+                                                 at::ScalarType dtype) {
+  const at::Tensor& tokens = batch.tokens;
+  if (tokens.dim() != 2) throw Error("token batch must be (B, T)");
+  const std::int64_t B = tokens.size(0), T = tokens.size(1);
+  AttentionContext ctx;
+  at::TensorOptions longs = at::TensorOptions().dtype(at::kLong).device(tokens.device());
+  if (batch.doc_ids.defined()) {
+    packed_doc_ids(batch);  // checks the ids
+    const at::Tensor all = batch.doc_ids.to(at::kCPU, at::kLong).contiguous();
+    at::Tensor pos = at::empty({B, T}, at::kLong);
+    const std::int64_t* d = all.data_ptr<std::int64_t>();
+    std::int64_t* p = pos.data_ptr<std::int64_t>();
+    for (std::int64_t i = 0; i < B * T; ++i)
+      p[i] = (i % T > 0 && d[i] == d[i - 1]) ? p[i - 1] + 1 : 0;
+    ctx.positions = pos.to(tokens.device());
+  } else {
+    ctx.positions = at::arange(T, longs).unsqueeze(0).expand({B, T});
   }
   // Only dynamic rope needs the longest position (a host sync).
   const std::int64_t seq_len =

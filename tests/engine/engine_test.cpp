@@ -91,6 +91,7 @@ struct EngineRun {
   std::vector<StepResult> results;
   Plan final_plan;                 // the plan in use at the end (re-planning may change it)
   std::uint64_t nvme_written = 0;  // bytes the NVMe tier wrote, when there is one
+  std::uint64_t arena_peak = 0;    // the host arena's peak (store, staging)
 };
 
 std::vector<std::unique_ptr<kernels::Device>> sim_devices(int n, std::uint64_t bytes = 1ull << 30,
@@ -165,6 +166,7 @@ EngineRun run_engine(const Case& s, const Plan& plan, int devices, EngineOptions
     out.final_plan = engine.plan();
   }
   if (nvme) out.nvme_written = nvme->info().bytes_written;
+  out.arena_peak = arena.usage().peak;
   for (std::size_t l = 0; l < s.specs.size(); ++l) {
     const offload::LayerAccess a = store.access(l, offload::kAllParts, offload::AccessMode::kRead);
     for (std::size_t i = 0; i < s.specs[l].params.size(); ++i) {
@@ -501,6 +503,34 @@ TEST(Engine, CheckpointsOnNvmeTrainBitForBitLikeHostMemory) {
     }
 }
 
+// Packed rows send their document ids, not their masks: the devices build the (B, 1, T, T) masks
+// (T bytes per token, 16 MiB for this step) from them, so host staging never holds them, and
+// training equals the plain loop, which builds them on the host.
+TEST(Engine, PackedRowsSendDocumentIdsAndTheDevicesBuildTheMasks) {
+  const unsigned seed = std::random_device{}();
+  std::printf("seed %u\n", seed);
+  at::manual_seed(seed);
+  const models::ModelConfig config = test::tiny_llama(2);
+  Case s{config, models::layer_specs(config), test::random_weights(config), {}};
+  const int rows = 4, T = 2048, M = 2;
+  for (int i = 0; i < 2; ++i)
+    s.steps.push_back(test::random_batch(config, rows, T, M));
+  for (const Microbatch& mb : s.steps[0])
+    ASSERT_TRUE(models::make_attention_context(config, mb.batch, at::kFloat).mask.defined())
+        << "the rows are not packed";
+  const std::uint64_t mask_bytes = static_cast<std::uint64_t>(rows) * T * T;
+  std::mt19937 rng(seed);
+  const Plan plan = random_plan(static_cast<int>(s.specs.size()), M, RecomputeGrain::kStage, rng);
+  SCOPED_TRACE(plan.describe());
+  const EngineRun run = run_engine(s, plan, 2);
+  const Reference ref = run_reference(s);
+  for (std::size_t i = 0; i < ref.losses.size(); ++i)
+    EXPECT_NEAR(run.results[i].loss, ref.losses[i], 1e-6 * ref.losses[i]) << "step " << i + 1;
+  std::printf("arena peak %.2f MiB; one step's masks %.2f MiB\n", run.arena_peak / 1048576.0,
+              mask_bytes / 1048576.0);
+  EXPECT_LT(run.arena_peak, mask_bytes / 2);
+}
+
 // A quantised frozen base (NF4 with double quantisation, INT8) travels quantised and is
 // dequantised on the devices: LoRA on it equals the plain loop training the same adapters on the
 // dequantised weights.
@@ -671,6 +701,22 @@ TEST(Engine, EvaluatesAndGeneratesOnTheDevicesLikeAPlainLoop) {
     EXPECT_EQ(gen.resident, setup.residency == Residency::kResident);
     EXPECT_EQ(gen.spread, setup.residency == Residency::kSpread);
     EXPECT_EQ(gen.kv_host, setup.kv == KvCaches::kHost);
+    if (setup.kv == KvCaches::kHost) {
+      // Host caches: before each block runs, its cache so far goes up; after, only the new
+      // positions come down (the prompts left-padded to the longest, then one per token).
+      const std::uint64_t per_position = 2ull * s.config.num_kv_heads * s.config.head_dim *
+                                         sizeof(float) * prompts.size() *
+                                         static_cast<std::uint64_t>(L - 2);
+      std::uint64_t longest = 0, added = 0, had = 0;
+      for (const auto& p : prompts)
+        longest = std::max<std::uint64_t>(longest, p.size());
+      for (std::int64_t pass = 0; pass < greedy.max_new_tokens; ++pass) {
+        had += added;
+        added += pass == 0 ? longest : 1;
+      }
+      EXPECT_EQ(gen.kv_bytes_down, added * per_position);
+      EXPECT_EQ(gen.kv_bytes_up, had * per_position);
+    }
     ASSERT_EQ(gen.tokens.size(), prompts.size());
     for (std::size_t k = 0; k < prompts.size(); ++k) {
       ASSERT_EQ(gen.tokens[k].size(), want_tokens[k].size()) << "prompt " << k;

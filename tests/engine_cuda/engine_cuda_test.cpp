@@ -9,6 +9,8 @@
 #include <ATen/Context.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <filesystem>
 #include <map>
 #include <memory>
 #include <optional>
@@ -18,6 +20,8 @@
 #include "engine/state.h"
 #include "engine/torch_device.h"
 #include "models/generate.h"
+#include "offload/activation_spill.h"
+#include "offload/nvme_store.h"
 #include "tests/support/cuda_or_skip.h"
 #include "tests/support/plain_loop.h"
 
@@ -31,25 +35,43 @@ struct GpuRun {
   std::uint64_t engine_peak = 0;              // the engine's buffers at most
   std::uint64_t cap = 0;                      // the device's memory cap
   TorchCudaMemory torch;                      // torch's allocator over the run
+  std::uint64_t nvme_written = 0;             // bytes the NVMe tier wrote (spill_dir)
 };
 
 // Trains `steps` on one CUDA device (cap 2 GiB) with a plan of separate forward, tail and
-// backward stages; nullopt (and the test skipped) without a GPU.
+// backward stages; nullopt (and the test skipped) without a GPU. With `spill_dir`, the activation
+// checkpoints go to an NVMe tier there (two steps' worth of space).
 std::optional<GpuRun> train_on_one_gpu(const models::ModelConfig& config,
                                        const std::map<std::string, at::Tensor>& weights,
-                                       const std::vector<std::vector<Microbatch>>& steps) {
+                                       const std::vector<std::vector<Microbatch>>& steps,
+                                       const std::string& spill_dir = "") {
   DevicePlan dp = plan_devices({.memory_cap = 2ull << 30});
   if (dp.mode != DeviceMode::kCuda) return std::nullopt;
   dp.devices.resize(1);
   reset_torch_cuda_memory(0);
   auto devices = open_devices(dp);
   const auto specs = models::layer_specs(config);
+  Plan plan{{{0, 2}, {2, 4}}, {4, 6}, {{2, 4}, {0, 2}}, 3, RecomputeGrain::kLayer};
+  EngineOptions o;
+  std::unique_ptr<offload::NvmeStore> nvme;
+  if (!spill_dir.empty()) {
+    std::int64_t rows = 0, tokens = 0;
+    for (const Microbatch& mb : steps.at(0)) {
+      rows = std::max(rows, mb.batch.tokens.size(0));
+      tokens = std::max(tokens, mb.batch.tokens.size(1));
+    }
+    o.spill_checkpoint_bytes = offload::ActivationSpill::capacity_for(
+        static_cast<std::uint64_t>(rows * tokens * config.hidden_size) * 4,
+        2 * plan.checkpointed_layers().size() * static_cast<std::uint64_t>(plan.microbatches),
+        offload::NvmeStoreOptions{}.block_bytes);
+    nvme = std::make_unique<offload::NvmeStore>(offload::NvmeStoreOptions{.dir = spill_dir},
+                                                o.spill_checkpoint_bytes);
+  }
   offload::HostArena arena;
   offload::LayerStore store(arena,
                             layer_descs(specs, [](const models::ParamSpec&) { return true; }),
-                            kernels::FloatDType::kF32, kernels::FloatDType::kF32);
+                            kernels::FloatDType::kF32, kernels::FloatDType::kF32, nvme.get());
   load_weights(store, specs, [&](const std::string& n) { return weights.at(n); });
-  EngineOptions o;
   o.adamw = {.lr = 1e-3, .eps = 1e-6, .weight_decay = 0.1};
   o.max_grad_norm = 0.5;
   GpuRun run;
@@ -62,7 +84,6 @@ std::optional<GpuRun> train_on_one_gpu(const models::ModelConfig& config,
         slot = slot.defined() ? slot + g : g;
       }
   };
-  Plan plan{{{0, 2}, {2, 4}}, {4, 6}, {{2, 4}, {0, 2}}, 3, RecomputeGrain::kLayer};
   {
     Engine engine(config, specs, store, arena, {devices[0].get()}, plan, o);
     engine.train(static_cast<std::int64_t>(steps.size()),
@@ -72,6 +93,7 @@ std::optional<GpuRun> train_on_one_gpu(const models::ModelConfig& config,
   run.engine_peak = devices[0]->memory().bytes_peak;
   run.cap = devices[0]->memory().bytes_cap;
   if (auto m = torch_cuda_memory(0)) run.torch = *m;
+  if (nvme) run.nvme_written = nvme->info().bytes_written;
   for (std::size_t l = 0; l < specs.size(); ++l)
     for (std::size_t i = 0; i < specs[l].params.size(); ++i)
       if (!store.layer(l)[i].tied)
@@ -145,6 +167,24 @@ TEST_F(EngineCuda, RepeatsBitIdenticallyOnOneGpu) {
                     << (w - b->masters.at(name)).abs().max().item<double>();
     }
   EXPECT_EQ(differ, 0) << "of " << a->masters.size() << " tensors";
+}
+
+// Activation checkpoints through the NVMe tier on a GPU: downloaded from the device into pinned
+// staging, written to the drive by the spill's thread once the download's CUDA event has
+// completed, read back and uploaded for the backward. The training ends on the same bits as with
+// them in host memory (deterministic kernels, as for the repeat test).
+TEST_F(EngineCuda, CheckpointsOnNvmeTrainBitForBitLikeHostMemoryOnOneGpu) {
+  ASSERT_TRUE(use_deterministic_torch(true));
+  std::optional<GpuRun> in_memory = train_on_one_gpu(config, weights, steps);
+  if (!in_memory) GTEST_SKIP() << "no CUDA device";
+  const std::string dir = ::testing::TempDir() + "rondo-cuda-spill";
+  std::optional<GpuRun> spilled = train_on_one_gpu(config, weights, steps, dir);
+  ASSERT_TRUE(spilled);
+  std::filesystem::remove_all(dir);
+  EXPECT_GT(spilled->nvme_written, 0u) << "no checkpoint reached the drive";
+  EXPECT_EQ(spilled->bytes_in_use_after, 0u);
+  for (auto& [name, w] : in_memory->masters)
+    EXPECT_TRUE(at::equal(w, spilled->masters.at(name))) << name;
 }
 
 // The model's weights frozen in a host store, and one CUDA device (cap 2 GiB) to run them on:
