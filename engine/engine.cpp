@@ -117,10 +117,10 @@ struct Handoff {
   std::vector<std::int64_t> sizes;
 };
 
-// One microbatch's inputs where a job runs: views into DeviceInputs::buffer, and the masks built
-// from `docs` on the device (in compute-stream order, before any job's compute reads them).
+// One microbatch's inputs where a job runs: views into DeviceInputs::buffer. Its masks are built
+// from `docs` on the device by each job's compute, for the microbatch it runs.
 struct MicrobatchInputs {
-  models::AttentionContext ctx;  // positions, cos, sin; mask, window_mask
+  models::AttentionContext ctx;  // positions, cos, sin (no masks)
   at::Tensor tokens, targets;
   at::Tensor docs;  // packed rows' document ids (models::packed_doc_ids); undefined: none
 };
@@ -140,7 +140,7 @@ struct PackedTensor {
   at::ScalarType dtype = at::kFloat;
 };
 // The tensors packed per microbatch, in this order. The masks are not among them: a (B, 1, T, T)
-// mask per microbatch would cross the link (T bytes per token); the devices build them.
+// mask per microbatch would cross the link (T bytes per token); the jobs build them.
 enum InputSlot { kPositions, kCos, kSin, kDocs, kTokens, kTargets, kInputSlots };
 
 struct StepData {
@@ -611,7 +611,7 @@ struct Engine::Impl {
     std::shared_ptr<JobRun> r = runs_[g];
     lock.unlock();
     r->tokens = step->tokens;
-    const std::shared_ptr<DeviceInputs> inputs = inputs_on(dc, *step, *r, job_where(g));
+    const std::shared_ptr<DeviceInputs> inputs = inputs_on(dc, *step, *r);
     dc.compute->wait(*r->weights_ready);
 
     // Weights and (for jobs with a backward) gradient accumulators.
@@ -778,8 +778,7 @@ struct Engine::Impl {
   // The step's inputs on dc: uploaded by the first job of the step there, in one copy on the
   // compute stream (ahead of that job's compute), from the packed host buffer, which `r` keeps
   // alive until the copy is done.
-  std::shared_ptr<DeviceInputs> inputs_on(DeviceCtx& dc, StepData& step, JobRun& r,
-                                          const std::string& where) {
+  std::shared_ptr<DeviceInputs> inputs_on(DeviceCtx& dc, StepData& step, JobRun& r) {
     std::lock_guard<std::mutex> lock(step.inputs_mu);
     std::shared_ptr<DeviceInputs>& have = step.on_device[dc.index];
     if (have) return have;
@@ -801,19 +800,6 @@ struct Engine::Impl {
       mbi.tokens = view_of(slots[kTokens]);
       mbi.targets = view_of(slots[kTargets]);
     }
-    // The masks, on the device behind the upload (models/attention_masks.h), once per step.
-    dc.compute->enqueue([this, &dc, in, where = where + ": attention masks"] {
-      if (failed()) return;
-      guarded(where, [&] {
-        TorchStreamScope scope(*dc.compute);
-        for (MicrobatchInputs& mbi : in->mb) {
-          models::AttentionMasks masks = models::attention_masks(
-              config, mbi.docs, mbi.tokens.size(0), mbi.tokens.size(1), dc.torch);
-          mbi.ctx.mask = std::move(masks.mask);
-          mbi.ctx.window_mask = std::move(masks.window_mask);
-        }
-      });
-    });
     have = in;
     return in;
   }
@@ -831,6 +817,14 @@ struct Engine::Impl {
                double loss_scale) {
     const c10::Device dev = dc.torch;
     models::AttentionContext ctx = mbi.ctx;
+    // The masks of this microbatch, built here from its document ids (models/attention_masks.h):
+    // only the running microbatch's is on the device, not the step's.
+    {
+      models::AttentionMasks masks = models::attention_masks(config, mbi.docs, mbi.tokens.size(0),
+                                                             mbi.tokens.size(1), dc.torch);
+      ctx.mask = std::move(masks.mask);
+      ctx.window_mask = std::move(masks.window_mask);
+    }
     // Training: attention and LoRA dropout (when the model has them) draw from this seed;
     // evaluation has none.
     if (!evaluating_) ctx.dropout_seed = dropout_seed(options.seed, step.step_no, m);

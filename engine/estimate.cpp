@@ -418,17 +418,21 @@ RunEstimate estimate_run(const TrainConfig& config, const models::ModelSummary& 
   }
   e.inputs.shared_compute =
       devices.mode != DeviceMode::kCuda && devices.mode != DeviceMode::kPlanned;
+  // The optimizer runs on this machine's CPU (for a card planned from the table too: its host is
+  // taken to be like this one), on f32 gradients (grad_bytes above).
+  if (e.trained_params > 0)
+    e.inputs.optimizer_s_per_grad_byte = 1.0 / (4.0 * cpu_adamw_params_per_s(config.model.dtype));
   e.inputs.tokens_per_step = tokens_per_step;
   // Per token of a step, on each device (the engine uploads a step's inputs once per device):
   // token id, target, position, document id (int64 each), the rotary cos and sin rows; and built
-  // there from the document ids, a row of the packed-document mask (one bool per key) and of the
-  // sliding-window mask where there is one. Host staging holds the uploaded part only.
+  // there from the document ids for the microbatch a job runs, a row of the packed-document mask
+  // (one bool per key) and of the sliding-window mask where there is one.
   const std::uint64_t uploaded_bytes_per_token =
       4 * 8 + 2 * static_cast<std::uint64_t>(model.config.head_dim) * wb;
   {
     const auto T = static_cast<std::uint64_t>(std::max<std::int64_t>(config.data.seq_len, 0));
-    e.inputs.input_bytes_per_token =
-        uploaded_bytes_per_token + T + (model.config.sliding_window > 0 ? T : 0);
+    e.inputs.input_bytes_per_token = uploaded_bytes_per_token;
+    e.inputs.mask_bytes_per_token = T + (model.config.sliding_window > 0 ? T : 0);
   }
   e.inputs.microbatches = M;
   e.inputs.one_step_stale = config.training.one_step_stale;

@@ -234,8 +234,9 @@ double job_memory(const PlanInputs& in, const Job& job, double tokens_mb, Recomp
               static_cast<double>(in.layers[job.range.end - 1].output_bytes_per_token);
   double grads = job.kind == JobKind::kForward ? 0 : s.grads;
   double transient = job.kind == JobKind::kForward ? 0 : s.transient_max;
-  const double inputs =
-      2.0 * static_cast<double>(in.tokens_per_step) * static_cast<double>(in.input_bytes_per_token);
+  const double inputs = 2.0 * static_cast<double>(in.tokens_per_step) *
+                            static_cast<double>(in.input_bytes_per_token) +
+                        tokens_mb * static_cast<double>(in.mask_bytes_per_token);
   return s.device_params + grads + transient + inputs + tokens_mb * (act + io);
 }
 
@@ -280,15 +281,36 @@ PlanPrediction predict(const Plan& plan, const PlanInputs& in) {
   // waits for the update from the previous step's gradients (exact synchronous training), or
   // from the step before that (one-step-stale mode).
   std::vector<std::vector<double>> grads_home(kSteps, std::vector<double>(in.layers.size(), 0.0));
+  // Per step and layer: when the optimizer has updated it. It starts once every gradient of the
+  // step is in (the global norm) and its previous step is done, then goes layer by layer in
+  // forward order. Asked for only once the step's jobs are all simulated.
+  std::vector<std::vector<double>> updates(kSteps);
+  double optimizer_free = 0;
+  auto updated = [&](int s) -> const std::vector<double>& {
+    std::vector<double>& u = updates[static_cast<std::size_t>(s)];
+    if (!u.empty()) return u;
+    double t = optimizer_free;
+    for (std::size_t l = 0; l < in.layers.size(); ++l)
+      if (in.layers[l].grad_bytes > 0) t = std::max(t, grads_home[s][l]);
+    // On the devices' own cores (the CPU, simulated GPUs) it takes its turn with their compute.
+    if (in.shared_compute) t = std::max(t, cores_free);
+    u.assign(in.layers.size(), t);
+    for (std::size_t l = 0; l < in.layers.size(); ++l) {
+      t += static_cast<double>(in.layers[l].grad_bytes) * in.optimizer_s_per_grad_byte;
+      u[l] = t;
+    }
+    optimizer_free = t;
+    if (in.shared_compute) cores_free = std::max(cores_free, t);
+    return u;
+  };
   const int lag = in.one_step_stale ? 2 : 1;
   std::vector<double> step_end(kSteps, 0.0);
   // Which layers' inputs the backward needs saved, and per (layer, microbatch) when that saved
   // input is on the host.
+  // (Layer 0's input is the step's tokens, already on every device that runs a job of the step.)
   std::vector<bool> saved_for_backward(in.layers.size(), false);
-  for (int l = 0; l < plan.tail.begin; ++l)
-    saved_for_backward[l] = plan.grain == RecomputeGrain::kLayer;
-  for (const LayerRange& b : plan.backward)
-    saved_for_backward[b.begin] = true;
+  for (int l : plan.checkpointed_layers())
+    saved_for_backward[static_cast<std::size_t>(l)] = true;
   std::vector<std::vector<double>> checkpoint_home(in.layers.size(), std::vector<double>(M, 0.0));
   std::vector<double> peak(N, 0.0);
 
@@ -310,10 +332,12 @@ PlanPrediction predict(const Plan& plan, const PlanInputs& in) {
       // Weights: prefetched once the device's current job has started, after the optimizer has
       // updated them.
       double weights_earliest = device_job_start[d];
-      if (step >= lag)
+      if (step >= lag) {
+        const std::vector<double>& up_to_date = updated(step - lag);
         for (int l = job.range.begin; l < job.range.end; ++l)
           if (in.layers[l].grad_bytes > 0)
-            weights_earliest = std::max(weights_earliest, grads_home[step - lag][l]);
+            weights_earliest = std::max(weights_earliest, up_to_date[l]);
+      }
       double weights_ready = up[d].send(weights_earliest, s.params, /*splittable=*/true);
       // Layers on NVMe are read into host memory first; reads and uploads overlap (layer by
       // layer), so the later of the two decides.
@@ -350,7 +374,7 @@ PlanPrediction predict(const Plan& plan, const PlanInputs& in) {
         if (job.kind == JobKind::kBackward) {
           // The saved inputs (checkpoints) come back, each once it has reached the host.
           for (int l = job.range.begin; l < job.range.end; ++l) {
-            if (plan.grain == RecomputeGrain::kStage && l != job.range.begin) continue;
+            if (!saved_for_backward[static_cast<std::size_t>(l)]) continue;
             const double bytes = tokens_mb * input_bytes(in, l);
             double home = checkpoint_home[l][m];
             if (in.checkpoints_on_nvme) {

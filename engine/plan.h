@@ -90,6 +90,10 @@ struct PlanInputs {
   // Activation checkpoints go to the NVMe tier once downloaded and come back from it (read ahead
   // from when the backward job's device starts its previous job) before their upload.
   bool checkpoints_on_nvme = false;
+  // The CPU optimizer: seconds of AdamW per byte of a layer's gradient (0 = free). Once a step's
+  // gradients are all in (the global norm needs them), it updates the layers in forward order,
+  // one after another; a layer's next upload waits for its update.
+  double optimizer_s_per_grad_byte = 0;
   double upper_threshold = 1.1;  // candidate stage budgets in [W, threshold * W]
   int min_stages = 0;            // 0 = number of devices
   bool one_step_stale = false;   // RoundPipe's default: weights lag the gradients by a step
@@ -98,9 +102,12 @@ struct PlanInputs {
   // cores ran a LoRA step 1.6x as long as one device's; counted as parallel, the prediction was
   // 36% short.
   bool shared_compute = false;
-  // A step's inputs per token (tokens, targets, positions, rotary tables, masks), on every device
-  // that runs a job of the step, for the whole step and two steps at a time.
+  // A step's inputs per token (tokens, targets, positions, document ids, rotary tables), on every
+  // device that runs a job of the step, for the whole step and two steps at a time.
   std::uint64_t input_bytes_per_token = 0;
+  // The attention masks per token (a row of keys for packed documents, another for a sliding
+  // window), built on the device for the microbatch a job runs: one microbatch's at a time.
+  std::uint64_t mask_bytes_per_token = 0;
 
   int resolved_microbatches() const;
   std::vector<std::string> problems() const;

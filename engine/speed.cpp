@@ -18,6 +18,7 @@
 #include <nlohmann/json.hpp>
 #include <vector>
 
+#include "kernels/cpu/adamw.h"
 #include "models/layers.h"
 
 namespace rondo::engine {
@@ -149,6 +150,68 @@ std::string speed_cache_dir() {
   return "";
 }
 
+namespace {
+
+// `measure()`'s result for `key`, from the cache when it holds one (see speed.h).
+double cached(const std::string& key, const std::function<double()>& measure) {
+  const std::string dir = speed_cache_dir();
+  const fs::path file =
+      dir.empty() ? fs::path()
+                  : fs::path(dir) / fmt::format("{:016x}.json", std::hash<std::string>{}(key));
+  if (!file.empty()) {
+    std::ifstream in(file);
+    const auto j = nlohmann::json::parse(in, nullptr, /*allow_exceptions=*/false);
+    if (j.is_object() && j.value("key", "") == key && j.value("value", 0.0) > 0)
+      return j.value("value", 0.0);
+  }
+  const double value = measure();
+  if (!file.empty()) {
+    // Written whole under a temporary name, then renamed: concurrent runs never read half a file.
+    std::error_code ec;
+    fs::create_directories(file.parent_path(), ec);
+    const fs::path tmp = file.string() + fmt::format(".{}.tmp", static_cast<long>(::getpid()));
+    {
+      std::ofstream out(tmp);
+      out << nlohmann::json{{"key", key}, {"value", value}}.dump() << "\n";
+    }
+    fs::rename(tmp, file, ec);
+    if (ec) fs::remove(tmp, ec);
+  }
+  return value;
+}
+
+}  // namespace
+
+double cpu_adamw_params_per_s(const std::string& stream_dtype) {
+  const std::string key = fmt::format("adamw|cpu={}|threads={}|stream={}", cpu_model(),
+                                      at::get_num_threads(), stream_dtype);
+  return cached(key, [&] {
+    constexpr std::size_t n = 4u << 20;
+    const kernels::FloatDType sd = stream_dtype == "fp32"   ? kernels::FloatDType::kF32
+                                   : stream_dtype == "fp16" ? kernels::FloatDType::kF16
+                                                            : kernels::FloatDType::kBF16;
+    std::vector<float> grad(n, 1e-3f), master(n, 0.5f), m(n, 0.f), v(n, 0.f), stream(n);
+    const kernels::AdamWTensor t{.n = n,
+                                 .grad = grad.data(),
+                                 .grad_dtype = kernels::FloatDType::kF32,
+                                 .master = master.data(),
+                                 .m = m.data(),
+                                 .v = v.data(),
+                                 .stream = stream.data(),
+                                 .stream_dtype = sd};
+    kernels::adamw_step(t, {.step = 1});  // warm-up: pages, threads
+    std::vector<double> seconds;
+    for (int i = 0; i < kRuns; ++i) {
+      const auto t0 = std::chrono::steady_clock::now();
+      kernels::adamw_step(t, {.step = 2 + i});
+      seconds.push_back(
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+    }
+    std::nth_element(seconds.begin(), seconds.begin() + kRuns / 2, seconds.end());
+    return static_cast<double>(n) / std::max(seconds[kRuns / 2], 1e-9);
+  });
+}
+
 double cpu_flops(const models::ModelConfig& config, std::int64_t seq_len, std::int64_t rows,
                  const std::string& dtype, bool frozen_weights) {
   const models::ModelConfig one = one_block(config);
@@ -160,30 +223,7 @@ double cpu_flops(const models::ModelConfig& config, std::int64_t seq_len, std::i
       one.num_kv_heads, one.head_dim, one.sparse(0) ? one.num_experts : 0, one.experts_per_token,
       one.moe_intermediate_size, one.qk_norm, one.windowed(0) ? one.sliding_window : 0,
       one.attention_sinks, batch.T, batch.rows, dtype, frozen_weights);
-  const std::string dir = speed_cache_dir();
-  const fs::path file =
-      dir.empty() ? fs::path()
-                  : fs::path(dir) / fmt::format("{:016x}.json", std::hash<std::string>{}(key));
-  if (!file.empty()) {
-    std::ifstream in(file);
-    const auto j = nlohmann::json::parse(in, nullptr, /*allow_exceptions=*/false);
-    if (j.is_object() && j.value("key", "") == key && j.value("flops", 0.0) > 0)
-      return j.value("flops", 0.0);
-  }
-  const double flops = measure(one, batch, scalar_of(dtype), frozen_weights);
-  if (!file.empty()) {
-    // Written whole under a temporary name, then renamed: concurrent runs never read half a file.
-    std::error_code ec;
-    fs::create_directories(file.parent_path(), ec);
-    const fs::path tmp = file.string() + fmt::format(".{}.tmp", static_cast<long>(::getpid()));
-    {
-      std::ofstream out(tmp);
-      out << nlohmann::json{{"key", key}, {"flops", flops}}.dump() << "\n";
-    }
-    fs::rename(tmp, file, ec);
-    if (ec) fs::remove(tmp, ec);
-  }
-  return flops;
+  return cached(key, [&] { return measure(one, batch, scalar_of(dtype), frozen_weights); });
 }
 
 }  // namespace rondo::engine

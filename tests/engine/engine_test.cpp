@@ -193,6 +193,18 @@ struct Reference {
   std::vector<double> losses;
 };
 
+// Two runs of the same training that must end on the same bits: losses, weights and, when both
+// recorded them, step 1's gradients.
+void expect_same_bits(const EngineRun& a, const EngineRun& b) {
+  ASSERT_EQ(a.results.size(), b.results.size());
+  for (std::size_t i = 0; i < a.results.size(); ++i)
+    EXPECT_EQ(a.results[i].loss, b.results[i].loss) << "step " << i + 1;
+  for (auto& [name, w] : a.weights)
+    EXPECT_TRUE(w.equal(b.weights.at(name))) << name;
+  for (auto& [name, g] : a.grads1)
+    EXPECT_TRUE(g.equal(b.grads1.at(name))) << name;
+}
+
 Reference run_reference(const Case& s) {
   test::PlainLoop ref(s.config, s.weights, {.lr = kLr, .eps = kEps, .weight_decay = kWd}, kClip,
                       at::kFloat, &s.specs, s.trainable);
@@ -419,12 +431,7 @@ TEST(Engine, NvmeTierTrainsBitForBitLikeHostMemory) {
     const EngineRun host = run_engine(s, plan, 2);
     const EngineRun nvme =
         run_engine(s, plan, 2, {}, {}, {.edit = blocks_on_nvme, .nvme_dir = dir});
-    for (std::size_t i = 0; i < host.results.size(); ++i)
-      EXPECT_EQ(host.results[i].loss, nvme.results[i].loss) << "step " << i + 1;
-    for (auto& [name, w] : host.weights)
-      EXPECT_TRUE(w.equal(nvme.weights.at(name))) << name;
-    for (auto& [name, g] : host.grads1)
-      EXPECT_TRUE(g.equal(nvme.grads1.at(name))) << name;
+    expect_same_bits(host, nvme);
   }
   {
     Case s = make_case(test::tiny_qwen2(3), 2, seed);
@@ -454,10 +461,7 @@ TEST(Engine, NvmeTierTrainsBitForBitLikeHostMemory) {
                                              blocks_on_nvme(d);
                                            },
                                        .nvme_dir = dir});
-    for (std::size_t i = 0; i < host.results.size(); ++i)
-      EXPECT_EQ(host.results[i].loss, nvme.results[i].loss) << "step " << i + 1;
-    for (auto& [name, w] : host.weights)
-      EXPECT_TRUE(w.equal(nvme.weights.at(name))) << name;
+    expect_same_bits(host, nvme);
   }
 }
 
@@ -494,12 +498,7 @@ TEST(Engine, CheckpointsOnNvmeTrainBitForBitLikeHostMemory) {
           ckpt_bytes, plan.checkpointed_layers().size() * M * steps_room, 1u << 20);
       const EngineRun nvme = run_engine(s, plan, 2, o, {}, {.nvme_dir = dir});
       EXPECT_GT(nvme.nvme_written, 0u) << "no checkpoint reached the drive";
-      for (std::size_t i = 0; i < host.results.size(); ++i)
-        EXPECT_EQ(host.results[i].loss, nvme.results[i].loss) << "step " << i + 1;
-      for (auto& [name, w] : host.weights)
-        EXPECT_TRUE(w.equal(nvme.weights.at(name))) << name;
-      for (auto& [name, g] : host.grads1)
-        EXPECT_TRUE(g.equal(nvme.grads1.at(name))) << name;
+      expect_same_bits(host, nvme);
     }
 }
 

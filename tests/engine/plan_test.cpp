@@ -122,11 +122,33 @@ TEST(Predict, ExactSynchronyMakesTheNextForwardWaitForItsGradients) {
   EXPECT_GE(sync.step_time_s, 200 * (2 * 1e-3 + 2 * 2e-3 + 2 * 2e-3) / 2 - 1e-9);
 }
 
+TEST(Predict, TheCpuOptimizerUpdatesLayerByLayerBeforeTheirNextUpload) {
+  // One device, no link costs, 200 tokens a step: F[0,2) takes 200 x 2 x 1 ms = 0.4 s, T[2,4)
+  // and B[0,2) 200 x 2 x 3 ms = 1.2 s each: 2.8 s a step with a free optimizer. At 1 ms per
+  // gradient byte (1000 bytes a layer), the optimizer starts once B has brought the step's last
+  // gradients home and updates layers 0, 1, 2, 3 a second each: the next F waits 2 s for its
+  // layers, its T the full 4 s (F's 0.4 s hides under the update), then T and B: 6.4 s a step.
+  PlanInputs in = uniform(4, 1, 1e-3, 2e-3, 2, 200);
+  for (auto& l : in.layers)
+    l.grad_bytes = 1000;
+  const Plan plan{{{0, 2}}, {2, 4}, {{0, 2}}, 2, RecomputeGrain::kStage};
+  EXPECT_NEAR(predict(plan, in).step_time_s, 2.8, 1e-9);
+  in.optimizer_s_per_grad_byte = 1e-3;
+  EXPECT_NEAR(predict(plan, in).step_time_s, 6.4, 1e-9);
+  // One step stale, the update of step s overlaps step s + 1: less than compute plus update, not
+  // less than the compute.
+  in.one_step_stale = true;
+  const double stale = predict(plan, in).step_time_s;
+  EXPECT_LT(stale, 6.4 - 1);
+  EXPECT_GE(stale, 2.8);
+}
+
 TEST(Predict, ALinkBoundStepIsTheBytesOverTheBandwidth) {
   // One device, no compute: the upload link is the only resource. Per step it carries each job's
-  // weights (F[0,1), T[1,2), B[0,1): 3 x P) and, per microbatch, the tokens once for the forward
-  // and once more as the backward stage's saved input (8 bytes per token each way). Nothing
-  // stays idle, so the step takes exactly those bytes over the bandwidth.
+  // weights (F[0,1), T[1,2), B[0,1): 3 x P) and the step's tokens once (8 bytes per token): the
+  // backward stage B[0,1) starts from them too, and they are on the device already (nothing is
+  // checkpointed for it). Nothing stays idle, so the step takes exactly those bytes over the
+  // bandwidth.
   PlanInputs in = uniform(2, 1, 0, 0, 2, 1000);
   const double P = 1e8, bw = 1e9;
   for (auto& l : in.layers)
@@ -134,7 +156,7 @@ TEST(Predict, ALinkBoundStepIsTheBytesOverTheBandwidth) {
   in.devices[0].link_bytes_per_s = bw;
   Plan plan{{{0, 1}}, {1, 2}, {{0, 1}}, 2, RecomputeGrain::kStage};
   PlanPrediction p = predict(plan, in);
-  EXPECT_NEAR(p.step_time_s, (3 * P + 2 * 8 * 1000) / bw, 1e-12);
+  EXPECT_NEAR(p.step_time_s, (3 * P + 8 * 1000) / bw, 1e-12);
 }
 
 TEST(Predict, CheckpointsComeBackOnlyAfterTheyWentDown) {
@@ -284,6 +306,18 @@ TEST(Predict, AStepsInputsCountOnEveryDevice) {
   const PlanPrediction after = predict(plan, in);
   for (std::size_t d = 0; d < in.devices.size(); ++d)
     EXPECT_EQ(after.peak_bytes[d], before.peak_bytes[d] + 2 * 512 * (4096 + 40)) << d;
+}
+
+TEST(Predict, MasksCountForTheRunningMicrobatchOnly) {
+  // 512 tokens a step in 2 microbatches: a job holds the step's inputs (two steps of them) but
+  // builds the masks of one microbatch at a time, 256 tokens x 4096 bytes.
+  PlanInputs in = uniform(6, 2, 1e-6, 2e-6, 2, 512);
+  const Plan plan{{{0, 2}}, {2, 6}, {{0, 2}}, 2, RecomputeGrain::kStage};
+  const PlanPrediction before = predict(plan, in);
+  in.mask_bytes_per_token = 4096;
+  const PlanPrediction after = predict(plan, in);
+  for (std::size_t d = 0; d < in.devices.size(); ++d)
+    EXPECT_EQ(after.peak_bytes[d], before.peak_bytes[d] + 256 * 4096) << d;
 }
 
 TEST(PlanOurs, WhenNothingFitsItSaysWhatWould) {

@@ -27,20 +27,11 @@ using namespace std::chrono_literals;
 
 constexpr std::uint64_t kBlock = 16 * 1024;
 
-struct Place {
-  BackendKind kind;
-  bool on_tmpfs;
-  const char* label;
-};
-
 class SpillOn : public testing::TestWithParam<Place> {
  protected:
   void SetUp() override {
-    std::string why;
-    if (GetParam().kind == BackendKind::kIoUring && !io_uring_available(&why)) GTEST_SKIP() << why;
-    if (GetParam().on_tmpfs && !fs::is_directory("/dev/shm"))
-      GTEST_SKIP() << "no /dev/shm (tmpfs) on this machine";
-    scratch_ = std::make_unique<Scratch>(GetParam().on_tmpfs ? "/dev/shm" : disk_root());
+    if (const std::string why = unavailable(GetParam()); !why.empty()) GTEST_SKIP() << why;
+    scratch_ = std::make_unique<Scratch>(root_of(GetParam()));
     seed_ = fresh_seed();
     rng_.seed(seed_);
   }
@@ -86,9 +77,7 @@ class SpillOn : public testing::TestWithParam<Place> {
   std::atomic<int> taken_{0}, given_{0};
 };
 
-INSTANTIATE_TEST_SUITE_P(Backends, SpillOn,
-                         testing::Values(Place{BackendKind::kIoUring, false, "IoUringOnDisk"},
-                                         Place{BackendKind::kThreads, true, "ThreadsOnTmpfs"}),
+INSTANTIATE_TEST_SUITE_P(Backends, SpillOn, testing::ValuesIn(kPlaces),
                          [](const testing::TestParamInfo<Place>& p) { return p.param.label; });
 
 TEST_P(SpillOn, CheckpointsComeBackByteForByteThroughTheDriveAndTheirSpaceIsReused) {

@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "offload/io_backend.h"
 #include "offload/io_faults.h"
 
 namespace rondo::offload::test {
@@ -43,6 +44,28 @@ class Scratch {
 
 inline std::string disk_root() {
   return RONDO_TEST_SCRATCH_DIR;
+}
+
+// Where the I/O tests run: io_uring on a folder of the build tree's filesystem, and the
+// thread-pool fallback on tmpfs (which refuses O_DIRECT).
+struct Place {
+  BackendKind kind;
+  bool on_tmpfs;
+  const char* label;
+};
+inline const Place kPlaces[] = {{BackendKind::kIoUring, false, "IoUringOnDisk"},
+                                {BackendKind::kThreads, true, "ThreadsOnTmpfs"}};
+// Why `p` cannot be tested on this machine; "" when it can.
+inline std::string unavailable(const Place& p) {
+  std::string why;
+  if (p.kind == BackendKind::kIoUring && !io_uring_available(&why)) return why;
+  if (p.on_tmpfs && !std::filesystem::is_directory("/dev/shm"))
+    return "no /dev/shm (tmpfs) on this machine";
+  return "";
+}
+// The folder a place's scratch folders go in.
+inline std::string root_of(const Place& p) {
+  return p.on_tmpfs ? "/dev/shm" : disk_root();
 }
 
 inline std::uint64_t fresh_seed() {

@@ -34,20 +34,11 @@ constexpr std::uint64_t kSmallBlock = 16 * 1024;  // several blocks per region a
 // ---------------------------------------------------------------------------------------------
 // The store on both backends
 
-struct Place {
-  BackendKind kind;
-  bool on_tmpfs;
-  const char* label;
-};
-
 class NvmeStoreOn : public testing::TestWithParam<Place> {
  protected:
   void SetUp() override {
-    std::string why;
-    if (GetParam().kind == BackendKind::kIoUring && !io_uring_available(&why)) GTEST_SKIP() << why;
-    if (GetParam().on_tmpfs && !fs::is_directory("/dev/shm"))
-      GTEST_SKIP() << "no /dev/shm (tmpfs) on this machine";
-    scratch_ = std::make_unique<Scratch>(GetParam().on_tmpfs ? "/dev/shm" : disk_root());
+    if (const std::string why = unavailable(GetParam()); !why.empty()) GTEST_SKIP() << why;
+    scratch_ = std::make_unique<Scratch>(root_of(GetParam()));
     seed_ = fresh_seed();
     rng_.seed(seed_);
   }
@@ -109,9 +100,7 @@ class NvmeStoreOn : public testing::TestWithParam<Place> {
   std::mt19937_64 rng_;
 };
 
-INSTANTIATE_TEST_SUITE_P(Backends, NvmeStoreOn,
-                         testing::Values(Place{BackendKind::kIoUring, false, "IoUringOnDisk"},
-                                         Place{BackendKind::kThreads, true, "ThreadsOnTmpfs"}),
+INSTANTIATE_TEST_SUITE_P(Backends, NvmeStoreOn, testing::ValuesIn(kPlaces),
                          [](const testing::TestParamInfo<Place>& p) { return p.param.label; });
 
 TEST_P(NvmeStoreOn, RoundTripsRandomDataOverManyRegionsAndOddSizes) {
