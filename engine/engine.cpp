@@ -1229,7 +1229,7 @@ struct Engine::Impl {
     Plan next = plan_ours(costs_);
     if (next.describe() == plan.describe()) return;
     // Checkpoints on the NVMe tier have the space the first plan's need (the planner's); a plan
-    // that saves more would wait for space forever.
+    // that saves more would keep the excess in host memory the planner did not count.
     if (transfers->spills() &&
         next.checkpointed_layers().size() > plan.checkpointed_layers().size())
       return;

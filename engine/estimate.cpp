@@ -450,23 +450,26 @@ RunEstimate estimate_run(const TrainConfig& config, const models::ModelSummary& 
   // checkpoints each backward stage (or, in layer grain, each block) waits for.
   const auto T = static_cast<std::uint64_t>(tokens_per_step);
   e.host.staging = (2 * N + 2) * T * C * wb + 3 * T * uploaded_bytes_per_token;
-  const std::uint64_t ckpts = planned ? e.plan.checkpointed_layers().size() : 0;
-  const auto M_plan = static_cast<std::uint64_t>(std::max(planned ? e.plan.microbatches : 1, 1));
-  pl.activation_checkpoint_bytes = (T + M_plan - 1) / M_plan * C * wb;  // one microbatch's
-  pl.host_activations = 2 * ckpts * T * C * wb;
-  e.host.checkpoints = pl.host_activations;
-  // On the NVMe tier instead, host memory holds per device the checkpoints of the microbatch a
-  // backward job runs and of the next one (read ahead), and overall those waiting for the drive
-  // (offload/activation_spill.h: 4 queued, one being written, one per device downloaded).
+  // The checkpoints of e.plan (sized again if the plan changes below). On the NVMe tier instead,
+  // host memory holds per device the read-back checkpoints of the backward job running and of the
+  // one before (their staging goes back to the pool when a job is released, two jobs later), and
+  // overall those waiting for the drive (offload/activation_spill.h: 4 queued, one being written,
+  // one per device downloaded).
   std::uint64_t spill_window = 0;
-  if (planned) {
+  auto size_checkpoints = [&] {
+    const std::set<int> saved = planned ? e.plan.checkpointed_layers() : std::set<int>{};
+    const auto M_plan = static_cast<std::uint64_t>(std::max(planned ? e.plan.microbatches : 1, 1));
+    pl.activation_checkpoint_bytes = (T + M_plan - 1) / M_plan * C * wb;  // one microbatch's
+    pl.host_activations = 2 * saved.size() * T * C * wb;
     std::uint64_t per_job = 0;
-    const std::set<int> saved = e.plan.checkpointed_layers();
-    for (const LayerRange& r : e.plan.backward)
-      per_job = std::max<std::uint64_t>(
-          per_job, std::distance(saved.lower_bound(r.begin), saved.lower_bound(r.end)));
-    spill_window = ((4 + 1 + N) + 2 * N * per_job) * pl.activation_checkpoint_bytes;
-  }
+    if (planned)
+      for (const LayerRange& r : e.plan.backward)
+        per_job = std::max<std::uint64_t>(
+            per_job, std::distance(saved.lower_bound(r.begin), saved.lower_bound(r.end)));
+    spill_window = ((4 + 1 + N) + 2 * N * M_plan * per_job) * pl.activation_checkpoint_bytes;
+  };
+  size_checkpoints();
+  e.host.checkpoints = pl.host_activations;
 
   // --- Host memory and the NVMe tier ----------------------------------------------------------
   pl.disk_bytes_per_s =
@@ -576,6 +579,14 @@ RunEstimate estimate_run(const TrainConfig& config, const models::ModelSummary& 
       } catch (const Error&) {
         // Unchanged device memory: the earlier plan stands.
       }
+      // The plan that runs may save other checkpoints: what they take, here and on the tier.
+      size_checkpoints();
+      if (pl.activations == offload::Tier::kNvme) {
+        pl.nvme_bytes -= pl.spill_bytes;
+        pl.spill_bytes = checkpoint_spill_bytes(e.plan, pl.activation_checkpoint_bytes);
+        pl.nvme_bytes += pl.spill_bytes;
+      }
+      e.host = needs(pl.layers);
     }
     pl.offload_free = disk_space_free(offload_dir);
     if (pl.nvme_bytes > pl.offload_free)

@@ -1,8 +1,8 @@
 // The attention masks of a training batch, built where attention runs. make_attention_context
 // (layers.h) builds the whole context on the batch's device; the engine instead sends a step's
 // small inputs (positions, rotary tables, the document ids of packed rows) over the link and
-// builds the (B, 1, T, T) masks on each device, once per step: a packed row of 16k tokens would
-// otherwise cross the link and sit in host staging as 256 MiB of mask.
+// builds the (B, 1, T, T) masks on each device, per job for the microbatch it runs: a packed row of
+// 16k tokens would otherwise cross the link and sit in host staging as 256 MiB of mask.
 //
 //   at::Tensor docs = models::packed_doc_ids(batch);          // host, cheap
 //   ... upload docs (B, T) ...

@@ -112,6 +112,7 @@ struct SpillPool {
         }
         cv.notify_all();
       }
+      e.reset();  // the region is free once a read has taken the entry, before `done` goes back
       give(std::move(done));
     }
   }
@@ -125,6 +126,14 @@ struct SpillPool {
 };
 
 SpillEntry::~SpillEntry() {
+  // A download may still be landing in the host copy of a checkpoint dropped unwritten.
+  if (ready) {
+    try {
+      ready->synchronize();
+    } catch (const std::exception&) {
+      // The device's error is the run's to report.
+    }
+  }
   if (reading) {
     try {
       reading.wait();
@@ -180,7 +189,12 @@ Spilled ActivationSpill::write(HostBuffer host, std::size_t bytes,
   e->host = std::move(host);
   e->ready = std::move(ready);
   std::unique_lock<std::mutex> lock(pool_->mu);
-  e->region = pool_->region_for(bytes);
+  try {
+    e->region = pool_->region_for(bytes);
+  } catch (const Error&) {
+    // The store has less room than it was sized for: the checkpoint stays in host memory.
+    e->region = {};
+  }
   if (e->region) {
     pool_->cv.wait(lock, [&] { return pool_->queue.size() < pool_->max_queued; });
     pool_->queue.push_back(e);

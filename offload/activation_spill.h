@@ -16,9 +16,9 @@
 // first need and reused by checkpoints of as many blocks (training's checkpoints repeat their
 // sizes every step; capacity_for() sizes it). A checkpoint that finds no space stays in host
 // memory (counted in stats().held; the planner sizes the space for two steps, so this happens only
-// past that, e.g. after a re-plan saved more). A write blocks while `max_queued` writes wait for
-// the drive, so that host staging stays bounded. A read of a checkpoint whose write has not
-// started takes the host copy back without touching the drive. Thread-safe.
+// past that, e.g. a resumed run whose saved plan saves more). A write blocks while `max_queued`
+// writes wait for the drive, so that host staging stays bounded. A read of a checkpoint whose write
+// has not started takes the host copy back without touching the drive. Thread-safe.
 #pragma once
 
 #include <cstddef>

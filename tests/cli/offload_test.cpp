@@ -288,7 +288,7 @@ TEST_F(Offload, LongSequencesPutActivationCheckpointsOnNvme) {
   const auto in_host =
       free_plan["placement"]["activation_checkpoints"]["host_bytes"].get<std::uint64_t>();
   const auto needed = free_plan["host"]["needed_bytes"].get<std::uint64_t>();
-  // (The rest is mostly staging: each token's row of the packed-document mask, 2048 keys.)
+  // (The rest is mostly staging: stage outputs between jobs and the steps' inputs.)
   ASSERT_GT(in_host, needed / 5) << "the checkpoints are a small share: " << free_plan.dump(2);
   // Room for everything but half the checkpoints (and the planner's 15% headroom).
   const std::uint64_t budget = (needed - in_host / 2) * 100 / 85;

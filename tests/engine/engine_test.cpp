@@ -468,8 +468,8 @@ TEST(Engine, NvmeTierTrainsBitForBitLikeHostMemory) {
 // Activation checkpoints on the NVMe tier (very long sequences) come back as they went: training
 // with them there ends bit for bit where the same run with them in host memory ends, in layer grain
 // (every block's input saved) and stage grain, with room for two steps' checkpoints (what the
-// planner gives) or for one only (regions are reused, and what finds no space stays in host
-// memory).
+// planner gives) or for one only (regions are reused; a checkpoint that finds none may stay in
+// host memory, a path the spill's own tests check).
 TEST(Engine, CheckpointsOnNvmeTrainBitForBitLikeHostMemory) {
   const unsigned seed = std::random_device{}();
   std::printf("seed %u\n", seed);

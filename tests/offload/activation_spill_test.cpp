@@ -1,7 +1,7 @@
 // offload::ActivationSpill: activation checkpoints written to the NVMe tier and read back byte for
 // byte — through the drive (io_uring on a disk folder, the thread pool on tmpfs), or taken back
-// before their write started; space reused and bounded (a write waits for a read to free some);
-// a failed write or a corrupt read ends in a named IoError at the read.
+// before their write started; space reused and bounded (past it a checkpoint stays in host
+// memory); a failed write or a corrupt read ends in a named IoError at the read.
 #include "offload/activation_spill.h"
 
 #include <gtest/gtest.h>
@@ -62,12 +62,15 @@ class SpillOn : public testing::TestWithParam<Place> {
     std::memcpy(copy.data(), b.data(), bytes);
     return {std::move(b), std::move(copy)};
   }
-  // Waits until the drive has taken `bytes` (the writer thread is asynchronous).
-  static void wait_written(const ActivationSpill& s, std::uint64_t bytes) {
+  // Waits until the drive has taken `bytes` and the writer has given back `gives` staging buffers
+  // in all (it is asynchronous; a written checkpoint's region is free for reuse once it has).
+  void wait_written(const ActivationSpill& s, std::uint64_t bytes, int gives = 0) {
     const auto until = std::chrono::steady_clock::now() + 60s;
-    while (s.stats().written < bytes && std::chrono::steady_clock::now() < until)
+    while ((s.stats().written < bytes || given_ < gives) &&
+           std::chrono::steady_clock::now() < until)
       std::this_thread::sleep_for(1ms);
     ASSERT_EQ(s.stats().written, bytes) << "the writes did not end within a minute";
+    ASSERT_GE(given_, gives);
   }
 
   HostArena arena_{{.pinning = Pinning::kOff}};
@@ -100,7 +103,7 @@ TEST_P(SpillOn, CheckpointsComeBackByteForByteThroughTheDriveAndTheirSpaceIsReus
       expect.push_back(std::move(copy));
       written += b;
     }
-    wait_written(*s, written);
+    wait_written(*s, written, (step + 1) * static_cast<int>(sizes.size()));
     // Backward order, the first prefetched.
     s->prefetch(handles.back());
     for (std::size_t i = sizes.size(); i-- > 0;) {
@@ -158,7 +161,7 @@ TEST_P(SpillOn, ACheckpointBeyondTheSpaceStaysInHostMemoryAndFreedSpaceIsReused)
   Spilled b = s->write(std::move(h2), bytes, nullptr);
   Spilled c = s->write(std::move(h3), bytes, nullptr);  // no space left
   EXPECT_EQ(s->stats().held, bytes);
-  wait_written(*s, 2 * bytes);
+  wait_written(*s, 2 * bytes, 2);
   HostBuffer back_a = s->read(a);
   Spilled d = s->write(std::move(h4), bytes, nullptr);  // a's space
   wait_written(*s, 3 * bytes);
