@@ -1601,10 +1601,9 @@ struct Engine::Impl {
         options.stop_tokens.empty() ? config.eos_token_ids : options.stop_tokens;
     std::vector<std::uint64_t> rng(prompts.size(), options.seed);
     std::vector<bool> finished(prompts.size(), false);
-    std::vector<models::KvCache> caches(static_cast<std::size_t>(L));
     // kv_host: each block's cache in host memory, allocated for every slot at its first token
-    // (page-locked for a GPU), filled up to kv_length[l].
-    std::vector<std::int64_t> kv_length(static_cast<std::size_t>(L), 0);
+    // (page-locked for a GPU), filled up to `offset` (every block sees every position).
+    std::vector<models::KvCache> caches(static_cast<std::size_t>(L));
     const int head = L - 1;
     std::int64_t offset = 0;
     for (std::int64_t produced = 0; produced < options.max_new_tokens; ++produced) {
@@ -1635,7 +1634,7 @@ struct Engine::Impl {
               models::KvCache& kept = caches[static_cast<std::size_t>(l)];
               models::KvCache on_device;
               models::KvCache& cache = kv_host ? on_device : kept;
-              const std::int64_t had = kv_length[static_cast<std::size_t>(l)];
+              const std::int64_t had = offset;
               if (kv_host && had > 0) {
                 cache.k = kept.k.narrow(2, 0, had).to(dc.torch);
                 cache.v = kept.v.narrow(2, 0, had).to(dc.torch);
@@ -1659,7 +1658,6 @@ struct Engine::Impl {
                 kept.k.narrow(2, had, count).copy_(k);
                 kept.v.narrow(2, had, count).copy_(v);
                 out.kv_bytes_down += k.nbytes() + v.nbytes();
-                kv_length[static_cast<std::size_t>(l)] = had + count;
               }
             }
             if (st.range.end == L) {

@@ -446,8 +446,9 @@ RunEstimate estimate_run(const TrainConfig& config, const models::ModelSummary& 
   const std::size_t N = std::max<std::size_t>(devices.devices.size(), 1);
   // Host staging for activations, two steps in flight: the outputs handed between jobs on
   // different devices (two per device at most: one being written, one being read) and each step's
-  // packed inputs (the main thread prepares up to two steps ahead of the one running); and the
-  // checkpoints each backward stage (or, in layer grain, each block) waits for.
+  // packed inputs (the main thread prepares up to two steps ahead of the one running). The
+  // checkpoints each backward stage (or, in layer grain, each block) waits for are counted apart
+  // (HostNeeds::checkpoints, in needs() below).
   const auto T = static_cast<std::uint64_t>(tokens_per_step);
   e.host.staging = (2 * N + 2) * T * C * wb + 3 * T * uploaded_bytes_per_token;
   // The checkpoints of e.plan (sized again if the plan changes below). On the NVMe tier instead,
@@ -469,7 +470,6 @@ RunEstimate estimate_run(const TrainConfig& config, const models::ModelSummary& 
     spill_window = ((4 + 1 + N) + 2 * N * M_plan * per_job) * pl.activation_checkpoint_bytes;
   };
   size_checkpoints();
-  e.host.checkpoints = pl.host_activations;
 
   // --- Host memory and the NVMe tier ----------------------------------------------------------
   pl.disk_bytes_per_s =

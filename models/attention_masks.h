@@ -18,7 +18,9 @@
 
 namespace rondo::models {
 
-// make_attention_context without the masks: positions and rotary tables only.
+// make_attention_context without the masks: positions and rotary tables only. It checks the ids'
+// shape, not that each document is contiguous: packed_doc_ids does (call it too, as the engine
+// does, or make_attention_context).
 AttentionContext attention_context_without_masks(const ModelConfig& config, const TokenBatch& batch,
                                                  at::ScalarType dtype);
 

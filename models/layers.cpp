@@ -368,7 +368,8 @@ AttentionContext attention_context_without_masks(const ModelConfig& c, const Tok
   AttentionContext ctx;
   at::TensorOptions longs = at::TensorOptions().dtype(at::kLong).device(tokens.device());
   if (batch.doc_ids.defined()) {
-    packed_doc_ids(batch);  // checks the ids
+    // (packed_doc_ids checks that each document is contiguous; positions need only the shape.)
+    if (batch.doc_ids.sizes() != tokens.sizes()) throw Error("doc_ids must have the tokens' shape");
     const at::Tensor all = batch.doc_ids.to(at::kCPU, at::kLong).contiguous();
     at::Tensor pos = at::empty({B, T}, at::kLong);
     const std::int64_t* d = all.data_ptr<std::int64_t>();

@@ -2,7 +2,6 @@
 
 #include <algorithm>
 #include <condition_variable>
-#include <cstdio>
 #include <deque>
 #include <exception>
 #include <map>
@@ -50,7 +49,7 @@ struct SpillPool {
   std::mutex mu;
   std::condition_variable cv;
   std::multimap<std::uint64_t, Region> free;  // by size
-  std::size_t in_use = 0;                     // regions held by entries
+  std::size_t regions = 0;                    // reserved so far (names them)
   std::deque<std::shared_ptr<SpillEntry>> queue;
   bool stopping = false;
   SpillStats stats;
@@ -68,13 +67,11 @@ struct SpillPool {
     if (auto it = free.find(need); it != free.end()) {
       Region r = it->second;
       free.erase(it);
-      ++in_use;
       return r;
     }
     if (capacity - stats.reserved < need) return {};
-    Region r = nvme.reserve(need, "activation checkpoint " + std::to_string(in_use + free.size()));
+    Region r = nvme.reserve(need, "activation checkpoint " + std::to_string(regions++));
     stats.reserved += r.bytes;
-    ++in_use;
     return r;
   }
 
@@ -144,8 +141,6 @@ SpillEntry::~SpillEntry() {
   if (!region) return;
   std::lock_guard<std::mutex> lock(pool->mu);
   pool->free.emplace(region.bytes, region);
-  --pool->in_use;
-  pool->cv.notify_all();
 }
 
 }  // namespace detail

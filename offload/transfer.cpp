@@ -54,9 +54,7 @@ Transfers::Transfers(LayerStore& store, HostArena& arena, std::vector<kernels::D
   }
 }
 
-Transfers::~Transfers() {
-  spill_.reset();  // its writer recycles into free_
-}
+Transfers::~Transfers() = default;  // spill_ goes first (declared last): its writer recycles
 
 namespace {
 unsigned nvme_parts(const LayerStore& store, std::size_t layer, bool frozen_only) {

@@ -27,14 +27,8 @@ using namespace std::chrono_literals;
 
 constexpr std::uint64_t kBlock = 16 * 1024;
 
-class SpillOn : public testing::TestWithParam<Place> {
+class SpillOn : public OnPlace {
  protected:
-  void SetUp() override {
-    if (const std::string why = unavailable(GetParam()); !why.empty()) GTEST_SKIP() << why;
-    scratch_ = std::make_unique<Scratch>(root_of(GetParam()));
-    seed_ = fresh_seed();
-    rng_.seed(seed_);
-  }
   std::unique_ptr<NvmeStore> store(std::uint64_t capacity, const std::string& faults = "") {
     NvmeStoreOptions o{.dir = scratch_->path(),
                        .backend = GetParam().kind,
@@ -74,9 +68,6 @@ class SpillOn : public testing::TestWithParam<Place> {
   }
 
   HostArena arena_{{.pinning = Pinning::kOff}};
-  std::unique_ptr<Scratch> scratch_;
-  std::uint64_t seed_ = 0;
-  std::mt19937_64 rng_;
   std::atomic<int> taken_{0}, given_{0};
 };
 

@@ -2,12 +2,14 @@
 // or on tmpfs), fresh random data, byte comparison with the first difference.
 #pragma once
 
+#include <gtest/gtest.h>
 #include <unistd.h>
 
 #include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <filesystem>
+#include <memory>
 #include <random>
 #include <string>
 #include <vector>
@@ -99,5 +101,20 @@ inline std::vector<FaultRule> rules(const std::string& text) {
 inline bool contains(const std::string& text, const std::string& part) {
   return text.find(part) != std::string::npos;
 }
+
+// A test run at each place (instantiate with testing::ValuesIn(kPlaces)): skipped where the place
+// is unavailable, else a fresh scratch folder there and a fresh random seed.
+class OnPlace : public testing::TestWithParam<Place> {
+ protected:
+  void SetUp() override {
+    if (const std::string why = unavailable(GetParam()); !why.empty()) GTEST_SKIP() << why;
+    scratch_ = std::make_unique<Scratch>(root_of(GetParam()));
+    seed_ = fresh_seed();
+    rng_.seed(seed_);
+  }
+  std::unique_ptr<Scratch> scratch_;
+  std::uint64_t seed_ = 0;
+  std::mt19937_64 rng_;
+};
 
 }  // namespace rondo::offload::test

@@ -34,14 +34,8 @@ constexpr std::uint64_t kSmallBlock = 16 * 1024;  // several blocks per region a
 // ---------------------------------------------------------------------------------------------
 // The store on both backends
 
-class NvmeStoreOn : public testing::TestWithParam<Place> {
+class NvmeStoreOn : public OnPlace {
  protected:
-  void SetUp() override {
-    if (const std::string why = unavailable(GetParam()); !why.empty()) GTEST_SKIP() << why;
-    scratch_ = std::make_unique<Scratch>(root_of(GetParam()));
-    seed_ = fresh_seed();
-    rng_.seed(seed_);
-  }
   NvmeStoreOptions options(const std::string& faults = "",
                            std::uint64_t block = kSmallBlock) const {
     NvmeStoreOptions o;
@@ -95,9 +89,6 @@ class NvmeStoreOn : public testing::TestWithParam<Place> {
   }
 
   HostArena arena_{{.pinning = Pinning::kOff}};
-  std::unique_ptr<Scratch> scratch_;
-  std::uint64_t seed_ = 0;
-  std::mt19937_64 rng_;
 };
 
 INSTANTIATE_TEST_SUITE_P(Backends, NvmeStoreOn, testing::ValuesIn(kPlaces),
