@@ -588,12 +588,26 @@ RunEstimate estimate_run(const TrainConfig& config, const models::ModelSummary& 
       }
       e.host = needs(pl.layers);
     }
-    pl.offload_free = disk_space_free(offload_dir);
+    // hardware.disk_space, when given, is the space the run may use there (a cap on a shared
+    // drive, or the drive a plan is for); what is free now is checked against the same need.
+    const std::uint64_t free_now = disk_space_free(offload_dir);
+    const std::string& space = config.hardware.disk_space;
+    pl.offload_free = space.empty() ? free_now : parse_bytes(space, "hardware.disk_space");
     if (pl.nvme_bytes > pl.offload_free)
-      e.problems.push_back(fmt::format(
-          "hardware.offload_dir: {} must go to the NVMe tier but {} is free in {}; free space "
-          "there or choose a larger drive",
-          format_bytes(pl.nvme_bytes), format_bytes(pl.offload_free), offload_dir));
+      e.problems.push_back(
+          space.empty()
+              ? fmt::format("hardware.offload_dir: {} must go to the NVMe tier but {} is free in "
+                            "{}; free space there or choose a larger drive",
+                            format_bytes(pl.nvme_bytes), format_bytes(pl.offload_free), offload_dir)
+              : fmt::format("hardware.disk_space: {} must go to the NVMe tier but the run may use "
+                            "{} of {}; a larger hardware.disk_space or more host memory",
+                            format_bytes(pl.nvme_bytes), format_bytes(pl.offload_free),
+                            offload_dir));
+    else if (pl.nvme_bytes > free_now)
+      e.warnings.push_back(fmt::format(
+          "hardware.disk_space: {} must go to the NVMe tier but only {} is free in {} now; a run "
+          "here stops at its start (the store reserves its file) until there is room",
+          format_bytes(pl.nvme_bytes), format_bytes(free_now), offload_dir));
   }
 
   if (planned) {
@@ -733,7 +747,7 @@ std::string RunEstimate::text() const {
   o << placement.lines();
   if (placement.nvme_bytes > 0)
     o << fmt::format(
-        "NVMe tier   {} in the offload folder ({} free), read at {:.1f} GB/s "
+        "NVMe tier   {} in the offload folder ({} to use), read at {:.1f} GB/s "
         "(hardware.disk_speed)\n",
         format_bytes(placement.nvme_bytes), format_bytes(placement.offload_free),
         placement.disk_bytes_per_s / 1e9);

@@ -137,7 +137,8 @@ std::vector<std::string> TrainConfig::validate(bool planning) const {
     add("hardware.gpu", "set together with hardware.sim_devices; use one of them");
   for (auto [field, value] : {std::pair{"hardware.memory_cap", &hardware.memory_cap},
                               std::pair{"hardware.host_memory", &hardware.host_memory},
-                              std::pair{"hardware.disk_speed", &hardware.disk_speed}}) {
+                              std::pair{"hardware.disk_speed", &hardware.disk_speed},
+                              std::pair{"hardware.disk_space", &hardware.disk_space}}) {
     if (value->empty()) continue;
     try {
       if (parse_bytes(*value, field) == 0) add(field, "must be more than 0 (or left out)");

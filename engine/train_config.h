@@ -93,6 +93,8 @@ struct HardwareSection {
   // masters and moments, activation checkpoints); "" = none: everything must fit in host memory.
   std::string offload_dir;
   std::string offload_io = "auto";  // "auto" (io_uring where it works), "io_uring", "threads"
+  std::string disk_space;           // space the run may use in offload_dir, e.g. "500GB"; "" =
+                                    // what is free there (a plan for another drive names its own)
   std::string disk_speed;           // offload_dir's sequential read speed for planning, e.g.
                                     // "3GB" (per second); "" = 3 GB/s (measure: rondo devices
                                     // --disk DIR)

@@ -363,7 +363,10 @@ TEST_F(Offload, PlansLongSequencesWithTheirCheckpointsOnNvme) {
   EXPECT_TRUE(contains(problems, "activation checkpoints")) << problems;
   EXPECT_TRUE(contains(problems, "hardware.offload_dir")) << problems;
 
-  r = run_rondo(base + " --set hardware.offload_dir=" + (dir / "nvme").string(), false);
+  // The question is about the user's drive, not this machine's /tmp: hardware.disk_space says how
+  // much of it the run may use.
+  const std::string nvme = " --set hardware.offload_dir=" + (dir / "nvme").string();
+  r = run_rondo(base + nvme + " --set hardware.disk_space=1TB", false);
   const json tiered = json::parse(r.out);
   EXPECT_NE(tiered["verdict"], "does not fit") << r.out;
   EXPECT_EQ(tiered["placement"]["activation_checkpoints"]["tier"], "nvme") << r.out;
@@ -382,6 +385,19 @@ TEST_F(Offload, PlansLongSequencesWithTheirCheckpointsOnNvme) {
       tiered["verdict"].get<std::string>().c_str(), tiered["step_seconds"].get<double>(),
       in_host["step_seconds"].get<double>(),
       tiered["placement"]["activation_checkpoints"]["nvme_bytes"].get<double>() / (1 << 30));
+
+  // A drive with less room than one step of checkpoints: the answer says which setting.
+  r = run_rondo(base + nvme + " --set hardware.disk_space=8GB", false);
+  const json small = json::parse(r.out);
+  EXPECT_EQ(small["verdict"], "does not fit") << r.out;
+  EXPECT_TRUE(contains(small["problems"].dump(), "hardware.disk_space")) << r.out;
+  // Planned for a drive with more room than this one: it fits, with a warning when this machine
+  // has less free than the run needs (a run here would not find the space).
+  r = run_rondo(base + nvme + " --set hardware.disk_space=1000PB", false);
+  const json elsewhere = json::parse(r.out);
+  EXPECT_NE(elsewhere["verdict"], "does not fit") << r.out;
+  const bool room_here = fs::space(dir).available >= elsewhere["placement"]["nvme_bytes"];
+  EXPECT_EQ(contains(elsewhere["warnings"].dump(), "is free in"), !room_here) << r.out;
 }
 
 // "Does Llama-3-70B LoRA fit on my 24 GB card with 64 GB of RAM and an NVMe drive?", asked before
@@ -391,7 +407,8 @@ TEST_F(Offload, PlansALlama70BFromItsConfigAlone) {
   const std::string base = "plan --json --set model.path=" + llama.string() +
                            " --set model.quantize=nf4 --set hardware.gpu='RTX 4090'"
                            " --set training.steps=100 --set data.seq_len=1024";
-  const std::string nvme = " --set hardware.offload_dir=" + (dir / "nvme").string();
+  const std::string nvme =
+      " --set hardware.offload_dir=" + (dir / "nvme").string() + " --set hardware.disk_space=2TB";
   // 64 GB: the NF4 base (about 40 GiB) fits in host memory; the answer says so.
   Result r = run_rondo(base + " --set hardware.host_memory=64GB" + nvme, false);
   const json roomy = json::parse(r.out);
