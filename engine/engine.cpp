@@ -122,7 +122,8 @@ struct Handoff {
 struct MicrobatchInputs {
   models::AttentionContext ctx;  // positions, cos, sin (no masks)
   at::Tensor tokens, targets;
-  at::Tensor docs;  // packed rows' document ids (models::packed_doc_ids); undefined: none
+  at::Tensor docs;         // packed rows' document ids (models::packed_doc_ids); undefined: none
+  at::Tensor doc_offsets;  // their models::DocSpans::offsets_tensor(); undefined: none
 };
 
 // A step's inputs on one device: every microbatch's, uploaded in one copy by the first job of the
@@ -141,7 +142,7 @@ struct PackedTensor {
 };
 // The tensors packed per microbatch, in this order. The masks are not among them: a (B, 1, T, T)
 // mask per microbatch would cross the link (T bytes per token); the jobs build them.
-enum InputSlot { kPositions, kCos, kSin, kDocs, kTokens, kTargets, kInputSlots };
+enum InputSlot { kPositions, kCos, kSin, kDocs, kDocOffsets, kTokens, kTargets, kInputSlots };
 
 struct StepData {
   std::vector<Microbatch> mb;
@@ -152,6 +153,7 @@ struct StepData {
   // and uploaded once per device that runs a job of the step; layout[m][slot] places them.
   std::shared_ptr<offload::HostBuffer> packed;
   std::vector<std::array<PackedTensor, kInputSlots>> layout;
+  std::vector<models::DocSpans> spans;  // per microbatch: its packed rows' documents
   std::mutex inputs_mu;
   std::map<int, std::shared_ptr<DeviceInputs>> on_device;  // by device, under inputs_mu
   // The tail's loss sum (one float), downloaded into staging memory: a pageable destination would
@@ -797,6 +799,7 @@ struct Engine::Impl {
       mbi.ctx.cos = view_of(slots[kCos]);
       mbi.ctx.sin = view_of(slots[kSin]);
       mbi.docs = view_of(slots[kDocs]);
+      mbi.doc_offsets = view_of(slots[kDocOffsets]);
       mbi.tokens = view_of(slots[kTokens]);
       mbi.targets = view_of(slots[kTargets]);
     }
@@ -817,14 +820,10 @@ struct Engine::Impl {
                double loss_scale) {
     const c10::Device dev = dc.torch;
     models::AttentionContext ctx = mbi.ctx;
-    // The masks of this microbatch, built here from its document ids (models/attention_masks.h):
-    // only the running microbatch's is on the device, not the step's.
-    {
-      models::AttentionMasks masks = models::attention_masks(config, mbi.docs, mbi.tokens.size(0),
-                                                             mbi.tokens.size(1), dc.torch);
-      ctx.mask = std::move(masks.mask);
-      ctx.window_mask = std::move(masks.window_mask);
-    }
+    // How this microbatch's attention is limited, set here from its documents
+    // (models/attention_masks.h): per document, or masks of the running microbatch only.
+    models::limit_attention(ctx, config, mbi.docs, step.spans[static_cast<std::size_t>(m)], dev,
+                            act_dtype, mbi.doc_offsets);
     // Training: attention and LoRA dropout (when the model has them) draw from this seed;
     // evaluation has none.
     if (!evaluating_) ctx.dropout_seed = dropout_seed(options.seed, step.step_no, m);
@@ -1130,8 +1129,11 @@ struct Engine::Impl {
                     ")");
       const models::AttentionContext ctx =
           models::attention_context_without_masks(config, b.batch, act_dtype);
-      inputs.push_back({ctx.positions, ctx.cos, ctx.sin, models::packed_doc_ids(b.batch),
-                        b.batch.tokens, b.targets});
+      const at::Tensor docs = models::packed_doc_ids(b.batch);
+      models::DocSpans& spans = step->spans.emplace_back(models::doc_spans(docs));
+      inputs.push_back({ctx.positions, ctx.cos, ctx.sin, docs,
+                        docs.defined() ? spans.offsets_tensor() : at::Tensor(), b.batch.tokens,
+                        b.targets});
       if (config.num_experts > 0 && !evaluating_)
         step->routing.push_back(std::make_shared<models::RoutingRecord>());
       step->tokens += b.batch.tokens.numel();

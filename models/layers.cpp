@@ -9,6 +9,9 @@
 #include <cstring>
 #include <limits>
 #include <map>
+#include <mutex>
+#include <optional>
+#include <tuple>
 
 #include "kernels/error.h"
 #include "models/attention_masks.h"
@@ -326,15 +329,101 @@ at::Tensor packed_doc_ids(const TokenBatch& batch) {
   return packed ? docs : at::Tensor();
 }
 
-AttentionMasks attention_masks(const ModelConfig& c, const at::Tensor& docs, std::int64_t B,
-                               std::int64_t T, at::Device device) {
-  AttentionMasks out;
+DocSpans doc_spans(const at::Tensor& docs) {
+  DocSpans s;
+  if (!docs.defined()) return s;
+  RONDO_ASSERT(docs.device().is_cpu() && docs.scalar_type() == at::kLong && docs.dim() == 2);
+  const at::Tensor d = docs.contiguous();
+  const std::int64_t B = d.size(0), T = d.size(1);
+  const std::int64_t* id = d.data_ptr<std::int64_t>();
+  s.offsets.push_back(0);
+  for (std::int64_t i = 1; i <= B * T; ++i)
+    if (i == B * T || i % T == 0 || id[i] != id[i - 1]) {
+      s.max_len = std::max(s.max_len, i - s.offsets.back());
+      s.offsets.push_back(i);
+    }
+  return s;
+}
+
+at::Tensor DocSpans::offsets_tensor() const {
+  std::vector<std::int32_t> o(offsets.begin(), offsets.end());
+  RONDO_ASSERT(offsets.empty() || offsets.back() <= std::numeric_limits<std::int32_t>::max());
+  return at::tensor(o, at::TensorOptions().dtype(at::kInt));
+}
+
+namespace {
+
+// Variable-length flash attention: q (N, H, D), k and v (N, KV, D) over the documents at
+// `offsets` (int32, on the device), causal within each, keys at most window - 1 back (0 = no
+// window). Differentiable (torch's FlashAttentionBackward0).
+at::Tensor flash_per_document(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                              const at::Tensor& offsets, std::int64_t max_len, double scale,
+                              std::int64_t window) {
+  std::optional<std::int64_t> left, right;
+  if (window > 0) {
+    left = window - 1;
+    right = 0;
+  }
+  return std::get<0>(at::_flash_attention_forward(q, k, v, offsets, offsets, max_len, max_len, 0.0,
+                                                  /*is_causal=*/true, /*return_debug_mask=*/false,
+                                                  scale, left, right));
+}
+
+// Whether flash_per_document runs on this device for this dtype and head size: tried once with two
+// documents (an older GPU, or a torch built without flash attention, throws).
+bool flash_per_document_runs(at::Device device, at::ScalarType dtype, std::int64_t D) {
+  if (!at::globalContext().userEnabledFlashSDP()) return false;
+  static std::mutex mu;
+  static std::map<std::tuple<int, int, std::int64_t>, bool> known;
+  const auto key = std::tuple{static_cast<int>(device.index()), static_cast<int>(dtype), D};
+  std::lock_guard<std::mutex> lock(mu);
+  if (auto it = known.find(key); it != known.end()) return it->second;
+  bool runs = false;
+  try {
+    at::NoGradGuard no_grad;
+    const auto opts = at::TensorOptions().dtype(dtype).device(device);
+    at::Tensor q = at::ones({3, 2, D}, opts), kv = at::ones({3, 1, D}, opts);
+    at::Tensor offsets = at::tensor(std::vector<std::int32_t>{0, 1, 3}, at::kInt).to(device);
+    runs = flash_per_document(q, kv, kv, offsets, 2, 1.0, 0).isfinite().all().item<bool>();
+  } catch (const std::exception&) {
+    runs = false;
+  }
+  known[key] = runs;
+  return runs;
+}
+
+}  // namespace
+
+bool attend_per_document(const ModelConfig& c, const DocSpans& spans, at::Device device,
+                         at::ScalarType dtype) {
+  if (spans.offsets.size() < 2 || c.attention_dropout > 0 || c.attention_sinks) return false;
+  if (device.is_cuda())
+    return (dtype == at::kBFloat16 || dtype == at::kHalf) && c.head_dim % 8 == 0 &&
+           c.head_dim <= 256 && flash_per_document_runs(device, dtype, c.head_dim);
+  if (!device.is_cpu()) return false;
+  const auto docs = static_cast<std::int64_t>(spans.offsets.size()) - 1;
+  return docs * 32 <= spans.offsets.back() &&
+         (c.sliding_window == 0 || spans.max_len <= c.sliding_window);
+}
+
+void limit_attention(AttentionContext& ctx, const ModelConfig& c, const at::Tensor& docs,
+                     const DocSpans& spans, at::Device device, at::ScalarType dtype,
+                     const at::Tensor& offsets_on_device) {
+  const std::int64_t B = ctx.positions.size(0), T = ctx.positions.size(1);
+  if (docs.defined() && attend_per_document(c, spans, device, dtype)) {
+    ctx.doc_offsets = spans.offsets;
+    ctx.max_doc_len = spans.max_len;
+    if (device.is_cuda())
+      ctx.doc_offsets_dev =
+          offsets_on_device.defined() ? offsets_on_device : spans.offsets_tensor().to(device);
+    return;
+  }
   const at::TensorOptions longs = at::TensorOptions().dtype(at::kLong).device(device);
   if (docs.defined()) {
     at::Tensor same = docs.unsqueeze(2).eq(docs.unsqueeze(1));  // (B, T, T)
     at::Tensor causal =
         at::ones({T, T}, at::TensorOptions().dtype(at::kBool).device(device)).tril();
-    out.mask = (same & causal).unsqueeze(1);
+    ctx.mask = (same & causal).unsqueeze(1);
   }
   if (c.sliding_window > 0 && T > c.sliding_window) {
     // Keys more than sliding_window - 1 positions back are out of reach: in every layer
@@ -342,10 +431,9 @@ AttentionMasks attention_masks(const ModelConfig& c, const at::Tensor& docs, std
     at::Tensor i = at::arange(T, longs).unsqueeze(1), j = at::arange(T, longs).unsqueeze(0);
     at::Tensor window = ((i - j) < c.sliding_window) & (j <= i);
     at::Tensor base =
-        out.mask.defined() ? out.mask : window.unsqueeze(0).unsqueeze(0).expand({B, 1, T, T});
-    (c.sliding_layers.empty() ? out.mask : out.window_mask) = base & window;
+        ctx.mask.defined() ? ctx.mask : window.unsqueeze(0).unsqueeze(0).expand({B, 1, T, T});
+    (c.sliding_layers.empty() ? ctx.mask : ctx.window_mask) = base & window;
   }
-  return out;
 }
 
 AttentionContext make_attention_context(const ModelConfig& c, const TokenBatch& batch,
@@ -353,10 +441,7 @@ AttentionContext make_attention_context(const ModelConfig& c, const TokenBatch& 
   AttentionContext ctx = attention_context_without_masks(c, batch, dtype);
   const at::Tensor docs = packed_doc_ids(batch);
   const at::Device device = batch.tokens.device();
-  AttentionMasks masks = attention_masks(c, docs.defined() ? docs.to(device) : docs,
-                                         batch.tokens.size(0), batch.tokens.size(1), device);
-  ctx.mask = std::move(masks.mask);
-  ctx.window_mask = std::move(masks.window_mask);
+  limit_attention(ctx, c, docs.defined() ? docs.to(device) : docs, doc_spans(docs), device, dtype);
   return ctx;
 }
 
@@ -745,6 +830,41 @@ at::Tensor router_aux_grad(const ModelConfig& c, RoutingRecord& record, double w
   return at::tensor(g, at::TensorOptions().dtype(at::kFloat)).to(device);
 }
 
+namespace {
+
+// Attention per document of packed rows (AttentionContext::doc_offsets), causal within each:
+// q (B, H, T, D), k and v (B, KV, T, D); returns (B, H, T, D). On CUDA one variable-length flash
+// attention over the flattened rows (the layer's window, if any, applied by the kernel); on the
+// CPU one fused causal attention per document (no window cuts into one: attend_per_document).
+at::Tensor attend_documents(const ModelConfig& c, std::int64_t block, const at::Tensor& q,
+                            const at::Tensor& k, const at::Tensor& v, const AttentionContext& ctx) {
+  const std::int64_t B = q.size(0), H = q.size(1), T = q.size(2), D = q.size(3), KV = k.size(1);
+  const double scale = 1.0 / std::sqrt(static_cast<double>(D));
+  if (q.is_cuda()) {
+    auto flat = [&](const at::Tensor& t) {
+      return t.transpose(1, 2).reshape({B * T, t.size(1), D});
+    };
+    return flash_per_document(flat(q), flat(k), flat(v), ctx.doc_offsets_dev, ctx.max_doc_len,
+                              scale, c.windowed(block) ? c.sliding_window : 0)
+        .view({B, T, H, D})
+        .transpose(1, 2);
+  }
+  std::vector<at::Tensor> parts;
+  for (std::size_t d = 0; d + 1 < ctx.doc_offsets.size(); ++d) {
+    const std::int64_t start = ctx.doc_offsets[d], len = ctx.doc_offsets[d + 1] - start;
+    auto doc = [&](const at::Tensor& x) {
+      return x.narrow(0, start / T, 1).narrow(2, start % T, len);
+    };
+    parts.push_back(at::scaled_dot_product_attention(doc(q), doc(k), doc(v), {}, 0.0,
+                                                     /*is_causal=*/true, scale,
+                                                     /*enable_gqa=*/H != KV));
+  }
+  // (1, H, B * T, D) in row order, as (B, H, T, D).
+  return at::cat(parts, 2).view({H, B, T, D}).transpose(0, 1);
+}
+
+}  // namespace
+
 at::Tensor embed(const at::Tensor& embed_weight, const at::Tensor& tokens) {
   return at::embedding(embed_weight, tokens);
 }
@@ -785,7 +905,12 @@ at::Tensor block_forward(const ModelConfig& c, const BlockWeights& w, const at::
   if (layer_mask.defined()) mask = layer_mask;
   at::Tensor a;
   const bool dropout = c.attention_dropout > 0 && ctx.dropout_seed >= 0;
-  if (dropout || w.sinks.defined()) {
+  if (!ctx.doc_offsets.empty()) {
+    RONDO_ASSERT_MSG(cache == nullptr && !dropout && !w.sinks.defined(),
+                     "attention per document is for training and evaluation without dropout or "
+                     "sinks (attend_per_document)");
+    a = attend_documents(c, w.block, q, k, v, ctx);
+  } else if (dropout || w.sinks.defined()) {
     // The plain path, as transformers' eager attention: in training with attention dropout
     // (the fused kernels draw from a generator whose state a recompute could not replay), and
     // with GPT-OSS's sinks (a learned logit per head joins each row's softmax, its share dropped).

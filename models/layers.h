@@ -92,6 +92,16 @@ struct AttentionContext {
   // Per-layer windows (ModelConfig::sliding_layers): the mask of the windowed layers, when it
   // differs from `mask`; undefined = every layer uses `mask`.
   at::Tensor window_mask;
+  // Packed rows attended per document instead of under `mask`, where that is the faster kernel
+  // (models/attention_masks.h, attend_per_document; the masks are then not built): document d is
+  // tokens [doc_offsets[d], doc_offsets[d + 1]) of the B * T flattened ones (host), each within
+  // one row; doc_offsets_dev the same as int32 on the device (CUDA's variable-length flash
+  // attention takes it); max_doc_len the longest. Empty = attention uses the masks.
+  std::vector<std::int64_t> doc_offsets;
+  at::Tensor doc_offsets_dev;
+  std::int64_t max_doc_len = 0;
+  // Every token sees every one before it in its row (no documents, no window).
+  bool plain_causal() const { return !mask.defined() && doc_offsets.empty(); }
   // Mixture of experts, training: where each sparse block records its routing in its first
   // forward (record_routing) and finds it again in the recompute of its backward (the router
   // load-balancing loss needs every block's counts; the recompute reuses the per-expert token

@@ -6,16 +6,16 @@
 #
 #   1. unpacks the Debian packages into .gpu-sysroot/ and loads every library it unpacked;
 #   2. configures against the torch already installed, CUDA for sm_90, and builds only what the
-#      check runs: the cuda tests, bench/link_bench and bench/train_bench (ninja -k 0: every
+#      check runs: the cuda tests, bench/link_bench, bench/attention_bench and bench/train_bench (ninja -k 0: every
 #      compile error in one go), timing the build (wall and CPU seconds);
 #   3. runs the tests labelled cuda, each under a timeout, and fails when any of them skipped while
 #      nvidia-smi sees a GPU (a skip there means torch's CUDA was not loaded);
 #   4. runs the benchmarks under a device memory cap (24GB: a big card acting like an RTX 4090):
-#      link_bench, and train_bench (rondo train against the plain libtorch loop on the GPU, on
+#      link_bench, attention_bench (packed rows per document against under a mask), and train_bench (rondo train against the plain libtorch loop on the GPU, on
 #      Qwen3-1.7B's shape, LoRA r32 and full fine-tuning);
 #   5. prints a short table last.
 #
-# Logs go to $OUT/gpu-check (the device tool brings them back: at most 8 files, this writes 7),
+# Logs go to $OUT/gpu-check (the device tool brings them back: at most 8 files, this writes 8),
 # else build-gpu/gpu-check. Without a
 # GPU (here) it runs the same steps: the cuda tests skip and the benchmarks run on the CPU, which
 # is how its CPU parts are checked before device time is spent.
@@ -162,7 +162,7 @@ cmake -S "$ROOT" -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release -DRONDO_PYTHON=
   -DRONDO_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES="$ARCH" -DRONDO_BUILD_BENCH=ON -DRONDO_WITH_GUI=OFF \
   >"$LOGS/configure.log" 2>&1 || { tail -40 "$LOGS/configure.log"; die "configure" "see configure.log"; }
 row "configure" "ok" $(($(date +%s) - T))
-TARGETS=(kernels_cuda_test models_cuda_test engine_cuda_test link_bench train_bench)
+TARGETS=(kernels_cuda_test models_cuda_test engine_cuda_test link_bench attention_bench train_bench)
 say "building ${TARGETS[*]} with $JOBS jobs"
 T=$(date +%s)
 TIMEFORMAT='%R %U %S'
@@ -207,6 +207,18 @@ timeout $(($(left) < 60 ? $(left) : 60)) "$BUILD/bench/link_bench" --cap "$CAP" 
 LINK_RC=$?
 row "link_bench --cap $CAP" "exit $LINK_RC" $(($(date +%s) - T))
 
+# Packed rows: attention per document (variable-length flash attention on a GPU) against a mask.
+ADEV=cpu
+((GPUS > 0)) && ADEV=cuda
+say "attention_bench --device $ADEV --dtype bf16"
+T=$(date +%s)
+timeout $(($(left) < 60 ? $(left) : 60)) "$BUILD/bench/attention_bench" --device $ADEV --dtype bf16 \
+  >"$LOGS/attention_bench.log" 2>&1
+ATT_RC=$?
+ATT=$(awk '$1 == 1 && $2 == 2048 && $3 == 8 { print $6 }' "$LOGS/attention_bench.log")
+row "attention_bench $ADEV bf16" "exit $ATT_RC, masked / per-document time (T 2048, 8 docs) = ${ATT:-?}" \
+  $(($(date +%s) - T))
+
 METHODS=(lora full)
 if [[ "$BENCH" == none ]]; then
   METHODS=()
@@ -242,10 +254,10 @@ done
 
 # --- Results, the table last ---------------------------------------------------------------------
 echo
-for f in link_bench train_bench_lora train_bench_full; do
+for f in link_bench attention_bench train_bench_lora train_bench_full; do
   [[ -f "$LOGS/$f.log" ]] || continue
   echo "--- $f"
   tail -15 "$LOGS/$f.log"
 done
 table
-[[ $CUDA_RC -eq 0 && $LINK_RC -eq 0 && $TRAIN_RC -eq 0 ]]
+[[ $CUDA_RC -eq 0 && $LINK_RC -eq 0 && $ATT_RC -eq 0 && $TRAIN_RC -eq 0 ]]

@@ -502,32 +502,46 @@ TEST(Engine, CheckpointsOnNvmeTrainBitForBitLikeHostMemory) {
     }
 }
 
-// Packed rows send their document ids, not their masks: the devices build the (B, 1, T, T) masks
-// (T bytes per token, 16 MiB for this step) from them, so host staging never holds them, and
-// training equals the plain loop, which builds them on the host.
+// Packed rows send their document ids and offsets, not their masks: the devices attend per
+// document (documents of 32 tokens or more on the CPU) or build the (B, 1, T, T) masks (T bytes per
+// token, 16 MiB for this step) from the ids, so host staging never holds masks, and training
+// equals the plain loop, which sets the same limits on the host.
 TEST(Engine, PackedRowsSendDocumentIdsAndTheDevicesBuildTheMasks) {
   const unsigned seed = std::random_device{}();
   std::printf("seed %u\n", seed);
   at::manual_seed(seed);
   const models::ModelConfig config = test::tiny_llama(2);
-  Case s{config, models::layer_specs(config), test::random_weights(config), {}};
   const int rows = 4, T = 2048, M = 2;
-  for (int i = 0; i < 2; ++i)
-    s.steps.push_back(test::random_batch(config, rows, T, M));
-  for (const Microbatch& mb : s.steps[0])
-    ASSERT_TRUE(models::make_attention_context(config, mb.batch, at::kFloat).mask.defined())
-        << "the rows are not packed";
-  const std::uint64_t mask_bytes = static_cast<std::uint64_t>(rows) * T * T;
-  std::mt19937 rng(seed);
-  const Plan plan = random_plan(static_cast<int>(s.specs.size()), M, RecomputeGrain::kStage, rng);
-  SCOPED_TRACE(plan.describe());
-  const EngineRun run = run_engine(s, plan, 2);
-  const Reference ref = run_reference(s);
-  for (std::size_t i = 0; i < ref.losses.size(); ++i)
-    EXPECT_NEAR(run.results[i].loss, ref.losses[i], 1e-6 * ref.losses[i]) << "step " << i + 1;
-  std::printf("arena peak %.2f MiB; one step's masks %.2f MiB\n", run.arena_peak / 1048576.0,
-              mask_bytes / 1048576.0);
-  EXPECT_LT(run.arena_peak, mask_bytes / 2);
+  for (bool short_documents : {true, false}) {
+    SCOPED_TRACE(short_documents ? "documents of 16 tokens (masks)" : "two documents per row");
+    Case s{config, models::layer_specs(config), test::random_weights(config), {}};
+    for (int i = 0; i < 2; ++i) {
+      s.steps.push_back(test::random_batch(config, rows, T, M));
+      if (short_documents)
+        for (Microbatch& mb : s.steps.back())
+          mb.batch.doc_ids = at::arange(mb.batch.tokens.numel(), at::kLong)
+                                 .div(16, "floor")
+                                 .view(mb.batch.tokens.sizes());
+    }
+    for (const Microbatch& mb : s.steps[0]) {
+      const models::AttentionContext ctx =
+          models::make_attention_context(config, mb.batch, at::kFloat);
+      ASSERT_EQ(ctx.mask.defined(), short_documents);
+      ASSERT_EQ(ctx.doc_offsets.empty(), short_documents);
+    }
+    const std::uint64_t mask_bytes = static_cast<std::uint64_t>(rows) * T * T;
+    std::mt19937 rng(seed);
+    const Plan plan = random_plan(static_cast<int>(s.specs.size()), M, RecomputeGrain::kStage, rng);
+    SCOPED_TRACE(plan.describe());
+    const EngineRun run = run_engine(s, plan, 2);
+    const Reference ref = run_reference(s);
+    for (std::size_t i = 0; i < ref.losses.size(); ++i)
+      EXPECT_NEAR(run.results[i].loss, ref.losses[i], 1e-6 * ref.losses[i]) << "step " << i + 1;
+    std::printf("%s: arena peak %.2f MiB; one step's masks %.2f MiB\n",
+                short_documents ? "masks" : "per document", run.arena_peak / 1048576.0,
+                mask_bytes / 1048576.0);
+    EXPECT_LT(run.arena_peak, mask_bytes / 2);
+  }
 }
 
 // A quantised frozen base (NF4 with double quantisation, INT8) travels quantised and is

@@ -1,12 +1,14 @@
 // Attention over packed rows: a document in a packed row attends as it would alone; rows that
-// each hold one document carry no mask (so that the fused kernels can run them); and the
-// repeated key/value heads that let the memory-efficient kernel take a mask with grouped-query
-// heads give what the grouped heads give, values and gradients.
+// each hold one document carry no mask (so that the fused kernels can run them); the repeated
+// key/value heads that let the memory-efficient kernel take a mask with grouped-query heads give
+// what the grouped heads give, values and gradients; and attention per document (the CPU's choice
+// for documents of 32 tokens or more) gives what the mask gives.
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
 #include <vector>
 
+#include "models/attention_masks.h"
 #include "models/layers.h"
 #include "models/model.h"
 
@@ -74,6 +76,86 @@ TEST(Attention, RowsOfOneDocumentEachCarryNoMask) {
   at::Tensor two = docs.clone();
   two[1].narrow(0, 6, 4).fill_(7);
   EXPECT_TRUE(make_attention_context(blk.c, {tokens, two}, at::kFloat).mask.defined());
+}
+
+// The documents of packed rows as offsets into the flattened tokens: a row boundary ends a
+// document even when the next row starts with the same id.
+TEST(Attention, DocumentSpansSplitAtRowsAndIdChanges) {
+  const at::Tensor docs = at::tensor({0, 0, 1, 1, 1, 1, 2, 2, 3}, at::kLong).view({3, 3});
+  const DocSpans s = doc_spans(docs);
+  EXPECT_EQ(s.offsets, (std::vector<std::int64_t>{0, 2, 3, 6, 8, 9}));
+  EXPECT_EQ(s.max_len, 3);
+  EXPECT_TRUE(at::equal(s.offsets_tensor(), at::tensor({0, 2, 3, 6, 8, 9}, at::kInt)));
+  EXPECT_TRUE(doc_spans(at::Tensor()).offsets.empty());
+}
+
+// Packed rows whose documents average 32 tokens or more attend one document at a time on the CPU
+// (no mask is built): outputs and every gradient equal the masked attention's, in float64, with
+// grouped-query heads and a document of one token.
+TEST(Attention, PerDocumentAttentionEqualsTheMaskOnTheCpu) {
+  Block blk;
+  for (at::Tensor& t : blk.w)
+    t = t.to(at::kDouble);
+  at::manual_seed(14);
+  const std::int64_t T = 96;
+  const at::Tensor docs = at::cat({at::full({1, 40}, 0, at::kLong), at::full({1, 55}, 1, at::kLong),
+                                   at::full({1, 1}, 2, at::kLong), at::full({1, 70}, 3, at::kLong),
+                                   at::full({1, 26}, 4, at::kLong)},
+                                  1)
+                              .view({2, T});
+  const TokenBatch batch{at::zeros({2, T}, at::kLong), docs};
+  const AttentionContext per_doc = make_attention_context(blk.c, batch, at::kDouble);
+  ASSERT_EQ(per_doc.doc_offsets, (std::vector<std::int64_t>{0, 40, 95, 96, 166, 192}));
+  EXPECT_FALSE(per_doc.mask.defined()) << "no mask is built for attention per document";
+  AttentionContext masked = attention_context_without_masks(blk.c, batch, at::kDouble);
+  limit_attention(masked, blk.c, docs, DocSpans{}, at::kCPU, at::kDouble);  // no spans: masks
+  ASSERT_TRUE(masked.mask.defined());
+  ASSERT_TRUE(masked.doc_offsets.empty());
+  const at::Tensor x0 = at::randn({2, T, blk.c.hidden_size}, at::kDouble);
+  auto forward_backward = [&](const AttentionContext& ctx) {
+    std::vector<at::Tensor> w;
+    for (const at::Tensor& t : blk.w)
+      w.push_back(t.clone().requires_grad_(true));
+    at::Tensor x = x0.clone().requires_grad_(true);
+    at::Tensor y = block_forward(blk.c, BlockWeights::bind(blk.spec, w), x, ctx);
+    (y * y.sin()).sum().backward();
+    std::vector<at::Tensor> out{y.detach(), x.grad()};
+    for (const at::Tensor& t : w)
+      out.push_back(t.grad());
+    return out;
+  };
+  const std::vector<at::Tensor> a = forward_backward(per_doc), b = forward_backward(masked);
+  ASSERT_EQ(a.size(), b.size());
+  for (std::size_t i = 0; i < a.size(); ++i)
+    EXPECT_LE(max_rel(a[i], b[i]), 1e-12) << "output " << i;
+}
+
+// Which packed rows attend per document on the CPU: documents of 32 tokens or more on average,
+// no window shorter than a document, no attention dropout or sinks (their path needs the mask).
+TEST(Attention, ThePerDocumentChoiceOnTheCpu) {
+  const ModelConfig c = gqa_config();
+  auto spans_of = [](std::vector<std::int64_t> lengths) {
+    DocSpans s{{0}, 0};
+    for (std::int64_t l : lengths) {
+      s.offsets.push_back(s.offsets.back() + l);
+      s.max_len = std::max(s.max_len, l);
+    }
+    return s;
+  };
+  EXPECT_TRUE(attend_per_document(c, spans_of({32, 32}), at::kCPU, at::kFloat));
+  EXPECT_TRUE(attend_per_document(c, spans_of({1, 63}), at::kCPU, at::kFloat));
+  EXPECT_FALSE(attend_per_document(c, spans_of({31, 32}), at::kCPU, at::kFloat));
+  EXPECT_FALSE(attend_per_document(c, DocSpans{}, at::kCPU, at::kFloat));
+  ModelConfig windowed = c;
+  windowed.sliding_window = 48;
+  EXPECT_TRUE(attend_per_document(windowed, spans_of({48, 40}), at::kCPU, at::kFloat));
+  EXPECT_FALSE(attend_per_document(windowed, spans_of({49, 40}), at::kCPU, at::kFloat));
+  ModelConfig dropout = c;
+  dropout.attention_dropout = 0.1;
+  EXPECT_FALSE(attend_per_document(dropout, spans_of({64, 64}), at::kCPU, at::kFloat));
+  ModelConfig sinks = c;
+  sinks.attention_sinks = true;
+  EXPECT_FALSE(attend_per_document(sinks, spans_of({64, 64}), at::kCPU, at::kFloat));
 }
 
 TEST(Attention, RepeatedKeyValueHeadsEqualGroupedOnesUnderAMask) {

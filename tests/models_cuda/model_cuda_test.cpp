@@ -8,6 +8,7 @@
 #include <cmath>
 #include <cstdio>
 
+#include "models/attention_masks.h"
 #include "models/layers.h"
 #include "models/model.h"
 #include "tests/support/cuda_or_skip.h"
@@ -82,7 +83,9 @@ TEST_F(ModelCuda, PackedRowAttentionRunsOnAFusedKernel) {
   const std::int64_t T = 2048, H = 16, KV = 8, D = 128;
   at::Tensor docs = at::cat({at::zeros({1, 700}, at::kLong), at::ones({1, T - 700}, at::kLong)}, 1);
   TokenBatch batch{at::randint(0, 1000, {1, T}, at::kLong), docs};
-  AttentionContext ctx = make_attention_context(c, batch, at::kBFloat16);
+  // The mask path (what packed rows fall back to where flash attention per document does not run).
+  AttentionContext ctx = attention_context_without_masks(c, batch, at::kBFloat16);
+  limit_attention(ctx, c, docs, DocSpans{}, at::kCPU, at::kBFloat16);
   ASSERT_TRUE(ctx.mask.defined());
   const auto opts = at::TensorOptions().dtype(at::kBFloat16).device(at::kCUDA);
   at::Tensor q = at::randn({1, H, T, D}, opts);
@@ -102,6 +105,59 @@ TEST_F(ModelCuda, PackedRowAttentionRunsOnAFusedKernel) {
     EXPECT_GT(choice, 0) << "deterministic " << deterministic << ": the math kernel (0) or none";
   }
   at::globalContext().setDeterministicAlgorithms(was, was_warn);
+}
+
+// Packed rows in bf16 on CUDA attend per document through variable-length flash attention: the path
+// is selected (no mask is built), and outputs and gradients stay close to the masked attention
+// computed in fp32 on the same GPU, with grouped-query heads, a document of one token, and a
+// window shorter than a document.
+TEST_F(ModelCuda, PackedRowsAttendPerDocumentThroughFlashAttention) {
+  for (std::int64_t window : {0, 24}) {
+    ModelConfig c = parse_hf_config(R"({"architectures":["Qwen3ForCausalLM"],"vocab_size":100,
+      "hidden_size":256,"intermediate_size":384,"num_hidden_layers":1,"num_attention_heads":4,
+      "num_key_value_heads":2,"head_dim":64})",
+                                    "test config");
+    c.sliding_window = window;
+    const LayerSpec spec = layer_specs(c)[1];
+    at::manual_seed(21);
+    std::vector<at::Tensor> w32;
+    for (const ParamSpec& p : spec.params)
+      w32.push_back((0.05 * at::randn(p.shape) + (p.shape.size() == 1 ? 1.0 : 0.0)).to(at::kCUDA));
+    const std::int64_t T = 128;
+    const at::Tensor docs =
+        at::cat({at::full({1, 50}, 0, at::kLong), at::full({1, 78}, 1, at::kLong),
+                 at::full({1, 1}, 2, at::kLong), at::full({1, 127}, 3, at::kLong)},
+                1)
+            .view({2, T})
+            .to(at::kCUDA);
+    const TokenBatch batch{at::zeros({2, T}, at::kLong).to(at::kCUDA), docs};
+    const AttentionContext flash = make_attention_context(c, batch, at::kBFloat16);
+    ASSERT_FALSE(flash.doc_offsets.empty()) << "window " << window << ": not attended per document";
+    EXPECT_FALSE(flash.mask.defined());
+    AttentionContext masked = attention_context_without_masks(c, batch, at::kFloat);
+    limit_attention(masked, c, docs, DocSpans{}, at::kCUDA, at::kFloat);
+    ASSERT_TRUE(masked.mask.defined());
+    const at::Tensor x0 = at::randn({2, T, c.hidden_size}).to(at::kCUDA);
+    const at::Tensor g = at::randn({2, T, c.hidden_size}).to(at::kCUDA);
+    auto run = [&](const AttentionContext& ctx, at::ScalarType dtype) {
+      std::vector<at::Tensor> w;
+      for (const at::Tensor& t : w32)
+        w.push_back(t.to(dtype).requires_grad_(true));
+      at::Tensor x = x0.to(dtype).requires_grad_(true);
+      at::Tensor y = block_forward(c, BlockWeights::bind(spec, w), x, ctx);
+      (y.to(at::kFloat) * g).sum().backward();
+      return std::vector<at::Tensor>{y.to(at::kFloat), x.grad().to(at::kFloat),
+                                     w[1].grad().to(at::kFloat)};  // the q projection's
+    };
+    const std::vector<at::Tensor> a = run(flash, at::kBFloat16), b = run(masked, at::kFloat);
+    for (std::size_t i = 0; i < a.size(); ++i) {
+      const double rel = (a[i] - b[i]).abs().max().item<double>() /
+                         std::max(1e-12, b[i].abs().max().item<double>());
+      std::printf("window %ld, output %zu: max relative difference %.2e\n",
+                  static_cast<long>(window), i, rel);
+      EXPECT_LT(rel, 3e-2) << "window " << window << ", output " << i;
+    }
+  }
 }
 
 }  // namespace

@@ -133,15 +133,21 @@ def test_logits_and_loss_match_transformers(name, sharded, tmp_path):
     assert abs(float(loss) - ref.loss.item()) < TOL, (float(loss), ref.loss.item())
 
 
+# Document lengths per packed row: short ones (Rondo attends under a mask) and ones of 32 tokens
+# or more on average (Rondo attends per document on the CPU, models/attention_masks.h).
+PACKED_LAYOUTS = {"masked": [[7, 11, 6], [1, 20, 3]], "per_document": [[40, 1, 55], [30, 66]]}
+
+
+@pytest.mark.parametrize("layout", sorted(PACKED_LAYOUTS))
 @pytest.mark.parametrize("name", PACKED_VARIANTS)
-def test_packed_rows_equal_documents_run_separately(name, tmp_path):
+def test_packed_rows_equal_documents_run_separately(name, layout, tmp_path):
     seed = int.from_bytes(os.urandom(4), "little")
     print("seed", seed)
     model = make_model(name, seed)
     model_dir = tmp_path / "model"
     model.save_pretrained(model_dir)
     g = torch.Generator().manual_seed(seed)
-    rows = [[7, 11, 6], [1, 20, 3]]  # document lengths per packed row (24 tokens each)
+    rows = PACKED_LAYOUTS[layout]
     docs = [[torch.randint(0, V, (n,), generator=g) for n in row] for row in rows]
     tokens = torch.stack([torch.cat(row) for row in docs])
     doc_ids = torch.tensor([[d for d, n in enumerate(row) for _ in range(n)] for row in rows])
