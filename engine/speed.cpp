@@ -30,6 +30,28 @@ namespace fs = std::filesystem;
 // take seconds per pass on a desktop CPU and gigabytes for its gradients).
 constexpr double kMaxMeasuredParams = 8e6;
 constexpr int kRuns = 5;
+// ... and for this long at least (up to kMaxRuns passes): a pass of a small model's block takes a
+// few milliseconds, and the median of five such passes moved by 10-20% between two `rondo plan`
+// calls on a shared machine.
+constexpr double kMinMeasuredSeconds = 0.4;
+constexpr int kMaxRuns = 400;
+// Part of every cache key: figures measured another way are measured again.
+constexpr const char* kMethod = "median-0.4s";
+
+// The median time of `pass`, run kRuns times at least and for kMinMeasuredSeconds at least.
+double median_seconds(const std::function<void()>& pass) {
+  std::vector<double> seconds;
+  double total = 0;
+  while (static_cast<int>(seconds.size()) < kRuns ||
+         (total < kMinMeasuredSeconds && static_cast<int>(seconds.size()) < kMaxRuns)) {
+    const auto t0 = std::chrono::steady_clock::now();
+    pass();
+    seconds.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+    total += seconds.back();
+  }
+  std::nth_element(seconds.begin(), seconds.begin() + seconds.size() / 2, seconds.end());
+  return std::max(seconds[seconds.size() / 2], 1e-9);
+}
 // A pass is measured on the run's own microbatch (rows x sequence length: a block's FLOP/s grows
 // with its token count; on this project's machine SmolLM2's block ran at 93 GFLOP/s on 32 tokens
 // and 171 on 256) up to this many tokens, and up to this many FLOPs (forward and backward), so
@@ -99,7 +121,7 @@ Batch measured_batch(const models::ModelConfig& one, std::int64_t seq_len, std::
   return b;
 }
 
-// FLOP/s of `one`'s block, forward and backward, on a batch: the median of kRuns passes.
+// FLOP/s of `one`'s block, forward and backward, on a batch: the median pass (median_seconds).
 double measure(const models::ModelConfig& one, Batch batch, at::ScalarType dtype, bool frozen) {
   const std::int64_t T = batch.T;
   const models::LayerSpec spec = models::layer_specs(one)[1];
@@ -125,18 +147,12 @@ double measure(const models::ModelConfig& one, Batch batch, at::ScalarType dtype
       t.mutable_grad() = at::Tensor();
   };
   pass();  // warm-up: allocations, kernel selection
-  std::vector<double> seconds;
-  for (int i = 0; i < kRuns; ++i) {
-    const auto t0 = std::chrono::steady_clock::now();
-    pass();
-    seconds.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
-  }
-  std::nth_element(seconds.begin(), seconds.begin() + kRuns / 2, seconds.end());
+  const double seconds = median_seconds(pass);
   // In the planner's units: a frozen weight's backward (input gradients only) counts half.
   const double flops =
       (spec.flops_forward_per_token(T) + spec.flops_backward_per_token(T) * (frozen ? 0.5 : 1.0)) *
       static_cast<double>(batch.rows * T);
-  return flops / std::max(seconds[kRuns / 2], 1e-9);
+  return flops / seconds;
 }
 
 }  // namespace
@@ -183,7 +199,7 @@ double cached(const std::string& key, const std::function<double()>& measure) {
 }  // namespace
 
 double cpu_adamw_params_per_s(const std::string& stream_dtype) {
-  const std::string key = fmt::format("adamw|cpu={}|threads={}|stream={}", cpu_model(),
+  const std::string key = fmt::format("{}|adamw|cpu={}|threads={}|stream={}", kMethod, cpu_model(),
                                       at::get_num_threads(), stream_dtype);
   return cached(key, [&] {
     constexpr std::size_t n = 4u << 20;
@@ -200,15 +216,9 @@ double cpu_adamw_params_per_s(const std::string& stream_dtype) {
                                  .stream = stream.data(),
                                  .stream_dtype = sd};
     kernels::adamw_step(t, {.step = 1});  // warm-up: pages, threads
-    std::vector<double> seconds;
-    for (int i = 0; i < kRuns; ++i) {
-      const auto t0 = std::chrono::steady_clock::now();
-      kernels::adamw_step(t, {.step = 2 + i});
-      seconds.push_back(
-          std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
-    }
-    std::nth_element(seconds.begin(), seconds.begin() + kRuns / 2, seconds.end());
-    return static_cast<double>(n) / std::max(seconds[kRuns / 2], 1e-9);
+    std::int64_t step = 1;
+    return static_cast<double>(n) /
+           median_seconds([&] { kernels::adamw_step(t, {.step = ++step}); });
   });
 }
 
@@ -217,12 +227,14 @@ double cpu_flops(const models::ModelConfig& config, std::int64_t seq_len, std::i
   const models::ModelConfig one = one_block(config);
   const Batch batch = measured_batch(one, seq_len, rows);
   const std::string key = fmt::format(
-      "cpu={}|threads={}|C={}|I={}|H={}|KV={}|D={}|E={}/{}x{}|qk_norm={}|window={}|sinks={}|T={}|"
+      "{}|cpu={}|threads={}|C={}|I={}|H={}|KV={}|D={}|E={}/"
+      "{}x{}|qk_norm={}|window={}|sinks={}|T={}|"
       "rows={}|dtype={}|frozen={}",
-      cpu_model(), at::get_num_threads(), one.hidden_size, one.intermediate_size, one.num_heads,
-      one.num_kv_heads, one.head_dim, one.sparse(0) ? one.num_experts : 0, one.experts_per_token,
-      one.moe_intermediate_size, one.qk_norm, one.windowed(0) ? one.sliding_window : 0,
-      one.attention_sinks, batch.T, batch.rows, dtype, frozen_weights);
+      kMethod, cpu_model(), at::get_num_threads(), one.hidden_size, one.intermediate_size,
+      one.num_heads, one.num_kv_heads, one.head_dim, one.sparse(0) ? one.num_experts : 0,
+      one.experts_per_token, one.moe_intermediate_size, one.qk_norm,
+      one.windowed(0) ? one.sliding_window : 0, one.attention_sinks, batch.T, batch.rows, dtype,
+      frozen_weights);
   return cached(key, [&] { return measure(one, batch, scalar_of(dtype), frozen_weights); });
 }
 

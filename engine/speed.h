@@ -1,8 +1,8 @@
 // The compute speed the planner assumes of this machine's CPU (and of simulated GPUs, which
 // compute on it): measured on the model's own work, not a single moment's matmul. One block of
 // the model's shape runs forward and backward under autograd on the run's microbatch (`rows` rows
-// of `seq_len` tokens, cut to 1024 tokens and to 10 GFLOP a pass), five times after a warm-up;
-// the median gives FLOP/s in the planner's units (LayerSpec::flops_*_per_token; a frozen
+// of `seq_len` tokens, cut to 1024 tokens and to 10 GFLOP a pass) after a warm-up, five times and
+// for 0.4 s at least (a small block's pass takes milliseconds); the median pass gives FLOP/s in the planner's units (LayerSpec::flops_*_per_token; a frozen
 // weight's backward counts half). With `frozen_weights` (LoRA) the backward computes input
 // gradients only, as a LoRA run's does: its elementwise work stays while its matmuls halve, so it
 // runs at a FLOP/s of its own. Blocks too large to run quickly are measured at a narrower width
@@ -25,8 +25,8 @@ double cpu_flops(const models::ModelConfig& config, std::int64_t seq_len, std::i
 
 // The optimizer's speed on this machine: parameters per second through the fused CPU AdamW
 // (kernels/cpu/adamw.h; f32 gradient, master and moments, the streaming copy in `stream_dtype`:
-// "bf16", "fp16" or "fp32") on this thread's oneTBB arena. The median of five passes over 4 M
-// parameters after a warm-up, cached as cpu_flops is.
+// "bf16", "fp16" or "fp32") on this thread's oneTBB arena. The median pass over 4 M parameters
+// after a warm-up, timed as cpu_flops is (five passes and 0.4 s at least), cached the same way.
 double cpu_adamw_params_per_s(const std::string& stream_dtype);
 
 // Where the cache lives (for tests and messages).

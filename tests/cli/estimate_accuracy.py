@@ -88,11 +88,13 @@ for name, path in configs.items():
     if spread >= PLAN_SPREAD:
         failures.append(f"`rondo plan` on {name} varied by {spread:.1%}")
 
-# Predicted against measured.
-call("demo", "--steps", STEPS, "--run-dir", work / "demo")
+# Predicted against measured: the runs measure the CPU once more (a cache of their own, shared by
+# them as a user's runs share ~/.cache/rondo/speed), not whatever an earlier build left there.
+runs_env = dict(os.environ, RONDO_SPEED_CACHE=str(work / "speed-runs"))
+call("demo", "--steps", STEPS, "--run-dir", work / "demo", env=runs_env)
 runs = {"the demo (LoRA, GGUF base, the CPU)": work / "demo"}
 for name, path in configs.items():
-    call("train", path)
+    call("train", path, env=runs_env)
     runs[name] = work / path.stem
 for name, run_dir in runs.items():
     measured, predicted, steps = measured_and_predicted(run_dir)
