@@ -524,7 +524,15 @@ struct Engine::Impl {
       dc.compute->wait(*up.ready);
       t = view(up.buffer.data(), h->sizes, act_dtype, dc.torch);
       r.buffers.push_back(std::move(up.buffer));
-      r.staging.push_back(std::move(h->host.host));
+      if (h->spilled) {
+        // A checkpoint read back from the NVMe tier: its staging goes back to the pool once the
+        // upload has landed (the read is done, so that is the copy's time only), not when the job
+        // is released two jobs later, which would keep every microbatch's in host memory.
+        up.ready->synchronize();
+        transfers->recycle(std::move(h->host.host));
+      } else {
+        r.staging.push_back(std::move(h->host.host));
+      }
     }
     lock.lock();
     return t;

@@ -452,10 +452,11 @@ RunEstimate estimate_run(const TrainConfig& config, const models::ModelSummary& 
   const auto T = static_cast<std::uint64_t>(tokens_per_step);
   e.host.staging = (2 * N + 2) * T * C * wb + 3 * T * uploaded_bytes_per_token;
   // The checkpoints of e.plan (sized again if the plan changes below). On the NVMe tier instead,
-  // host memory holds per device the read-back checkpoints of the backward job running and of the
-  // one before (their staging goes back to the pool when a job is released, two jobs later), and
-  // overall those waiting for the drive (offload/activation_spill.h: 4 queued, one being written,
-  // one per device downloaded).
+  // host memory holds per device the read-back checkpoints of three microbatches' worth of a
+  // backward job (one being uploaded, whose staging goes back to the pool once it has landed; the
+  // next one, read ahead; and the next job's first, read ahead by its loader), and overall those
+  // waiting for the drive (offload/activation_spill.h: 4 queued, one being written, one per device
+  // downloaded).
   std::uint64_t spill_window = 0;
   auto size_checkpoints = [&] {
     const std::set<int> saved = planned ? e.plan.checkpointed_layers() : std::set<int>{};
@@ -467,7 +468,7 @@ RunEstimate estimate_run(const TrainConfig& config, const models::ModelSummary& 
       for (const LayerRange& r : e.plan.backward)
         per_job = std::max<std::uint64_t>(
             per_job, std::distance(saved.lower_bound(r.begin), saved.lower_bound(r.end)));
-    spill_window = ((4 + 1 + N) + 2 * N * M_plan * per_job) * pl.activation_checkpoint_bytes;
+    spill_window = ((4 + 1 + N) + 3 * N * per_job) * pl.activation_checkpoint_bytes;
   };
   size_checkpoints();
 
