@@ -2,13 +2,14 @@
 // compute on it): measured on the model's own work, not a single moment's matmul. One block of
 // the model's shape runs forward and backward under autograd on the run's microbatch (`rows` rows
 // of `seq_len` tokens, cut to 1024 tokens and to 10 GFLOP a pass) after a warm-up, five times and
-// for 0.4 s at least (a small block's pass takes milliseconds); the median pass gives FLOP/s in the planner's units (LayerSpec::flops_*_per_token; a frozen
-// weight's backward counts half). With `frozen_weights` (LoRA) the backward computes input
-// gradients only, as a LoRA run's does: its elementwise work stays while its matmuls halve, so it
-// runs at a FLOP/s of its own. Blocks too large to run quickly are measured at a narrower width
-// with the same head size. The result is cached per machine (CPU model, torch's thread count) and
-// shape in $RONDO_SPEED_CACHE (default $XDG_CACHE_HOME/rondo/speed, else ~/.cache/rondo/speed), so
-// repeated `rondo plan` calls agree; an unwritable cache only costs the measurement.
+// for 0.4 s at least (a small block's pass takes milliseconds); the median pass gives FLOP/s in the
+// planner's units (LayerSpec::flops_*_per_token; a frozen weight's backward counts half). With
+// `frozen_weights` (LoRA) the backward computes input gradients only, as a LoRA run's does: its
+// elementwise work stays while its matmuls halve, so it runs at a FLOP/s of its own. Blocks too
+// large to run quickly are measured at a narrower width with the same head size. The result is
+// cached per machine (CPU model, torch's thread count) and shape in $RONDO_SPEED_CACHE (default
+// $XDG_CACHE_HOME/rondo/speed, else ~/.cache/rondo/speed), so repeated `rondo plan` calls agree; an
+// unwritable cache only costs the measurement.
 //
 //   double flops = engine::cpu_flops(config, seq_len, batch_rows, "bf16", /*frozen_weights=*/true);
 #pragma once

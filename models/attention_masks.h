@@ -12,7 +12,7 @@
 //   at::Tensor docs = models::packed_doc_ids(batch);          // host, cheap
 //   models::DocSpans spans = models::doc_spans(docs);           // host
 //   ... upload docs (B, T) and spans.offsets (int32) ...
-//   models::limit_attention(ctx, cfg, docs_on_device, spans, offsets_on_device);
+//   models::limit_attention(ctx, cfg, docs_on_device, spans, device, dtype, offsets_on_device);
 #pragma once
 
 #include <ATen/core/Tensor.h>
