@@ -21,6 +21,7 @@
 #include "engine/state.h"
 #include "kernels/error.h"
 #include "kernels/quant.h"
+#include "models/attention_masks.h"
 #include "models/lora.h"
 #include "offload/activation_spill.h"
 #include "offload/nvme_store.h"
@@ -424,15 +425,31 @@ RunEstimate estimate_run(const TrainConfig& config, const models::ModelSummary& 
     e.inputs.optimizer_s_per_grad_byte = 1.0 / (4.0 * cpu_adamw_params_per_s(config.model.dtype));
   e.inputs.tokens_per_step = tokens_per_step;
   // Per token of a step, on each device (the engine uploads a step's inputs once per device):
-  // token id, target, position, document id (int64 each), the rotary cos and sin rows; and built
-  // there from the document ids for the microbatch a job runs, a row of the packed-document mask
-  // (one bool per key) and of the sliding-window mask where there is one.
+  // token id, target, position, document id (int64 each), the rotary cos and sin rows (the
+  // documents' int32 offsets, a few per row, are left out). Built there for the microbatch a job
+  // runs (models::limit_attention): a row of one mask (one bool per key) for packed rows or rows
+  // longer than the sliding window, and of a second where both and the window is only some
+  // layers'; none where packed rows attend per document, which a GPU does where flash attention
+  // takes the model (models::attend_per_document; a head size of 193-256 only on some cards, so
+  // counted with masks), the CPU where its documents are long (not known here: counted).
   const std::uint64_t uploaded_bytes_per_token =
       4 * 8 + 2 * static_cast<std::uint64_t>(model.config.head_dim) * wb;
   {
-    const auto T = static_cast<std::uint64_t>(std::max<std::int64_t>(config.data.seq_len, 0));
+    const std::int64_t seq = std::max<std::int64_t>(config.data.seq_len, 0);
+    const auto T = static_cast<std::uint64_t>(seq);
+    const bool gpus = devices.mode == DeviceMode::kCuda || devices.mode == DeviceMode::kPlanned;
+    const at::ScalarType dtype = config.model.dtype == "bf16"   ? at::kBFloat16
+                                 : config.model.dtype == "fp16" ? at::kHalf
+                                                                : at::kFloat;
+    const bool per_document = gpus && config.data.pack && model.config.head_dim <= 192 &&
+                              models::flash_may_attend_per_document(model.config, dtype);
+    const bool windowed = model.config.sliding_window > 0 && seq > model.config.sliding_window;
     e.inputs.input_bytes_per_token = uploaded_bytes_per_token;
-    e.inputs.mask_bytes_per_token = T + (model.config.sliding_window > 0 ? T : 0);
+    const bool pack = config.data.pack;
+    e.inputs.mask_bytes_per_token =
+        per_document ? 0
+                     : (pack || windowed ? T : 0) +
+                           (pack && windowed && !model.config.sliding_layers.empty() ? T : 0);
   }
   e.inputs.microbatches = M;
   e.inputs.one_step_stale = config.training.one_step_stale;
@@ -607,7 +624,7 @@ RunEstimate estimate_run(const TrainConfig& config, const models::ModelSummary& 
     else if (pl.nvme_bytes > free_now)
       e.warnings.push_back(fmt::format(
           "hardware.disk_space: {} must go to the NVMe tier but only {} is free in {} now; a run "
-          "here stops at its start (the store reserves its file) until there is room",
+          "here fails at its start (the store reserves its file) unless there is room by then",
           format_bytes(pl.nvme_bytes), format_bytes(free_now), offload_dir));
   }
 

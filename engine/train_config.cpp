@@ -147,6 +147,11 @@ std::vector<std::string> TrainConfig::validate(bool planning) const {
     }
   }
 
+  if (!hardware.disk_space.empty() && hardware.offload_dir.empty())
+    add("hardware.disk_space",
+        "set without hardware.offload_dir; it is the space the run may use there, so set "
+        "offload_dir to that drive's folder or leave disk_space out");
+
   if (output.run_dir.empty() && !planning)
     add("output.run_dir", "not set; give the folder the run writes");
   for (const std::string& e : output.exports) {

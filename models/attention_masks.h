@@ -56,6 +56,11 @@ DocSpans doc_spans(const at::Tensor& docs);
 bool attend_per_document(const ModelConfig& config, const DocSpans& spans, at::Device device,
                          at::ScalarType dtype);
 
+// The part of attend_per_document on CUDA known without a GPU: the dtype and the model allow it
+// (half precision, a head size flash attention takes, no dropout or sinks). The planner counts
+// no masks where this holds (engine/estimate.cpp).
+bool flash_may_attend_per_document(const ModelConfig& config, at::ScalarType dtype);
+
 // Sets ctx's limits for B rows of T tokens (B, T from ctx.positions) on `device`: per document
 // (doc_offsets; `offsets_on_device` is spans.offsets_tensor() already there, or undefined to copy
 // it) or the masks make_attention_context sets, built from `docs` (packed_doc_ids, on `device`;

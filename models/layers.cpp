@@ -369,8 +369,10 @@ at::Tensor flash_per_document(const at::Tensor& q, const at::Tensor& k, const at
                                                   scale, left, right));
 }
 
-// Whether flash_per_document runs on this device for this dtype and head size: tried once with two
-// documents (an older GPU, or a torch built without flash attention, throws).
+// Whether flash_per_document runs on this device for this dtype and head size, forward and
+// backward: tried once with two documents (an older GPU, or a torch built without flash attention,
+// throws; flash's backward lacks some head sizes, 193-224, outside sm80/sm90, where the forward
+// runs, so a training step would throw halfway instead of taking the masked path).
 bool flash_per_document_runs(at::Device device, at::ScalarType dtype, std::int64_t D) {
   if (!at::globalContext().userEnabledFlashSDP()) return false;
   static std::mutex mu;
@@ -380,11 +382,15 @@ bool flash_per_document_runs(at::Device device, at::ScalarType dtype, std::int64
   if (auto it = known.find(key); it != known.end()) return it->second;
   bool runs = false;
   try {
-    at::NoGradGuard no_grad;
+    c10::AutoGradMode grad_mode(true);
     const auto opts = at::TensorOptions().dtype(dtype).device(device);
-    at::Tensor q = at::ones({3, 2, D}, opts), kv = at::ones({3, 1, D}, opts);
+    at::Tensor q = at::ones({3, 2, D}, opts).set_requires_grad(true);
+    at::Tensor kv = at::ones({3, 1, D}, opts).set_requires_grad(true);
     at::Tensor offsets = at::tensor(std::vector<std::int32_t>{0, 1, 3}, at::kInt).to(device);
-    runs = flash_per_document(q, kv, kv, offsets, 2, 1.0, 0).isfinite().all().item<bool>();
+    const at::Tensor out = flash_per_document(q, kv, kv, offsets, 2, 1.0, 0);
+    const auto grads = torch::autograd::grad({out.sum()}, {q, kv});
+    runs = out.isfinite().all().item<bool>() && grads[0].isfinite().all().item<bool>() &&
+           grads[1].isfinite().all().item<bool>();
   } catch (const std::exception&) {
     runs = false;
   }
@@ -394,12 +400,17 @@ bool flash_per_document_runs(at::Device device, at::ScalarType dtype, std::int64
 
 }  // namespace
 
+bool flash_may_attend_per_document(const ModelConfig& c, at::ScalarType dtype) {
+  return (dtype == at::kBFloat16 || dtype == at::kHalf) && c.head_dim % 8 == 0 &&
+         c.head_dim <= 256 && c.attention_dropout == 0 && !c.attention_sinks;
+}
+
 bool attend_per_document(const ModelConfig& c, const DocSpans& spans, at::Device device,
                          at::ScalarType dtype) {
   if (spans.offsets.size() < 2 || c.attention_dropout > 0 || c.attention_sinks) return false;
   if (device.is_cuda())
-    return (dtype == at::kBFloat16 || dtype == at::kHalf) && c.head_dim % 8 == 0 &&
-           c.head_dim <= 256 && flash_per_document_runs(device, dtype, c.head_dim);
+    return flash_may_attend_per_document(c, dtype) &&
+           flash_per_document_runs(device, dtype, c.head_dim);
   if (!device.is_cpu()) return false;
   const auto docs = static_cast<std::int64_t>(spans.offsets.size()) - 1;
   return docs * 32 <= spans.offsets.back() &&

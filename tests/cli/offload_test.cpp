@@ -398,6 +398,10 @@ TEST_F(Offload, PlansLongSequencesWithTheirCheckpointsOnNvme) {
   EXPECT_NE(elsewhere["verdict"], "does not fit") << r.out;
   const bool room_here = fs::space(dir).available >= elsewhere["placement"]["nvme_bytes"];
   EXPECT_EQ(contains(elsewhere["warnings"].dump(), "is free in"), !room_here) << r.out;
+  // The space of no drive: refused, naming what to set.
+  r = run_rondo(base + " --set hardware.disk_space=1TB");
+  EXPECT_NE(r.code, 0) << r.out;
+  EXPECT_TRUE(contains(r.out, "hardware.disk_space: set without hardware.offload_dir")) << r.out;
 }
 
 // "Does Llama-3-70B LoRA fit on my 24 GB card with 64 GB of RAM and an NVMe drive?", asked before

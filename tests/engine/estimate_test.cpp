@@ -8,6 +8,7 @@
 #include <filesystem>
 
 #include "engine/devices.h"
+#include "models/attention_masks.h"
 #include "models/inspect.h"
 #include "tests/support/tiny_model_folder.h"
 
@@ -99,6 +100,68 @@ TEST(Estimate, StepsFarFromThePredictionAreSaid) {
   // A run of under a minute either way: not worth saying.
   EXPECT_EQ(step_time_warning(0.01, {0.05, 0.05, 0.05}, 100), "");
   EXPECT_NE(step_time_warning(0.01, {0.05, 0.05, 0.05}, 2000), "");
+}
+
+// The planner counts the attention masks a device builds for a job (PlanInputs::
+// mask_bytes_per_token): on the CPU what limit_attention builds for short packed documents, with
+// and without a window over all layers or some; on a GPU none where flash attention attends per
+// document (half precision, no dropout), the masks otherwise.
+TEST(Estimate, CountsTheMasksTheDeviceBuilds) {
+  const fs::path dir = fs::path(::testing::TempDir()) / "estimate_masks";
+  fs::remove_all(dir);
+  const std::int64_t B = 2, T = 256;
+  test::write_model_folder(dir.string(), 1, {.layers = 2, .hidden = 64, .intermediate = 128});
+  models::ModelSummary summary = models::inspect_model(dir.string(), T);
+  const DevicePlan cpu = plan_devices({}), gpu = plan_devices({.gpu = "RTX 4090"});
+  auto counted = [&](const DevicePlan& devices, const std::string& dtype, bool pack) {
+    TrainConfig c;
+    c.model.path = dir.string();
+    c.model.dtype = dtype;
+    c.data.seq_len = T;
+    c.data.pack = pack;
+    c.training.method = "lora";
+    const RunEstimate est = estimate_run(c, summary, devices, 1, B * T, /*host_free=*/1ull << 40,
+                                         /*disk_free=*/1ull << 40);
+    return est.inputs.mask_bytes_per_token;
+  };
+  // What the CPU builds: documents of 8 tokens (too short to attend one by one there).
+  auto built = [&](bool pack) {
+    at::Tensor tokens = at::zeros({B, T}, at::kLong);
+    at::Tensor docs = at::arange(B * T, at::kLong).div(8, "floor").view({B, T});
+    const models::AttentionContext ctx = models::make_attention_context(
+        summary.config, {tokens, pack ? docs : at::Tensor()}, at::kFloat);
+    EXPECT_TRUE(ctx.doc_offsets.empty());
+    std::uint64_t bytes = 0;
+    for (const at::Tensor& m : {ctx.mask, ctx.window_mask})
+      if (m.defined()) bytes += static_cast<std::uint64_t>(m.numel()) * m.element_size();
+    return bytes / static_cast<std::uint64_t>(B * T);
+  };
+  struct Window {
+    std::int64_t size;
+    std::vector<bool> layers;
+  };
+  for (const Window& w : {Window{0, {}}, Window{64, {}}, Window{64, {true, false}}}) {
+    summary.config.sliding_window = w.size;
+    summary.config.sliding_layers = w.layers;
+    for (bool pack : {true, false}) {
+      SCOPED_TRACE("window " + std::to_string(w.size) + " over " +
+                   (w.layers.empty() ? "all layers" : "one layer") + (pack ? ", packed" : ""));
+      EXPECT_EQ(counted(cpu, "fp32", pack), built(pack));
+      // A GPU in half precision attends packed rows per document (the window in the kernel); rows
+      // of one document each still get the window's mask.
+      EXPECT_EQ(counted(gpu, "bf16", pack), pack ? 0u : built(false));
+      EXPECT_EQ(counted(gpu, "fp16", pack), pack ? 0u : built(false));
+      // fp32 is not flash attention's: the masks, as on the CPU.
+      EXPECT_EQ(counted(gpu, "fp32", pack), built(pack));
+    }
+  }
+  // Attention dropout needs the masked path on a GPU too.
+  summary.config.sliding_window = 0;
+  summary.config.sliding_layers.clear();
+  summary.config.attention_dropout = 0.1;
+  EXPECT_EQ(counted(gpu, "bf16", true), built(true));
+  EXPECT_EQ(built(true), static_cast<std::uint64_t>(T));
+  fs::remove_all(dir);
 }
 
 }  // namespace
