@@ -154,6 +154,8 @@ struct StepData {
   std::shared_ptr<offload::HostBuffer> packed;
   std::vector<std::array<PackedTensor, kInputSlots>> layout;
   std::vector<models::DocSpans> spans;  // per microbatch: its packed rows' documents
+  // The step's jobs' microbatches whose attention ran per document, or under masks (StepResult).
+  mutable std::atomic<std::int64_t> per_document_passes{0}, masked_passes{0};
   std::mutex inputs_mu;
   std::map<int, std::shared_ptr<DeviceInputs>> on_device;  // by device, under inputs_mu
   // The tail's loss sum (one float), downloaded into staging memory: a pageable destination would
@@ -513,7 +515,9 @@ struct Engine::Impl {
     wait(lock, [&] { return h->ready; });
     slots.erase(key);  // consumed once: this job owns its buffers from here
     lock.unlock();
-    if (h->spilled) h->host = transfers->unspill(h->spilled);
+    // (unspill() empties h->spilled.)
+    const bool unspilled = static_cast<bool>(h->spilled);
+    if (unspilled) h->host = transfers->unspill(h->spilled);
     at::Tensor t;
     if (h->device == dc.dev) {
       dc.compute->wait(*h->event);
@@ -524,12 +528,12 @@ struct Engine::Impl {
       dc.compute->wait(*up.ready);
       t = view(up.buffer.data(), h->sizes, act_dtype, dc.torch);
       r.buffers.push_back(std::move(up.buffer));
-      if (h->spilled) {
+      if (unspilled) {
         // A checkpoint read back from the NVMe tier: its staging goes back to the pool once the
         // upload has landed (the read is done, so that is the copy's time only), not when the job
         // is released two jobs later, which would keep every microbatch's in host memory.
         up.ready->synchronize();
-        transfers->recycle(std::move(h->host.host));
+        transfers->recycle_unspilled(std::move(h->host.host));
       } else {
         r.staging.push_back(std::move(h->host.host));
       }
@@ -832,6 +836,10 @@ struct Engine::Impl {
     // (models/attention_masks.h): per document, or masks of the running microbatch only.
     models::limit_attention(ctx, config, mbi.docs, step.spans[static_cast<std::size_t>(m)], dev,
                             act_dtype, mbi.doc_offsets);
+    if (!ctx.doc_offsets.empty())
+      ++step.per_document_passes;
+    else if (ctx.mask.defined() || ctx.window_mask.defined())
+      ++step.masked_passes;
     // Training: attention and LoRA dropout (when the model has them) draw from this seed;
     // evaluation has none.
     if (!evaluating_) ctx.dropout_seed = dropout_seed(options.seed, step.step_no, m);
@@ -968,6 +976,8 @@ struct Engine::Impl {
         res.step = step_no;
         res.tokens = step->tokens;
         res.targets = step->targets;
+        res.attention_per_document = step->per_document_passes;
+        res.attention_masked = step->masked_passes;
         res.loss = static_cast<double>(*step->loss->as<float>()) /
                    static_cast<double>(std::max<std::int64_t>(step->targets, 1));
         if (config.output_router_logits)
@@ -1822,6 +1832,10 @@ const Plan& Engine::plan() const {
 
 double Engine::loss_scale() const {
   return impl_->scale;
+}
+
+offload::TransferStats Engine::transfer_stats() const {
+  return impl_->transfers->stats();
 }
 
 }  // namespace rondo::engine

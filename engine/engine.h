@@ -33,6 +33,7 @@
 #include "models/layers.h"
 #include "offload/host_arena.h"
 #include "offload/layer_store.h"
+#include "offload/transfer.h"
 
 namespace rondo::engine {
 
@@ -111,6 +112,10 @@ struct StepResult {
   bool skipped = false;  // fp16 overflow: the update was skipped and the scale lowered
   double loss_scale = 1;
   double seconds = 0;  // wall time since the previous step ended (or train() began)
+  // The step's jobs' microbatches (a job runs a stage's forward or backward on one microbatch)
+  // whose attention ran per document (packed rows, models::attend_per_document), or under
+  // (B, 1, T, T) masks; neither for rows of one document each within the window.
+  std::int64_t attention_per_document = 0, attention_masked = 0;
 };
 
 // A loss over an evaluation set: the cross-entropy summed over its target tokens, and their count.
@@ -209,6 +214,8 @@ class Engine {
 
   const Plan& plan() const;  // the plan in use (it changes when the engine re-plans)
   double loss_scale() const;
+  // Bytes moved since the engine was made (offload::TransferStats).
+  offload::TransferStats transfer_stats() const;
 
  private:
   struct Impl;

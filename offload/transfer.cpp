@@ -41,8 +41,15 @@ Transfers::Transfers(LayerStore& store, HostArena& arena, std::vector<kernels::D
       throw InternalError("transfers: activation checkpoints on NVMe without an NVMe tier");
     spill_ = std::make_unique<ActivationSpill>(
         *store_.nvme(), options_.spill_bytes,
-        [this](std::size_t bytes) { return take_staging(bytes); },
-        [this](HostBuffer b) { recycle(std::move(b)); });
+        [this](std::size_t bytes) {
+          HostBuffer b = take_staging(bytes);
+          count_spill_staged(+1);
+          return b;
+        },
+        [this](HostBuffer b) {
+          count_spill_staged(-1);
+          recycle(std::move(b));
+        });
   }
   for (kernels::Device* dev : devices) {
     DeviceLinks l;
@@ -249,7 +256,19 @@ std::unique_ptr<kernels::Event> Transfers::download_value(int d, void* dst, cons
 
 Spilled Transfers::spill(Staged staged, std::size_t bytes) {
   RONDO_ASSERT(spill_);
+  count_spill_staged(+1);
   return spill_->write(std::move(staged.host), bytes, std::move(staged.done));
+}
+
+void Transfers::recycle_unspilled(HostBuffer buffer) {
+  count_spill_staged(-1);
+  recycle(std::move(buffer));
+}
+
+void Transfers::count_spill_staged(int change) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  spill_staged_ = static_cast<std::uint64_t>(static_cast<std::int64_t>(spill_staged_) + change);
+  stats_.spill_staged_peak = std::max(stats_.spill_staged_peak, spill_staged_);
 }
 
 void Transfers::prefetch(Spilled& spilled) {

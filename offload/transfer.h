@@ -55,6 +55,10 @@ struct TransferStats {
   std::uint64_t gradients_down = 0;
   std::uint64_t nvme_read = 0;  // weights read from the NVMe tier for uploads
   SpillStats spill;             // activation checkpoints on the NVMe tier
+  // The most checkpoints handed to the NVMe tier in host staging at once: waiting for the drive,
+  // being written, read back and not yet given back with recycle_unspilled() (the planner counts
+  // these: engine/estimate.cpp).
+  std::uint64_t spill_staged_peak = 0;
 };
 
 // Some layers' weights on one device. Destroying it frees the device memory in stream order and
@@ -146,6 +150,8 @@ class Transfers {
   Spilled spill(Staged staged, std::size_t bytes);
   void prefetch(Spilled& spilled);
   Staged unspill(Spilled& spilled);
+  // An unspilled checkpoint's staging back to the pool (recycle(), counted off the tier's staging).
+  void recycle_unspilled(HostBuffer buffer);
 
   // Layer `layer`'s gradients, laid out as the store's gradient region, from `src` on device d
   // into the store, after `after`; returns the event behind the copy.
@@ -172,6 +178,8 @@ class Transfers {
   mutable std::mutex mutex_;
   std::multimap<std::size_t, HostBuffer> free_;  // recycled staging, by size
   TransferStats stats_;
+  std::uint64_t spill_staged_ = 0;          // spilled checkpoints in host staging now, under mutex_
+  void count_spill_staged(int change);      // +1 onto the tier's staging, -1 off it
   std::unique_ptr<ActivationSpill> spill_;  // last: its writer thread recycles into free_
 };
 

@@ -16,6 +16,7 @@
 #include <functional>
 #include <future>
 #include <random>
+#include <set>
 #include <thread>
 
 #include <nlohmann/json.hpp>
@@ -25,6 +26,7 @@
 #include "kernels/cpu/sim_device.h"
 #include "kernels/quant.h"
 #include "models/lora.h"
+#include "models/model.h"
 #include "offload/activation_spill.h"
 #include "offload/nvme_store.h"
 #include "tests/support/plain_loop.h"
@@ -92,6 +94,7 @@ struct EngineRun {
   Plan final_plan;                 // the plan in use at the end (re-planning may change it)
   std::uint64_t nvme_written = 0;  // bytes the NVMe tier wrote, when there is one
   std::uint64_t arena_peak = 0;    // the host arena's peak (store, staging)
+  offload::TransferStats transfers;
 };
 
 std::vector<std::unique_ptr<kernels::Device>> sim_devices(int n, std::uint64_t bytes = 1ull << 30,
@@ -164,6 +167,7 @@ EngineRun run_engine(const Case& s, const Plan& plan, int devices, EngineOptions
     out.results = engine.train(static_cast<std::int64_t>(s.steps.size()),
                                [&](std::int64_t step) { return s.steps.at(step - 1); });
     out.final_plan = engine.plan();
+    out.transfers = engine.transfer_stats();
   }
   if (nvme) out.nvme_written = nvme->info().bytes_written;
   out.arena_peak = arena.usage().peak;
@@ -469,7 +473,8 @@ TEST(Engine, NvmeTierTrainsBitForBitLikeHostMemory) {
 // with them there ends bit for bit where the same run with them in host memory ends, in layer grain
 // (every block's input saved) and stage grain, with room for two steps' checkpoints (what the
 // planner gives) or for one only (regions are reused; a checkpoint that finds none may stay in
-// host memory, a path the spill's own tests check).
+// host memory, a path the spill's own tests check); and host staging holds no more checkpoints at
+// once than the planner counts.
 TEST(Engine, CheckpointsOnNvmeTrainBitForBitLikeHostMemory) {
   const unsigned seed = std::random_device{}();
   std::printf("seed %u\n", seed);
@@ -499,6 +504,25 @@ TEST(Engine, CheckpointsOnNvmeTrainBitForBitLikeHostMemory) {
       const EngineRun nvme = run_engine(s, plan, 2, o, {}, {.nvme_dir = dir});
       EXPECT_GT(nvme.nvme_written, 0u) << "no checkpoint reached the drive";
       expect_same_bits(host, nvme);
+      // Host staging holds at most what the planner counts (engine/estimate.cpp): 4 checkpoints
+      // waiting for the drive, one being written, one per device waiting to queue; and per device
+      // three microbatches' worth of a backward job's checkpoints read back (being uploaded, read
+      // ahead, the next job's first). Every microbatch's would be M / 3 times that per job.
+      if (steps_room == 2) {
+        const std::set<int> saved = plan.checkpointed_layers();
+        std::uint64_t per_job = 0;
+        for (const LayerRange& r : plan.backward)
+          per_job = std::max<std::uint64_t>(
+              per_job, std::distance(saved.lower_bound(r.begin), saved.lower_bound(r.end)));
+        const std::uint64_t N = 2;
+        EXPECT_EQ(nvme.transfers.spill.held, 0u);
+        EXPECT_LE(nvme.transfers.spill_staged_peak, (4 + 1 + N) + 3 * N * per_job);
+        EXPECT_GT(nvme.transfers.spill_staged_peak, 0u);
+        std::printf("%s: at most %llu checkpoints in host staging (%llu per backward job)\n",
+                    plan.describe().c_str(),
+                    static_cast<unsigned long long>(nvme.transfers.spill_staged_peak),
+                    static_cast<unsigned long long>(per_job));
+      }
     }
 }
 
@@ -518,10 +542,12 @@ TEST(Engine, PackedRowsSendDocumentIdsAndTheDevicesBuildTheMasks) {
     for (int i = 0; i < 2; ++i) {
       s.steps.push_back(test::random_batch(config, rows, T, M));
       if (short_documents)
-        for (Microbatch& mb : s.steps.back())
+        for (Microbatch& mb : s.steps.back()) {
           mb.batch.doc_ids = at::arange(mb.batch.tokens.numel(), at::kLong)
                                  .div(16, "floor")
                                  .view(mb.batch.tokens.sizes());
+          mb.targets = models::next_token_targets(mb.batch);  // no target across a document end
+        }
     }
     for (const Microbatch& mb : s.steps[0]) {
       const models::AttentionContext ctx =
@@ -535,8 +561,15 @@ TEST(Engine, PackedRowsSendDocumentIdsAndTheDevicesBuildTheMasks) {
     SCOPED_TRACE(plan.describe());
     const EngineRun run = run_engine(s, plan, 2);
     const Reference ref = run_reference(s);
-    for (std::size_t i = 0; i < ref.losses.size(); ++i)
+    for (std::size_t i = 0; i < ref.losses.size(); ++i) {
       EXPECT_NEAR(run.results[i].loss, ref.losses[i], 1e-6 * ref.losses[i]) << "step " << i + 1;
+      // The engine's own choice, job by job: the same as the reference's above.
+      const StepResult& r = run.results[i];
+      EXPECT_EQ(r.attention_per_document > 0, !short_documents) << "step " << i + 1;
+      EXPECT_EQ(r.attention_masked > 0, short_documents) << "step " << i + 1;
+      // Every job runs M microbatches, and a step has a forward and a backward job at least.
+      EXPECT_GE(r.attention_per_document + r.attention_masked, 2 * M);
+    }
     std::printf("%s: arena peak %.2f MiB; one step's masks %.2f MiB\n",
                 short_documents ? "masks" : "per document", run.arena_peak / 1048576.0,
                 mask_bytes / 1048576.0);
