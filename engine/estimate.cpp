@@ -407,9 +407,11 @@ RunEstimate estimate_run(const TrainConfig& config, const models::ModelSummary& 
       if (link == 0) link = 20e9;  // unknown: a PCIe 4.0 x16 slot
       latency = 10e-6;
     } else {
-      if (host_flops == 0)
+      if (host_flops == 0) {
+        const models::LoraConfig adapters = config.lora_config();
         host_flops = cpu_flops(model.config, config.data.seq_len, config.training.batch_rows,
-                               config.model.dtype, lora);
+                               config.model.dtype, lora, lora ? &adapters : nullptr);
+      }
       flops = host_flops;
     }
     e.inputs.devices.push_back({.speed = flops / ref,
@@ -419,6 +421,20 @@ RunEstimate estimate_run(const TrainConfig& config, const models::ModelSummary& 
   }
   e.inputs.shared_compute =
       devices.mode != DeviceMode::kCuda && devices.mode != DeviceMode::kPlanned;
+  // The head computes in host memory in short chunks of logits, at a speed of its own (measured
+  // like the block's): its costs are scaled so that host_flops gives its time.
+  if (host_flops > 0)
+    for (std::size_t l = 0; l < specs.size(); ++l)
+      if (specs[l].kind == models::LayerKind::kHead) {
+        bool trained = false;
+        for (const offload::TensorDesc& t : pl.layers[l].tensors)
+          trained = trained || (t.trainable && t.numel > model.config.hidden_size);
+        const double head_flops =
+            cpu_head_flops(model.config, config.data.seq_len, config.training.batch_rows,
+                           config.model.dtype, trained);
+        e.inputs.layers[l].forward_s_per_token *= host_flops / head_flops;
+        e.inputs.layers[l].backward_s_per_token *= host_flops / head_flops;
+      }
   // The optimizer runs on this machine's CPU (for a card planned from the table too: its host is
   // taken to be like this one), on f32 gradients (grad_bytes above).
   if (e.trained_params > 0)

@@ -18,8 +18,10 @@
 #include <nlohmann/json.hpp>
 #include <vector>
 
+#include "engine/engine.h"
 #include "kernels/cpu/adamw.h"
 #include "models/layers.h"
+#include "models/lora.h"
 
 namespace rondo::engine {
 namespace {
@@ -122,15 +124,17 @@ Batch measured_batch(const models::ModelConfig& one, std::int64_t seq_len, std::
 }
 
 // FLOP/s of `one`'s block, forward and backward, on a batch: the median pass (median_seconds).
-double measure(const models::ModelConfig& one, Batch batch, at::ScalarType dtype, bool frozen) {
+double measure(const models::ModelConfig& one, Batch batch, at::ScalarType dtype, bool frozen,
+               const models::LoraConfig* lora) {
   const std::int64_t T = batch.T;
-  const models::LayerSpec spec = models::layer_specs(one)[1];
+  const models::LayerSpec spec =
+      lora ? models::add_lora(models::layer_specs(one), *lora)[1] : models::layer_specs(one)[1];
   // A generator of its own: the process's default one is not touched.
   at::Generator gen = at::detail::createCPUGenerator(0);
   std::vector<at::Tensor> w;
   for (const models::ParamSpec& p : spec.params) {
     at::Tensor t = p.shape.size() == 1 ? at::ones(p.shape) : 0.02 * at::randn(p.shape, gen);
-    w.push_back(t.to(dtype).requires_grad_(!frozen));
+    w.push_back(t.to(dtype).requires_grad_(!frozen || models::is_lora_param(p.name)));
   }
   const models::BlockWeights bw = models::BlockWeights::bind(spec, w);
   const models::AttentionContext ctx = models::make_attention_context(
@@ -223,19 +227,64 @@ double cpu_adamw_params_per_s(const std::string& stream_dtype) {
 }
 
 double cpu_flops(const models::ModelConfig& config, std::int64_t seq_len, std::int64_t rows,
-                 const std::string& dtype, bool frozen_weights) {
+                 const std::string& dtype, bool frozen_weights, const models::LoraConfig* lora) {
+  frozen_weights = frozen_weights || lora;
+  std::string adapters = "none";
+  if (lora) {
+    adapters = fmt::format("r{}", lora->rank);
+    for (const std::string& t : lora->targets)
+      adapters += "," + t;
+  }
   const models::ModelConfig one = one_block(config);
   const Batch batch = measured_batch(one, seq_len, rows);
   const std::string key = fmt::format(
       "{}|cpu={}|threads={}|C={}|I={}|H={}|KV={}|D={}|E={}/"
       "{}x{}|qk_norm={}|window={}|sinks={}|T={}|"
-      "rows={}|dtype={}|frozen={}",
+      "rows={}|dtype={}|frozen={}|lora={}",
       kMethod, cpu_model(), at::get_num_threads(), one.hidden_size, one.intermediate_size,
       one.num_heads, one.num_kv_heads, one.head_dim, one.sparse(0) ? one.num_experts : 0,
       one.experts_per_token, one.moe_intermediate_size, one.qk_norm,
       one.windowed(0) ? one.sliding_window : 0, one.attention_sinks, batch.T, batch.rows, dtype,
-      frozen_weights);
-  return cached(key, [&] { return measure(one, batch, scalar_of(dtype), frozen_weights); });
+      frozen_weights, adapters);
+  return cached(key, [&] { return measure(one, batch, scalar_of(dtype), frozen_weights, lora); });
+}
+
+double cpu_head_flops(const models::ModelConfig& config, std::int64_t seq_len, std::int64_t rows,
+                      const std::string& dtype, bool trained_head) {
+  // The engine's chunk for the model's own vocabulary (the matmuls' row count, what sets their
+  // speed); a large head measured on fewer vocabulary rows, as many as kMaxMeasuredParams allows.
+  const std::int64_t C = config.hidden_size;
+  const std::int64_t chunk =
+      head_chunk_tokens(EngineOptions{}.head_chunk_tokens, config.vocab_size, /*cpu_backed=*/true);
+  const std::int64_t V = std::clamp<std::int64_t>(
+      static_cast<std::int64_t>(kMaxMeasuredParams /
+                                static_cast<double>(std::max<std::int64_t>(C, 1))),
+      std::min<std::int64_t>(config.vocab_size, 1024), config.vocab_size);
+  const std::int64_t T =
+      std::clamp<std::int64_t>(seq_len > 0 ? seq_len : 128, 16, kMaxMeasuredTokens);
+  const std::int64_t R =
+      std::clamp<std::int64_t>(rows, 1, std::max<std::int64_t>(kMaxMeasuredTokens / T, 1));
+  const std::string key = fmt::format(
+      "{}|head|cpu={}|threads={}|C={}|V={}|chunk={}|T={}|rows={}|dtype={}|trained={}", kMethod,
+      cpu_model(), at::get_num_threads(), C, V, chunk, T, R, dtype, trained_head);
+  return cached(key, [&] {
+    models::ModelConfig c = config;
+    c.vocab_size = V;
+    const at::ScalarType st = scalar_of(dtype);
+    at::Generator gen = at::detail::createCPUGenerator(0);
+    const at::Tensor norm = at::ones({C}).to(st);
+    const at::Tensor lm_head = (0.02 * at::randn({V, C}, gen)).to(st);
+    const at::Tensor x = at::randn({R, T, C}, gen).to(st);
+    const at::Tensor targets = at::randint(0, V, {R, T}, gen, at::kLong);
+    auto pass = [&] {
+      models::head_forward_backward(c, norm, lm_head, x, targets, 1.0, trained_head, chunk);
+    };
+    pass();  // warm-up
+    const double seconds = median_seconds(pass);
+    // In the planner's units (LayerSpec::flops_*_per_token; a frozen head's backward counts half).
+    const double forward = 2.0 * static_cast<double>(V) * static_cast<double>(C);
+    return forward * (trained_head ? 3.0 : 2.0) * static_cast<double>(R * T) / seconds;
+  });
 }
 
 }  // namespace rondo::engine

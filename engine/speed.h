@@ -5,7 +5,9 @@
 // for 0.4 s at least (a small block's pass takes milliseconds); the median pass gives FLOP/s in the
 // planner's units (LayerSpec::flops_*_per_token; a frozen weight's backward counts half). With
 // `frozen_weights` (LoRA) the backward computes input gradients only, as a LoRA run's does: its
-// elementwise work stays while its matmuls halve, so it runs at a FLOP/s of its own. Blocks too
+// elementwise work stays while its matmuls halve, so it runs at a FLOP/s of its own; with `lora`
+// the block carries its adapters (frozen base, trained adapters), whose small matmuls and
+// elementwise passes a LoRA step pays in every block. Blocks too
 // large to run quickly are measured at a narrower width with the same head size. The result is
 // cached per machine (CPU model, torch's thread count) and shape in $RONDO_SPEED_CACHE (default
 // $XDG_CACHE_HOME/rondo/speed, else ~/.cache/rondo/speed), so repeated `rondo plan` calls agree; an
@@ -19,10 +21,25 @@
 
 #include "models/config.h"
 
+namespace rondo::models {
+struct LoraConfig;
+}  // namespace rondo::models
+
 namespace rondo::engine {
 
 double cpu_flops(const models::ModelConfig& config, std::int64_t seq_len, std::int64_t rows,
-                 const std::string& dtype, bool frozen_weights = false);
+                 const std::string& dtype, bool frozen_weights = false,
+                 const models::LoraConfig* lora = nullptr);
+
+// The same for the head (final norm, LM head, cross-entropy: models::head_forward_backward) in the
+// chunks of logits the engine computes at a time in host memory (head_chunk_tokens): a chunk of a
+// few dozen rows against a large vocabulary runs its matmuls well below a block's FLOP/s (on this
+// project's machine, torch's matmuls for SmolLM2's head took 1.5 times as long in chunks of 85 rows
+// as in one of 512). Without
+// `trained_head` its backward computes the input gradient only. A large head is measured on fewer
+// vocabulary rows, in its own chunks.
+double cpu_head_flops(const models::ModelConfig& config, std::int64_t seq_len, std::int64_t rows,
+                      const std::string& dtype, bool trained_head);
 
 // The optimizer's speed on this machine: parameters per second through the fused CPU AdamW
 // (kernels/cpu/adamw.h; f32 gradient, master and moments, the streaming copy in `stream_dtype`:

@@ -12,6 +12,7 @@
 #include <fstream>
 
 #include "models/config.h"
+#include "models/lora.h"
 
 namespace rondo::engine {
 namespace {
@@ -99,6 +100,32 @@ TEST_F(SpeedCache, ALargeBlockIsMeasuredNarrowerAndQuickly) {
   const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   EXPECT_GT(flops, 1e6);
   EXPECT_LT(s, 60.0);  // generous: a loaded 2-core machine under a sanitizer
+}
+
+// A LoRA run's block is measured with its adapters, and the head on its own (in the engine's
+// chunks of logits): each cached apart, by rank and targets, and by whether the head is trained.
+TEST_F(SpeedCache, LoraBlocksAndTheHeadAreMeasuredAndCachedApart) {
+  models::ModelConfig c = shape(128, 344, 4, 2);
+  c.vocab_size = 5000;
+  const models::LoraConfig r8{.rank = 8}, r16{.rank = 16},
+      attention{.rank = 8, .targets = {"q_proj", "v_proj"}};
+  const double lora = cpu_flops(c, 64, 1, "fp32", true, &r8);
+  EXPECT_GT(lora, 1e6);
+  EXPECT_EQ(cpu_flops(c, 64, 1, "fp32", true, &r8), lora);
+  cpu_flops(c, 64, 1, "fp32", true, &r16);
+  cpu_flops(c, 64, 1, "fp32", true, &attention);
+  EXPECT_EQ(files().size(), 3u);
+  const double head = cpu_head_flops(c, 64, 1, "fp32", /*trained_head=*/false);
+  EXPECT_GT(head, 1e6);
+  EXPECT_EQ(cpu_head_flops(c, 64, 1, "fp32", false), head);
+  EXPECT_GT(cpu_head_flops(c, 64, 1, "fp32", /*trained_head=*/true), 1e6);
+  EXPECT_EQ(files().size(), 5u);
+  // Llama-3-70B's head (128256 x 8192, 1B parameters) is measured on fewer vocabulary rows.
+  models::ModelConfig big = shape(8192, 28672, 64, 8);
+  big.vocab_size = 128256;
+  const auto t0 = std::chrono::steady_clock::now();
+  EXPECT_GT(cpu_head_flops(big, 4096, 1, "bf16", true), 1e6);
+  EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(), 60.0);
 }
 
 TEST_F(SpeedCache, AnUnwritableCacheOnlyCostsTheMeasurement) {
