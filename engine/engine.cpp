@@ -1622,7 +1622,11 @@ struct Engine::Impl {
     std::vector<std::uint64_t> rng(prompts.size(), options.seed);
     std::vector<bool> finished(prompts.size(), false);
     // kv_host: each block's cache in host memory, allocated for every slot at its first token
-    // (page-locked for a GPU), filled up to `offset` (every block sees every position).
+    // (page-locked for a GPU), filled up to `offset` (every block sees every position). Laid out
+    // position-major, (slots, B, KV, D), so that the positions so far are one contiguous block:
+    // it goes up in one copy straight from the page-locked memory (a (B, KV, slots, D) view of the
+    // first positions would be strided, which torch first gathers into pageable memory), and the
+    // new positions come down into one; the device lays them out as the block reads them.
     std::vector<models::KvCache> caches(static_cast<std::size_t>(L));
     const int head = L - 1;
     std::int64_t offset = 0;
@@ -1656,8 +1660,15 @@ struct Engine::Impl {
               models::KvCache& cache = kv_host ? on_device : kept;
               const std::int64_t had = offset;
               if (kv_host && had > 0) {
-                cache.k = kept.k.narrow(2, 0, had).to(dc.torch);
-                cache.v = kept.v.narrow(2, 0, had).to(dc.torch);
+                // (The copy may run on in the stream: the block writes only later positions.)
+                auto up = [&](const at::Tensor& host) {
+                  return host.narrow(0, 0, had)
+                      .to(dc.torch, /*non_blocking=*/true)
+                      .permute({1, 2, 0, 3})
+                      .contiguous();
+                };
+                cache.k = up(kept.k);
+                cache.v = up(kept.v);
                 out.kv_bytes_up += cache.k.nbytes() + cache.v.nbytes();
               }
               h = models::block_forward(
@@ -1666,18 +1677,20 @@ struct Engine::Impl {
                   ctx, &cache);
               if (kv_host) {  // only the new positions come down
                 if (!kept.k.defined()) {
-                  std::vector<std::int64_t> sizes = cache.k.sizes().vec();
-                  sizes[2] = slots;
+                  const at::IntArrayRef s = cache.k.sizes();  // (B, KV, positions, D)
                   const at::TensorOptions o =
                       cache.k.options().device(at::kCPU).pinned_memory(dc.torch.is_cuda());
-                  kept.k = at::empty(sizes, o);
-                  kept.v = at::empty(sizes, o);
+                  kept.k = at::empty({slots, s[0], s[1], s[3]}, o);
+                  kept.v = at::empty({slots, s[0], s[1], s[3]}, o);
                 }
-                const at::Tensor k = cache.k.narrow(2, had, count),
-                                 v = cache.v.narrow(2, had, count);
-                kept.k.narrow(2, had, count).copy_(k);
-                kept.v.narrow(2, had, count).copy_(v);
-                out.kv_bytes_down += k.nbytes() + v.nbytes();
+                auto down = [&](const at::Tensor& on_device, at::Tensor& host) {
+                  const at::Tensor added =
+                      on_device.narrow(2, had, count).permute({2, 0, 1, 3}).contiguous();
+                  host.narrow(0, had, count).copy_(added);
+                  out.kv_bytes_down += added.nbytes();
+                };
+                down(cache.k, kept.k);
+                down(cache.v, kept.v);
               }
             }
             if (st.range.end == L) {
