@@ -446,8 +446,11 @@ RunEstimate estimate_run(const TrainConfig& config, const models::ModelSummary& 
   // runs (models::limit_attention): a row of one mask (one bool per key) for packed rows or rows
   // longer than the sliding window, and of a second where both and the window is only some
   // layers'; none where packed rows attend per document, which a GPU does where flash attention
-  // takes the model (models::attend_per_document; a head size of 193-256 only on some cards, so
-  // counted with masks), the CPU where its documents are long (not known here: counted).
+  // takes the model and every card is Ampere or newer (models::attend_per_document; flash's
+  // backward for head sizes above 192 runs on some cards only, so those are counted with masks),
+  // the CPU where its documents are long (not known here: counted). A packed microbatch whose rows
+  // each hold one document has no documents to attend to (models::packed_doc_ids): rows longer
+  // than the window still get the window's mask, so that one is counted in any case.
   const std::uint64_t uploaded_bytes_per_token =
       4 * 8 + 2 * static_cast<std::uint64_t>(model.config.head_dim) * wb;
   {
@@ -457,13 +460,15 @@ RunEstimate estimate_run(const TrainConfig& config, const models::ModelSummary& 
     const at::ScalarType dtype = config.model.dtype == "bf16"   ? at::kBFloat16
                                  : config.model.dtype == "fp16" ? at::kHalf
                                                                 : at::kFloat;
-    const bool per_document = gpus && config.data.pack && model.config.head_dim <= 192 &&
-                              models::flash_may_attend_per_document(model.config, dtype);
+    bool per_document = gpus && config.data.pack && model.config.head_dim <= 192 &&
+                        models::flash_may_attend_per_document(model.config, dtype);
+    for (const kernels::DeviceInfo& d : devices.devices)
+      per_document = per_document && d.compute_major >= 8;
     const bool windowed = model.config.sliding_window > 0 && seq > model.config.sliding_window;
     e.inputs.input_bytes_per_token = uploaded_bytes_per_token;
     const bool pack = config.data.pack;
     e.inputs.mask_bytes_per_token =
-        per_document ? 0
+        per_document ? (windowed ? T : 0)
                      : (pack || windowed ? T : 0) +
                            (pack && windowed && !model.config.sliding_layers.empty() ? T : 0);
   }

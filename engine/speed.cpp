@@ -137,11 +137,13 @@ double measure(const models::ModelConfig& one, Batch batch, at::ScalarType dtype
     w.push_back(t.to(dtype).requires_grad_(!frozen || models::is_lora_param(p.name)));
   }
   const models::BlockWeights bw = models::BlockWeights::bind(spec, w);
-  const models::AttentionContext ctx = models::make_attention_context(
+  models::AttentionContext ctx = models::make_attention_context(
       one,
       {.tokens =
            at::arange(batch.rows * T, at::kLong).remainder(one.vocab_size).view({batch.rows, T})},
       dtype);
+  // LoRA's dropout on the adapters' input, as a training step draws it.
+  if (lora && lora->dropout > 0) ctx.dropout_seed = 1;
   const at::Tensor x0 = at::randn({batch.rows, T, one.hidden_size}, gen).to(dtype);
   auto pass = [&] {
     at::Tensor x = x0.detach().requires_grad_(true);
@@ -231,7 +233,7 @@ double cpu_flops(const models::ModelConfig& config, std::int64_t seq_len, std::i
   frozen_weights = frozen_weights || lora;
   std::string adapters = "none";
   if (lora) {
-    adapters = fmt::format("r{}", lora->rank);
+    adapters = fmt::format("r{},dropout{}", lora->rank, lora->dropout);
     for (const std::string& t : lora->targets)
       adapters += "," + t;
   }

@@ -2,6 +2,7 @@
 
 #include <ATen/ATen.h>
 #include <c10/core/GradMode.h>
+#include <c10/core/InferenceMode.h>
 #include <torch/csrc/autograd/autograd.h>
 
 #include <cctype>
@@ -99,8 +100,10 @@ std::uint64_t LayerSpec::activation_bytes_per_token(std::size_t act_bytes,
   std::uint64_t values = 0;
   switch (kind) {
     case LayerKind::kPrefix:
+      // The embedding's output. (The attention masks are the planner's per job, where they are
+      // built: PlanInputs::mask_bytes_per_token.)
       values = c.hidden_size;
-      return values * act_bytes + T;  // the mask: one bool per (query, key) pair
+      break;
 
     case LayerKind::kHead:
       // Normed input, plus one chunk of fp32 logits is transient, not per token.
@@ -371,7 +374,7 @@ at::Tensor flash_per_document(const at::Tensor& q, const at::Tensor& k, const at
 
 // Whether flash_per_document runs on this device for this dtype and head size, forward and
 // backward: tried once with two documents (an older GPU, or a torch built without flash attention,
-// throws; flash's backward lacks some head sizes, 193-224, outside sm80/sm90, where the forward
+// throws; flash's backward lacks head sizes above 192 outside sm80/sm90, where the forward
 // runs, so a training step would throw halfway instead of taking the masked path).
 bool flash_per_document_runs(at::Device device, at::ScalarType dtype, std::int64_t D) {
   if (!at::globalContext().userEnabledFlashSDP()) return false;
@@ -382,6 +385,8 @@ bool flash_per_document_runs(at::Device device, at::ScalarType dtype, std::int64
   if (auto it = known.find(key); it != known.end()) return it->second;
   bool runs = false;
   try {
+    // (Autograd is on even under a caller's InferenceMode, which AutoGradMode alone does not undo.)
+    c10::InferenceMode no_inference(false);
     c10::AutoGradMode grad_mode(true);
     const auto opts = at::TensorOptions().dtype(dtype).device(device);
     at::Tensor q = at::ones({3, 2, D}, opts).set_requires_grad(true);
@@ -429,18 +434,18 @@ void limit_attention(AttentionContext& ctx, const ModelConfig& c, const at::Tens
           offsets_on_device.defined() ? offsets_on_device : spans.offsets_tensor().to(device);
     return;
   }
-  const at::TensorOptions longs = at::TensorOptions().dtype(at::kLong).device(device);
+  const at::TensorOptions bools = at::TensorOptions().dtype(at::kBool).device(device);
   if (docs.defined()) {
     at::Tensor same = docs.unsqueeze(2).eq(docs.unsqueeze(1));  // (B, T, T)
-    at::Tensor causal =
-        at::ones({T, T}, at::TensorOptions().dtype(at::kBool).device(device)).tril();
+    at::Tensor causal = at::ones({T, T}, bools).tril();
     ctx.mask = (same & causal).unsqueeze(1);
   }
   if (c.sliding_window > 0 && T > c.sliding_window) {
     // Keys more than sliding_window - 1 positions back are out of reach: in every layer
     // (Mistral), or in the windowed ones only (Qwen's per-layer windows).
-    at::Tensor i = at::arange(T, longs).unsqueeze(1), j = at::arange(T, longs).unsqueeze(0);
-    at::Tensor window = ((i - j) < c.sliding_window) & (j <= i);
+    // Query i sees keys i - window + 1 ..= i: the band of the lower triangle (bools only; an
+    // int64 (T, T) difference would take 8 times the mask's memory).
+    at::Tensor window = at::ones({T, T}, bools).tril().triu(1 - c.sliding_window);
     at::Tensor base =
         ctx.mask.defined() ? ctx.mask : window.unsqueeze(0).unsqueeze(0).expand({B, 1, T, T});
     (c.sliding_layers.empty() ? ctx.mask : ctx.window_mask) = base & window;

@@ -113,6 +113,9 @@ TEST(Estimate, CountsTheMasksTheDeviceBuilds) {
   test::write_model_folder(dir.string(), 1, {.layers = 2, .hidden = 64, .intermediate = 128});
   models::ModelSummary summary = models::inspect_model(dir.string(), T);
   const DevicePlan cpu = plan_devices({}), gpu = plan_devices({.gpu = "RTX 4090"});
+  DevicePlan turing = gpu;  // an RTX 2080's compute capability
+  turing.devices.at(0).compute_major = 7;
+  turing.devices.at(0).compute_minor = 5;
   auto counted = [&](const DevicePlan& devices, const std::string& dtype, bool pack) {
     TrainConfig c;
     c.model.path = dir.string();
@@ -148,11 +151,12 @@ TEST(Estimate, CountsTheMasksTheDeviceBuilds) {
                    (w.layers.empty() ? "all layers" : "one layer") + (pack ? ", packed" : ""));
       EXPECT_EQ(counted(cpu, "fp32", pack), built(pack));
       // A GPU in half precision attends packed rows per document (the window in the kernel); rows
-      // of one document each still get the window's mask.
-      EXPECT_EQ(counted(gpu, "bf16", pack), pack ? 0u : built(false));
-      EXPECT_EQ(counted(gpu, "fp16", pack), pack ? 0u : built(false));
-      // fp32 is not flash attention's: the masks, as on the CPU.
+      // of one document each, packed or not, get the window's mask as on the CPU.
+      EXPECT_EQ(counted(gpu, "bf16", pack), built(false));
+      EXPECT_EQ(counted(gpu, "fp16", pack), built(false));
+      // fp32 is not flash attention's, nor is a card older than Ampere: the masks, as on the CPU.
       EXPECT_EQ(counted(gpu, "fp32", pack), built(pack));
+      EXPECT_EQ(counted(turing, "bf16", pack), built(pack));
     }
   }
   // Attention dropout needs the masked path on a GPU too.
