@@ -1777,7 +1777,8 @@ Engine::Engine(const models::ModelConfig& config, const std::vector<models::Laye
   impl_->transfers = std::make_unique<offload::Transfers>(
       store, arena, devices,
       offload::TransferOptions{.max_chunk_bytes = impl_->options.max_chunk_bytes,
-                               .spill_bytes = impl_->options.spill_checkpoint_bytes});
+                               .spill_bytes = impl_->options.spill_checkpoint_bytes,
+                               .share_frozen = impl_->options.share_frozen_weights});
   for (std::size_t d = 0; d < devices.size(); ++d) {
     auto dc = std::make_unique<DeviceCtx>();
     dc->dev = devices[d];

@@ -71,6 +71,9 @@ struct EngineOptions {
   // for them) they may take; 0 = they stay in host staging memory. Written there once downloaded,
   // read back (one microbatch ahead) for the backward; the results are the same bit for bit.
   std::uint64_t spill_checkpoint_bytes = 0;
+  // The devices are the CPU itself (DeviceMode::kCpu): frozen weights in host memory are read
+  // where the store keeps them, not copied every step (offload::TransferOptions::share_frozen).
+  bool share_frozen_weights = false;
   EventSink* events = nullptr;  // plan, span and device events when set
   // The costs the plan was made from: for the plan event's prediction and for re-planning. May
   // be null (then no prediction and no re-planning).

@@ -91,8 +91,13 @@ std::unique_ptr<DeviceWeights> Transfers::load_weights(int d, const std::vector<
     // One device buffer per layer: the frozen part, then the trained part.
     ByteRange parts[2] = {store_.stream_bytes(layer, kBasePart),
                           store_.stream_bytes(layer, kStreamPart)};
-    const std::size_t bytes = parts[0].bytes + parts[1].bytes;
     const unsigned on_nvme = nvme_parts(store_, layer, false);
+    // The frozen part read in place (TransferOptions::share_frozen): only the trained part is
+    // copied.
+    const bool shared = options_.share_frozen && !(on_nvme & kBasePart) && parts[0].bytes > 0;
+    std::uint8_t* frozen = shared ? parts[0].data : nullptr;
+    if (shared) parts[0] = {};
+    const std::size_t bytes = parts[0].bytes + parts[1].bytes;
     if (on_nvme) {
       // Staging for at most nvme_window layers: wait for the oldest upload to end first.
       while (static_cast<int>(window.size()) >= options_.nvme_window) {
@@ -115,8 +120,9 @@ std::unique_ptr<DeviceWeights> Transfers::load_weights(int d, const std::vector<
           read += parts[part == kBasePart ? 0 : 1].bytes;
         }
     }
-    if (bytes == 0) continue;
-    kernels::DeviceBuffer buf = dl.dev->allocate(bytes, dl.weight_up);
+    if (bytes == 0 && !shared) continue;
+    kernels::DeviceBuffer buf;
+    if (bytes > 0) buf = dl.dev->allocate(bytes, dl.weight_up);
     auto* base = static_cast<std::uint8_t*>(buf.data());
     std::size_t at = 0;
     for (const ByteRange& range : parts) {
@@ -134,7 +140,9 @@ std::unique_ptr<DeviceWeights> Transfers::load_weights(int d, const std::vector<
     for (std::size_t i = 0; i < ts.size(); ++i) {
       const TensorState& t = ts[i];
       if (t.tied) continue;
-      std::uint8_t* src = base + (t.trainable ? parts[0].bytes : 0) + t.stream_offset;
+      std::uint8_t* src =
+          (!t.trainable && shared ? frozen : base + (t.trainable ? parts[0].bytes : 0)) +
+          t.stream_offset;
       if (t.quant.type == kernels::QuantType::kNone) {
         w->tensors_[{l, i}] = src;
         continue;
@@ -146,7 +154,7 @@ std::unique_ptr<DeviceWeights> Transfers::load_weights(int d, const std::vector<
       w->buffers_.push_back(std::move(out));
       dequantised += t.numel * ss;
     }
-    w->buffers_.push_back(std::move(buf));
+    if (bytes > 0) w->buffers_.push_back(std::move(buf));
   }
   for (Staging& s : window)
     w->staged_.push_back(std::move(s.access));  // freed once the uploads are done

@@ -45,6 +45,11 @@ struct TransferOptions {
   // Bytes of the store's NVMe tier (store.nvme(), sized for them) for activation checkpoints:
   // > 0 turns spill() on (offload/activation_spill.h).
   std::uint64_t spill_bytes = 0;
+  // The devices compute in this process's memory (the CPU device): a layer's frozen part, when the
+  // store holds it in host memory, is read where it is instead of copied every step (it never
+  // changes; a quantised one is dequantised from there). Not for simulated GPUs, whose copies
+  // stand for a link.
+  bool share_frozen = false;
 };
 
 // Bytes moved, by direction and kind, since the engine was made (for events and benchmarks).

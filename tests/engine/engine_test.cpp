@@ -626,6 +626,47 @@ TEST(Engine, QuantisedBaseTrainsLikeThePlainLoopOnItsDequantisedWeights) {
   }
 }
 
+// The CPU device reads a LoRA run's frozen base where the store keeps it instead of copying it
+// every step (EngineOptions::share_frozen_weights), plain or quantised (dequantised from there):
+// training ends bit for bit where the copying run ends, and only the adapters go "up".
+TEST(Engine, TheCpuDeviceReadsFrozenWeightsInPlace) {
+  const unsigned seed = std::random_device{}();
+  std::printf("seed %u\n", seed);
+  std::mt19937 rng(seed);
+  Case s = make_case(test::tiny_llama(3), 2, seed);
+  s.specs = models::add_lora(s.specs, {.rank = 4, .alpha = 8});
+  for (auto& [name, t] : models::init_lora(s.specs, seed))
+    s.weights[name] = t;
+  for (auto& [name, t] : s.weights)
+    if (name.find(".lora_B.") != std::string::npos) t = 0.1 * at::randn(t.sizes());
+  s.trainable = models::is_lora_param;
+  auto nf4 = [&](std::vector<offload::LayerDesc>& d) {
+    for (std::size_t l = 0; l < d.size(); ++l)
+      for (std::size_t i = 0; i < d[l].tensors.size(); ++i) {
+        offload::TensorDesc& t = d[l].tensors[i];
+        if (t.trainable || !t.name.ends_with("proj.weight")) continue;
+        t.quant = {.type = kernels::QuantType::kNF4};
+        t.rows = s.specs[l].params[i].shape[0];
+        t.cols = s.specs[l].params[i].shape[1];
+      }
+  };
+  for (bool quantised : {false, true}) {
+    const Plan plan = random_plan(static_cast<int>(s.specs.size()), 2, RecomputeGrain::kStage, rng);
+    SCOPED_TRACE(plan.describe() + (quantised ? ", NF4 base" : ""));
+    StorePlacement placement;
+    if (quantised) placement.edit = nf4;
+    const EngineRun copied = run_engine(s, plan, 1, {}, {}, placement);
+    EngineOptions o;
+    o.share_frozen_weights = true;
+    const EngineRun shared = run_engine(s, plan, 1, o, {}, placement);
+    expect_same_bits(copied, shared);
+    // What still goes up: the adapters only (the frozen norms stay in place too).
+    EXPECT_GT(shared.transfers.weights_up, 0u);
+    EXPECT_LT(shared.transfers.weights_up, copied.transfers.weights_up);
+    EXPECT_EQ(shared.transfers.weights_dequantised, copied.transfers.weights_dequantised);
+  }
+}
+
 // Evaluation and generation run through the engine on any devices and plan like a plain loop over
 // the layer functions on the weights they stand for: here an NF4 base (dequantised on the device)
 // with LoRA adapters whose B is not zero (applied unmerged), a tied head. Validation loss within
