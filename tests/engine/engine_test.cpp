@@ -199,6 +199,33 @@ struct Reference {
 
 // Two runs of the same training that must end on the same bits: losses, weights and, when both
 // recorded them, step 1's gradients.
+// LoRA (rank 4) on a 3-block Llama, its adapters mid-training (B not zero), the base frozen.
+Case lora_case(unsigned seed) {
+  Case s = make_case(test::tiny_llama(3), 2, seed);
+  s.specs = models::add_lora(s.specs, {.rank = 4, .alpha = 8});
+  for (auto& [name, t] : models::init_lora(s.specs, seed))
+    s.weights[name] = t;
+  for (auto& [name, t] : s.weights)
+    if (name.find(".lora_B.") != std::string::npos) t = 0.1 * at::randn(t.sizes());
+  s.trainable = models::is_lora_param;
+  return s;
+}
+
+// A store edit keeping the frozen projection weights in `f`.
+std::function<void(std::vector<offload::LayerDesc>&)> quantise_projections(
+    const std::vector<models::LayerSpec>& specs, kernels::QuantFormat f) {
+  return [specs, f](std::vector<offload::LayerDesc>& d) {
+    for (std::size_t l = 0; l < d.size(); ++l)
+      for (std::size_t i = 0; i < d[l].tensors.size(); ++i) {
+        offload::TensorDesc& t = d[l].tensors[i];
+        if (t.trainable || !t.name.ends_with("proj.weight")) continue;
+        t.quant = f;
+        t.rows = specs[l].params[i].shape[0];
+        t.cols = specs[l].params[i].shape[1];
+      }
+  };
+}
+
 void expect_same_bits(const EngineRun& a, const EngineRun& b) {
   ASSERT_EQ(a.results.size(), b.results.size());
   for (std::size_t i = 0; i < a.results.size(); ++i)
@@ -588,23 +615,8 @@ TEST(Engine, QuantisedBaseTrainsLikeThePlainLoopOnItsDequantisedWeights) {
        {kernels::QuantFormat{.type = kernels::QuantType::kNF4, .double_quant = true},
         kernels::QuantFormat{.type = kernels::QuantType::kInt8}}) {
     SCOPED_TRACE(kernels::to_string(f));
-    Case s = make_case(test::tiny_llama(3), 2, seed);
-    s.specs = models::add_lora(s.specs, {.rank = 4, .alpha = 8});
-    for (auto& [name, t] : models::init_lora(s.specs, seed))
-      s.weights[name] = t;
-    for (auto& [name, t] : s.weights)  // mid-training adapters: B not zero
-      if (name.find(".lora_B.") != std::string::npos) t = 0.1 * at::randn(t.sizes());
-    s.trainable = models::is_lora_param;
-    auto quantised = [&](std::vector<offload::LayerDesc>& d) {
-      for (std::size_t l = 0; l < d.size(); ++l)
-        for (std::size_t i = 0; i < d[l].tensors.size(); ++i) {
-          offload::TensorDesc& t = d[l].tensors[i];
-          if (t.trainable || !t.name.ends_with("proj.weight")) continue;
-          t.quant = f;
-          t.rows = s.specs[l].params[i].shape[0];
-          t.cols = s.specs[l].params[i].shape[1];
-        }
-    };
+    const Case s = lora_case(seed);
+    const auto quantised = quantise_projections(s.specs, f);
     // The reference trains on what the quantised weights stand for.
     Case deq = s;
     for (auto& [name, t] : deq.weights) {
@@ -633,28 +645,13 @@ TEST(Engine, TheCpuDeviceReadsFrozenWeightsInPlace) {
   const unsigned seed = std::random_device{}();
   std::printf("seed %u\n", seed);
   std::mt19937 rng(seed);
-  Case s = make_case(test::tiny_llama(3), 2, seed);
-  s.specs = models::add_lora(s.specs, {.rank = 4, .alpha = 8});
-  for (auto& [name, t] : models::init_lora(s.specs, seed))
-    s.weights[name] = t;
-  for (auto& [name, t] : s.weights)
-    if (name.find(".lora_B.") != std::string::npos) t = 0.1 * at::randn(t.sizes());
-  s.trainable = models::is_lora_param;
-  auto nf4 = [&](std::vector<offload::LayerDesc>& d) {
-    for (std::size_t l = 0; l < d.size(); ++l)
-      for (std::size_t i = 0; i < d[l].tensors.size(); ++i) {
-        offload::TensorDesc& t = d[l].tensors[i];
-        if (t.trainable || !t.name.ends_with("proj.weight")) continue;
-        t.quant = {.type = kernels::QuantType::kNF4};
-        t.rows = s.specs[l].params[i].shape[0];
-        t.cols = s.specs[l].params[i].shape[1];
-      }
-  };
+  const Case s = lora_case(seed);
   for (bool quantised : {false, true}) {
     const Plan plan = random_plan(static_cast<int>(s.specs.size()), 2, RecomputeGrain::kStage, rng);
     SCOPED_TRACE(plan.describe() + (quantised ? ", NF4 base" : ""));
     StorePlacement placement;
-    if (quantised) placement.edit = nf4;
+    if (quantised)
+      placement.edit = quantise_projections(s.specs, {.type = kernels::QuantType::kNF4});
     const EngineRun copied = run_engine(s, plan, 1, {}, {}, placement);
     EngineOptions o;
     o.share_frozen_weights = true;
