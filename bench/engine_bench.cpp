@@ -16,7 +16,13 @@
 //      recompute: the same arithmetic as the plain loop) and once with separate forward and
 //      backward stages (activation checkpointing: the recompute is extra work by design).
 //
-//   engine_bench [--steps 6] [--only a|b]
+//  (c) generation — 2 simulated devices, the stages spread over them: tokens/s of greedy
+//      generation with the prompts split into groups pipelined through the stages (by default,
+//      and in every pass) against all of them in one group (one device computing at a time), one
+//      CPU thread each. With real compute (two devices sharing two cores and one memory bus) and
+//      with compute emulated as in (a), linear in tokens as a GPU's compute-bound matmuls are.
+//
+//   engine_bench [--steps 6] [--only a|b|c]
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
@@ -25,7 +31,10 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <nlohmann/json.hpp>
+#include <random>
+#include <stdexcept>
 #include <string>
 
 #include "engine/engine.h"
@@ -226,6 +235,81 @@ void bench_overhead(int steps) {
               ("engine " + staged.describe()).c_str(), best_staged, best_staged / best_plain);
 }
 
+void bench_generation(int tokens) {
+  // Four stages over 2 devices (stage j on device j % 2), each kept where it is (spread): in one
+  // group of prompts one device computes at a time; in a group per device, the stages pipeline
+  // them. By default a pass splits only with 256 rows of tokens per group (here the prefill: a
+  // decoding step of 8 prompts stays whole).
+  Model m = make_model(models::parse_hf_config(
+      R"({"architectures":["LlamaForCausalLM"],"vocab_size":2048,"hidden_size":256,
+          "intermediate_size":704,"num_hidden_layers":6,"num_attention_heads":8,
+          "num_key_value_heads":4,"tie_word_embeddings":false})",
+      "bench model"));
+  const int L = static_cast<int>(m.specs.size());
+  engine::Plan plan{{{0, 3}, {3, 5}, {5, 7}},
+                    {7, L},
+                    {{5, 7}, {3, 5}, {0, 3}},
+                    1,
+                    engine::RecomputeGrain::kStage};
+  const std::int64_t B = 8, P = 64;
+  std::mt19937 rng(4);
+  std::vector<std::vector<std::int64_t>> prompts(B);
+  for (auto& p : prompts)
+    for (std::int64_t t = 0; t < P; ++t)
+      p.push_back(static_cast<std::int64_t>(rng() % 2048));
+  const models::SamplingOptions greedy{.max_new_tokens = tokens, .stop_tokens = {-1}};
+  // Emulated: a block's forward takes 0.2 ms per token (the embedding and the head a quarter of
+  // that), linear in tokens as on a GPU's compute-bound matmuls, over the real compute.
+  std::vector<engine::LayerCosts> costs(static_cast<std::size_t>(L));
+  for (int l = 0; l < L; ++l)
+    costs[static_cast<std::size_t>(l)].forward_s_per_token =
+        m.specs[static_cast<std::size_t>(l)].kind == models::LayerKind::kBlock ? 2e-4 : 5e-5;
+  std::printf(
+      "\n(c) generation: 2 simulated devices, no link limit, %s spread, %lld prompts of %lld "
+      "tokens, %d new tokens each, 1 CPU thread per device\n",
+      plan.describe().c_str(), static_cast<long long>(B), static_cast<long long>(P), tokens);
+  Store st(m);
+  std::vector<std::unique_ptr<kernels::Device>> devs;
+  std::vector<kernels::Device*> raw;
+  for (int d = 0; d < 2; ++d) {
+    devs.push_back(kernels::make_sim_device({.name = "sim" + std::to_string(d)}));
+    raw.push_back(devs.back().get());
+  }
+  const std::vector<std::pair<int, const char*>> ways = {
+      {1, "one group"},
+      {0, "groups by default (the prefill split)"},
+      {2, "2 groups in every pass"}};
+  std::printf("%-40s %14s %8s %14s %8s\n", "", "real tokens/s", "ratio", "emulated", "ratio");
+  std::map<std::pair<bool, int>, double> best;
+  std::map<std::pair<bool, int>, std::vector<std::vector<std::int64_t>>> produced;
+  for (bool emulated : {false, true}) {
+    engine::EngineOptions options;
+    if (emulated) options.emulate_costs = costs;
+    engine::Engine eng(m.config, m.specs, *st.store, st.arena, raw, plan, options);
+    for (int rep = 0; rep < 2; ++rep)
+      for (const auto& [groups, name] : ways) {
+        const auto t0 = Clock::now();
+        engine::Generation g = eng.generate(
+            prompts, greedy, {.residency = engine::Residency::kSpread, .groups = groups});
+        const double s = std::chrono::duration<double>(Clock::now() - t0).count();
+        double& b = best[{emulated, groups}];
+        b = std::max(b, static_cast<double>(B * tokens) / s);
+        produced[{emulated, groups}] = g.tokens;
+        if (g.groups != (groups == 1 ? 1 : 2))
+          throw std::runtime_error(std::string(name) + ": " + std::to_string(g.groups) + " groups");
+      }
+  }
+  bool same = true;
+  for (const auto& [groups, name] : ways) {
+    std::printf("%-40s %14.1f %8.3f %14.1f %8.3f\n", name, best[{false, groups}],
+                best[{false, groups}] / best[{false, 1}], best[{true, groups}],
+                best[{true, groups}] / best[{true, 1}]);
+    same = same && produced[{false, groups}] == produced[{false, 1}] &&
+           produced[{true, groups}] == produced[{false, 1}];
+  }
+  std::printf("    the same tokens every way: %s\n", same ? "yes" : "no (rounding)");
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -237,7 +321,7 @@ int main(int argc, char** argv) {
     else if (!std::strcmp(argv[i], "--only") && i + 1 < argc)
       only = argv[++i];
     else {
-      std::fprintf(stderr, "usage: engine_bench [--steps 6] [--only a|b]\n");
+      std::fprintf(stderr, "usage: engine_bench [--steps 6] [--only a|b|c]\n");
       return 2;
     }
   }
@@ -251,6 +335,7 @@ int main(int argc, char** argv) {
       bench_schedule(steps, 1, 20);
     }
     if (only.empty() || only == "b") bench_overhead(steps);
+    if (only.empty() || only == "c") bench_generation(4 * steps);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "engine_bench: %s\n", e.what());
     return 1;

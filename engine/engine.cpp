@@ -12,9 +12,11 @@
 #include <cmath>
 #include <condition_variable>
 #include <cstring>
+#include <deque>
 #include <limits>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <set>
 #include <thread>
 #include <tuple>
@@ -590,16 +592,20 @@ struct Engine::Impl {
     cv_.notify_all();
   }
 
-  double job_emulated_seconds(const JobSpec& js, std::int64_t tokens, int d) const {
+  // EngineOptions::emulate_costs: how long `tokens` through `range` last at least on device d,
+  // forward only or with the backward.
+  double emulated_seconds(LayerRange range, bool forward_only, std::int64_t tokens, int d) const {
     if (options.emulate_costs.empty()) return 0;
     double s = 0;
-    for (int l = js.range.begin; l < js.range.end; ++l) {
+    for (int l = range.begin; l < range.end; ++l) {
       const LayerCosts& c = options.emulate_costs.at(l);
-      s += js.kind == JobKind::kForward || js.kind == JobKind::kEval
-               ? c.forward_s_per_token
-               : c.forward_s_per_token + c.backward_s_per_token;
+      s += forward_only ? c.forward_s_per_token : c.forward_s_per_token + c.backward_s_per_token;
     }
     return s * static_cast<double>(tokens) / devs[d]->speed;
+  }
+  double job_emulated_seconds(const JobSpec& js, std::int64_t tokens, int d) const {
+    return emulated_seconds(js.range, js.kind == JobKind::kForward || js.kind == JobKind::kEval,
+                            tokens, d);
   }
 
   void worker(int d) {
@@ -1569,10 +1575,6 @@ struct Engine::Impl {
       stages[j].device = static_cast<int>(j % devs.size());
       stages[j].layers = streamed(stages[j].range);
     }
-    auto load = [&](std::size_t j) {
-      Stage& st = stages[j];
-      if (!st.weights) st.weights = transfers->load_weights(st.device, st.layers);
-    };
     // Per device: the weights of its stages, its blocks (their KV caches) and its free memory
     // (simulated devices share host memory: at most their share of half of what the OS has).
     const std::size_t N = devs.size();
@@ -1621,95 +1623,115 @@ struct Engine::Impl {
         options.stop_tokens.empty() ? config.eos_token_ids : options.stop_tokens;
     std::vector<std::uint64_t> rng(prompts.size(), options.seed);
     std::vector<bool> finished(prompts.size(), false);
-    // kv_host: each block's cache in host memory, allocated for every slot at its first token
-    // (page-locked for a GPU), filled up to `offset` (every block sees every position). Laid out
-    // position-major, (slots, B, KV, D), so that the positions so far are one contiguous block:
-    // it goes up in one copy straight from the page-locked memory (a (B, KV, slots, D) view of the
-    // first positions would be strided, which torch first gathers into pageable memory), and the
-    // new positions come down into one; the device lays them out as the block reads them.
-    std::vector<models::KvCache> caches(static_cast<std::size_t>(L));
+    // Prompt groups: with the stages on several devices the prompts split into groups (at most
+    // one per device that runs a stage, and per prompt) that follow each other through the stages,
+    // as training's microbatches do: while a device runs a stage for group g + 1, the next device
+    // runs the next stage for group g, and the devices work together instead of one at a time. A
+    // stage's weights serve every group before they go. A pass splits only when each group keeps
+    // settings.min_group_tokens rows of tokens: below that a device's time goes to reading the
+    // stage's weights, which each group would read again (a decoding pass of a few prompts stays
+    // whole; their prefill splits). Resident (one stage): one group.
+    const std::size_t S = stages.size();
+    const auto most_groups = static_cast<std::int64_t>(
+        !out.resident && N > 1 && S > 1 ? std::min({N, S, prompts.size()}) : 1);
+    auto groups_for = [&](std::int64_t tokens) {
+      if (settings.groups > 0) return std::min<std::int64_t>(settings.groups, B);
+      return std::clamp<std::int64_t>(tokens / std::max<std::int64_t>(settings.min_group_tokens, 1),
+                                      1, most_groups);
+    };
+    // A group's rows of the batch, their padding, their KV caches (per layer) and what flows
+    // between its stages. When a pass groups the prompts otherwise than the one before (the
+    // decoding after a split prefill), each block's first run gathers its group's rows of the
+    // caches from the previous groups, on its device. kv_host: each block's cache in host memory,
+    // allocated for every slot at its first token (page-locked for a GPU), filled up to `offset`
+    // (every block sees every position). Laid out position-major, (slots, rows, KV, D), so that the
+    // positions so far are one contiguous block: it goes up in one copy straight from the
+    // page-locked memory (a (rows, KV, slots, D) view of the first positions would be strided,
+    // which torch first gathers into pageable memory), and the new positions come down into one;
+    // the device lays them out as the block reads them.
+    struct Group {
+      std::int64_t row = 0, rows = 0;
+      std::vector<std::int64_t> pad;
+      std::vector<models::KvCache> caches;
+      at::Tensor x, logits;
+    };
+    std::vector<Group> groups, previous;
+    auto regroup = [&](std::int64_t G) {
+      previous.clear();
+      if (static_cast<std::int64_t>(groups.size()) == G) return;
+      previous = std::move(groups);
+      groups.assign(static_cast<std::size_t>(G), {});
+      for (std::int64_t g = 0; g < G; ++g) {
+        Group& grp = groups[static_cast<std::size_t>(g)];
+        grp.row = g * B / G;
+        grp.rows = (g + 1) * B / G - grp.row;
+        grp.pad.assign(pad.begin() + grp.row, pad.begin() + grp.row + grp.rows);
+        grp.caches.resize(static_cast<std::size_t>(L));
+      }
+      out.groups = std::max(out.groups, G);
+    };
+    // Layer l's keys or values for the rows of `grp`, from the previous groups' caches (rows along
+    // `dim`: 0 on the device, 1 in host memory).
+    auto gathered = [&](const Group& grp, int l, bool keys, std::int64_t dim) {
+      std::vector<at::Tensor> parts;
+      for (const Group& o : previous) {
+        const std::int64_t a = std::max(o.row, grp.row),
+                           b = std::min(o.row + o.rows, grp.row + grp.rows);
+        const models::KvCache& c = o.caches[static_cast<std::size_t>(l)];
+        if (a < b && c.k.defined())
+          parts.push_back((keys ? c.k : c.v).narrow(dim, a - o.row, b - a));
+      }
+      return parts;
+    };
+    // Per token: each (stage, group)'s end on its device's compute stream, and its failure.
+    std::vector<std::vector<std::unique_ptr<kernels::Event>>> done(S);
+    std::vector<std::vector<std::exception_ptr>> errors(S);
+    std::atomic<bool> failing{false};
+    std::atomic<std::uint64_t> kv_up{0}, kv_down{0};
+    // Streamed: a device holds the weights of at most two stages (the one running and the next);
+    // `held` lists them oldest first, `pending` marks the loaded ones that have not run yet.
+    std::vector<std::deque<std::size_t>> held(N);
+    std::vector<bool> pending(S, false);
     const int head = L - 1;
-    std::int64_t offset = 0;
-    for (std::int64_t produced = 0; produced < options.max_new_tokens; ++produced) {
-      const std::int64_t count = next.size(1);
-      at::Tensor x = next, logits;
-      for (std::size_t j = 0; j < stages.size(); ++j) {
-        Stage& st = stages[j];
-        DeviceCtx& dc = *devs[st.device];
-        load(j);
-        // Streamed: the next stages' uploads (the next token's first, after the last) overlap
-        // this one's compute, one stage ahead on each other device (so every device's link works,
-        // and no device holds more than its running stage and one more).
-        if (!out.resident && stages.size() > 1)
-          for (std::size_t k = 1; k < std::max<std::size_t>(2, N) && k < stages.size(); ++k)
-            load((j + k) % stages.size());
-        dc.compute->wait(*st.weights->ready());
-        std::exception_ptr error;
-        dc.compute->enqueue([&] {
+    // Work still queued refers to the locals above: on the way out with an error, it ends first.
+    struct Drain {
+      std::vector<std::unique_ptr<DeviceCtx>>& devs;
+      ~Drain() {
+        for (auto& dc : devs)
           try {
-            TorchStreamScope scope(*dc.compute);
-            c10::InferenceMode inference;
-            const models::AttentionContext ctx =
-                models::make_decode_context(config, offset, count, act_dtype, dc.torch, pad);
-            at::Tensor h = x.to(dc.torch);
-            if (st.range.begin == 0)
-              h = models::embed(layer_weights(*st.weights, 0, dc.torch)[0], h);
-            for (int l = std::max(st.range.begin, 1); l < std::min(st.range.end, head); ++l) {
-              models::KvCache& kept = caches[static_cast<std::size_t>(l)];
-              models::KvCache on_device;
-              models::KvCache& cache = kv_host ? on_device : kept;
-              const std::int64_t had = offset;
-              if (kv_host && had > 0) {
-                // (The copy may run on in the stream: the block writes only later positions.)
-                auto up = [&](const at::Tensor& host) {
-                  return host.narrow(0, 0, had)
-                      .to(dc.torch, /*non_blocking=*/true)
-                      .permute({1, 2, 0, 3})
-                      .contiguous();
-                };
-                cache.k = up(kept.k);
-                cache.v = up(kept.v);
-                out.kv_bytes_up += cache.k.nbytes() + cache.v.nbytes();
-              }
-              h = models::block_forward(
-                  config,
-                  models::BlockWeights::bind(specs[l], layer_weights(*st.weights, l, dc.torch)), h,
-                  ctx, &cache);
-              if (kv_host) {  // only the new positions come down
-                if (!kept.k.defined()) {
-                  const at::IntArrayRef s = cache.k.sizes();  // (B, KV, positions, D)
-                  const at::TensorOptions o =
-                      cache.k.options().device(at::kCPU).pinned_memory(dc.torch.is_cuda());
-                  kept.k = at::empty({slots, s[0], s[1], s[3]}, o);
-                  kept.v = at::empty({slots, s[0], s[1], s[3]}, o);
-                }
-                auto down = [&](const at::Tensor& on_device, at::Tensor& host) {
-                  const at::Tensor added =
-                      on_device.narrow(2, had, count).permute({2, 0, 1, 3}).contiguous();
-                  host.narrow(0, had, count).copy_(added);
-                  out.kv_bytes_down += added.nbytes();
-                };
-                down(cache.k, kept.k);
-                down(cache.v, kept.v);
-              }
-            }
-            if (st.range.end == L) {
-              const std::vector<at::Tensor> hw = layer_weights(*st.weights, head, dc.torch);
-              logits = models::head_logits(config, hw[0], hw[1], h.narrow(1, count - 1, 1))
-                           .squeeze(1)
-                           .to(at::kCPU);
-            } else {
-              x = h;
-            }
-          } catch (...) {
-            error = std::current_exception();
+            dc->compute->synchronize();
+          } catch (...) {  // its error is the one being thrown, or follows from it
           }
-        });
-        dc.compute->synchronize();
-        if (error) {
+      }
+    } drain{devs};
+    const bool streaming = !out.resident && !out.spread;
+    auto load = [&](std::size_t j) {
+      Stage& st = stages[j];
+      if (st.weights) return;
+      auto& on = held[static_cast<std::size_t>(st.device)];
+      if (streaming && on.size() >= 2) {
+        // Free the oldest stage that has run (waiting for its last group), if any has.
+        for (auto it = on.begin(); it != on.end(); ++it)
+          if (!pending[*it]) {
+            if (!done[*it].empty()) done[*it].back()->synchronize();
+            stages[*it].weights.reset();
+            on.erase(it);
+            break;
+          }
+      }
+      st.weights = transfers->load_weights(st.device, st.layers);
+      on.push_back(j);
+      pending[j] = true;
+    };
+    auto rethrow_first = [&] {
+      for (std::size_t j = 0; j < S; ++j)
+        for (const std::exception_ptr& error : errors[j]) {
+          if (!error) continue;
+          const Stage& st = stages[j];
           const std::string where = "generating, layers " + std::to_string(st.range.begin) + "-" +
                                     std::to_string(st.range.end - 1) + " on " +
-                                    dc.dev->info().name + ": ";
+                                    devs[static_cast<std::size_t>(st.device)]->dev->info().name +
+                                    ": ";
           try {
             std::rethrow_exception(error);
           } catch (const Error& e) {
@@ -1718,8 +1740,135 @@ struct Engine::Impl {
             throw Error(where + first_line(e.what()));
           }
         }
-        if (!out.resident && !out.spread) st.weights.reset();
+    };
+
+    std::int64_t offset = 0;
+    for (std::int64_t produced = 0; produced < options.max_new_tokens; ++produced) {
+      const std::int64_t count = next.size(1);
+      regroup(groups_for(B * count));
+      for (Group& grp : groups)
+        grp.x = next.narrow(0, grp.row, grp.rows);
+      for (std::size_t j = 0; j < S; ++j) {
+        done[j].clear();
+        errors[j].assign(groups.size(), nullptr);
       }
+      for (std::size_t j = 0; j < S; ++j) {
+        Stage& st = stages[j];
+        DeviceCtx& dc = *devs[static_cast<std::size_t>(st.device)];
+        load(j);
+        dc.compute->wait(*st.weights->ready());
+        // The previous stage's device, when another: its output comes from there.
+        const int from = j > 0 && stages[j - 1].device != st.device ? stages[j - 1].device : -1;
+        for (std::size_t g = 0; g < groups.size(); ++g) {
+          if (from >= 0) dc.compute->wait(*done[j - 1][g]);
+          dc.compute->enqueue([&, j, g, from, count, offset] {
+            if (failing) return;  // a group before this one failed: the token is lost anyway
+            Group& grp = groups[g];
+            const auto t0 = std::chrono::steady_clock::now();
+            try {
+              // The copy from the previous device is ordered on that device's compute stream too.
+              std::optional<TorchStreamScope> source;
+              if (from >= 0) source.emplace(*devs[static_cast<std::size_t>(from)]->compute);
+              TorchStreamScope scope(*dc.compute);
+              c10::InferenceMode inference;
+              const models::AttentionContext ctx =
+                  models::make_decode_context(config, offset, count, act_dtype, dc.torch, grp.pad);
+              at::Tensor h = grp.x.to(dc.torch);
+              if (st.range.begin == 0)
+                h = models::embed(layer_weights(*st.weights, 0, dc.torch)[0], h);
+              for (int l = std::max(st.range.begin, 1); l < std::min(st.range.end, head); ++l) {
+                models::KvCache& kept = grp.caches[static_cast<std::size_t>(l)];
+                if (!kept.k.defined() && !previous.empty()) {
+                  if (!kv_host) {
+                    kept.k = at::cat(gathered(grp, l, true, 0), 0);
+                    kept.v = at::cat(gathered(grp, l, false, 0), 0);
+                  } else {  // into page-locked memory again, for every slot
+                    auto into = [&](bool keys) {
+                      const std::vector<at::Tensor> parts = gathered(grp, l, keys, 1);
+                      at::Tensor all = at::empty(
+                          {parts[0].size(0), grp.rows, parts[0].size(2), parts[0].size(3)},
+                          parts[0].options().pinned_memory(dc.torch.is_cuda()));
+                      at::cat_out(all, parts, 1);
+                      return all;
+                    };
+                    kept.k = into(true);
+                    kept.v = into(false);
+                  }
+                }
+                models::KvCache on_device;
+                models::KvCache& cache = kv_host ? on_device : kept;
+                const std::int64_t had = offset;
+                if (kv_host && had > 0) {
+                  // (The copy may run on in the stream: the block writes only later positions.)
+                  auto up = [&](const at::Tensor& host) {
+                    return host.narrow(0, 0, had)
+                        .to(dc.torch, /*non_blocking=*/true)
+                        .permute({1, 2, 0, 3})
+                        .contiguous();
+                  };
+                  cache.k = up(kept.k);
+                  cache.v = up(kept.v);
+                  kv_up += cache.k.nbytes() + cache.v.nbytes();
+                }
+                h = models::block_forward(
+                    config,
+                    models::BlockWeights::bind(specs[l], layer_weights(*st.weights, l, dc.torch)),
+                    h, ctx, &cache);
+                if (kv_host) {  // only the new positions come down
+                  if (!kept.k.defined()) {
+                    const at::IntArrayRef s = cache.k.sizes();  // (rows, KV, positions, D)
+                    const at::TensorOptions o =
+                        cache.k.options().device(at::kCPU).pinned_memory(dc.torch.is_cuda());
+                    kept.k = at::empty({slots, s[0], s[1], s[3]}, o);
+                    kept.v = at::empty({slots, s[0], s[1], s[3]}, o);
+                  }
+                  // Into page-locked memory a GPU's copy runs on in the stream: the host reads
+                  // it only through the next token's upload, later in the same stream.
+                  auto down = [&](const at::Tensor& on_device, at::Tensor& host) {
+                    const at::Tensor added =
+                        on_device.narrow(2, had, count).permute({2, 0, 1, 3}).contiguous();
+                    host.narrow(0, had, count).copy_(added, /*non_blocking=*/dc.torch.is_cuda());
+                    kv_down += added.nbytes();
+                  };
+                  down(cache.k, kept.k);
+                  down(cache.v, kept.v);
+                }
+              }
+              if (st.range.end == L) {
+                const std::vector<at::Tensor> hw = layer_weights(*st.weights, head, dc.torch);
+                grp.logits =
+                    models::head_logits(config, hw[0], hw[1], h.narrow(1, count - 1, 1)).squeeze(1);
+              } else {
+                grp.x = h;
+              }
+              const double emulate = emulated_seconds(st.range, true, grp.rows * count, st.device);
+              const double spent =
+                  std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+              if (emulate > spent)
+                std::this_thread::sleep_for(std::chrono::duration<double>(emulate - spent));
+            } catch (...) {
+              errors[j][g] = std::current_exception();
+              failing = true;
+            }
+          });
+          done[j].push_back(dc.dev->create_event());
+          dc.compute->record(*done[j].back());
+        }
+        pending[j] = false;
+        // Streamed: the next stages' uploads (the next token's first, after the last) overlap the
+        // compute, one stage ahead on each other device (so every device's link works, and no
+        // device holds more than its running stage and one more).
+        if (!out.resident && S > 1)
+          for (std::size_t k = 1; k < std::max<std::size_t>(2, N) && k < S; ++k)
+            load((j + k) % S);
+      }
+      for (auto& dc : devs)
+        dc->compute->synchronize();
+      rethrow_first();
+      std::vector<at::Tensor> parts;
+      for (Group& grp : groups)
+        parts.push_back(grp.logits.to(at::kCPU));
+      const at::Tensor logits = parts.size() == 1 ? parts[0] : at::cat(parts);
       at::Tensor chosen = at::zeros({B, 1}, at::kLong);
       for (std::size_t b = 0; b < prompts.size(); ++b) {
         if (finished[b]) continue;
@@ -1734,8 +1883,10 @@ struct Engine::Impl {
       offset += count;
       next = chosen;
     }
+    out.kv_bytes_up = kv_up;
+    out.kv_bytes_down = kv_down;
     for (Stage& st : stages)
-      st.weights.reset();  // the resident weights, or the next token's prefetched stage
+      st.weights.reset();  // the resident weights, or the next token's prefetched stages
     for (auto& dc : devs)
       dc->dev->synchronize();  // their stream-ordered release done
     return out;

@@ -138,6 +138,13 @@ enum class KvCaches { kAuto, kDevice, kHost };
 struct GenerateSettings {
   Residency residency = Residency::kAuto;
   KvCaches kv_caches = KvCaches::kAuto;
+  // Prompt groups that follow each other through the stages (at most one per prompt), in every
+  // pass. 0: as many as keep min_group_tokens rows of tokens each in a pass (the prompts' prefill,
+  // a decoding step of many), at most one per device that runs a stage (spread or streamed over
+  // several); else 1, all together. Below a few hundred rows a GPU's matmuls are bound by reading
+  // the weights, which every group would read again.
+  int groups = 0;
+  std::int64_t min_group_tokens = 256;
   // Runs on the calling thread as each token is chosen: (prompt index, token), to stream text.
   std::function<void(std::size_t, std::int64_t)> on_token;
 };
@@ -145,8 +152,9 @@ struct GenerateSettings {
 struct Generation {
   std::vector<std::vector<std::int64_t>> tokens;  // per prompt: the new tokens, as models::generate
   bool resident = false;                          // the weights stayed on one device
-  bool spread = false;   // each stage stayed on its device across tokens (uploaded once)
-  bool kv_host = false;  // the KV caches stayed in host memory between tokens
+  bool spread = false;      // each stage stayed on its device across tokens (uploaded once)
+  bool kv_host = false;     // the KV caches stayed in host memory between tokens
+  std::int64_t groups = 1;  // the most prompt groups a pass pipelined through the stages
   // kv_host: bytes of KV cache moved between host memory and the devices. Up: each block's cache
   // so far before it runs; down: only the keys and values of the new positions.
   std::uint64_t kv_bytes_up = 0, kv_bytes_down = 0;
@@ -200,6 +208,10 @@ class Engine {
   // tokens are chosen as models::generate chooses them (its own sampling state from options.seed),
   // and stop after a stop token or max_new_tokens. The KV caches stay on the devices, or in host
   // memory between tokens (settings.kv_caches; kAuto: when streaming and they would not fit).
+  // Spread or streamed over several devices, the prompts split into groups (one per device) that
+  // pipeline through the stages like training's microbatches: a device runs a stage for one group
+  // while the next device runs the next stage for the group before, every stage's weights serving
+  // every group once uploaded.
   Generation generate(const std::vector<std::vector<std::int64_t>>& prompts,
                       const models::SamplingOptions& options,
                       const GenerateSettings& settings = {});

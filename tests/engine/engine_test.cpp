@@ -763,6 +763,7 @@ TEST(Engine, EvaluatesAndGeneratesOnTheDevicesLikeAPlainLoop) {
     Plan plan;
     Residency residency;
     KvCaches kv = KvCaches::kAuto;
+    std::int64_t min_group_tokens = 1;
   };
   Plan whole{.tail = {0, L}, .microbatches = 2};
   // At least one forward stage: a plan of the tail alone is resident by definition.
@@ -772,7 +773,10 @@ TEST(Engine, EvaluatesAndGeneratesOnTheDevicesLikeAPlainLoop) {
   for (const Setup& setup :
        {Setup{1, whole, Residency::kResident}, Setup{3, streamed, Residency::kSpread},
         Setup{3, streamed, Residency::kStreamed},
-        Setup{3, streamed, Residency::kStreamed, KvCaches::kHost}}) {
+        Setup{3, streamed, Residency::kStreamed, KvCaches::kHost},
+        // Prefill in 2 groups of 1 and 2 prompts; decoding in one (its caches gathered).
+        Setup{2, streamed, Residency::kSpread, KvCaches::kAuto, 8},
+        Setup{2, streamed, Residency::kStreamed, KvCaches::kHost, 8}}) {
     SCOPED_TRACE(setup.plan.describe() + " on " + std::to_string(setup.devices) + " devices");
     auto devs = sim_devices(setup.devices);
     Engine engine(s.config, s.specs, store, arena, raw(devs), setup.plan, {});
@@ -780,11 +784,22 @@ TEST(Engine, EvaluatesAndGeneratesOnTheDevicesLikeAPlainLoop) {
     EXPECT_EQ(got.targets, want_targets);
     EXPECT_NEAR(got.loss(), want_sum / static_cast<double>(want_targets),
                 1e-6 * want_sum / static_cast<double>(want_targets));
-    const Generation gen =
-        engine.generate(prompts, greedy, {.residency = setup.residency, .kv_caches = setup.kv});
+    const Generation gen = engine.generate(prompts, greedy,
+                                           {.residency = setup.residency,
+                                            .kv_caches = setup.kv,
+                                            .min_group_tokens = setup.min_group_tokens});
     EXPECT_EQ(gen.resident, setup.residency == Residency::kResident);
     EXPECT_EQ(gen.spread, setup.residency == Residency::kSpread);
     EXPECT_EQ(gen.kv_host, setup.kv == KvCaches::kHost);
+    // The prefill pipelines through the stages in as many groups as keep min_group_tokens each,
+    // at most one per prompt and per device that runs a stage.
+    const auto stages = static_cast<std::int64_t>(setup.plan.forward.size()) + 1;
+    const std::int64_t most =
+        setup.residency == Residency::kResident
+            ? 1
+            : std::min<std::int64_t>({setup.devices, stages, std::ssize(prompts)});
+    EXPECT_EQ(gen.groups,
+              std::clamp<std::int64_t>(std::ssize(prompts) * 8 / setup.min_group_tokens, 1, most));
     if (setup.kv == KvCaches::kHost) {
       // Host caches: before each block runs, its cache so far goes up; after, only the new
       // positions come down (the prompts left-padded to the longest, then one per token).

@@ -15,9 +15,10 @@
 //     on those microbatches (any number): "eval_loss" (f64) and "eval_targets" (i64).
 //   engine-generate <model_dir> <in.json> <out.json>
 //     in.json: {"prompts": [[ids..], ...], "max_new_tokens", "devices": n, "residency":
-//               "resident" | "streamed", "forward", "tail", "backward" (the plan, as above)}
+//               "resident" | "spread" | "streamed", "kv_host": bool, "min_group_tokens" (256),
+//               "groups" (0), "forward", "tail", "backward" (the plan, as above)}
 //     Loads the model in f32 (frozen), runs Engine::generate (greedy) on n simulated devices;
-//     writes {"tokens": [[..] per prompt], "resident": bool}.
+//     writes {"tokens": [[..] per prompt], "resident", "spread", "kv_host": bool, "groups": n}.
 #include <ATen/ATen.h>
 
 #include <fstream>
@@ -160,18 +161,20 @@ int engine_generate(const std::vector<std::string>& args) {
     throw Error("residency must be resident, spread or streamed");
   models::SamplingOptions options;
   options.max_new_tokens = j["max_new_tokens"];
-  const engine::Generation g =
-      eng.generate(j["prompts"].get<std::vector<std::vector<std::int64_t>>>(), options,
-                   {.residency = residency == "resident" ? engine::Residency::kResident
-                                 : residency == "spread" ? engine::Residency::kSpread
-                                                         : engine::Residency::kStreamed,
-                    .kv_caches = j.value("kv_host", false) ? engine::KvCaches::kHost
-                                                           : engine::KvCaches::kDevice});
+  const engine::Generation g = eng.generate(
+      j["prompts"].get<std::vector<std::vector<std::int64_t>>>(), options,
+      {.residency = residency == "resident" ? engine::Residency::kResident
+                    : residency == "spread" ? engine::Residency::kSpread
+                                            : engine::Residency::kStreamed,
+       .kv_caches = j.value("kv_host", false) ? engine::KvCaches::kHost : engine::KvCaches::kDevice,
+       .groups = j.value("groups", 0),
+       .min_group_tokens = j.value("min_group_tokens", std::int64_t{256})});
   std::ofstream(args[2]) << nlohmann::json{
       {"tokens", g.tokens},
       {"resident", g.resident},
       {"spread", g.spread},
-      {"kv_host", g.kv_host}}.dump();
+      {"kv_host", g.kv_host},
+      {"groups", g.groups}}.dump();
   return 0;
 }
 

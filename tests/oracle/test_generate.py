@@ -98,19 +98,24 @@ def agree_but_for_near_ties(got, want, gaps, what):
 
 # Engine::generate: 3 prompts of different lengths at once (left-padded), on simulated devices:
 # every layer resident on one device, the plan's stages kept on two devices (spread), or streamed
-# per token over two devices (the KV caches on the devices, or in host memory between tokens).
+# per token over two devices (the KV caches on the devices, or in host memory between tokens). On
+# two devices the prompts pipeline through the stages in groups: the prefill's 24 token rows in 2
+# groups (of 1 and 2 prompts) with min_group_tokens 8, then the decoding in one (the caches
+# gathered); or 2 groups in every pass.
 DEVICE_VARIANTS = ["llama_gqa_tied", "mistral_sliding_window", "qwen3_layer_types", "gpt_oss",
                    "qwen3_moe_sparse_step"]
 STREAMED_PLAN = dict(forward=[[0, 2], [2, 3]], tail=[3, 5], backward=[[1, 3], [0, 1]])
 
 
-@pytest.mark.parametrize("residency,devices,kv_host", [("resident", 1, False),
-                                                      ("spread", 2, False),
-                                                      ("streamed", 2, False),
-                                                      ("streamed", 2, True)])
+@pytest.mark.parametrize("residency,devices,kv_host,groups", [("resident", 1, False, {}),
+                                                             ("spread", 2, False,
+                                                              {"min_group_tokens": 8}),
+                                                             ("streamed", 2, False, {"groups": 2}),
+                                                             ("streamed", 2, True,
+                                                              {"min_group_tokens": 8})])
 @pytest.mark.parametrize("name", DEVICE_VARIANTS)
 def test_batched_generation_on_devices_matches_transformers_and_the_cpu_path(
-        name, residency, devices, kv_host, tmp_path):
+        name, residency, devices, kv_host, groups, tmp_path):
     seed = int.from_bytes(os.urandom(4), "little")
     print("seed", seed)
     model = make_model(name, seed)
@@ -120,12 +125,13 @@ def test_batched_generation_on_devices_matches_transformers_and_the_cpu_path(
     steps = 12
     (tmp_path / "in.json").write_text(json.dumps({
         "prompts": prompts, "max_new_tokens": steps, "devices": devices,
-        "residency": residency, "kv_host": kv_host, **STREAMED_PLAN}))
+        "residency": residency, "kv_host": kv_host, **groups, **STREAMED_PLAN}))
     driver("engine-generate", tmp_path / "model", tmp_path / "in.json", tmp_path / "out.json")
     out = json.loads((tmp_path / "out.json").read_text())
     assert out["resident"] == (residency == "resident")
     assert out["spread"] == (residency == "spread")
     assert out["kv_host"] == kv_host
+    assert out["groups"] == (1 if devices == 1 else 2)
     assert len(out["tokens"]) == len(prompts)
     for k, prompt in enumerate(prompts):
         want, gaps = greedy_reference(model, prompt, steps)
