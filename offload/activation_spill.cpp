@@ -52,6 +52,7 @@ struct SpillPool {
   std::size_t regions = 0;                    // reserved so far (names them)
   std::deque<std::shared_ptr<SpillEntry>> queue;
   bool stopping = false;
+  bool gone = false;  // the ActivationSpill is: `give` may refer to what went with it
   SpillStats stats;
   std::thread writer;
 
@@ -138,9 +139,15 @@ SpillEntry::~SpillEntry() {
       // Nobody asked for the data any more.
     }
   }
-  if (!region) return;
-  std::lock_guard<std::mutex> lock(pool->mu);
-  pool->free.emplace(region.bytes, region);
+  // Host memory a checkpoint dropped unread still holds (kept for want of space, queued when the
+  // tier was torn down, or read back) goes back as a written one's does.
+  bool give_back = false;
+  {
+    std::lock_guard<std::mutex> lock(pool->mu);
+    if (region) pool->free.emplace(region.bytes, region);
+    give_back = host && !pool->gone;
+  }
+  if (give_back) pool->give(std::move(host));
 }
 
 }  // namespace detail
@@ -172,7 +179,11 @@ ActivationSpill::~ActivationSpill() {
     pool_->cv.notify_all();
   }
   pool_->writer.join();
-  // Entries still held elsewhere keep the pool (and its free list) alive until they go.
+  dropped.clear();  // their staging goes back
+  // Entries still held elsewhere keep the pool (and its free list) alive until they go; their
+  // host memory is then simply freed.
+  std::lock_guard<std::mutex> lock(pool_->mu);
+  pool_->gone = true;
 }
 
 Spilled ActivationSpill::write(HostBuffer host, std::size_t bytes,

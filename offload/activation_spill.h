@@ -68,8 +68,9 @@ class ActivationSpill {
   using Take = std::function<HostBuffer(std::size_t bytes)>;  // staging for a read
   using Give = std::function<void(HostBuffer)>;               // staging no longer needed
   // `capacity` bytes of `nvme` (not yet reserved there) hold checkpoints. `take` gives host
-  // staging for reads back, `give` takes written checkpoints' staging. `nvme` must outlive this
-  // and every Spilled.
+  // staging for reads back, `give` takes written checkpoints' staging, and the host memory of
+  // checkpoints dropped unread (kept for want of space, read back, or waiting when this goes),
+  // while this lives. `nvme` must outlive this and every Spilled.
   ActivationSpill(NvmeStore& nvme, std::uint64_t capacity, Take take, Give give,
                   std::size_t max_queued = 4);
   // Writes still waiting are dropped (their reads then fail); the one under way ends first.

@@ -62,8 +62,8 @@ struct TransferStats {
   SpillStats spill;             // activation checkpoints on the NVMe tier
   // The most checkpoints handed to the NVMe tier in host staging at once: waiting for the drive,
   // being written, read back and not yet given back with recycle_unspilled() (the planner counts
-  // these: engine/estimate.cpp). Checkpoints dropped unread (a segment that failed) stay counted,
-  // so after one the figure says more than was held.
+  // these: engine/estimate.cpp). Checkpoints dropped unread (a segment that failed) count off as
+  // their staging comes back.
   std::uint64_t spill_staged_peak = 0;
 };
 

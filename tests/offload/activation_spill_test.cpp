@@ -167,6 +167,47 @@ TEST_P(SpillOn, ACheckpointBeyondTheSpaceStaysInHostMemoryAndFreedSpaceIsReused)
   EXPECT_EQ(st.read, 3 * bytes);
 }
 
+// A run that fails drops its checkpoints unread: the host memory they still hold (kept for want of
+// space, read back, or waiting for the drive when the tier goes) comes back through `give` as a
+// written one's staging does, so that the staging pool, and the engine's gauge of it, get every
+// buffer back.
+TEST_P(SpillOn, CheckpointsDroppedUnreadGiveTheirHostMemoryBack) {
+  const std::size_t bytes = 2 * kBlock;
+  auto nvme = store(2 * bytes);
+  auto s = spill(*nvme, 2 * bytes);
+  std::vector<Spilled> handles;
+  for (int i = 0; i < 3; ++i)  // the third finds no space: held
+    handles.push_back(s->write(checkpoint(bytes).first, bytes, nullptr));
+  wait_written(*s, 2 * bytes, 2);
+  EXPECT_EQ(s->stats().held, bytes);
+  s->prefetch(handles[0]);  // read back into staging
+  EXPECT_EQ(taken_, 1);
+  handles.clear();
+  EXPECT_EQ(given_, 2 + 1 + 1) << "the two written, the one read back and the one held";
+
+  // Two more, the first's download held up: the writer waits for it, the second waits in the
+  // queue when the tier goes (after the download ends).
+  auto dev = kernels::make_sim_device({.name = "sim0", .bytes_cap = 1 << 20});
+  kernels::Stream& down = dev->create_stream("download");
+  std::promise<void> release;
+  std::shared_future<void> gate = release.get_future().share();
+  down.enqueue([gate] { gate.wait(); });
+  auto landed = dev->create_event();
+  down.record(*landed);
+  handles.push_back(s->write(checkpoint(bytes).first, bytes, std::move(landed)));
+  handles.push_back(s->write(checkpoint(bytes).first, bytes, nullptr));
+  handles.clear();  // the queue keeps them
+  std::thread later([&] {
+    std::this_thread::sleep_for(50ms);
+    release.set_value();
+  });
+  s.reset();
+  later.join();
+  down.synchronize();
+  EXPECT_EQ(given_, 4 + 2) << "the one written as the tier went and the one it dropped";
+  EXPECT_EQ(taken_, 1);
+}
+
 TEST_P(SpillOn, AFailedWriteIsANamedErrorAtTheRead) {
   auto nvme = store(1 << 20, "eio:write:1");
   auto s = spill(*nvme, 1 << 20);
