@@ -40,24 +40,40 @@ const void* Optimizer::gradient(std::size_t layer, std::size_t index, kernels::F
   for (const Tie& tie : ties_)
     tied = tied || (tie.owner_layer == layer && tie.owner_index == index);
   if (!tied) return t.grad;
-  // Sum in f32: the owner's gradient and every tied copy's.
-  scratch_.assign(t.numel, 0.0f);
+  // Sum in f32: the owner's gradient and every tied copy's, from 0 (as 0 + x, which turns a -0
+  // into +0). One loop per dtype (a tied embedding has tens of millions of elements: a switch per
+  // element kept the loop scalar, a tenth of a small model's CPU step).
+  scratch_.resize(t.numel);
+  float* sum = scratch_.data();
+  const std::size_t n = t.numel;
+  bool first = true;
   auto add = [&](const void* g) {
-    for (std::size_t k = 0; k < t.numel; ++k) {
-      float x = 0;
-      switch (dtype) {
-        case kernels::FloatDType::kF32:
-          x = static_cast<const float*>(g)[k];
-          break;
-        case kernels::FloatDType::kBF16:
-          x = kernels::f32_from_bf16(static_cast<const std::uint16_t*>(g)[k]);
-          break;
-        case kernels::FloatDType::kF16:
-          x = kernels::f32_from_f16(static_cast<const std::uint16_t*>(g)[k]);
-          break;
+    auto loop = [&](auto convert) {
+      if (first)
+        for (std::size_t k = 0; k < n; ++k)
+          sum[k] = 0.0f + convert(k);
+      else
+        for (std::size_t k = 0; k < n; ++k)
+          sum[k] += convert(k);
+    };
+    switch (dtype) {
+      case kernels::FloatDType::kF32: {
+        const auto* p = static_cast<const float*>(g);
+        loop([p](std::size_t k) { return p[k]; });
+        break;
       }
-      scratch_[k] += x;
+      case kernels::FloatDType::kBF16: {
+        const auto* p = static_cast<const std::uint16_t*>(g);
+        loop([p](std::size_t k) { return kernels::f32_from_bf16(p[k]); });
+        break;
+      }
+      case kernels::FloatDType::kF16: {
+        const auto* p = static_cast<const std::uint16_t*>(g);
+        loop([p](std::size_t k) { return kernels::f32_from_f16(p[k]); });
+        break;
+      }
     }
+    first = false;
   };
   add(t.grad);
   for (const Tie& tie : ties_)
