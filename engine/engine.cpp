@@ -1631,9 +1631,14 @@ struct Engine::Impl {
     // settings.min_group_tokens rows of tokens: below that a device's time goes to reading the
     // stage's weights, which each group would read again (a decoding pass of a few prompts stays
     // whole; their prefill splits). Resident (one stage): one group.
+    // Not on CUDA yet: there a group's activations cross to the next device in a copy that torch
+    // orders behind everything queued on both devices' current streams, which serialises the
+    // groups (correct, but no faster than one group, and each group's matmuls are smaller); the
+    // hand-over wants a stream of its own first (docs/engine.md).
     const std::size_t S = stages.size();
+    const bool cuda = devs[0]->dev->info().kind == kernels::DeviceKind::kCuda;
     const auto most_groups = static_cast<std::int64_t>(
-        !out.resident && N > 1 && S > 1 ? std::min({N, S, prompts.size()}) : 1);
+        !out.resident && !cuda && N > 1 && S > 1 ? std::min({N, S, prompts.size()}) : 1);
     auto groups_for = [&](std::int64_t tokens) {
       if (settings.groups > 0) return std::min<std::int64_t>(settings.groups, B);
       return std::clamp<std::int64_t>(tokens / std::max<std::int64_t>(settings.min_group_tokens, 1),
@@ -1779,12 +1784,16 @@ struct Engine::Impl {
               for (int l = std::max(st.range.begin, 1); l < std::min(st.range.end, head); ++l) {
                 models::KvCache& kept = grp.caches[static_cast<std::size_t>(l)];
                 if (!kept.k.defined() && !previous.empty()) {
+                  // (Of one group, the previous caches of the layer go once gathered: this
+                  // layer's stage alone reads them, on this stream.)
+                  const bool last_reader = groups.size() == 1;
                   if (!kv_host) {
                     kept.k = at::cat(gathered(grp, l, true, 0), 0);
                     kept.v = at::cat(gathered(grp, l, false, 0), 0);
                   } else {  // into page-locked memory again, for every slot
                     auto into = [&](bool keys) {
                       const std::vector<at::Tensor> parts = gathered(grp, l, keys, 1);
+                      RONDO_ASSERT(!parts.empty());
                       at::Tensor all = at::empty(
                           {parts[0].size(0), grp.rows, parts[0].size(2), parts[0].size(3)},
                           parts[0].options().pinned_memory(dc.torch.is_cuda()));
@@ -1794,6 +1803,9 @@ struct Engine::Impl {
                     kept.k = into(true);
                     kept.v = into(false);
                   }
+                  if (last_reader)
+                    for (Group& o : previous)
+                      o.caches[static_cast<std::size_t>(l)] = {};
                 }
                 models::KvCache on_device;
                 models::KvCache& cache = kv_host ? on_device : kept;

@@ -140,14 +140,18 @@ SpillEntry::~SpillEntry() {
     }
   }
   // Host memory a checkpoint dropped unread still holds (kept for want of space, queued when the
-  // tier was torn down, or read back) goes back as a written one's does.
-  bool give_back = false;
-  {
-    std::lock_guard<std::mutex> lock(pool->mu);
-    if (region) pool->free.emplace(region.bytes, region);
-    give_back = host && !pool->gone;
+  // tier was torn down, or read back) goes back as a written one's does, under the lock, so that
+  // the ActivationSpill (and what `give` reaches) cannot go meanwhile (the lock order is the
+  // reads' already: pool->mu, then the owner's staging lock through `take`).
+  std::lock_guard<std::mutex> lock(pool->mu);
+  if (region) pool->free.emplace(region.bytes, region);
+  if (host && !pool->gone) {
+    try {
+      pool->give(std::move(host));
+    } catch (const std::exception&) {
+      // No room to keep it: the memory is freed with the entry instead.
+    }
   }
-  if (give_back) pool->give(std::move(host));
 }
 
 }  // namespace detail

@@ -594,8 +594,8 @@ TEST(Engine, PackedRowsSendDocumentIdsAndTheDevicesBuildTheMasks) {
       const StepResult& r = run.results[i];
       EXPECT_EQ(r.attention_per_document > 0, !short_documents) << "step " << i + 1;
       EXPECT_EQ(r.attention_masked > 0, short_documents) << "step " << i + 1;
-      // Every job runs M microbatches, and a step has a forward and a backward job at least.
-      EXPECT_GE(r.attention_per_document + r.attention_masked, 2 * M);
+      // Every job runs M microbatches (a plan may be one fused job: the tail alone).
+      EXPECT_GE(r.attention_per_document + r.attention_masked, M);
     }
     std::printf("%s: arena peak %.2f MiB; one step's masks %.2f MiB\n",
                 short_documents ? "masks" : "per document", run.arena_peak / 1048576.0,
