@@ -141,8 +141,9 @@ struct GenerateSettings {
   // Prompt groups that follow each other through the stages (at most one per prompt), in every
   // pass. 0: as many as keep min_group_tokens rows of tokens each in a pass (the prompts' prefill,
   // a decoding step of many), at most one per device that runs a stage (spread or streamed over
-  // several); else 1, all together. Below a few hundred rows a GPU's matmuls are bound by reading
-  // the weights, which every group would read again.
+  // several simulated devices; on CUDA GPUs not yet: docs/engine.md); else 1, all together. Below a
+  // few hundred rows a GPU's matmuls are bound by reading the weights, which every group would read
+  // again.
   int groups = 0;
   std::int64_t min_group_tokens = 256;
   // Runs on the calling thread as each token is chosen: (prompt index, token), to stream text.
