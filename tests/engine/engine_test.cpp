@@ -794,12 +794,14 @@ TEST(Engine, EvaluatesAndGeneratesOnTheDevicesLikeAPlainLoop) {
     // The prefill pipelines through the stages in as many groups as keep min_group_tokens each,
     // at most one per prompt and per device that runs a stage.
     const auto stages = static_cast<std::int64_t>(setup.plan.forward.size()) + 1;
+    std::int64_t prefill = 0;  // token rows: every prompt left-padded to the longest
+    for (const auto& p : prompts)
+      prefill = std::max(prefill, std::ssize(p) * std::ssize(prompts));
     const std::int64_t most =
         setup.residency == Residency::kResident
             ? 1
             : std::min<std::int64_t>({setup.devices, stages, std::ssize(prompts)});
-    EXPECT_EQ(gen.groups,
-              std::clamp<std::int64_t>(std::ssize(prompts) * 8 / setup.min_group_tokens, 1, most));
+    EXPECT_EQ(gen.groups, std::clamp<std::int64_t>(prefill / setup.min_group_tokens, 1, most));
     if (setup.kv == KvCaches::kHost) {
       // Host caches: before each block runs, its cache so far goes up; after, only the new
       // positions come down (the prompts left-padded to the longest, then one per token).
