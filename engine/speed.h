@@ -41,11 +41,16 @@ double cpu_flops(const models::ModelConfig& config, std::int64_t seq_len, std::i
 double cpu_head_flops(const models::ModelConfig& config, std::int64_t seq_len, std::int64_t rows,
                       const std::string& dtype, bool trained_head);
 
-// The optimizer's speed on this machine: parameters per second through the fused CPU AdamW
-// (kernels/cpu/adamw.h; f32 gradient, master and moments, the streaming copy in `stream_dtype`:
-// "bf16", "fp16" or "fp32") on this thread's oneTBB arena. The median pass over 4 M parameters
-// after a warm-up, timed as cpu_flops is (five passes and 0.4 s at least), cached the same way.
-double cpu_adamw_params_per_s(const std::string& stream_dtype);
+// The optimizer's speed on this machine: parameters per second through what it does to each one a
+// step (engine/optimizer.h), the gradient's sum of squares (for the global norm) and the fused
+// CPU AdamW (kernels/cpu/adamw.h; f32 gradient, master and moments, the streaming copy in
+// `stream_dtype`: "bf16", "fp16" or "fp32"), on this thread's oneTBB arena. Measured on arrays
+// twice the size of the last-level cache (4 M to 64 M parameters): a step's optimizer state is
+// read from memory, not from a cache (on this project's machine, whose virtual CPU reports a
+// 480 MiB L3, 4 M parameters ran at twice the speed the optimizer then had in a step). The median
+// pass after a warm-up, timed as cpu_flops is (five passes and 0.4 s at least), cached the same
+// way.
+double cpu_optimizer_params_per_s(const std::string& stream_dtype);
 
 // Where the cache lives (for tests and messages).
 std::string speed_cache_dir();

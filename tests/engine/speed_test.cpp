@@ -75,10 +75,10 @@ TEST_F(SpeedCache, AMeasurementIsCachedAndRepeatsExactly) {
   EXPECT_GT(cpu_flops(c, 64, 1, "fp32", /*frozen_weights=*/true), 1e6);
   EXPECT_EQ(files().size(), 6u);
   // The optimizer's speed: measured once per streaming dtype, then read back.
-  const double adamw = cpu_adamw_params_per_s("bf16");
+  const double adamw = cpu_optimizer_params_per_s("bf16");
   EXPECT_GT(adamw, 1e6);  // any CPU updates a million parameters a second
-  EXPECT_EQ(cpu_adamw_params_per_s("bf16"), adamw);
-  cpu_adamw_params_per_s("fp32");
+  EXPECT_EQ(cpu_optimizer_params_per_s("bf16"), adamw);
+  cpu_optimizer_params_per_s("fp32");
   EXPECT_EQ(files().size(), 8u);
 }
 
