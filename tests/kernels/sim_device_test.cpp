@@ -6,6 +6,7 @@
 #include <sys/resource.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstring>
 #include <future>
@@ -212,16 +213,22 @@ TEST(SimDevice, CopiesOfOddAndLargeSizesAreExact) {
   }
 }
 
+// Small fills, and large ones spread over threads in 1 MiB tiles (a ragged last one), within the
+// buffer only.
 TEST(SimDevice, FillSetsEveryByte) {
   auto dev = make_sim_device({});
   Stream& s = dev->create_stream("s");
-  DeviceBuffer buf = dev->allocate(22, &s);
-  s.fill(buf.data(), 0x5A, 22);
-  std::vector<std::uint8_t> back(22);
-  s.download(back.data(), buf.data(), 22);
-  s.synchronize();
-  for (auto b : back)
-    EXPECT_EQ(b, 0x5A);
+  for (std::size_t n : {std::size_t{22}, (std::size_t{9} << 20) + 5}) {
+    DeviceBuffer buf = dev->allocate(n + 2, &s);
+    s.fill(buf.data(), 0xAB, n + 2);
+    s.fill(static_cast<std::uint8_t*>(buf.data()) + 1, 0x5A, n);
+    std::vector<std::uint8_t> back(n + 2);
+    s.download(back.data(), buf.data(), n + 2);
+    s.synchronize();
+    EXPECT_EQ(back.front(), 0xAB);
+    EXPECT_EQ(back.back(), 0xAB);
+    EXPECT_EQ(std::count(back.begin() + 1, back.end() - 1, 0x5A), static_cast<long>(n)) << n;
+  }
 }
 
 double seconds_since(Clock::time_point start) {
