@@ -4,6 +4,7 @@
 #include <c10/core/GradMode.h>
 #include <c10/core/InferenceMode.h>
 #include <c10/util/Exception.h>
+#include <dlfcn.h>
 
 #include <algorithm>
 #include <array>
@@ -55,7 +56,10 @@ namespace rondo::engine {
 //    of every backward-bearing job of step s and synchronises done_down; only then does it read
 //    the gradients. The next writes to those gradient buffers are step s+1's downloads, which come
 //    from jobs whose weights waited for the optimizer's bump of the same layers (2), i.e. after
-//    the optimizer read and zeroed them.
+//    the optimizer read them (or, on the CPU device in exact mode, step s+1's own accumulation
+//    there: EngineOptions::share_trained_state). A download (or a job's accumulation) writes the
+//    whole of a layer's gradient region, so the optimizer does not clear it (zeroing them after
+//    the update would be a second pass over every gradient byte, serial between two steps).
 // 4. One-step-stale mode. The optimizer's pass for step s first publishes, layer by layer in
 //    forward order, the master (θ_s) to the streaming copy — for each layer only once every
 //    upload of it in step s has completed (it waits for those jobs' weights_ready events) — and
@@ -77,6 +81,61 @@ namespace rondo::engine {
 // order; across devices and streams only the events above order anything.
 
 namespace {
+
+// Note [One OpenMP pool while the devices compute]
+// torch's CPU kernels run their parallel loops on OpenMP (GNU libgomp in the torch wheel), which
+// keeps a pool of worker threads per thread that started a parallel region: the main thread's
+// (made while it loaded the model) and each device's compute thread's. libgomp counts every
+// pooled thread, and when it counts more than the machine has CPUs it stops spinning between
+// regions (100 spins instead of ~3 ms) and puts its threads to sleep on a futex after each one:
+// on this project's 2-core machine the CPU device's two compute threads then slept and were woken
+// about 2000 times a second each, and 20% of the cores sat idle during a training step (the same
+// block, measured on the main thread alone, kept both busy). So:
+// - While the engine runs, the calling thread only waits: its pool is released first (OpenMP 5's
+//   omp_pause_resource_all: the pool's threads exit), and its own parallel regions run on it
+//   alone until the engine returns (it still prepares each step's inputs, whose rotary tables
+//   alone would make a new pool).
+// - Simulated GPUs compute on the same cores, each on a thread of its own: each releases its pool
+//   after every job, so that only devices computing at the same moment hold one.
+// The calls are looked up at run time: an OpenMP runtime without them (or none) is left as it is.
+struct OpenMpApi {
+  int (*pause)(int) = reinterpret_cast<int (*)(int)>(::dlsym(RTLD_DEFAULT,
+                                                             "omp_pause_resource_all"));
+  int (*get_max_threads)() = reinterpret_cast<int (*)()>(::dlsym(RTLD_DEFAULT,
+                                                                 "omp_get_max_threads"));
+  void (*set_num_threads)(int) = reinterpret_cast<void (*)(int)>(::dlsym(RTLD_DEFAULT,
+                                                                         "omp_set_num_threads"));
+};
+
+const OpenMpApi& openmp() {
+  static const OpenMpApi api;
+  return api;
+}
+
+// Releases the calling thread's OpenMP pool, if it has one (outside any parallel region).
+void release_openmp_pool() {
+  if (openmp().pause) openmp().pause(/*omp_pause_soft: the threads go, the runtime stays*/ 1);
+}
+
+// The calling thread's OpenMP pool released, and its parallel regions on it alone, for the scope.
+class QuietCallerOpenMp {
+ public:
+  QuietCallerOpenMp() {
+    release_openmp_pool();
+    if (openmp().get_max_threads && openmp().set_num_threads) {
+      saved_ = openmp().get_max_threads();
+      openmp().set_num_threads(1);
+    }
+  }
+  ~QuietCallerOpenMp() {
+    if (saved_ > 0) openmp().set_num_threads(saved_);
+  }
+  QuietCallerOpenMp(const QuietCallerOpenMp&) = delete;
+  QuietCallerOpenMp& operator=(const QuietCallerOpenMp&) = delete;
+
+ private:
+  int saved_ = 0;
+};
 
 struct Aborted {};  // thrown inside waits once another thread has failed
 struct Stopped {};  // thrown inside waits for a step that will not run (request_stop)
@@ -268,7 +327,13 @@ struct Engine::Impl {
         options(std::move(o)),
         optimizer(st, options.adamw, options.max_grad_norm),
         act_dtype(scalar_type(st.stream_dtype())),
-        scale(options.loss_scaling.enabled ? options.loss_scaling.initial_scale : 1.0) {}
+        scale(options.loss_scaling.enabled ? options.loss_scaling.initial_scale : 1.0) {
+    // Every step overwrites the gradients (Note [Engine synchronisation], 3).
+    optimizer.set_zero_grads(false);
+  }
+
+  // The CPU device works on the store's trained weights and gradients in place (exact mode).
+  bool shares_trained() const { return options.share_trained_state && !options.one_step_stale; }
 
   // ---- failure and waiting ----
 
@@ -648,8 +713,14 @@ struct Engine::Impl {
         const offload::ByteRange gr = store.grad_bytes(l);
         if (gr.bytes == 0) continue;
         const std::size_t gs = kernels::dtype_size(store.grad_dtype());
-        r->buffers.push_back(dc.dev->allocate(gr.bytes, dc.compute));
-        std::uint8_t* gdata = static_cast<std::uint8_t*>(r->buffers.back().data());
+        // In place (EngineOptions::share_trained_state): the store's gradients are free to be
+        // written, since this job's weights waited for the optimizer's pass over these layers
+        // (Note [Engine synchronisation], 3), and are written before it reads them (done_down).
+        std::uint8_t* gdata = gr.data;
+        if (!shares_trained()) {
+          r->buffers.push_back(dc.dev->allocate(gr.bytes, dc.compute));
+          gdata = static_cast<std::uint8_t*>(r->buffers.back().data());
+        }
         std::uint8_t* accp = gdata;
         if (convert) {
           r->buffers.push_back(dc.dev->allocate(gr.bytes / gs * 4, dc.compute));
@@ -761,6 +832,10 @@ struct Engine::Impl {
       for (auto& [l, bt] : ckpt_out)
         send(dc, *r, ckpts_, {s, l, m}, std::move(bt.first), act, false);
     }
+
+    // Several devices computing on this machine's cores: this one's OpenMP pool goes between its
+    // jobs (Note [One OpenMP pool while the devices compute]).
+    if (dc.torch.is_cpu() && devs.size() > 1) dc.compute->enqueue([] { release_openmp_pool(); });
 
     // Gradients (and the tail's loss) down to the store, once per job — once the optimizer has
     // read the previous step's (Note [Engine synchronisation], 4).
@@ -1941,7 +2016,8 @@ Engine::Engine(const models::ModelConfig& config, const std::vector<models::Laye
       store, arena, devices,
       offload::TransferOptions{.max_chunk_bytes = impl_->options.max_chunk_bytes,
                                .spill_bytes = impl_->options.spill_checkpoint_bytes,
-                               .share_frozen = impl_->options.share_frozen_weights});
+                               .share_frozen = impl_->options.share_frozen_weights,
+                               .share_trained = impl_->shares_trained()});
   for (std::size_t d = 0; d < devices.size(); ++d) {
     auto dc = std::make_unique<DeviceCtx>();
     dc->dev = devices[d];
@@ -1967,16 +2043,19 @@ Engine::~Engine() = default;
 
 std::vector<StepResult> Engine::train(std::int64_t steps, const BatchSource& batches,
                                       const std::function<void(const StepResult&)>& on_step) {
+  const QuietCallerOpenMp quiet;
   return impl_->train(steps, batches, on_step);
 }
 
 EvalResult Engine::evaluate(std::vector<Microbatch> microbatches) {
+  const QuietCallerOpenMp quiet;
   return impl_->evaluate(std::move(microbatches));
 }
 
 Generation Engine::generate(const std::vector<std::vector<std::int64_t>>& prompts,
                             const models::SamplingOptions& options,
                             const GenerateSettings& settings) {
+  const QuietCallerOpenMp quiet;
   return impl_->generate(prompts, options, settings);
 }
 

@@ -33,54 +33,27 @@ Optimizer::Optimizer(offload::LayerStore& store, const kernels::AdamWParams& par
   }
 }
 
-const void* Optimizer::gradient(std::size_t layer, std::size_t index, kernels::FloatDType& dtype) {
-  const offload::TensorState& t = store_.layer(layer)[index];
+const void* Optimizer::gradient(std::size_t layer, std::size_t index,
+                                kernels::FloatDType& dtype) const {
   dtype = store_.grad_dtype();
-  bool tied = false;
-  for (const Tie& tie : ties_)
-    tied = tied || (tie.owner_layer == layer && tie.owner_index == index);
-  if (!tied) return t.grad;
-  // Sum in f32: the owner's gradient and every tied copy's, from 0 (as 0 + x, which turns a -0
-  // into +0). One loop per dtype (a tied embedding has tens of millions of elements: a switch per
-  // element kept the loop scalar, a tenth of a small model's CPU step).
-  scratch_.resize(t.numel);
-  float* sum = scratch_.data();
-  const std::size_t n = t.numel;
-  bool first = true;
-  auto add = [&](const void* g) {
-    auto loop = [&](auto convert) {
-      if (first)
-        for (std::size_t k = 0; k < n; ++k)
-          sum[k] = 0.0f + convert(k);
-      else
-        for (std::size_t k = 0; k < n; ++k)
-          sum[k] += convert(k);
-    };
-    switch (dtype) {
-      case kernels::FloatDType::kF32: {
-        const auto* p = static_cast<const float*>(g);
-        loop([p](std::size_t k) { return p[k]; });
-        break;
-      }
-      case kernels::FloatDType::kBF16: {
-        const auto* p = static_cast<const std::uint16_t*>(g);
-        loop([p](std::size_t k) { return kernels::f32_from_bf16(p[k]); });
-        break;
-      }
-      case kernels::FloatDType::kF16: {
-        const auto* p = static_cast<const std::uint16_t*>(g);
-        loop([p](std::size_t k) { return kernels::f32_from_f16(p[k]); });
-        break;
-      }
-    }
-    first = false;
-  };
-  add(t.grad);
+  const auto it = tied_sums_.find({layer, index});
+  if (it == tied_sums_.end()) return store_.layer(layer)[index].grad;
+  dtype = kernels::FloatDType::kF32;
+  return it->second.data();
+}
+
+void Optimizer::sum_tied(std::size_t layer, std::size_t index) {
+  // In f32: the owner's gradient and every tied copy's, from 0 (as 0 + x, which turns a -0 into
+  // +0), in parallel (a tied embedding has tens of millions of elements: serial, this pass was a
+  // tenth of a small model's CPU step).
+  const offload::TensorState& t = store_.layer(layer)[index];
+  std::vector<float>& sum = tied_sums_[{layer, index}];
+  sum.resize(t.numel);
+  kernels::grad_accumulate(sum.data(), t.grad, store_.grad_dtype(), t.numel, /*first=*/true);
   for (const Tie& tie : ties_)
     if (tie.owner_layer == layer && tie.owner_index == index)
-      add(store_.layer(tie.layer)[tie.index].grad);
-  dtype = kernels::FloatDType::kF32;
-  return scratch_.data();
+      kernels::grad_accumulate(sum.data(), store_.layer(tie.layer)[tie.index].grad,
+                               store_.grad_dtype(), t.numel, /*first=*/false);
 }
 
 bool Optimizer::has_ties(std::size_t layer, std::size_t index) const {
@@ -109,6 +82,7 @@ double Optimizer::begin_step(const std::vector<double>* partial) {
     const auto& tensors = store_.layer(l);
     for (std::size_t i = 0; i < tensors.size(); ++i) {
       if (!tensors[i].trainable || tensors[i].tied || !has_ties(l, i)) continue;
+      sum_tied(l, i);
       kernels::FloatDType dtype;
       const void* g = gradient(l, i, dtype);
       sum += kernels::grad_sum_squares(g, dtype, tensors[i].numel);
@@ -162,7 +136,7 @@ void Optimizer::update_layer(std::size_t layer, bool write_stream) {
   // The layer's gradients (tied copies included) start the next step at zero. A tied copy in a
   // later layer is zeroed when that layer is updated, after its owner has read it.
   const offload::ByteRange grads = store_.grad_bytes(layer);
-  if (grads.bytes) std::memset(grads.data, 0, grads.bytes);
+  if (zero_grads_ && grads.bytes) std::memset(grads.data, 0, grads.bytes);
 }
 
 void Optimizer::discard_step() {

@@ -12,6 +12,8 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <map>
+#include <utility>
 #include <vector>
 
 #include "kernels/cpu/adamw.h"
@@ -35,7 +37,8 @@ class Optimizer {
   // the layer's gradients of the step are in.
   double partial_sum_squares(std::size_t layer) const;
   // AdamW on the layer's own trainable tensors (a tied tensor is updated by its owner, with both
-  // gradients), then the gradients of the layer are zeroed for the next step.
+  // gradients, summed by begin_step), then the gradients of the layer are zeroed for the next step
+  // unless set_zero_grads(false).
   // With write_stream = false only the master and moments change (one-step-stale training
   // publishes the master to the streaming copy later, with publish_layer).
   void update_layer(std::size_t layer, bool write_stream = true);
@@ -49,6 +52,9 @@ class Optimizer {
   // What the stored gradients are multiplied by before use: 1 / the fp16 loss scale (1 = none).
   // The norm begin_step() returns and clips against is that of the unscaled gradient.
   void set_grad_unscale(double unscale) { unscale_ = unscale; }
+  // Whether update_layer zeroes the layer's gradients (default true). The engine's gradients are
+  // overwritten whole every step, so it turns this off (a pass over every gradient byte saved).
+  void set_zero_grads(bool zero) { zero_grads_ = zero; }
 
   std::int64_t step() const { return step_; }
   void set_step(std::int64_t step) { step_ = step; }  // resuming from a checkpoint
@@ -57,8 +63,11 @@ class Optimizer {
 
  private:
   bool has_ties(std::size_t layer, std::size_t index) const;
-  // The gradient AdamW sees for an owned tensor: its own, plus the tied copies' (as f32).
-  const void* gradient(std::size_t layer, std::size_t index, kernels::FloatDType& dtype);
+  // tied_sums_ for the owner (layer, index), from this step's gradients.
+  void sum_tied(std::size_t layer, std::size_t index);
+  // The gradient AdamW sees for an owned tensor: its own, or for an owner of tied copies the sum
+  // begin_step made (as f32).
+  const void* gradient(std::size_t layer, std::size_t index, kernels::FloatDType& dtype) const;
 
   offload::LayerStore& store_;
   kernels::AdamWParams params_;
@@ -71,7 +80,10 @@ class Optimizer {
     std::size_t owner_layer, owner_index, layer, index;
   };
   std::vector<Tie> ties_;
-  std::vector<float> scratch_;  // summed gradient of a tied tensor
+  bool zero_grads_ = true;
+  // Per owner of tied copies: its gradient and theirs summed (f32), made once a step by begin_step
+  // for the norm and read again by update_layer.
+  std::map<std::pair<std::size_t, std::size_t>, std::vector<float>> tied_sums_;
 };
 
 }  // namespace rondo::engine

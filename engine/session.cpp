@@ -644,7 +644,7 @@ struct Session::Impl {
     // Activation checkpoints on the NVMe tier: the space the planner set aside in the store's file
     // (for est.plan; a resumed plan that saves more keeps the rest in host memory).
     eo.spill_checkpoint_bytes = est.placement.spill_bytes;
-    eo.share_frozen_weights = devices.mode == DeviceMode::kCpu;
+    eo.share_frozen_weights = eo.share_trained_state = devices.mode == DeviceMode::kCpu;
     Engine eng(summary.config, specs, store, arena, raw, resume_plan ? *resume_plan : est.plan, eo);
     if (!from_checkpoint.empty()) eng.restore(state);
     {

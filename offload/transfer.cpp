@@ -92,11 +92,15 @@ std::unique_ptr<DeviceWeights> Transfers::load_weights(int d, const std::vector<
     ByteRange parts[2] = {store_.stream_bytes(layer, kBasePart),
                           store_.stream_bytes(layer, kStreamPart)};
     const unsigned on_nvme = nvme_parts(store_, layer, false);
-    // The frozen part read in place (TransferOptions::share_frozen): only the trained part is
-    // copied.
+    // The frozen part read in place (TransferOptions::share_frozen), the trained one too with
+    // share_trained: what is left is copied.
     const bool shared = options_.share_frozen && !(on_nvme & kBasePart) && parts[0].bytes > 0;
+    const bool shared_trained =
+        options_.share_trained && !(on_nvme & kStreamPart) && parts[1].bytes > 0;
     std::uint8_t* frozen = shared ? parts[0].data : nullptr;
+    std::uint8_t* trained = shared_trained ? parts[1].data : nullptr;
     if (shared) parts[0] = {};
+    if (shared_trained) parts[1] = {};
     const std::size_t bytes = parts[0].bytes + parts[1].bytes;
     if (on_nvme) {
       // Staging for at most nvme_window layers: wait for the oldest upload to end first.
@@ -120,7 +124,7 @@ std::unique_ptr<DeviceWeights> Transfers::load_weights(int d, const std::vector<
           read += parts[part == kBasePart ? 0 : 1].bytes;
         }
     }
-    if (bytes == 0 && !shared) continue;
+    if (bytes == 0 && !shared && !shared_trained) continue;
     kernels::DeviceBuffer buf;
     if (bytes > 0) buf = dl.dev->allocate(bytes, dl.weight_up);
     auto* base = static_cast<std::uint8_t*>(buf.data());
@@ -141,7 +145,9 @@ std::unique_ptr<DeviceWeights> Transfers::load_weights(int d, const std::vector<
       const TensorState& t = ts[i];
       if (t.tied) continue;
       std::uint8_t* src =
-          (!t.trainable && shared ? frozen : base + (t.trainable ? parts[0].bytes : 0)) +
+          (!t.trainable && shared          ? frozen
+           : t.trainable && shared_trained ? trained
+                                           : base + (t.trainable ? parts[0].bytes : 0)) +
           t.stream_offset;
       if (t.quant.type == kernels::QuantType::kNone) {
         w->tensors_[{l, i}] = src;
@@ -247,9 +253,12 @@ std::unique_ptr<kernels::Event> Transfers::enqueue_download(int d, void* dst, co
 std::unique_ptr<kernels::Event> Transfers::download_gradients(int d, int layer, const void* src,
                                                               kernels::Event& after) {
   const ByteRange gr = store_.grad_bytes(static_cast<std::size_t>(layer));
-  auto ev = enqueue_download(d, gr.data, src, gr.bytes, after);
+  // Accumulated where the store keeps them (the CPU device, engine::EngineOptions::
+  // share_trained_state): nothing to move, the event still orders the reader behind the compute.
+  const std::size_t bytes = src == gr.data ? 0 : gr.bytes;
+  auto ev = enqueue_download(d, gr.data, src, bytes, after);
   std::lock_guard<std::mutex> lock(mutex_);
-  stats_.gradients_down += gr.bytes;
+  stats_.gradients_down += bytes;
   return ev;
 }
 

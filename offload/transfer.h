@@ -50,6 +50,10 @@ struct TransferOptions {
   // changes; a quantised one is dequantised from there). Not for simulated GPUs, whose copies
   // stand for a link.
   bool share_frozen = false;
+  // The same for the trained part (the streaming copies the optimizer writes): only where nothing
+  // reads a layer while the optimizer writes it, i.e. exact synchronous training (the engine's
+  // Note [Engine synchronisation], 2), not the one-step-stale mode's publishing.
+  bool share_trained = false;
 };
 
 // Bytes moved, by direction and kind, since the engine was made (for events and benchmarks).
@@ -160,7 +164,9 @@ class Transfers {
   void recycle_unspilled(HostBuffer buffer);
 
   // Layer `layer`'s gradients, laid out as the store's gradient region, from `src` on device d
-  // into the store, after `after`; returns the event behind the copy.
+  // into the store, after `after`; returns the event behind the copy. `src` may be the store's own
+  // gradient region (a device computing in host memory accumulated them there): then nothing is
+  // copied.
   std::unique_ptr<kernels::Event> download_gradients(int d, int layer, const void* src,
                                                      kernels::Event& after);
   // The same for any small device value (the tail's loss) into caller-owned host memory.

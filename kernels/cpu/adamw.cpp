@@ -246,6 +246,40 @@ double grad_sum_squares(const void* grad, FloatDType dtype, std::size_t n, SimdP
   return total;
 }
 
+void grad_accumulate(float* sum, const void* grad, FloatDType dtype, std::size_t n, bool first) {
+  if (!valid_dtype(dtype)) throw Error("grad_accumulate: dtype is not F32, F16 or BF16");
+  if (n > 0 && (sum == nullptr || grad == nullptr))
+    throw Error("grad_accumulate: null array of " + std::to_string(n) + " elements");
+  // One loop per dtype and case, each simple enough for the compiler to vectorise.
+  auto loop = [&](auto load) {
+    for_each_chunk(n, [&](std::size_t begin, std::size_t end) {
+      if (first)
+        for (std::size_t i = begin; i < end; ++i)
+          sum[i] = 0.0f + load(i);
+      else
+        for (std::size_t i = begin; i < end; ++i)
+          sum[i] += load(i);
+    });
+  };
+  switch (dtype) {
+    case FloatDType::kF32: {
+      const auto* p = static_cast<const float*>(grad);
+      loop([p](std::size_t i) { return p[i]; });
+      break;
+    }
+    case FloatDType::kBF16: {
+      const auto* p = static_cast<const std::uint16_t*>(grad);
+      loop([p](std::size_t i) { return f32_from_bf16(p[i]); });
+      break;
+    }
+    case FloatDType::kF16: {
+      const auto* p = static_cast<const std::uint16_t*>(grad);
+      loop([p](std::size_t i) { return f32_from_f16(p[i]); });
+      break;
+    }
+  }
+}
+
 void cast_from_f32(const float* src, void* dst, FloatDType dst_dtype, std::size_t n,
                    SimdPath path) {
   if (!valid_dtype(dst_dtype)) throw Error("cast_from_f32: dtype is not F32, F16 or BF16");

@@ -74,6 +74,11 @@ void adamw_step(const AdamWTensor& tensor, const AdamWParams& params,
 double grad_sum_squares(const void* grad, FloatDType dtype, std::size_t n,
                         SimdPath path = SimdPath::kAuto);
 
+// sum[i] = 0 + float(grad[i]) (first) or sum[i] + float(grad[i]): a tied tensor's gradients summed
+// in f32 before the update (0 + x turns a -0 into +0, as torch's accumulation does). Spread over
+// oneTBB threads like adamw_step; elementwise, so the same for any number of threads.
+void grad_accumulate(float* sum, const void* grad, FloatDType dtype, std::size_t n, bool first);
+
 // dst[i] = round(src[i]) to dst_dtype (a copy for kF32): the rounding adamw_step applies to the
 // streaming copy, for building it from a loaded master (or a checkpoint) without an update.
 void cast_from_f32(const float* src, void* dst, FloatDType dst_dtype, std::size_t n,

@@ -625,6 +625,30 @@ TEST_P(AdamWPath, GradSumSquaresIsAccurateInEveryDtype) {
 
 INSTANTIATE_TEST_SUITE_P(AllPaths, AdamWPath, ::testing::ValuesIn(kPaths), path_name);
 
+// A tied tensor's gradients summed for the optimizer: 0 + a, then + b, in f32 from the stored
+// values (decoded here), so a -0 becomes +0 as in torch's accumulation; large enough for the
+// parallel tiles, with a ragged tail.
+TEST(AdamWGradAccumulate, SumsInF32FromZero) {
+  std::mt19937_64 rng = rng_for_test();
+  for (FloatDType dtype : kDtypes)
+    for (std::size_t n : {std::size_t{5}, kLarge + 3}) {
+      Storage a(dtype, n), b(dtype, n);
+      std::vector<float> want(n);
+      for (std::size_t i = 0; i < n; ++i) {
+        const float x =
+            static_cast<float>(a.put(i, i == 1 ? -0.0f : static_cast<float>(symmetric(rng))));
+        const float y =
+            static_cast<float>(b.put(i, i == 1 ? -0.0f : static_cast<float>(symmetric(rng))));
+        want[i] = (0.0f + x) + y;
+      }
+      std::vector<float> sum(n, 42.0f);
+      grad_accumulate(sum.data(), a.data(), dtype, n, /*first=*/true);
+      EXPECT_FALSE(std::signbit(sum[1])) << to_string(dtype) << ": 0 + (-0) is +0";
+      grad_accumulate(sum.data(), b.data(), dtype, n, /*first=*/false);
+      EXPECT_EQ(first_difference(sum, want), -1) << to_string(dtype) << " n=" << n;
+    }
+}
+
 // --- Threads, paths, errors --------------------------------------------------------------------
 
 // One thread and all threads give the same bits: tiles are independent and the sum of squares
