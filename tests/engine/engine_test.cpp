@@ -124,10 +124,11 @@ std::vector<kernels::Device*> raw(const std::vector<std::unique_ptr<kernels::Dev
 }
 
 // Where the store keeps the state: in host memory (default), or as `edit` places it (tiers,
-// quantised frozen tensors), with an NVMe tier in `nvme_dir`.
+// quantised frozen tensors), with an NVMe tier in `nvme_dir`; gradients in `grad_dtype`.
 struct StorePlacement {
   std::function<void(std::vector<offload::LayerDesc>&)> edit;
   std::string nvme_dir;
+  kernels::FloatDType grad_dtype = kernels::FloatDType::kF32;
 };
 
 EngineRun run_engine(const Case& s, const Plan& plan, int devices, EngineOptions options = {},
@@ -142,7 +143,7 @@ EngineRun run_engine(const Case& s, const Plan& plan, int devices, EngineOptions
         offload::NvmeStoreOptions{.dir = placement.nvme_dir},
         offload::LayerStore::nvme_bytes(descs, kernels::FloatDType::kF32) +
             options.spill_checkpoint_bytes);
-  offload::LayerStore store(arena, descs, kernels::FloatDType::kF32, kernels::FloatDType::kF32,
+  offload::LayerStore store(arena, descs, kernels::FloatDType::kF32, placement.grad_dtype,
                             nvme.get());
   load_weights(store, s.specs, [&](const std::string& n) { return s.weights.at(n); });
   auto devs = sim_devices(devices, 1ull << 30, link);
@@ -668,21 +669,25 @@ TEST(Engine, TheCpuDeviceReadsFrozenWeightsInPlace) {
 // read and the gradients accumulated where the store keeps them, and the optimizer leaves the
 // gradients as they are (every step overwrites them). The same bits as with copies, and nothing
 // crosses the "link"; with tied embeddings (the owner's gradient and its copy's summed once a
-// step), several steps and random plans. In one-step-stale mode the option is ignored: the copies
-// stay.
+// step), several steps and random plans, f32 gradients and bf16 ones (accumulated in f32, then
+// rounded into the store). In one-step-stale mode the option is ignored: the copies stay.
 TEST(Engine, TheCpuDeviceTrainsItsWeightsInPlace) {
   const unsigned seed = std::random_device{}();
   std::printf("seed %u\n", seed);
   std::mt19937 rng(seed);
   const Case s = make_case(test::tiny_qwen2(3), 2, seed, 4);  // tied embeddings
-  for (bool stale : {false, true}) {
+  for (auto [stale, grads] :
+       {std::pair{false, kernels::FloatDType::kF32}, std::pair{false, kernels::FloatDType::kBF16},
+        std::pair{true, kernels::FloatDType::kF32}}) {
     const Plan plan = random_plan(static_cast<int>(s.specs.size()), 2, RecomputeGrain::kStage, rng);
-    SCOPED_TRACE(plan.describe() + (stale ? ", one step stale" : ""));
+    SCOPED_TRACE(plan.describe() + (stale ? ", one step stale" : "") +
+                 (grads == kernels::FloatDType::kBF16 ? ", bf16 gradients" : ""));
     EngineOptions o;
     o.one_step_stale = stale;
-    const EngineRun copied = run_engine(s, plan, 1, o);
+    const StorePlacement placement{.grad_dtype = grads};
+    const EngineRun copied = run_engine(s, plan, 1, o, {}, placement);
     o.share_frozen_weights = o.share_trained_state = true;
-    const EngineRun shared = run_engine(s, plan, 1, o);
+    const EngineRun shared = run_engine(s, plan, 1, o, {}, placement);
     expect_same_bits(copied, shared);
     EXPECT_GT(copied.transfers.weights_up, 0u);
     EXPECT_GT(copied.transfers.gradients_down, 0u);
