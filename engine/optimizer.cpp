@@ -3,7 +3,6 @@
 #include <cmath>
 #include <cstring>
 
-#include "kernels/cpu/float_convert.h"
 #include "kernels/error.h"
 
 namespace rondo::engine {

@@ -92,15 +92,15 @@ std::unique_ptr<DeviceWeights> Transfers::load_weights(int d, const std::vector<
     ByteRange parts[2] = {store_.stream_bytes(layer, kBasePart),
                           store_.stream_bytes(layer, kStreamPart)};
     const unsigned on_nvme = nvme_parts(store_, layer, false);
-    // The frozen part read in place (TransferOptions::share_frozen), the trained one too with
-    // share_trained: what is left is copied.
-    const bool shared = options_.share_frozen && !(on_nvme & kBasePart) && parts[0].bytes > 0;
-    const bool shared_trained =
-        options_.share_trained && !(on_nvme & kStreamPart) && parts[1].bytes > 0;
-    std::uint8_t* frozen = shared ? parts[0].data : nullptr;
-    std::uint8_t* trained = shared_trained ? parts[1].data : nullptr;
-    if (shared) parts[0] = {};
-    if (shared_trained) parts[1] = {};
+    // A part read where the store keeps it in host memory (TransferOptions::share_frozen, for the
+    // trained part share_trained) is not copied; what is left is.
+    std::uint8_t* in_place[2] = {nullptr, nullptr};
+    for (int p : {0, 1})
+      if ((p == 0 ? options_.share_frozen : options_.share_trained) &&
+          !(on_nvme & (p == 0 ? kBasePart : kStreamPart)) && parts[p].bytes > 0) {
+        in_place[p] = parts[p].data;
+        parts[p] = {};
+      }
     const std::size_t bytes = parts[0].bytes + parts[1].bytes;
     if (on_nvme) {
       // Staging for at most nvme_window layers: wait for the oldest upload to end first.
@@ -124,7 +124,7 @@ std::unique_ptr<DeviceWeights> Transfers::load_weights(int d, const std::vector<
           read += parts[part == kBasePart ? 0 : 1].bytes;
         }
     }
-    if (bytes == 0 && !shared && !shared_trained) continue;
+    if (bytes == 0 && !in_place[0] && !in_place[1]) continue;
     kernels::DeviceBuffer buf;
     if (bytes > 0) buf = dl.dev->allocate(bytes, dl.weight_up);
     auto* base = static_cast<std::uint8_t*>(buf.data());
@@ -144,11 +144,9 @@ std::unique_ptr<DeviceWeights> Transfers::load_weights(int d, const std::vector<
     for (std::size_t i = 0; i < ts.size(); ++i) {
       const TensorState& t = ts[i];
       if (t.tied) continue;
+      const int p = t.trainable ? 1 : 0;  // its part
       std::uint8_t* src =
-          (!t.trainable && shared          ? frozen
-           : t.trainable && shared_trained ? trained
-                                           : base + (t.trainable ? parts[0].bytes : 0)) +
-          t.stream_offset;
+          (in_place[p] ? in_place[p] : base + (p == 1 ? parts[0].bytes : 0)) + t.stream_offset;
       if (t.quant.type == kernels::QuantType::kNone) {
         w->tensors_[{l, i}] = src;
         continue;

@@ -7,6 +7,7 @@
 #include "engine/engine.h"
 
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 #include <c10/core/GradMode.h>
 #include <gtest/gtest.h>
 
@@ -916,6 +917,29 @@ TEST(Engine, ABadMicrobatchFailsTheRunWithTheFirstError) {
   EXPECT_NE(m.find("microbatch 1"), std::string::npos) << m;
   EXPECT_NE(m.find("outside the vocabulary"), std::string::npos) << m;
   EXPECT_EQ(m.find("synchroni"), std::string::npos) << m;
+}
+
+// Note [One OpenMP pool while the devices compute]: while the engine trains, the calling thread's
+// own parallel regions run on it alone (so that OpenMP keeps no second pool busy-waiting beside the
+// devices'); once it returns, the caller has its thread count back (an export or a merge after
+// training would otherwise run on one core).
+TEST(Engine, TheCallersOpenMpThreadsAreItsOwnAgainAfterTraining) {
+  Case s = make_case(test::tiny_llama(3), 2, 29, 2);
+  offload::HostArena arena;
+  offload::LayerStore store(arena,
+                            layer_descs(s.specs, [](const models::ParamSpec&) { return true; }),
+                            kernels::FloatDType::kF32, kernels::FloatDType::kF32);
+  load_weights(store, s.specs, [&](const std::string& n) { return s.weights.at(n); });
+  auto devs = sim_devices(1);
+  Engine engine(s.config, s.specs, store, arena, raw(devs),
+                Plan{{}, {0, 5}, {}, 2, RecomputeGrain::kStage}, {});
+  const int before = at::get_num_threads();
+  std::vector<int> during;
+  engine.train(
+      2, [&](std::int64_t step) { return s.steps.at(step - 1); },
+      [&](const StepResult&) { during.push_back(at::get_num_threads()); });
+  EXPECT_EQ(during, std::vector<int>(2, 1));
+  EXPECT_EQ(at::get_num_threads(), before);
 }
 
 // A device fault (a copy that fails on its stream: CUDA's errors are sticky, every later call on
