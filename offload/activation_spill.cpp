@@ -103,7 +103,7 @@ struct SpillPool {
         e->ready.reset();
         if (error) {
           e->state = SpillEntry::State::kFailed;
-          e->error = error;
+          e->error = std::move(error);  // the reader's only; nothing of it stays on this thread
         } else {
           e->state = SpillEntry::State::kWritten;
           stats.written += e->bytes;

@@ -248,13 +248,18 @@ void IoTicket::wait() {
   std::unique_lock lock(t->mutex);
   t->cv.wait(lock, [&] { return t->done; });
   if (!t->error) return;
-  IoError e = *t->error;
+  // A new message, not a copy of the stored error: std::runtime_error's copies share one
+  // reference-counted string, and the I/O thread may drop the Transfer (and its reference) after
+  // the caller has read and dropped its own. The count lives in the uninstrumented libstdc++, so
+  // ThreadSanitizer sees that as a race on the string (it did, once in ~100 runs). Built under the
+  // lock, the caller's error shares nothing with the I/O thread's.
+  const IoError& first = *t->error;
+  std::string message(first.what());
   if (t->failures > 1)
-    e = IoError(std::string(e.what()) + " (" + std::to_string(t->failures) + " of the " +
-                    std::to_string(t->count) +
-                    " blocks of this transfer failed; this is the first)",
-                e.kind, e.error, e.file, e.region, e.offset, e.region_offset);
-  throw e;
+    message += " (" + std::to_string(t->failures) + " of the " + std::to_string(t->count) +
+               " blocks of this transfer failed; this is the first)";
+  throw IoError(message, first.kind, first.error, first.file, first.region, first.offset,
+                first.region_offset);
 }
 
 NvmeStore::NvmeStore(const NvmeStoreOptions& options, std::uint64_t capacity_bytes)
