@@ -124,6 +124,17 @@ std::vector<kernels::Device*> raw(const std::vector<std::unique_ptr<kernels::Dev
   return out;
 }
 
+// Every weight of the case trained, its state and gradients in `dtype`, in host memory, loaded.
+struct TrainedStore {
+  offload::HostArena arena;
+  offload::LayerStore store;
+  explicit TrainedStore(const Case& s, kernels::FloatDType dtype = kernels::FloatDType::kF32)
+      : store(arena, layer_descs(s.specs, [](const models::ParamSpec&) { return true; }), dtype,
+              dtype) {
+    load_weights(store, s.specs, [&](const std::string& n) { return s.weights.at(n); });
+  }
+};
+
 // Where the store keeps the state: in host memory (default), or as `edit` places it (tiers,
 // quantised frozen tensors), with an NVMe tier in `nvme_dir`; gradients in `grad_dtype`.
 struct StorePlacement {
@@ -925,11 +936,8 @@ TEST(Engine, ABadMicrobatchFailsTheRunWithTheFirstError) {
 // training would otherwise run on one core).
 TEST(Engine, TheCallersOpenMpThreadsAreItsOwnAgainAfterTraining) {
   Case s = make_case(test::tiny_llama(3), 2, 29, 2);
-  offload::HostArena arena;
-  offload::LayerStore store(arena,
-                            layer_descs(s.specs, [](const models::ParamSpec&) { return true; }),
-                            kernels::FloatDType::kF32, kernels::FloatDType::kF32);
-  load_weights(store, s.specs, [&](const std::string& n) { return s.weights.at(n); });
+  TrainedStore trained(s);
+  auto& [arena, store] = trained;
   auto devs = sim_devices(1);
   Engine engine(s.config, s.specs, store, arena, raw(devs),
                 Plan{{}, {0, 5}, {}, 2, RecomputeGrain::kStage}, {});
@@ -949,11 +957,8 @@ TEST(Engine, TheCallersOpenMpThreadsAreItsOwnAgainAfterTraining) {
 // job sent down before it reads the gradients), whichever waits on it first.
 TEST(Engine, ADeviceFaultIsTheErrorTheRunReports) {
   Case s = make_case(test::tiny_llama(3), 2, 23, 2);
-  offload::HostArena arena;
-  offload::LayerStore store(arena,
-                            layer_descs(s.specs, [](const models::ParamSpec&) { return true; }),
-                            kernels::FloatDType::kF32, kernels::FloatDType::kF32);
-  load_weights(store, s.specs, [&](const std::string& n) { return s.weights.at(n); });
+  TrainedStore trained(s);
+  auto& [arena, store] = trained;
   std::vector<std::unique_ptr<kernels::Device>> devs;
   devs.push_back(kernels::make_sim_device({.name = "sim0", .fail_copy = 7}));
   Plan plan{{{0, 2}}, {2, 5}, {{0, 2}}, 2, RecomputeGrain::kStage};
@@ -1128,11 +1133,8 @@ TEST(Engine, ReplansFromMeasuredTimings) {
 
 TEST(Engine, DeviceOutOfMemoryIsAnErrorNamingTheJobAndWhatToChange) {
   Case s = make_case(test::tiny_llama(2), 1, 3);
-  offload::HostArena arena;
-  offload::LayerStore store(arena,
-                            layer_descs(s.specs, [](const models::ParamSpec&) { return true; }),
-                            kernels::FloatDType::kF32, kernels::FloatDType::kF32);
-  load_weights(store, s.specs, [&](const std::string& n) { return s.weights.at(n); });
+  TrainedStore trained(s);
+  auto& [arena, store] = trained;
   auto devs = sim_devices(2, /*bytes=*/8 << 10);  // 8 KiB: the embedding alone does not fit
   Plan plan{{{0, 2}}, {2, 4}, {{0, 2}}, 1, RecomputeGrain::kStage};
   Engine engine(s.config, s.specs, store, arena, raw(devs), plan, {});
@@ -1178,11 +1180,8 @@ TEST(Engine, Fp16LossScalingSkipsOverflowsAndGrows) {
     std::map<std::string, at::Tensor> weights;  // streaming copies (fp16)
   };
   auto run = [&](double initial_scale, int steps) {
-    offload::HostArena arena;
-    offload::LayerStore store(arena,
-                              layer_descs(s.specs, [](const models::ParamSpec&) { return true; }),
-                              kernels::FloatDType::kF16, kernels::FloatDType::kF16);
-    load_weights(store, s.specs, [&](const std::string& n) { return s.weights.at(n); });
+    TrainedStore trained(s, kernels::FloatDType::kF16);
+    auto& [arena, store] = trained;
     auto devs = sim_devices(2);
     EngineOptions o;
     o.adamw = {.lr = kLr, .eps = kEps, .weight_decay = kWd};
