@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <deque>
+#include <exception>
 #include <string>
 
 #include "kernels/error.h"
@@ -10,7 +11,11 @@ namespace rondo::offload {
 
 DeviceWeights::~DeviceWeights() {
   // Staged NVMe reads are the uploads' sources: freed only once the copies are done.
-  if (!staged_.empty() && ready_) ready_->synchronize();
+  if (staged_.empty() || !ready_) return;
+  try {
+    ready_->synchronize();
+  } catch (...) {  // a failed stream: whoever waits on the job reports it; nothing runs after it
+  }
 }
 
 void DeviceWeights::release_staging() {
@@ -82,6 +87,21 @@ std::unique_ptr<DeviceWeights> Transfers::load_weights(int d, const std::vector<
     std::unique_ptr<kernels::Event> uploaded;
   };
   std::deque<Staging> window;
+  // An error part way (a later layer's read failing, most often) unwinds while the staged layers'
+  // copies may still be queued: their host memory (its own mapping) goes only once the stream is
+  // past them. Unmapped under a queued copy, it crashed the process instead of reporting the error.
+  struct StagingOutlivesItsCopies {
+    kernels::Stream& stream;
+    const std::deque<Staging>& window;
+    const int unwinding = std::uncaught_exceptions();
+    ~StagingOutlivesItsCopies() {
+      if (window.empty() || std::uncaught_exceptions() == unwinding) return;
+      try {
+        stream.synchronize();
+      } catch (...) {  // the stream's own failure: the error already under way is the one to report
+      }
+    }
+  } outlive{*dl.weight_up, window};
   std::vector<int> nvme_layers;
   for (int l : layers)
     if (nvme_parts(store_, static_cast<std::size_t>(l), false)) nvme_layers.push_back(l);

@@ -7,12 +7,14 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <cstring>
 #include <filesystem>
 #include <random>
 
 #include "kernels/cpu/sim_device.h"
 #include "kernels/quant.h"
+#include "offload/io_faults.h"
 #include "offload/nvme_store.h"
 
 namespace fs = std::filesystem;
@@ -108,6 +110,47 @@ TEST_P(TransfersTest, WeightsArriveAsStoredFromEverySource) {
   EXPECT_GT(st.nvme_read, 0u);
   w.reset();
   dev->synchronize();  // releases are stream-ordered
+  EXPECT_EQ(dev->memory().bytes_in_use, 0u);
+}
+
+// A layer's NVMe read failing while the layer before it is still being copied up (in small chunks
+// over a slow link): load_weights reports the read's error, and the earlier layer's host staging
+// outlives its queued copies. It used to be unmapped under them, and the next chunk's copy crashed
+// the process (seen as a segfault in `rondo train` under an injected read fault).
+TEST_F(TransfersTest, AFailedReadLeavesQueuedUploadsTheirStaging) {
+  HostArena arena({.pinning = Pinning::kOff});
+  std::vector<LayerDesc> desc(2);
+  for (LayerDesc& l : desc) {
+    l.tensors = {{"w", 2 << 20, false, -1}};  // 4 MiB of bf16: 4 blocks of 1 MiB
+    l.base = Tier::kNvme;
+  }
+  // Layer 0's four reads succeed; every later one (layer 1's) fails.
+  NvmeStore nvme({.dir = (dir / "nvme").string(),
+                  .backend = BackendKind::kThreads,
+                  .block_bytes = 1 << 20,
+                  .faults = parse_fault_rules("eio:read:5+", "test")},
+                 LayerStore::nvme_bytes(desc, FloatDType::kBF16));
+  LayerStore store(arena, desc, FloatDType::kBF16, FloatDType::kF32, &nvme);
+  for (std::size_t l = 0; l < store.layers(); ++l) {
+    LayerAccess a = store.access(l, kAllParts, AccessMode::kOverwrite);
+    std::memset(a[0].stream, 0x3c, a[0].numel * 2);
+  }
+  store.flush();
+  // 64 chunks of 64 KiB at 100 MB/s: about 40 ms of copies queued when layer 1's read fails.
+  auto dev = kernels::make_sim_device(
+      {.name = "sim0", .bytes_cap = 64 << 20, .link = {.bytes_per_s = 1e8, .latency_s = 1e-6}});
+  Transfers xfer(store, arena, {dev.get()}, {.max_chunk_bytes = 64 << 10});
+  try {
+    xfer.load_weights(0, {0, 1});
+    FAIL() << "a failed read loaded";
+  } catch (const IoError& e) {
+    EXPECT_EQ(e.kind, IoError::Kind::kOs) << e.what();
+    EXPECT_EQ(e.error, EIO) << e.what();
+    EXPECT_NE(e.region.find("layer 1"), std::string::npos) << "not layer 1's read: " << e.what();
+  }
+  // Nothing is left on the stream that reads host memory given back.
+  EXPECT_TRUE(xfer.weight_upload_stream(0).query());
+  dev->synchronize();
   EXPECT_EQ(dev->memory().bytes_in_use, 0u);
 }
 
