@@ -216,13 +216,36 @@ TEST_F(Offload, FaultsEndTheRunNamedAndAResumeEndsExactly) {
   const double reads_per_step =
       (end["nvme_read_bytes"].get<double>() / 6 - ckpt_reads * ckpt_bytes) / (1 << 20) + ckpt_reads;
   ASSERT_GT(reads_per_step, 1) << end.dump();
-  const int nth = static_cast<int>(2.5 * reads_per_step);
-  for (const std::string& fault :
-       {"eio:read:" + std::to_string(nth), "enospc:write:" + std::to_string(nth),
-        "short:read:" + std::to_string(nth), "corrupt:read:" + std::to_string(nth)}) {
-    SCOPED_TRACE(fault);
-    const std::string run = "fault-" + fault.substr(0, fault.find(':'));
-    Result r = train(run, "full", extra, "RONDO_FAULT_IO=" + fault);
+  // Reads per step are not fixed: a checkpoint whose backward comes before its write started is
+  // handed back without any I/O, which depends on timing (a loaded machine moves it). A fault
+  // that lands before the first checkpoint, or after the last step, tests nothing here: it is
+  // moved by half a step and the run made again (at most three times), and only the run with the
+  // fault where it belongs is checked.
+  auto checkpoints_of = [&](const std::string& run) {
+    int n = 0;
+    if (fs::exists(dir / run / "checkpoints"))
+      for (const auto& e : fs::directory_iterator(dir / run / "checkpoints"))
+        n += e.path().filename().string().rfind("step-", 0) == 0;
+    return n;
+  };
+  for (const std::string kind : {"eio:read", "enospc:write", "short:read", "corrupt:read"}) {
+    SCOPED_TRACE(kind);
+    double at = 2.5 * reads_per_step;
+    std::string run, fault;
+    Result r;
+    int checkpoints = 0;
+    for (int attempt = 0;; ++attempt) {
+      fault = kind + ":" + std::to_string(static_cast<int>(at));
+      run = "fault-" + kind.substr(0, kind.find(':')) + "-" + std::to_string(attempt);
+      r = train(run, "full", extra, "RONDO_FAULT_IO=" + fault);
+      checkpoints = checkpoints_of(run);
+      const bool early = r.code == 1 && checkpoints == 0;
+      const bool missed = r.code == 0;
+      if (attempt == 2 || (!early && !missed)) break;
+      std::printf("%s: %s; moved by half a step\n", fault.c_str(),
+                  early ? "landed before the first checkpoint" : "never came");
+      at += (early ? 0.5 : -0.5) * reads_per_step;
+    }
     EXPECT_EQ(r.code, 1) << r.out;
     EXPECT_TRUE(contains(r.out, "offset")) << r.out;
     EXPECT_TRUE(contains(r.out, "rondo-offload") || contains(r.out, (dir / "nvme").string()))
@@ -233,13 +256,9 @@ TEST_F(Offload, FaultsEndTheRunNamedAndAResumeEndsExactly) {
     const auto losses = step_losses(dir / run / "events.jsonl");
     ASSERT_FALSE(losses.empty());
     EXPECT_EQ(failed["steps"].get<std::int64_t>(), losses.rbegin()->first) << failed.dump();
-    int checkpoints = 0;
-    if (fs::exists(dir / run / "checkpoints"))
-      for (const auto& e : fs::directory_iterator(dir / run / "checkpoints"))
-        checkpoints += e.path().filename().string().rfind("step-", 0) == 0;
-    const std::size_t at = r.out.find("rondo: error:");
+    const std::size_t error_at = r.out.find("rondo: error:");
     std::printf("%s: %d checkpoint(s) before the fault; %s\n", fault.c_str(), checkpoints,
-                r.out.substr(at == std::string::npos ? 0 : at, 400).c_str());
+                r.out.substr(error_at == std::string::npos ? 0 : error_at, 400).c_str());
     EXPECT_GE(checkpoints, 1) << "the fault came before the first checkpoint";
     Result resumed = run_rondo("train --resume " + (dir / run).string());
     ASSERT_EQ(resumed.code, 0) << resumed.out;
