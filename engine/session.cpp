@@ -69,6 +69,17 @@ namespace fs = std::filesystem;
 namespace rondo::engine {
 namespace {
 
+// Runs `body`; an NVMe tier error from it (whose message names the file, the region and what to
+// do, but not what the run was doing) gets `doing` in front and `then` after it.
+template <typename F>
+auto naming_io_errors(const std::string& doing, F&& body, const std::string& then = "") {
+  try {
+    return body();
+  } catch (const offload::IoError& e) {
+    throw Error(doing + ": " + e.what() + then);
+  }
+}
+
 std::uint64_t fnv1a(std::uint64_t h, const void* data, std::size_t n) {
   const auto* p = static_cast<const unsigned char*>(data);
   for (std::size_t i = 0; i < n; ++i) {
@@ -552,12 +563,14 @@ struct Session::Impl {
     // Progress while loading (a large model takes minutes): at most about twice a second, and the
     // last layer always.
     double last_load_event = -1;
-    load_weights(store, specs, reader, adapters, [&](std::size_t done, std::size_t total) {
-      const double now = sink.now();
-      if (done < total && now - last_load_event < 0.5) return;
-      last_load_event = now;
-      sink.emit(LoadEvent{.layers_done = static_cast<std::int64_t>(done),
-                          .layers_total = static_cast<std::int64_t>(total)});
+    naming_io_errors("loading the model into the offload store", [&] {
+      load_weights(store, specs, reader, adapters, [&](std::size_t done, std::size_t total) {
+        const double now = sink.now();
+        if (done < total && now - last_load_event < 0.5) return;
+        last_load_event = now;
+        sink.emit(LoadEvent{.layers_done = static_cast<std::int64_t>(done),
+                            .layers_total = static_cast<std::int64_t>(total)});
+      });
     });
     adapters.clear();
     // Buffers the OS would not page-lock (pinning = auto goes on without): said once when they
@@ -579,7 +592,9 @@ struct Session::Impl {
     if (!from_checkpoint.empty()) {
       const std::string& path = from_checkpoint;
       // choose_checkpoint checked it (under the run lock): not hashed a second time.
-      nlohmann::json meta = read_checkpoint(path, store, specs, /*verified=*/true);
+      nlohmann::json meta = naming_io_errors("resuming from " + path, [&] {
+        return read_checkpoint(path, store, specs, /*verified=*/true);
+      });
       const std::string where = path + "/state.json";
       try {
         if (meta.value("data_fingerprint", "") != fingerprint)
@@ -684,8 +699,10 @@ struct Session::Impl {
       const std::string path =
           (run_dir() / "checkpoints" / ("step-" + std::to_string(step))).string();
       const std::uint64_t bytes =
-          write_checkpoint(path, store, specs, meta, c.training.one_step_stale, [&] {
-            if (step == fault_step("RONDO_FAULT_KILL_IN_CHECKPOINT")) kill_self();
+          naming_io_errors("saving the checkpoint of step " + std::to_string(step), [&] {
+            return write_checkpoint(path, store, specs, meta, c.training.one_step_stale, [&] {
+              if (step == fault_step("RONDO_FAULT_KILL_IN_CHECKPOINT")) kill_self();
+            });
           });
       prune_checkpoints(run_dir().string(), c.checkpoint.keep, step);
       sink.emit(CheckpointEvent{.step = step, .path = path, .bytes = bytes});
@@ -773,19 +790,30 @@ struct Session::Impl {
     for (const std::string& x : c.output.exports) {
       const std::string path = (run_dir() / x).string();
       std::string written = path;
-      if (x == "adapter") {
-        export_peft_adapter(path, store, specs, lc, c.model.path);
-      } else if (x == "merged") {
-        export_merged(path, store, specs, c.model.path,
-                      sd == kernels::FloatDType::kF32 ? models::DType::kF32 : models::DType::kBF16);
-      } else if (x == "gguf-adapter") {
-        written = path + "/adapter.gguf";
-        export_gguf_adapter(written, store, specs, summary.config, lc);
-      } else {
-        written = path + "/model-q8_0.gguf";
-        export_gguf_merged(written, store, specs, summary.config, c.model.path,
-                           models::GgufExportType::kQ8_0);
-      }
+      // The run's last checkpoint holds what the export would have: `rondo export` writes it.
+      naming_io_errors(
+          "exporting " + x + " to " + path,
+          [&] {
+            if (x == "adapter") {
+              export_peft_adapter(path, store, specs, lc, c.model.path);
+            } else if (x == "merged") {
+              export_merged(
+                  path, store, specs, c.model.path,
+                  sd == kernels::FloatDType::kF32 ? models::DType::kF32 : models::DType::kBF16);
+            } else if (x == "gguf-adapter") {
+              written = path + "/adapter.gguf";
+              export_gguf_adapter(written, store, specs, summary.config, lc);
+            } else {
+              written = path + "/model-q8_0.gguf";
+              export_gguf_merged(written, store, specs, summary.config, c.model.path,
+                                 models::GgufExportType::kQ8_0);
+            }
+          },
+          result.checkpoint.empty()
+              ? std::string()
+              : ". The training is complete and saved in " + result.checkpoint +
+                    ": `rondo export " + run_dir().string() + " --format " + x +
+                    "` writes it from there");
       log("Exported " + written);
       if (result.export_path.empty()) result.export_path = written;
     }

@@ -268,6 +268,23 @@ TEST_F(Offload, FaultsEndTheRunNamedAndAResumeEndsExactly) {
   }
 }
 
+// A drive failing while the model is written to the tier, before any step: the error says what the
+// run was doing, and the run ends failed at step 0.
+TEST_F(Offload, AFaultWhileLoadingSaysSo) {
+  const std::string extra = "host_memory = \"" + std::to_string(state_bytes(params, params) / 3) +
+                            "\"\noffload_dir = \"" + (dir / "nvme").string() + "\"\n";
+  Result r = train("load-fault", "full", extra, "RONDO_FAULT_IO=enospc:write:3");
+  EXPECT_EQ(r.code, 1) << r.out;
+  EXPECT_TRUE(contains(r.out,
+                       "rondo: error: loading the model into the offload store: offload "
+                       "store: writing '"))
+      << r.out;
+  EXPECT_TRUE(contains(r.out, "No space left on device (ENOSPC)")) << r.out;
+  const json end = last(events(dir / "load-fault" / "events.jsonl"), "run_end");
+  EXPECT_EQ(end["status"], "failed") << end.dump();
+  EXPECT_EQ(end["steps"], 0) << end.dump();
+}
+
 // Very long sequences: the activation checkpoints (every backward stage's input, each microbatch,
 // two steps) outgrow the weights. Under a budget that holds the rest but not them, the planner
 // puts them on the NVMe tier and says so; the run ends bit for bit where the same run in host
