@@ -334,6 +334,15 @@ struct Engine::Impl {
 
   // The CPU device works on the store's trained weights and gradients in place (exact mode).
   bool shares_trained() const { return options.share_trained_state && !options.one_step_stale; }
+  // Whether every trained tensor of layer l gets its gradient written (not added) by a job's first
+  // microbatch, so that its accumulators need no zeroing first: blocks (BlockRun::overwrite) and a
+  // head of a norm and an LM head; not the embedding, whose rows are added (index_add_).
+  bool overwrites_grads(int l) const {
+    const models::LayerKind kind = specs[static_cast<std::size_t>(l)].kind;
+    return kind == models::LayerKind::kBlock ||
+           (kind == models::LayerKind::kHead &&
+            specs[static_cast<std::size_t>(l)].params.size() <= 2);
+  }
 
   // ---- failure and waiting ----
 
@@ -725,10 +734,10 @@ struct Engine::Impl {
         if (convert) {
           r->buffers.push_back(dc.dev->allocate(gr.bytes / gs * 4, dc.compute));
           accp = static_cast<std::uint8_t*>(r->buffers.back().data());
-          dc.compute->fill(accp, 0, gr.bytes / gs * 4);
-        } else {
-          dc.compute->fill(gdata, 0, gr.bytes);
         }
+        // Blocks and the head write each gradient on the first microbatch and add on the next
+        // (BlockRun::overwrite, head_grad); the embedding's rows are added into zeros.
+        if (!overwrites_grads(l)) dc.compute->fill(accp, 0, convert ? gr.bytes / gs * 4 : gr.bytes);
         for (std::size_t i = 0; i < store.layer(l).size(); ++i) {
           const offload::TensorState& t = store.layer(l)[i];
           if (!t.trainable) {
@@ -946,8 +955,13 @@ struct Engine::Impl {
     auto block_runs = [&](int begin, int end) {
       std::vector<models::BlockRun> runs;
       for (int l = std::max(begin, 1); l < std::min(end, head); ++l)
-        runs.push_back({.spec = &specs[l], .weights = w.at(l), .grads = grads_of(l)});
+        runs.push_back(
+            {.spec = &specs[l], .weights = w.at(l), .grads = grads_of(l), .overwrite = m == 0});
       return runs;
+    };
+    // The head's gradients: written by the first microbatch, added by the next.
+    auto head_grad = [m](at::Tensor& into, const at::Tensor& g) {
+      m == 0 ? into.copy_(g) : into.add_(g);
     };
     auto embed_grad = [&](const at::Tensor& grad_x) {
       std::vector<at::Tensor>* g = grads_of(0);
@@ -983,8 +997,8 @@ struct Engine::Impl {
                   config, hw[0], hw[1], h, targets, loss_scale, lm_trainable, chunk_tokens);
               at::from_blob(loss_dev, {}, at::TensorOptions().dtype(at::kFloat).device(dev))
                   .add_(r.loss_sum);
-              if (hg && (*hg)[0].defined()) (*hg)[0].add_(r.grad_norm.to(at::kFloat));
-              if (lm_trainable) (*hg)[1].add_(r.grad_lm_head);
+              if (hg && (*hg)[0].defined()) head_grad((*hg)[0], r.grad_norm.to(at::kFloat));
+              if (lm_trainable) head_grad((*hg)[1], r.grad_lm_head);
               return r.grad_x;
             });
         c10::AutoGradMode no_grad(false);

@@ -1055,7 +1055,12 @@ at::Tensor forward_and_backward(const ModelConfig& c, const std::vector<BlockRun
     for (std::size_t i = 0; i < leaves[b - first].size(); ++i) {
       // An expert no token of the microbatch was routed to has no gradient.
       const at::Tensor& g = leaves[b - first][i].grad();
-      if ((*run.grads)[i].defined() && g.defined()) (*run.grads)[i].add_(g);
+      at::Tensor& into = (*run.grads)[i];
+      if (!into.defined()) continue;
+      if (run.overwrite)
+        g.defined() ? into.copy_(g) : into.zero_();
+      else if (g.defined())
+        into.add_(g);
     }
   }
   return x_leaf.grad();

@@ -262,14 +262,19 @@ struct BlockRun {
   const LayerSpec* spec = nullptr;
   std::vector<at::Tensor> weights;
   std::vector<at::Tensor>* grads = nullptr;
+  // The gradients are written, not added to (a job's first microbatch: what `grads` held before
+  // is never read, and a trained weight this run gives no gradient, such as an expert no token
+  // was routed to, gets zeros).
+  bool overwrite = false;
 };
 
 // The backward of a run of blocks from saved inputs (activation checkpointing): recomputes the
 // forward under autograd and backpropagates `grad_out` (the gradient of the last block's output).
 // Stage grain: `saved_inputs` holds the input of the first block and all blocks are recomputed at
 // once. Layer grain: it holds every block's input and each block is recomputed and
-// backpropagated alone (less memory). Weight gradients are added to BlockRun::grads; returns the
-// gradient of the first block's input. Weights are never modified (autograd uses aliases).
+// backpropagated alone (less memory). Weight gradients are added to (or, with BlockRun::overwrite,
+// written into) BlockRun::grads; returns the gradient of the first block's input. Weights are never
+// modified (autograd uses aliases).
 at::Tensor blocks_backward(const ModelConfig& config, const std::vector<BlockRun>& blocks,
                            const std::vector<at::Tensor>& saved_inputs, const AttentionContext& ctx,
                            const at::Tensor& grad_out);
@@ -277,8 +282,8 @@ at::Tensor blocks_backward(const ModelConfig& config, const std::vector<BlockRun
 // The fused tail's blocks: their forward under autograd from `x` (kept, not recomputed), then
 // `head` gets the last block's output and returns the gradient to backpropagate into it (it runs
 // the head's own forward and backward, e.g. head_forward_backward), then the blocks' backward.
-// Weight gradients are added to BlockRun::grads; returns the gradient of `x`. With no blocks,
-// returns head(x).
+// Weight gradients are added to (or, with BlockRun::overwrite, written into) BlockRun::grads;
+// returns the gradient of `x`. With no blocks, returns head(x).
 at::Tensor blocks_forward_backward(const ModelConfig& config, const std::vector<BlockRun>& blocks,
                                    const at::Tensor& x, const AttentionContext& ctx,
                                    const std::function<at::Tensor(const at::Tensor&)>& head);
