@@ -77,8 +77,6 @@ unsigned nvme_parts(const LayerStore& store, std::size_t layer, bool frozen_only
 
 std::unique_ptr<DeviceWeights> Transfers::load_weights(int d, const std::vector<int>& layers) {
   const DeviceLinks& dl = devs_.at(d);
-  auto w = std::make_unique<DeviceWeights>();
-  w->store_ = &store_;
   const std::size_t ss = kernels::dtype_size(store_.stream_dtype());
   std::uint64_t up = 0, dequantised = 0, read = 0;
   // NVMe-resident layers in staging, oldest first, each with the event behind its upload.
@@ -90,18 +88,21 @@ std::unique_ptr<DeviceWeights> Transfers::load_weights(int d, const std::vector<
   // An error part way (a later layer's read failing, most often) unwinds while the staged layers'
   // copies may still be queued: their host memory (its own mapping) goes only once the stream is
   // past them. Unmapped under a queued copy, it crashed the process instead of reporting the error.
+  // The wait also covers the device buffers' stream-ordered releases (`w` goes before it), so the
+  // stream is idle when the error leaves.
   struct StagingOutlivesItsCopies {
     kernels::Stream& stream;
-    const std::deque<Staging>& window;
     const int unwinding = std::uncaught_exceptions();
     ~StagingOutlivesItsCopies() {
-      if (window.empty() || std::uncaught_exceptions() == unwinding) return;
+      if (std::uncaught_exceptions() == unwinding) return;
       try {
         stream.synchronize();
       } catch (...) {  // the stream's own failure: the error already under way is the one to report
       }
     }
-  } outlive{*dl.weight_up, window};
+  } outlive{*dl.weight_up};
+  auto w = std::make_unique<DeviceWeights>();
+  w->store_ = &store_;
   std::vector<int> nvme_layers;
   for (int l : layers)
     if (nvme_parts(store_, static_cast<std::size_t>(l), false)) nvme_layers.push_back(l);

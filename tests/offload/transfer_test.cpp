@@ -124,9 +124,11 @@ TEST_F(TransfersTest, AFailedReadLeavesQueuedUploadsTheirStaging) {
     l.tensors = {{"w", 2 << 20, false, -1}};  // 4 MiB of bf16: 4 blocks of 1 MiB
     l.base = Tier::kNvme;
   }
-  // Layer 0's four reads succeed; every later one (layer 1's) fails.
+  // Layer 0's four reads succeed; every later one (layer 1's) fails. One request at a time, so
+  // that the reads are attempted in the order asked (layer 0's, then layer 1's).
   NvmeStore nvme({.dir = (dir / "nvme").string(),
                   .backend = BackendKind::kThreads,
+                  .queue_depth = 1,
                   .block_bytes = 1 << 20,
                   .faults = parse_fault_rules("eio:read:5+", "test")},
                  LayerStore::nvme_bytes(desc, FloatDType::kBF16));
