@@ -4,6 +4,7 @@
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
 
+#include "cli/test_faults.h"
 #include "engine/devices.h"
 #include "offload/disk_speed.h"
 
@@ -121,9 +122,12 @@ int run_devices(const DevicesOptions& options) {
   if (!options.json) print_text(plan);
   if (!options.disk.empty()) {
     const std::uint64_t bytes = parse_bytes(options.disk_bytes, "--disk-bytes");
+    const std::vector<offload::FaultRule> faults = test_faults_from_env().io;
     if (!options.json)
       fmt::print("Measuring {} (writing and reading {})...\n", options.disk, format_bytes(bytes));
-    const offload::DiskSpeed d = offload::measure_disk(options.disk, bytes);
+    const offload::DiskSpeed d =
+        offload::measure_disk(options.disk, bytes, offload::BackendKind::kAuto,
+                              offload::kDiskRequestBytes, offload::kDiskQueueDepth, faults);
     j["disk"] = {{"dir", options.disk},
                  {"read_bytes_per_s", d.read_bytes_per_s},
                  {"write_bytes_per_s", d.write_bytes_per_s},

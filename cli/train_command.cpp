@@ -16,6 +16,7 @@
 #include <thread>
 
 #include "cli/config_file.h"
+#include "cli/test_faults.h"
 #include "engine/checkpoint.h"
 #include "engine/estimate.h"
 #include "engine/run_lock.h"
@@ -221,6 +222,9 @@ int train_with(const engine::TrainConfig& config, const std::string& config_toml
                             .log = log,
                             .on_step = [&](const engine::StepEvent& e) { progress.step(e); },
                             .dry_run = dry_run};
+  const TestFaults faults = test_faults_from_env();
+  so.io_faults = faults.io;
+  so.on_fault_point = faults.kill_hook();
   InterruptWatch watch;
   engine::Session session(config, so);
   log(session.describe());

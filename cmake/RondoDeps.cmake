@@ -25,7 +25,7 @@ endfunction()
 
 rondo_find_c_library(HWLOC hwloc hwloc.h hwloc)
 rondo_find_c_library(URING liburing liburing.h uring)
-rondo_find_c_library(XXHASH libxxhash xxhash.h xxhash)  # the NVMe store's block checksums
+rondo_find_c_library(XXHASH libxxhash xxhash.h xxhash)  # XXH3 checksums (kernels/checksum.h)
 rondo_find_c_library(PCRE2 libpcre2-8 pcre2.h pcre2-8)
 # oneTBB (Debian's libtbb-dev ships its CMake config): the CPU kernels' threads.
 find_package(TBB REQUIRED)

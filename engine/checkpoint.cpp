@@ -21,9 +21,9 @@
 
 #include "engine/checkpoint_state.h"
 #include "engine/state.h"
+#include "kernels/checksum.h"
 #include "kernels/cpu/adamw.h"
 #include "kernels/error.h"
-#include "models/checksum.h"
 #include "models/safetensors.h"
 #include "offload/layer_store.h"
 
@@ -236,7 +236,7 @@ std::uint64_t write_checkpoint(const std::string& dir, offload::LayerStore& stor
           {"format", kFormat},
           {"version", kVersion},
           {"files",
-           {{kTensorsFile, {{"bytes", tensors_bytes}, {"xxh3_64", models::hex64(tensors_xxh3)}}}}},
+           {{kTensorsFile, {{"bytes", tensors_bytes}, {"xxh3_64", kernels::hex64(tensors_xxh3)}}}}},
           {"meta_xxh3_64", meta_checksum(meta)},
           {"meta", meta}};
       text = state.dump(2) + "\n";

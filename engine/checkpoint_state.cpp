@@ -5,8 +5,8 @@
 #include <nlohmann/json.hpp>
 #include <system_error>
 
+#include "kernels/checksum.h"
 #include "kernels/error.h"
-#include "models/checksum.h"
 #include "models/mapped_file.h"
 
 namespace rondo::engine {
@@ -17,7 +17,7 @@ namespace checkpoint_state {
 // again gives the same text).
 std::string meta_checksum(const nlohmann::json& meta) {
   const std::string text = meta.dump();
-  return models::hex64(models::xxh3(text.data(), text.size()));
+  return kernels::hex64(kernels::xxh3(text.data(), text.size()));
 }
 
 // The step a folder named "step-N" holds; nullopt for any other name.
@@ -158,9 +158,9 @@ std::vector<std::string> checkpoint_problems(const std::string& dir, bool* damag
       problems.push_back(std::string(kStateFile) + " does not record the size and checksum of " +
                          kTensorsFile + " — the checkpoint is damaged");
     } else {
-      models::FileDigest d;
+      kernels::FileDigest d;
       try {
-        d = models::file_xxh3(tensors_path.string());
+        d = kernels::file_xxh3(tensors_path.string());
       } catch (const Error& e) {  // unreadable (EIO, no permission, ...): fall back, keep it
         problems.push_back(e.what());
         own = false;
@@ -171,9 +171,9 @@ std::vector<std::string> checkpoint_problems(const std::string& dir, bool* damag
         problems.push_back(std::string(kTensorsFile) + " holds " + std::to_string(d.bytes) +
                            " bytes, " + kStateFile + " records " + std::to_string(bytes) +
                            " (truncated or replaced)");
-      else if (models::hex64(d.xxh3) != rec["xxh3_64"].get<std::string>())
+      else if (kernels::hex64(d.xxh3) != rec["xxh3_64"].get<std::string>())
         problems.push_back(std::string(kTensorsFile) + " does not match its checksum (XXH3-64 " +
-                           models::hex64(d.xxh3) + ", recorded " +
+                           kernels::hex64(d.xxh3) + ", recorded " +
                            rec["xxh3_64"].get<std::string>() + "): its bytes changed on disk");
     }
   }

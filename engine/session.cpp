@@ -8,7 +8,6 @@
 #include <atomic>
 #include <chrono>
 #include <cmath>
-#include <csignal>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
@@ -28,6 +27,7 @@
 #include "engine/schedule.h"
 #include "engine/state.h"
 #include "engine/torch_device.h"
+#include "kernels/checksum.h"
 #include "kernels/error.h"
 #include "models/chat_template.h"
 #include "models/export.h"
@@ -80,38 +80,12 @@ auto naming_io_errors(const std::string& doing, F&& body, const std::string& the
   }
 }
 
-std::uint64_t fnv1a(std::uint64_t h, const void* data, std::size_t n) {
-  const auto* p = static_cast<const unsigned char*>(data);
-  for (std::size_t i = 0; i < n; ++i) {
-    h ^= p[i];
-    h *= 0x100000001b3ull;
-  }
-  return h;
-}
-
-std::string hex(std::uint64_t v) {
-  return fmt::format("{:016x}", v);
-}
-
-// Fault injection for the resume tests (tests/cli/train_test.cpp): SIGKILL this process right
-// after step N's event (RONDO_FAULT_KILL_AFTER_STEP=N), or inside the checkpoint write of step N,
-// once its files are complete under the temporary name (RONDO_FAULT_KILL_IN_CHECKPOINT=N).
-std::int64_t fault_step(const char* name) {
-  const char* v = std::getenv(name);
-  return v ? std::atoll(v) : -1;
-}
-
 // The process's peak resident size so far (VmHWM), 0 when /proc says nothing.
 std::uint64_t host_peak_bytes() {
   std::ifstream f("/proc/self/status");
   for (std::string line; std::getline(f, line);)
     if (line.rfind("VmHWM:", 0) == 0) return std::strtoull(line.c_str() + 6, nullptr, 10) * 1024;
   return 0;
-}
-
-void kill_self() {
-  std::fflush(nullptr);
-  ::raise(SIGKILL);
 }
 
 nlohmann::json plan_json(const Plan& p, std::size_t devices) {
@@ -146,19 +120,23 @@ Plan plan_from_json(const nlohmann::json& j) {
   return p;
 }
 
+// The checkpoint's data_fingerprint: FNV-1a 64 over the tokenized examples and the batching
+// options, as 16 hex digits. A resume compares it with the value the checkpoint holds, so it must
+// stay this function, with these bytes in this order: anything else would refuse to resume every
+// run an older binary started (kernels::fnv1a64 is kept for it; new checksums use XXH3).
 std::string data_fingerprint(const Dataset& d, const BatchingOptions& b) {
-  std::uint64_t h = 0xcbf29ce484222325ull;
+  std::uint64_t h = kernels::kFnv1a64Basis;
   for (const Example& e : d.examples) {
-    h = fnv1a(h, e.ids.data(), e.ids.size() * sizeof(e.ids[0]));
-    h = fnv1a(h, e.loss_mask.data(), e.loss_mask.size());
+    h = kernels::fnv1a64(h, e.ids.data(), e.ids.size() * sizeof(e.ids[0]));
+    h = kernels::fnv1a64(h, e.loss_mask.data(), e.loss_mask.size());
     const std::uint64_t n = e.ids.size();
-    h = fnv1a(h, &n, sizeof(n));
+    h = kernels::fnv1a64(h, &n, sizeof(n));
   }
   for (std::int64_t v : {b.seq_len, b.rows, static_cast<std::int64_t>(b.microbatches),
                          static_cast<std::int64_t>(b.pack), static_cast<std::int64_t>(b.shuffle),
                          static_cast<std::int64_t>(b.seed)})
-    h = fnv1a(h, &v, sizeof(v));
-  return hex(h);
+    h = kernels::fnv1a64(h, &v, sizeof(v));
+  return kernels::hex64(h);
 }
 
 kernels::FloatDType stream_dtype(const std::string& d) {
@@ -545,7 +523,8 @@ struct Session::Impl {
     if (est.placement.nvme_bytes > 0) {
       offload::NvmeStoreOptions no{
           .dir = c.hardware.offload_dir,
-          .backend = offload::parse_backend_kind(c.hardware.offload_io, "hardware.offload_io")};
+          .backend = offload::parse_backend_kind(c.hardware.offload_io, "hardware.offload_io"),
+          .faults = o.io_faults};
       nvme = std::make_unique<offload::NvmeStore>(no, est.placement.nvme_bytes);
       log("NVMe tier: " + nvme->summary());
     }
@@ -701,7 +680,7 @@ struct Session::Impl {
       const std::uint64_t bytes =
           naming_io_errors("saving the checkpoint of step " + std::to_string(step), [&] {
             return write_checkpoint(path, store, specs, meta, c.training.one_step_stale, [&] {
-              if (step == fault_step("RONDO_FAULT_KILL_IN_CHECKPOINT")) kill_self();
+              if (o.on_fault_point) o.on_fault_point(FaultPoint::kInCheckpoint, step);
             });
           });
       prune_checkpoints(run_dir().string(), c.checkpoint.keep, step);
@@ -755,7 +734,7 @@ struct Session::Impl {
                   .eta_s = mean_step_s * static_cast<double>(steps - r.step),
                   .tokens = r.targets};
       sink.emit(e);
-      if (r.step == fault_step("RONDO_FAULT_KILL_AFTER_STEP")) kill_self();
+      if (o.on_fault_point) o.on_fault_point(FaultPoint::kAfterStep, r.step);
       if (o.on_step) o.on_step(e);
       result.last_loss = r.loss;
       steps_done = r.step;

@@ -14,12 +14,20 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "engine/estimate.h"
 #include "engine/events.h"
 #include "engine/train_config.h"
+#include "offload/io_faults.h"
 
 namespace rondo::engine {
+
+// Where a run calls SessionOptions::on_fault_point, with the step it is at.
+enum class FaultPoint : std::uint8_t {
+  kAfterStep,     // step N's event is out; nothing after it (checkpoint, evaluation) has run
+  kInCheckpoint,  // step N's checkpoint is written and synced under its temporary name, not renamed
+};
 
 struct SessionOptions {
   std::string config_toml;  // the resolved config, written to <run_dir>/config.toml
@@ -37,6 +45,12 @@ struct SessionOptions {
   bool dry_run = false;
   // Tests: overrides what the OS reports (0 = ask).
   std::uint64_t host_free = 0, disk_free = 0;
+  // Tests: faults, passed in (the library reads no test variable; `rondo` builds them from
+  // RONDO_FAULT_* in cli/test_faults.cpp). `io_faults` go to the NVMe tier's store
+  // (offload/io_faults.h). `on_fault_point` is called at each FaultPoint the run passes; the
+  // resume tests' hook SIGKILLs the process there, so that a resume meets a real crash.
+  std::vector<offload::FaultRule> io_faults;
+  std::function<void(FaultPoint, std::int64_t step)> on_fault_point;
 };
 
 struct SessionResult {

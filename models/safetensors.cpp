@@ -13,8 +13,8 @@
 #include <set>
 #include <sstream>
 
+#include "kernels/checksum.h"
 #include "kernels/error.h"
-#include "models/checksum.h"
 #include "models/mapped_file.h"
 #include "models/tensor_view.h"
 
@@ -313,7 +313,7 @@ std::uint64_t write_safetensors(
     text.push_back(' ');
 
   DurableFile file(path);
-  Xxh3 checksum;
+  kernels::Xxh3 checksum;
   std::uint64_t n = text.size();
   file.write(&n, 8);
   file.write(text.data(), text.size());

@@ -81,7 +81,7 @@ void write_safetensors(const std::string& path,
 // The same, for data that is produced while the file is written (state that does not all fit in
 // memory at once): the header comes from `entries`, then `produce(i, sink)` is called for each
 // entry in order and must pass exactly that entry's bytes to `sink` (in one piece or several).
-// Returns the XXH3-64 of every byte written (models/checksum.h), computed as the bytes go out.
+// Returns the XXH3-64 of every byte written (kernels/checksum.h), computed as the bytes go out.
 struct SafetensorsEntry {
   std::string name;
   DType dtype = DType::kF32;

@@ -124,18 +124,22 @@ void run_pass(IoBackend& backend, const OffloadFile& file, IoOp op, std::uint64_
 }  // namespace
 
 DiskSpeed measure_disk(const std::string& dir, std::uint64_t bytes, BackendKind kind,
-                       std::uint64_t request_bytes, unsigned queue_depth) {
+                       std::uint64_t request_bytes, unsigned queue_depth,
+                       const std::vector<FaultRule>& faults) {
   RONDO_ASSERT(bytes > 0 && request_bytes > 0 && request_bytes % kPage == 0 && queue_depth > 0);
   DiskSpeed speed;
   speed.bytes = round_up(bytes, kPage);
   speed.request_bytes = request_bytes;
-  IoBackendChoice choice = make_io_backend({.kind = kind, .queue_depth = queue_depth});
+  FaultInjector injector(faults);  // outlives the backend
+  FaultInjector* const injected = injector.empty() ? nullptr : &injector;
+  IoBackendChoice choice =
+      make_io_backend({.kind = kind, .queue_depth = queue_depth, .faults = injected});
   speed.backend = choice.backend->name();
   speed.backend_note = choice.note;
-  OffloadFile file = create_offload_file(dir, true, nullptr);
+  OffloadFile file = create_offload_file(dir, true, injected);
   speed.direct = file.direct;
   speed.direct_note = file.direct_note;
-  preallocate(file, speed.bytes, nullptr);
+  preallocate(file, speed.bytes, injected);
 
   // No more buffers than requests in the file.
   const std::uint64_t requests = (speed.bytes + request_bytes - 1) / request_bytes;
@@ -201,9 +205,10 @@ DiskSpeed measure_disk_raw(const std::string& dir, std::uint64_t bytes,
 }
 
 StoreSpeed measure_store(const std::string& dir, std::uint64_t bytes, std::uint64_t request,
-                         std::uint64_t region_bytes, BackendKind kind) {
+                         std::uint64_t region_bytes, BackendKind kind,
+                         const std::vector<FaultRule>& faults) {
   constexpr int kInFlight = 4;
-  NvmeStore store({.dir = dir, .backend = kind, .block_bytes = request}, bytes);
+  NvmeStore store({.dir = dir, .backend = kind, .block_bytes = request, .faults = faults}, bytes);
   std::vector<Region> regions;
   for (std::uint64_t at = 0; at < bytes; at += region_bytes)
     regions.push_back(store.reserve(std::min(region_bytes, bytes - at),

@@ -12,8 +12,10 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "offload/io_backend.h"
+#include "offload/io_faults.h"
 
 namespace rondo::offload {
 
@@ -29,22 +31,27 @@ struct DiskSpeed {
   unsigned queue_depth = 0;  // requests in flight (1 for the raw loop)
 };
 
+inline constexpr std::uint64_t kDiskRequestBytes = std::uint64_t{1} << 20;
+inline constexpr unsigned kDiskQueueDepth = 32;
+
 // Sequential write then read of `bytes` in requests of `request_bytes`, `queue_depth` of them in
 // flight, through the backend `kind` selects. Throws DiskOutOfSpace when the folder cannot hold
-// the file, Error when a transfer fails (naming the folder and the error).
+// the file, Error when a transfer fails (naming the folder and the error). `faults`: injected
+// where the OS answers (io_faults.h; `rondo devices --disk` passes RONDO_FAULT_IO's).
 DiskSpeed measure_disk(const std::string& dir, std::uint64_t bytes,
                        BackendKind kind = BackendKind::kAuto,
-                       std::uint64_t request_bytes = std::uint64_t{1} << 20,
-                       unsigned queue_depth = 32);
+                       std::uint64_t request_bytes = kDiskRequestBytes,
+                       unsigned queue_depth = kDiskQueueDepth,
+                       const std::vector<FaultRule>& faults = {});
 
 // The baseline: one thread, a plain O_DIRECT pwrite loop then a pread loop over the same bytes in
 // requests of the same size — what any program gets without a queue.
 DiskSpeed measure_disk_raw(const std::string& dir, std::uint64_t bytes,
-                           std::uint64_t request_bytes = std::uint64_t{1} << 20);
+                           std::uint64_t request_bytes = kDiskRequestBytes);
 
 // The NVMe store itself, as the engine uses it: `bytes` in regions of `region_bytes` (layers),
 // written then read with 4 transfers in flight from host-arena buffers, checksums computed and
-// verified, blocks of `request_bytes`.
+// verified, blocks of `request_bytes`; `faults` go to the store (NvmeStoreOptions::faults).
 struct StoreSpeed {
   double write_bytes_per_s = 0, read_bytes_per_s = 0;
   std::string backend;  // "io_uring" | "threads"
@@ -52,6 +59,7 @@ struct StoreSpeed {
   std::string summary;  // NvmeStore::summary()
 };
 StoreSpeed measure_store(const std::string& dir, std::uint64_t bytes, std::uint64_t request_bytes,
-                         std::uint64_t region_bytes, BackendKind kind = BackendKind::kAuto);
+                         std::uint64_t region_bytes, BackendKind kind = BackendKind::kAuto,
+                         const std::vector<FaultRule>& faults = {});
 
 }  // namespace rondo::offload

@@ -126,11 +126,6 @@ std::vector<FaultRule> parse_fault_rules(const std::string& text, const std::str
   return rules;
 }
 
-std::vector<FaultRule> fault_rules_from_env() {
-  const char* text = std::getenv("RONDO_FAULT_IO");
-  return text ? parse_fault_rules(text, "RONDO_FAULT_IO") : std::vector<FaultRule>{};
-}
-
 FaultInjector::FaultInjector(std::vector<FaultRule> rules) : rules_(std::move(rules)) {}
 
 std::uint64_t FaultInjector::attempts(FaultOp op) const {

@@ -1,10 +1,12 @@
 // Fault injection for the offload I/O path: rules such as "the 3rd write fails with ENOSPC" that
 // the I/O backends apply where the OS answers (an open, a fallocate, each read or write attempt),
 // so the code above them — retry loops, checksums, error messages — meets failures exactly as a
-// real drive would produce them. Used by the tests and, through RONDO_FAULT_IO, by CLI fault tests.
+// real drive would produce them. The rules are passed in (NvmeStoreOptions::faults, the disk
+// probes' `faults`): this library reads no environment variable. The tests build them, and so does
+// `rondo` from RONDO_FAULT_IO for the CLI fault tests (cli/test_faults.cpp).
 //
 //   RONDO_FAULT_IO=enospc:write:3,corrupt:read:2 rondo train run.toml
-//   auto rules = offload::parse_fault_rules("eio:read:1+");   // every read from the 1st fails
+//   auto rules = offload::parse_fault_rules("eio:read:1+", "test");  // every read fails
 //
 // Syntax (docs/offload.md): rules separated by commas, each `kind[:op[:nth]]`.
 //   kind  an errno name — eio, enospc, edquot, enomem, eagain, eintr, eperm, enosys, einval,
@@ -57,12 +59,9 @@ struct FaultRule {
   std::string text;        // the rule as written, for messages
 };
 
-// Throws rondo::Error naming `source` (the environment variable or option), the bad rule and the
-// syntax on any problem. An empty text gives no rules.
-std::vector<FaultRule> parse_fault_rules(const std::string& text,
-                                         const std::string& source = "RONDO_FAULT_IO");
-// The rules in the environment variable RONDO_FAULT_IO; none when it is unset or empty.
-std::vector<FaultRule> fault_rules_from_env();
+// Throws rondo::Error naming `source` (where the text came from: an environment variable, an
+// option), the bad rule and the syntax on any problem. An empty text gives no rules.
+std::vector<FaultRule> parse_fault_rules(const std::string& text, const std::string& source);
 
 // Applies rules to one store's attempts. Thread-safe: backends call it from several threads.
 class FaultInjector {

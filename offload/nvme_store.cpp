@@ -8,10 +8,7 @@
 #include <deque>
 #include <new>
 
-// Header-only XXH3, so that it is compiled with our -march (AVX2) instead of the library's
-// baseline SSE2: the ring thread verifies every block read at memory speed.
-#define XXH_INLINE_ALL
-#include <xxhash.h>
+#include "kernels/checksum.h"
 
 namespace rondo::offload {
 
@@ -21,15 +18,6 @@ constexpr std::uint64_t kPage = 4096;
 
 std::uint64_t round_up(std::uint64_t n, std::uint64_t to) {
   return (n + to - 1) / to * to;
-}
-
-// XXH3 over the segments as one byte string: the same value however the bytes are split.
-std::uint64_t checksum(const iovec* iov, int count) {
-  XXH3_state_t state;
-  XXH3_64bits_reset(&state);
-  for (int i = 0; i < count; ++i)
-    XXH3_64bits_update(&state, iov[i].iov_base, iov[i].iov_len);
-  return XXH3_64bits_digest(&state);
 }
 
 enum class BlockState : std::uint8_t { kEmpty, kWritten, kFailed };
@@ -190,7 +178,7 @@ void BlockIo::complete(const IoResult& result) noexcept {
     if (!result.ok()) {
       error = failure(t, *this, result);
     } else if (op == IoOp::kRead) {
-      if (checksum(iov, iov_count) != expected) {
+      if (kernels::xxh3_segments(iov, iov_count) != expected) {
         error = IoError("offload store: reading " + where(t, *this) +
                             ": the data read back differs from what was written: the drive or "
                             "filesystem returned corrupt data (the block's XXH3 checksum does not "
@@ -277,10 +265,7 @@ NvmeStore::NvmeStore(const NvmeStoreOptions& options, std::uint64_t capacity_byt
                        " is not between 1 and 4096");
   if (!problems.empty()) throw Error(join_problems("offload store options:", problems));
 
-  std::vector<FaultRule> rules = options.faults;
-  for (FaultRule& r : fault_rules_from_env())
-    rules.push_back(std::move(r));
-  if (!rules.empty()) s.faults = std::make_unique<FaultInjector>(std::move(rules));
+  if (!options.faults.empty()) s.faults = std::make_unique<FaultInjector>(options.faults);
 
   s.backend = make_io_backend(
       {.kind = options.backend, .queue_depth = options.queue_depth, .faults = s.faults.get()});
@@ -436,7 +421,7 @@ IoTicket NvmeStore::start(IoOp op, const Region& region, std::uint64_t offset, v
     if (!reading) {
       for (IoRequest* q : batch) {
         auto* b = static_cast<detail::BlockIo*>(q);
-        b->expected = checksum(b->iov, b->iov_count);
+        b->expected = kernels::xxh3_segments(b->iov, b->iov_count);
       }
       std::lock_guard lock(s.mutex);
       RegionState& r = s.regions[region.id];

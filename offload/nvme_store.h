@@ -38,7 +38,9 @@ struct NvmeStoreOptions {
   unsigned queue_depth = 32;             // requests in flight (io_uring); threads: min(qd, 4)
   std::uint64_t block_bytes = 1u << 20;  // checksum and request granularity; multiple of 4096
   bool direct = true;                    // ask for O_DIRECT (refused by some filesystems)
-  std::vector<FaultRule> faults;         // added to the rules in RONDO_FAULT_IO (tests)
+  // Injected I/O faults (tests; `rondo` builds them from RONDO_FAULT_IO in cli/test_faults.cpp).
+  // The store reads no environment variable.
+  std::vector<FaultRule> faults;
 };
 
 // A byte range of the store, from reserve(). Copyable; only meaningful to the store it came from.
@@ -124,7 +126,7 @@ class NvmeStore {
  public:
   // Creates the file in options.dir and preallocates `capacity_bytes` (rounded up to 4096).
   // Throws DiskOutOfSpace when the drive cannot hold it, Error for bad options, a folder that
-  // cannot be used, forced io_uring that is unavailable, or bad RONDO_FAULT_IO syntax.
+  // cannot be used, or forced io_uring that is unavailable.
   NvmeStore(const NvmeStoreOptions& options, std::uint64_t capacity_bytes);
   // Waits for every transfer in flight; the file's space is freed.
   ~NvmeStore();

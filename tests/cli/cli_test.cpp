@@ -112,6 +112,27 @@ TEST(Cli, DevicesMeasuresAnOffloadFolder) {
   EXPECT_NE(r.out.find("/proc/rondo-no-such-folder"), std::string::npos) << r.out;
 }
 
+// RONDO_FAULT_IO reaches the disk probe through the CLI (cli/test_faults.cpp; the offload library
+// reads no variable): a failing write ends the measurement with the folder and the error named,
+// and a bad rule is an error naming the variable before anything is measured.
+TEST(Cli, DevicesDiskTakesItsFaultsFromRondoFaultIo) {
+  const std::string dir =
+      (std::filesystem::temp_directory_path() / ("rondo-disk-fault-" + std::to_string(::getpid())))
+          .string();
+  std::filesystem::create_directories(dir);
+  const std::string args = "devices --disk " + dir + " --disk-bytes 4MiB";
+  Result r = rondo::test::run_rondo(args, true, "RONDO_FAULT_IO=eio:write:2");
+  EXPECT_EQ(r.code, 1) << r.out;
+  EXPECT_TRUE(contains(r.out, "measuring the drive of " + dir + ": writing at offset")) << r.out;
+  EXPECT_TRUE(contains(r.out, "Input/output error (EIO)")) << r.out;
+  r = rondo::test::run_rondo(args, true, "RONDO_FAULT_IO=eio:wirte:2");
+  EXPECT_EQ(r.code, 1) << r.out;
+  EXPECT_TRUE(contains(r.out, "RONDO_FAULT_IO: bad fault rule 'eio:wirte:2'")) << r.out;
+  EXPECT_FALSE(contains(r.out, "Measuring")) << r.out;
+  EXPECT_TRUE(std::filesystem::is_empty(dir)) << "the measurement left a file";
+  std::filesystem::remove_all(dir);
+}
+
 TEST(Cli, BadOptionsGiveAReadableErrorAndExitNonZero) {
   Result r = run("devices --memory-cap lots");
   EXPECT_EQ(r.code, 1) << r.out;

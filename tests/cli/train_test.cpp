@@ -23,8 +23,8 @@
 
 #include "../support/tiny_model_folder.h"
 #include "cli/config_file.h"
+#include "kernels/checksum.h"
 #include "models/chat_template.h"
-#include "models/checksum.h"
 #include "train_fixture.h"
 
 namespace fs = std::filesystem;
@@ -725,7 +725,7 @@ TEST_F(TrainCli, AResumeUsesTheCheckpointsPlan) {
   // Sealed again as write_checkpoint seals it (XXH3-64 of meta's compact JSON), so that the edit
   // passes the checks a resume makes and the plan is what differs.
   const std::string text = j["meta"].dump();
-  j["meta_xxh3_64"] = rondo::models::hex64(rondo::models::xxh3(text.data(), text.size()));
+  j["meta_xxh3_64"] = rondo::kernels::hex64(rondo::kernels::xxh3(text.data(), text.size()));
   write(state, j.dump());
   Result r = run_rondo("train --resume " + (dir / "run").string());
   ASSERT_EQ(r.code, 0) << r.out;

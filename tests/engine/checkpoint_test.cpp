@@ -20,8 +20,8 @@
 
 #include "engine/run_lock.h"
 #include "engine/state.h"
+#include "kernels/checksum.h"
 #include "kernels/error.h"
-#include "models/checksum.h"
 #include "models/lora.h"
 #include "models/safetensors.h"
 #include "tests/support/plain_loop.h"
@@ -254,7 +254,7 @@ TEST_F(CheckpointTest, StateJsonMarksFormatAndMeta) {
   const std::string bytes((std::istreambuf_iterator<char>(t)), std::istreambuf_iterator<char>());
   EXPECT_EQ(state.at("files").at("state.safetensors").at("bytes"), bytes.size());
   EXPECT_EQ(state.at("files").at("state.safetensors").at("xxh3_64"),
-            models::hex64(models::xxh3(bytes.data(), bytes.size())));
+            kernels::hex64(kernels::xxh3(bytes.data(), bytes.size())));
   EXPECT_TRUE(checkpoint_problems(step_dir(3)).empty());
 }
 
@@ -319,7 +319,7 @@ TEST_F(CheckpointTest, ProblemsFindEachDamage) {
     edit_state(d, [](nlohmann::json& j) {
       j["meta"]["optimizer_step"] = 5;
       const std::string text = j["meta"].dump();
-      j["meta_xxh3_64"] = models::hex64(models::xxh3(text.data(), text.size()));
+      j["meta_xxh3_64"] = kernels::hex64(kernels::xxh3(text.data(), text.size()));
     });
   });
   EXPECT_NE(p.find("optimizer step 5 is not within 0..4"), std::string::npos) << p;

@@ -1,6 +1,6 @@
 // engine::Session's checks before it allocates: disk and host memory against the estimate, with
 // the OS's figures replaced by the test's (SessionOptions::disk_free / host_free); and the
-// deterministic-kernels switch of exact runs.
+// deterministic-kernels switch of exact runs; the fault points a run reports to its caller.
 #include "engine/session.h"
 
 #include <ATen/Context.h>
@@ -10,6 +10,8 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <utility>
+#include <vector>
 
 #include "kernels/error.h"
 #include "tests/support/tiny_model_folder.h"
@@ -85,6 +87,31 @@ TEST_F(SessionChecks, ExactRunsTurnOnDeterministicKernels) {
   c.training.deterministic = false;
   Session(c, {}).run();
   EXPECT_FALSE(at::globalContext().deterministicAlgorithms());
+}
+
+// The run reports its fault points to SessionOptions::on_fault_point (the CLI's
+// RONDO_FAULT_KILL_* kill the process there, cli/test_faults.cpp): after each step's event, and
+// inside each checkpoint write once its files are complete under the temporary name.
+TEST_F(SessionChecks, FaultPointsComeAfterEachStepAndInsideEachCheckpoint) {
+  c.training.steps = 4;
+  c.checkpoint.every = 2;
+  c.output.exports = {};
+  std::vector<std::pair<FaultPoint, std::int64_t>> calls;
+  SessionOptions o;
+  o.on_fault_point = [&](FaultPoint point, std::int64_t step) {
+    calls.emplace_back(point, step);
+    if (point != FaultPoint::kInCheckpoint) return;
+    const fs::path ckpt =
+        fs::path(c.output.run_dir) / "checkpoints" / ("step-" + std::to_string(step));
+    EXPECT_TRUE(fs::exists(ckpt.string() + ".tmp/state.json")) << step;
+    EXPECT_FALSE(fs::exists(ckpt)) << step;
+  };
+  Session(c, o).run();
+  using P = FaultPoint;
+  const std::vector<std::pair<FaultPoint, std::int64_t>> want = {
+      {P::kAfterStep, 1}, {P::kAfterStep, 2}, {P::kInCheckpoint, 2},
+      {P::kAfterStep, 3}, {P::kAfterStep, 4}, {P::kInCheckpoint, 4}};
+  EXPECT_EQ(calls, want);
 }
 
 }  // namespace

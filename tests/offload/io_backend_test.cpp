@@ -20,7 +20,7 @@ using namespace test;
 // Fault rule syntax
 
 TEST(FaultRules, ParseKindsOpsAndCounts) {
-  std::vector<FaultRule> r = parse_fault_rules(
+  std::vector<FaultRule> r = rules(
       " enospc:write:3, eio:read , short, corrupt:read:2+, einval_odirect,"
       "partial:write:*,enomem:register,enosys:setup,eopnotsupp:fallocate:1");
   ASSERT_EQ(r.size(), 9u);
@@ -46,7 +46,7 @@ TEST(FaultRules, ParseKindsOpsAndCounts) {
   EXPECT_EQ(r[6].op, FaultOp::kRegister);
   EXPECT_EQ(r[7].op, FaultOp::kSetup);
   EXPECT_EQ(r[8].error, EOPNOTSUPP);
-  EXPECT_TRUE(parse_fault_rules("").empty());
+  EXPECT_TRUE(rules("").empty());
 }
 
 TEST(FaultRules, BadSyntaxNamesTheSourceAndTheRule) {
@@ -54,10 +54,10 @@ TEST(FaultRules, BadSyntaxNamesTheSourceAndTheRule) {
        {"enospc", "bogus:write", "eio:reed", "eio:read:0", "eio:read:x", "short:write",
         "corrupt:write:1", "partial:open", "eio:read:1:2", "einval_odirect:read"}) {
     try {
-      parse_fault_rules(std::string("eio:read:1,") + bad);
+      parse_fault_rules(std::string("eio:read:1,") + bad, "RONDO_FAULT_IO");
       ADD_FAILURE() << "accepted " << bad;
     } catch (const Error& e) {
-      EXPECT_TRUE(contains(e.what(), "RONDO_FAULT_IO")) << e.what();
+      EXPECT_TRUE(contains(e.what(), "RONDO_FAULT_IO: bad fault rule")) << e.what();
       EXPECT_TRUE(contains(e.what(), std::string("'") + bad + "'")) << e.what();
       EXPECT_TRUE(contains(e.what(), "kind[:op[:nth]]")) << e.what();
     }
@@ -102,7 +102,7 @@ TEST(IoBackend, ResubmitsShortTransfersAndReportsTheEndOfTheFile) {
       continue;
     }
     SCOPED_TRACE(to_string(kind));
-    FaultInjector faults(parse_fault_rules("partial:write:1,partial:read:2"));
+    FaultInjector faults(rules("partial:write:1,partial:read:2"));
     IoBackendChoice choice = make_io_backend({.kind = kind, .queue_depth = 4, .faults = &faults});
     OffloadFile file = create_offload_file(scratch.path(), true, nullptr);
     preallocate(file, 64 * 1024, nullptr);

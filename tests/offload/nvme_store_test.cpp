@@ -514,25 +514,29 @@ TEST_F(NvmeStoreTest, AutoChoosesIoUringWhereItWorksAndSaysWhyNotElsewhere) {
   EXPECT_THROW(parse_backend_kind("uring"), Error);
 }
 
-TEST_F(NvmeStoreTest, BadRondoFaultIoIsAnErrorNamingTheVariable) {
-  ASSERT_EQ(::setenv("RONDO_FAULT_IO", "enospc:wirte:3", 1), 0);
-  try {
-    NvmeStore store(options(), kSmallBlock);
-    ADD_FAILURE() << "constructed";
-  } catch (const Error& e) {
-    EXPECT_TRUE(contains(e.what(), "RONDO_FAULT_IO: bad fault rule 'enospc:wirte:3'")) << e.what();
-  }
-  // A good one applies to every store made while it is set.
-  ASSERT_EQ(::setenv("RONDO_FAULT_IO", "eio:read:1", 1), 0);
-  NvmeStore store(options(), kSmallBlock);
-  ASSERT_EQ(::unsetenv("RONDO_FAULT_IO"), 0);
-  Region r = store.reserve(kSmallBlock, "activations 3");
+// Faults come in through the options only: the library reads no test variable, so a
+// RONDO_FAULT_IO in the environment of a program that links it changes nothing (`rondo` turns the
+// variable into options itself, cli/test_faults.cpp); the same rule given as an option applies.
+TEST_F(NvmeStoreTest, FaultsComeFromTheOptionsNotTheEnvironment) {
   HostBuffer b = arena_.allocate(kSmallBlock, Purpose::kStaging);
   std::memset(b.data(), 7, kSmallBlock);
-  IoTicket t = store.write(r, 0, b.data(), kSmallBlock);
-  store.wait(t);
-  t = store.read(r, 0, b.data(), kSmallBlock);
-  EXPECT_THROW(store.wait(t), IoError);
+  auto write_then_read = [&](NvmeStore& store) {
+    Region r = store.reserve(kSmallBlock, "activations 3");
+    IoTicket t = store.write(r, 0, b.data(), kSmallBlock);
+    store.wait(t);
+    t = store.read(r, 0, b.data(), kSmallBlock);
+    store.wait(t);
+  };
+  ASSERT_EQ(::setenv("RONDO_FAULT_IO", "eio:read:1", 1), 0);
+  {
+    NvmeStore store(options(), kSmallBlock);
+    EXPECT_NO_THROW(write_then_read(store));
+  }
+  ASSERT_EQ(::unsetenv("RONDO_FAULT_IO"), 0);
+  NvmeStoreOptions o = options();
+  o.faults = rules("eio:read:1");
+  NvmeStore store(o, kSmallBlock);
+  EXPECT_THROW(write_then_read(store), IoError);
 }
 
 TEST_F(NvmeStoreTest, StaleFilesOfDeadProcessesAreRemovedAtStart) {
