@@ -4,19 +4,26 @@
 //  (a) opening a recorded 100,000-step run (2 devices, 5 spans a step: ~800k lines) with EventTail
 //      against reading the same file's bytes and counting its lines (the floor any reader pays).
 //  (b) decimating 10^6 points to 2,000 (min/max per bucket) against one plain pass summing them.
+//  (c) the event parser alone on every line of (a): JsonLine (simdjson) against QJsonDocument, the
+//      kept library it was chosen over (docs/measurements/gui_json.md).
 //
 //   gui_load_bench [--repeat 5]     (best of N for each figure)
 #include <QCoreApplication>
 #include <QElapsedTimer>
 #include <QFile>
+#include <QJsonDocument>
+#include <QJsonObject>
 #include <QRandomGenerator>
 #include <QTemporaryDir>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <string>
+#include <string_view>
 
 #include "../tests/gui/model/event_writer.h"
 #include "gui/model/event_tail.h"
+#include "gui/model/json_line.h"
 #include "gui/model/run_state.h"
 #include "gui/model/series.h"
 
@@ -104,6 +111,40 @@ int main(int argc, char** argv) {
               static_cast<long long>(shown), sum);
   std::printf("| what | ms (best of %d) | ratio |\n|---|---|---|\n", repeat);
   std::printf("| one pass summing the points | %.2f | 1.00 |\n", pass_ms);
-  std::printf("| Series::decimated | %.2f | %.1f |\n", decimate_ms, decimate_ms / pass_ms);
+  std::printf("| Series::decimated | %.2f | %.1f |\n\n", decimate_ms, decimate_ms / pass_ms);
+
+  // Each line parsed and its version read, as RunState starts every line.
+  const auto eachLine = [&](auto&& parse) {
+    long long ok = 0;
+    const char* p = bytes.constData();
+    const char* const end = p + bytes.size();
+    while (p < end) {
+      const char* nl = static_cast<const char*>(std::memchr(p, '\n', end - p));
+      if (nl == nullptr) nl = end;
+      ok += parse(std::string_view(p, static_cast<std::size_t>(nl - p)));
+      p = nl + 1;
+    }
+    return ok;
+  };
+  JsonLine line;
+  long long simdjson_ok = 0, qt_ok = 0;
+  const double simdjson_ms = best_ms(repeat, [&] {
+    simdjson_ok =
+        eachLine([&](std::string_view l) { return line.parse(l) && line.isNumeric("v"); });
+  });
+  const double qt_ms = best_ms(repeat, [&] {
+    qt_ok = eachLine([](std::string_view l) {
+      const QJsonDocument doc = QJsonDocument::fromJson(
+          QByteArray::fromRawData(l.data(), static_cast<qsizetype>(l.size())));
+      return doc.isObject() && doc.object().value(QLatin1StringView("v")).isDouble();
+    });
+  });
+  std::printf("(c) parsing each line alone: %lld lines, %lld and %lld of them events\n", lines_seen,
+              simdjson_ok, qt_ok);
+  std::printf("| what | ms (best of %d) | ns a line | ratio |\n|---|---|---|---|\n", repeat);
+  std::printf("| JsonLine::parse (simdjson) | %.1f | %.0f | 1.00 |\n", simdjson_ms,
+              simdjson_ms * 1e6 / lines_seen);
+  std::printf("| QJsonDocument::fromJson | %.1f | %.0f | %.1f |\n", qt_ms, qt_ms * 1e6 / lines_seen,
+              qt_ms / simdjson_ms);
   return 0;
 }

@@ -388,7 +388,9 @@ void MonitorWidget::refresh() {
           .arg(num(s.lastLoss()), num(s.lastEvalLoss()), num(s.lastLr(), 3),
                num(s.lastGradNorm(), 3), num(s.tokensPerSecond(), 5), left);
   if (s.malformedLines() > 0)
-    line += QString(" (%1 malformed event lines skipped)").arg(s.malformedLines());
+    line += QString(" (%1 malformed event lines skipped; the first, %2)")
+                .arg(s.malformedLines())
+                .arg(s.firstMalformed());
   m_status->setText(line);
   // Export what a run has checkpointed once it is not training.
   m_export->setEnabled(

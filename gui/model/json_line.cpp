@@ -1,367 +1,190 @@
 #include "gui/model/json_line.h"
 
-#include <cctype>
-#include <charconv>
-#include <cmath>
+#include <simdjson.h>
+
+#include <cstring>
 #include <limits>
+#include <vector>
 
 namespace rondo::gui {
 namespace {
 
-constexpr int kMaxDepth = 64;
+constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
 
-inline bool isWs(char c) {
-  return c == ' ' || c == '\t' || c == '\n' || c == '\r';
-}
-inline bool isDigit(char c) {
-  return c >= '0' && c <= '9';
-}
-inline void skipWs(const char*& p, const char* end) {
-  while (p != end && isWs(*p))
-    ++p;
-}
-
-// p is just after the opening quote; on success p is just after the closing quote and body is
-// what lies between. Rejects raw control characters and bad escapes, as JSON does.
-bool scanString(const char*& p, const char* end, std::string_view* body) {
-  const char* start = p;
-  while (p != end) {
-    unsigned char c = static_cast<unsigned char>(*p);
-    if (c == '"') {
-      if (body) *body = std::string_view(start, p - start);
-      ++p;
-      return true;
-    }
-    if (c < 0x20) return false;
-    if (c == '\\') {
-      ++p;
-      if (p == end) return false;
-      switch (*p) {
-        case '"':
-        case '\\':
-        case '/':
-        case 'b':
-        case 'f':
-        case 'n':
-        case 'r':
-        case 't':
-          ++p;
-          break;
-        case 'u':
-          ++p;
-          for (int i = 0; i < 4; ++i, ++p)
-            if (p == end || !std::isxdigit(static_cast<unsigned char>(*p))) return false;
-          break;
-        default:
-          return false;
-      }
-      continue;
-    }
-    ++p;
-  }
-  return false;
-}
-
-bool scanNumber(const char*& p, const char* end, bool* integer) {
-  *integer = true;
-  if (p != end && *p == '-') ++p;
-  if (p == end) return false;
-  if (*p == '0') {
-    ++p;
-  } else if (isDigit(*p)) {
-    while (p != end && isDigit(*p))
-      ++p;
-  } else {
-    return false;
-  }
-  if (p != end && *p == '.') {
-    ++p;
-    *integer = false;
-    if (p == end || !isDigit(*p)) return false;
-    while (p != end && isDigit(*p))
-      ++p;
-  }
-  if (p != end && (*p == 'e' || *p == 'E')) {
-    ++p;
-    *integer = false;
-    if (p != end && (*p == '+' || *p == '-')) ++p;
-    if (p == end || !isDigit(*p)) return false;
-    while (p != end && isDigit(*p))
-      ++p;
-  }
-  return true;
-}
-
-bool scanLiteral(const char*& p, const char* end, std::string_view word) {
-  if (static_cast<std::size_t>(end - p) < word.size()) return false;
-  if (std::string_view(p, word.size()) != word) return false;
-  p += word.size();
-  return true;
-}
-
-bool scanValue(const char*& p, const char* end, int depth, JsonLine::Kind* kind,
-               std::string_view* value);
-
-// p is at '{' or '['; skips the whole container.
-bool scanContainer(const char*& p, const char* end, int depth) {
-  if (depth > kMaxDepth) return false;
-  const bool object = *p == '{';
-  const char close = object ? '}' : ']';
-  ++p;
-  skipWs(p, end);
-  if (p != end && *p == close) {
-    ++p;
-    return true;
-  }
-  while (true) {
-    skipWs(p, end);
-    if (object) {
-      if (p == end || *p != '"') return false;
-      ++p;
-      if (!scanString(p, end, nullptr)) return false;
-      skipWs(p, end);
-      if (p == end || *p != ':') return false;
-      ++p;
-      skipWs(p, end);
-    }
-    JsonLine::Kind kind;
-    std::string_view value;
-    if (!scanValue(p, end, depth + 1, &kind, &value)) return false;
-    skipWs(p, end);
-    if (p == end) return false;
-    if (*p == ',') {
-      ++p;
-      continue;
-    }
-    if (*p == close) {
-      ++p;
-      return true;
-    }
-    return false;
-  }
-}
-
-bool scanValue(const char*& p, const char* end, int depth, JsonLine::Kind* kind,
-               std::string_view* value) {
-  if (p == end) return false;
-  const char* start = p;
-  switch (*p) {
-    case '"':
-      ++p;
-      *kind = JsonLine::String;
-      return scanString(p, end, value);
-    case '{':
-    case '[':
-      *kind = *p == '{' ? JsonLine::Object : JsonLine::Array;
-      if (!scanContainer(p, end, depth)) return false;
-      break;
-    case 't':
-      *kind = JsonLine::Bool;
-      if (!scanLiteral(p, end, "true")) return false;
-      break;
-    case 'f':
-      *kind = JsonLine::Bool;
-      if (!scanLiteral(p, end, "false")) return false;
-      break;
-    case 'n':
-      *kind = JsonLine::Null;
-      if (!scanLiteral(p, end, "null")) return false;
-      break;
-    default: {
-      bool integer;
-      if (!scanNumber(p, end, &integer)) return false;
-      *kind = integer ? JsonLine::Integer : JsonLine::Number;
-      break;
-    }
-  }
-  *value = std::string_view(start, p - start);
-  return true;
-}
-
-void appendCodeUnit(QString& out, char16_t unit) {
-  out.append(QChar(unit));
-}
-
-unsigned hex4(const char* p) {
-  unsigned v = 0;
+// The code unit of the four hex digits at p, or -1 when there are not four.
+int hex4(const char* p, const char* end) {
+  if (end - p < 4) return -1;
+  int unit = 0;
   for (int i = 0; i < 4; ++i) {
-    char c = p[i];
-    v <<= 4;
-    if (c >= '0' && c <= '9')
-      v |= c - '0';
-    else if (c >= 'a' && c <= 'f')
-      v |= c - 'a' + 10;
-    else
-      v |= c - 'A' + 10;
+    const char c = p[i];
+    const int digit = c >= '0' && c <= '9'   ? c - '0'
+                      : c >= 'a' && c <= 'f' ? c - 'a' + 10
+                      : c >= 'A' && c <= 'F' ? c - 'A' + 10
+                                             : -1;
+    if (digit < 0) return -1;
+    unit = unit * 16 + digit;
   }
-  return v;
+  return unit;
+}
+
+// simdjson 3.0 rejects a \u escape of a surrogate that is not part of a pair, which JSON's grammar
+// allows; the reader before it took one as U+FFFD. Rewrites each such escape to \ufffd in place
+// (same length); true when there was one. Every backslash starts an escape, so `\\ud800` (an
+// escaped backslash) is left alone.
+bool replaceLoneSurrogates(char* p, char* end) {
+  bool replaced = false;
+  while (p < end) {
+    if (*p != '\\') {
+      ++p;
+      continue;
+    }
+    if (end - p < 2 || p[1] != 'u') {
+      p += 2;
+      continue;
+    }
+    const int unit = hex4(p + 2, end);
+    if (unit < 0) {  // not an escape simdjson accepts either: the line stays malformed
+      p += 2;
+      continue;
+    }
+    if (unit >= 0xD800 && unit <= 0xDBFF && end - p >= 12 && p[6] == '\\' && p[7] == 'u') {
+      const int low = hex4(p + 8, end);
+      if (low >= 0xDC00 && low <= 0xDFFF) {
+        p += 12;  // a pair
+        continue;
+      }
+    }
+    if (unit >= 0xD800 && unit <= 0xDFFF) {
+      std::memcpy(p + 2, "fffd", 4);
+      replaced = true;
+    }
+    p += 6;
+  }
+  return replaced;
 }
 
 }  // namespace
 
-bool JsonLine::parse(std::string_view text) {
-  m_members.clear();
-  const char* p = text.data();
-  const char* end = p + text.size();
-  skipWs(p, end);
-  if (p == end || *p != '{') return false;
-  ++p;
-  skipWs(p, end);
-  if (p != end && *p == '}') {
-    ++p;
-  } else {
-    while (true) {
-      skipWs(p, end);
-      if (p == end || *p != '"') return false;
-      ++p;
-      Member m;
-      if (!scanString(p, end, &m.key)) return false;
-      skipWs(p, end);
-      if (p == end || *p != ':') return false;
-      ++p;
-      skipWs(p, end);
-      if (!scanValue(p, end, 1, &m.kind, &m.value)) return false;
-      m_members.push_back(m);
-      skipWs(p, end);
-      if (p == end) return false;
-      if (*p == ',') {
-        ++p;
-        continue;
-      }
-      if (*p == '}') {
-        ++p;
-        break;
-      }
+struct JsonLine::Impl {
+  struct Member {
+    std::string_view key;  // unescaped, in the parser's string buffer
+    simdjson::dom::element value;
+  };
+  simdjson::dom::parser parser;
+  std::vector<char> padded;     // the line, then the SIMDJSON_PADDING bytes simdjson may read
+  std::vector<Member> members;  // of the last line parsed, in order
+  simdjson::error_code code = simdjson::SUCCESS;
+  bool notObject = false;
+
+  const simdjson::dom::element* find(std::string_view key) const {
+    for (const Member& m : members)
+      if (m.key == key) return &m.value;
+    return nullptr;
+  }
+
+  // The caller's bytes may end at the end of a mapped file: simdjson reads a copy.
+  std::size_t copy(std::string_view text) {
+    if (padded.size() < text.size() + simdjson::SIMDJSON_PADDING)
+      padded.resize(text.size() + simdjson::SIMDJSON_PADDING);
+    std::memcpy(padded.data(), text.data(), text.size());
+    return text.size();
+  }
+
+  bool parse(std::string_view text) {
+    members.clear();
+    notObject = false;
+    std::size_t size = copy(text);
+    simdjson::dom::element root;
+    code = parser.parse(padded.data(), size, false).get(root);
+    if (code == simdjson::UTF8_ERROR) {
+      // Rare (the engine replaces bad bytes itself, docs/events.md): the slow path is fine.
+      const QByteArray fixed =
+          QString::fromUtf8(text.data(), static_cast<qsizetype>(text.size())).toUtf8();
+      size = copy(std::string_view(fixed.constData(), static_cast<std::size_t>(fixed.size())));
+      code = parser.parse(padded.data(), size, false).get(root);
+    }
+    if (code == simdjson::STRING_ERROR &&
+        replaceLoneSurrogates(padded.data(), padded.data() + size))
+      code = parser.parse(padded.data(), size, false).get(root);
+    if (code != simdjson::SUCCESS) return false;
+    simdjson::dom::object object;
+    if (root.get_object().get(object) != simdjson::SUCCESS) {
+      notObject = true;
       return false;
     }
+    for (simdjson::dom::key_value_pair member : object)
+      members.push_back({member.key, member.value});
+    return true;
   }
-  skipWs(p, end);
-  return p == end;
+};
+
+JsonLine::JsonLine() : m_impl(std::make_unique<Impl>()) {}
+JsonLine::~JsonLine() = default;
+
+bool JsonLine::parse(std::string_view text) {
+  return m_impl->parse(text);
 }
 
-const JsonLine::Member* JsonLine::find(std::string_view key) const {
-  for (const Member& m : m_members)
-    if (m.key == key) return &m;
-  return nullptr;
+QString JsonLine::error() const {
+  if (m_impl->notObject) return QStringLiteral("not a JSON object");
+  return QStringLiteral("not JSON (simdjson: %1)")
+      .arg(QString::fromUtf8(simdjson::error_message(m_impl->code)));
 }
 
 JsonLine::Kind JsonLine::kind(std::string_view key) const {
-  const Member* m = find(key);
-  return m ? m->kind : Missing;
+  const simdjson::dom::element* v = m_impl->find(key);
+  if (!v) return Missing;
+  switch (v->type()) {
+    case simdjson::dom::element_type::NULL_VALUE:
+      return Null;
+    case simdjson::dom::element_type::BOOL:
+      return Bool;
+    case simdjson::dom::element_type::INT64:
+    case simdjson::dom::element_type::UINT64:
+      return Integer;
+    case simdjson::dom::element_type::DOUBLE:
+      return Number;
+    case simdjson::dom::element_type::STRING:
+      return String;
+    case simdjson::dom::element_type::ARRAY:
+      return Array;
+    case simdjson::dom::element_type::OBJECT:
+      return Object;
+  }
+  return Missing;
 }
 
 double JsonLine::number(std::string_view key) const {
-  const Member* m = find(key);
-  if (!m || (m->kind != Integer && m->kind != Number))
-    return std::numeric_limits<double>::quiet_NaN();
-  double v = 0;
-  auto [ptr, ec] = std::from_chars(m->value.data(), m->value.data() + m->value.size(), v);
-  if (ec == std::errc::result_out_of_range) {
-    // Only a literal beyond ±1.8e308 (or a tiny one) gets here: keep its sign and magnitude class.
-    bool negative = m->value.front() == '-';
-    std::string_view exp = m->value.substr(m->value.find_first_of("eE") + 1);
-    bool tiny = !exp.empty() && exp.front() == '-';
-    double mag = tiny ? 0.0 : std::numeric_limits<double>::infinity();
-    return negative ? -mag : mag;
-  }
-  if (ec != std::errc()) return std::numeric_limits<double>::quiet_NaN();
-  return v;
+  const simdjson::dom::element* v = m_impl->find(key);
+  double d = 0;
+  if (!v || v->get_double().get(d) != simdjson::SUCCESS) return kNaN;
+  return d;
 }
 
 std::optional<std::int64_t> JsonLine::integer(std::string_view key) const {
-  const Member* m = find(key);
-  if (!m || m->kind != Integer) return std::nullopt;
-  std::int64_t v = 0;
-  auto [ptr, ec] = std::from_chars(m->value.data(), m->value.data() + m->value.size(), v);
-  if (ec != std::errc()) return std::nullopt;
-  return v;
+  const simdjson::dom::element* v = m_impl->find(key);
+  std::int64_t i = 0;
+  if (!v || v->get_int64().get(i) != simdjson::SUCCESS) return std::nullopt;
+  return i;
 }
 
 std::optional<std::uint64_t> JsonLine::unsignedInteger(std::string_view key) const {
-  const Member* m = find(key);
-  if (!m || m->kind != Integer || m->value.front() == '-') return std::nullopt;
-  std::uint64_t v = 0;
-  auto [ptr, ec] = std::from_chars(m->value.data(), m->value.data() + m->value.size(), v);
-  if (ec != std::errc()) return std::nullopt;
-  return v;
+  const simdjson::dom::element* v = m_impl->find(key);
+  std::uint64_t u = 0;
+  if (!v || v->get_uint64().get(u) != simdjson::SUCCESS) return std::nullopt;
+  return u;
 }
 
-std::string_view JsonLine::rawString(std::string_view key) const {
-  const Member* m = find(key);
-  return m && m->kind == String ? m->value : std::string_view();
-}
-
-std::string_view JsonLine::raw(std::string_view key) const {
-  const Member* m = find(key);
-  return m ? m->value : std::string_view();
+std::string_view JsonLine::stringView(std::string_view key) const {
+  const simdjson::dom::element* v = m_impl->find(key);
+  std::string_view s;
+  if (!v || v->get_string().get(s) != simdjson::SUCCESS) return {};
+  return s;
 }
 
 QString JsonLine::string(std::string_view key) const {
-  const Member* m = find(key);
-  if (!m || m->kind != String) return {};
-  return unescape(m->value);
-}
-
-QString JsonLine::unescape(std::string_view body) {
-  if (body.find('\\') == std::string_view::npos)
-    return QString::fromUtf8(body.data(), static_cast<qsizetype>(body.size()));
-  QString out;
-  out.reserve(static_cast<qsizetype>(body.size()));
-  const char* p = body.data();
-  const char* end = p + body.size();
-  while (p != end) {
-    const char* run = p;
-    while (p != end && *p != '\\')
-      ++p;
-    // Escapes are ASCII, so a run between them never splits a UTF-8 sequence.
-    if (p != run) out.append(QString::fromUtf8(run, p - run));
-    if (p == end) break;
-    ++p;  // the backslash; scanString guaranteed a valid escape follows
-    char c = *p++;
-    switch (c) {
-      case 'b':
-        out.append(QChar(u'\b'));
-        break;
-      case 'f':
-        out.append(QChar(u'\f'));
-        break;
-      case 'n':
-        out.append(QChar(u'\n'));
-        break;
-      case 'r':
-        out.append(QChar(u'\r'));
-        break;
-      case 't':
-        out.append(QChar(u'\t'));
-        break;
-      case 'u': {
-        unsigned unit = hex4(p);
-        p += 4;
-        if (unit >= 0xD800 && unit <= 0xDBFF) {
-          // A high surrogate is only kept with the low one that must follow it.
-          if (end - p >= 6 && p[0] == '\\' && p[1] == 'u') {
-            unsigned low = hex4(p + 2);
-            if (low >= 0xDC00 && low <= 0xDFFF) {
-              appendCodeUnit(out, static_cast<char16_t>(unit));
-              appendCodeUnit(out, static_cast<char16_t>(low));
-              p += 6;
-              break;
-            }
-          }
-          out.append(QChar(QChar::ReplacementCharacter));
-        } else if (unit >= 0xDC00 && unit <= 0xDFFF) {
-          out.append(QChar(QChar::ReplacementCharacter));
-        } else {
-          appendCodeUnit(out, static_cast<char16_t>(unit));
-        }
-        break;
-      }
-      default:  // '"', '\\', '/'
-        out.append(QLatin1Char(c));
-        break;
-    }
-  }
-  return out;
+  const std::string_view s = stringView(key);
+  return QString::fromUtf8(s.data(), static_cast<qsizetype>(s.size()));
 }
 
 }  // namespace rondo::gui

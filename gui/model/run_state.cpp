@@ -4,6 +4,7 @@
 #include <climits>
 #include <cmath>
 #include <cstring>
+#include <iterator>
 #include <limits>
 
 namespace rondo::gui {
@@ -84,6 +85,17 @@ const TypeRules kRules[] = {
       {"export_path", Expect::String}}},
 };
 
+// What a line breaking a rule is told, after the field's name; indexed by Expect.
+const char* const kExpectation[] = {
+    "a number or null",                // Number
+    "an integer",                      // Int
+    "an integer or null",              // IntOpt
+    "a non-negative integer or null",  // UIntOpt
+    "a string or null",                // String
+    "a string",                        // StringReq
+};
+static_assert(std::size(kExpectation) == static_cast<std::size_t>(Expect::StringReq) + 1);
+
 bool fits(const JsonLine& line, const Rule& rule) {
   const JsonLine::Kind k = line.kind(rule.key);
   const bool absent = k == JsonLine::Missing || k == JsonLine::Null;
@@ -152,6 +164,7 @@ void RunState::reset() {
   m_lastT = kNaN;
   m_elapsedBase = 0;
   m_malformedLines = m_unknownVersionLines = 0;
+  m_firstMalformed.clear();
   m_linesRead = 0;
   for (Series* s : {&m_loss, &m_evalLoss, &m_lr, &m_gradNorm, &m_throughput})
     s->clear();
@@ -215,19 +228,27 @@ void RunState::markInterrupted() {
   emit changed();
 }
 
-bool RunState::validKinds(std::string_view type) const {
+QString RunState::schemaProblem(std::string_view type) const {
   if (m_line.kind("t") != JsonLine::Missing && !m_line.isNumeric("t") &&
       m_line.kind("t") != JsonLine::Null)
-    return false;
+    return tr("\"t\" must be a number or null");
   if (m_line.kind("time") != JsonLine::Missing && m_line.kind("time") != JsonLine::String)
-    return false;
-  for (const TypeRules& tr : kRules) {
-    if (tr.type != type) continue;
-    for (const Rule& r : tr.rules)
-      if (!fits(m_line, r)) return false;
-    return true;
+    return tr("\"time\" must be a string");
+  for (const TypeRules& rules : kRules) {
+    if (rules.type != type) continue;
+    for (const Rule& r : rules.rules)
+      if (!fits(m_line, r))
+        return tr("\"%1\" of a %2 event must be %3")
+            .arg(QLatin1StringView(r.key.data(), static_cast<qsizetype>(r.key.size())),
+                 QLatin1StringView(type.data(), static_cast<qsizetype>(type.size())),
+                 QLatin1StringView(kExpectation[static_cast<int>(r.expect)]));
+    return {};
   }
-  return true;  // an unknown type: ignored, not malformed
+  return {};  // an unknown type: ignored, not malformed
+}
+
+void RunState::skipMalformed(const QString& what) {
+  if (m_malformedLines++ == 0) m_firstMalformed = tr("line %1: %2").arg(m_linesRead).arg(what);
 }
 
 void RunState::processLine(Line line) {
@@ -235,11 +256,11 @@ void RunState::processLine(Line line) {
   m_changed = true;
   if (line.find_first_not_of(" \t\r") == Line::npos) return;  // a blank line is not an event
   if (!m_line.parse(line)) {
-    ++m_malformedLines;
+    skipMalformed(m_line.error());
     return;
   }
   if (!m_line.isNumeric("v")) {
-    ++m_malformedLines;
+    skipMalformed(tr("no schema version (\"v\", a number)"));
     return;
   }
   if (m_line.number("v") != 1) {
@@ -247,12 +268,12 @@ void RunState::processLine(Line line) {
     return;
   }
   if (m_line.kind("type") != JsonLine::String) {
-    ++m_malformedLines;
+    skipMalformed(tr("no event type (\"type\", a string)"));
     return;
   }
-  const std::string_view type = m_line.rawString("type");
-  if (!validKinds(type)) {
-    ++m_malformedLines;
+  const std::string_view type = m_line.stringView("type");
+  if (const QString problem = schemaProblem(type); !problem.isEmpty()) {
+    skipMalformed(problem);
     return;
   }
   const double t = m_line.number("t");
@@ -289,7 +310,8 @@ void RunState::processLine(Line line) {
     return;  // unknown type: ignored
   }
   if (!ok) {
-    ++m_malformedLines;
+    skipMalformed(tr("\"device\" of a %1 event is out of range")
+                      .arg(QLatin1StringView(type.data(), static_cast<qsizetype>(type.size()))));
     return;
   }
   if (std::isfinite(t)) m_lastT = t;
@@ -437,7 +459,7 @@ void RunState::onRunEnd() {
 }
 
 void RunState::flushPending() {
-  JsonLine scratch;  // m_line may still hold the line being processed (run_start)
+  JsonLine& scratch = m_scratch;  // m_line may still hold the line being processed (run_start)
   if (!m_pendingDevices.empty()) {
     for (const auto& [device, line] : m_pendingDevices) {
       if (!scratch.parse(line)) continue;  // cannot happen: parsed once already

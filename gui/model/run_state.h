@@ -72,6 +72,9 @@ class RunState : public QObject {
   double elapsedSeconds() const;
 
   int malformedLines() const { return m_malformedLines; }
+  // The first malformed line: where and what, e.g. `line 12: "step" of a step event must be an
+  // integer`; empty when there is none.
+  QString firstMalformed() const { return m_firstMalformed; }
   int unknownVersionLines() const { return m_unknownVersionLines; }
   qint64 linesRead() const { return m_linesRead; }  // complete lines, blank and bad ones included
 
@@ -109,9 +112,11 @@ class RunState : public QObject {
   void onRunEnd();
   void flushPending();
   void emitPending();
-  bool validKinds(std::string_view type) const;
+  QString schemaProblem(std::string_view type) const;  // empty when the fields fit the type
+  void skipMalformed(const QString& what);
 
   JsonLine m_line;
+  JsonLine m_scratch;    // flushPending()'s second parse of the kept spans and device events
   QByteArray m_partial;  // the start of a line whose '\n' has not arrived
   // Lines whose bytes are not in the caller's buffer (a completed partial line); the pending views
   // below may point into them until flushPending().
@@ -134,6 +139,7 @@ class RunState : public QObject {
   double m_lastT;        // "t" of the latest event: the clock restarts with each run_start
   double m_elapsedBase;  // seconds of the segments before the latest run_start
   int m_malformedLines = 0, m_unknownVersionLines = 0;
+  QString m_firstMalformed;
   qint64 m_linesRead = 0;
   Series m_loss, m_evalLoss, m_lr, m_gradNorm, m_throughput;
   QMap<int, DeviceStatus> m_devices;

@@ -260,6 +260,44 @@ class RunStateTest : public QObject {
     QCOMPARE(s.log()->lines().filter(QStringLiteral("warning")).size(), 0);
   }
 
+  // The first malformed line is reported by its line number and what is wrong with it.
+  void malformedLinesSayWhereAndWhat() {
+    QByteArray good;
+    Line(good, "step", 1).num("loss", 2.5).integer("step", 1).end();
+    good += "\n";  // a blank line 2 still counts as a line
+    for (int i = 0; i < kBadCount; ++i) {
+      RunState s;
+      s.feed(good + kBadLines[i] + '\n' + kBadLines[0] + '\n');
+      QCOMPARE(s.malformedLines(), 2);
+      QCOMPARE(s.loss().size(), 1);
+      const QString first = s.firstMalformed();
+      QVERIFY2(first.startsWith(QStringLiteral("line 3: ")) && first.size() > 20,
+               qPrintable(QStringLiteral("%1 gives: %2").arg(kBadLines[i], first)));
+    }
+    const std::pair<const char*, const char*> cases[] = {
+        {"[1,2,3]", "line 1: not a JSON object"},
+        {"{\"t\":1.0,\"type\":\"step\",\"v\":1,\"loss\":1.5,\"step\":3.5}",
+         "line 1: \"step\" of a step event must be an integer"},
+        {"{\"t\":1.0,\"type\":\"device\",\"v\":1,\"bytes_in_use\":-5,\"device\":0}",
+         "line 1: \"bytes_in_use\" of a device event must be a non-negative integer or null"},
+        {"{\"t\":1.0,\"type\":\"span\",\"v\":1,\"device\":-1,\"step\":3}",
+         "line 1: \"device\" of a span event is out of range"},
+        {"{\"t\":1.0,\"type\":\"step\"}", "line 1: no schema version (\"v\", a number)"},
+        {"{\"t\":1.0,\"type\":17,\"v\":1}", "line 1: no event type (\"type\", a string)"},
+    };
+    for (const auto& [bad, expected] : cases) {
+      RunState s;
+      s.feed(QByteArray(bad) + '\n');
+      QCOMPARE(s.firstMalformed(), QString::fromUtf8(expected));
+    }
+    RunState s;
+    s.feed("{\"t\":1.0,\"type\":\"step\",\"v\":1,\"loss\":1.5,\"step\":3} trailing\n");
+    QVERIFY2(s.firstMalformed().startsWith(QStringLiteral("line 1: not JSON (simdjson: ")),
+             qPrintable(s.firstMalformed()));
+    s.reset();
+    QVERIFY(s.firstMalformed().isEmpty());
+  }
+
   void stringsAreUnescaped() {
     QByteArray bytes;
     bytes +=
@@ -270,11 +308,17 @@ class RunStateTest : public QObject {
     bytes +=
         "{\"t\":1,\"type\":\"sample\",\"v\":1,\"prompt\":\"bad \xff "
         "utf8\",\"step\":2,\"text\":\"\xc3\xa9\"}\n";
+    // An escaped backslash before "ud800" is not an escape of a surrogate.
+    bytes +=
+        "{\"t\":1,\"type\":\"sample\",\"v\":1,\"prompt\":\"\\\\ud800 \\udc00\",\"step\":3,"
+        "\"text\":\"\\ud83d\"}\n";
     RunState s;
     s.feed(bytes);
     QCOMPARE(s.malformedLines(), 0);
     const QList<SampleItem>& samples = s.samples()->samples();
-    QCOMPARE(samples.size(), 2);
+    QCOMPARE(samples.size(), 3);
+    QCOMPARE(samples[2].prompt, QString::fromUtf8("\\ud800 \xef\xbf\xbd"));
+    QCOMPARE(samples[2].text, QString::fromUtf8("\xef\xbf\xbd"));
     QCOMPARE(samples[0].prompt, QStringLiteral("q\"\\/\b\f\n\r\t"));
     QCOMPARE(
         samples[0].text,
