@@ -1,8 +1,9 @@
-// How a training batch's attention is limited, built where attention runs. make_attention_context
-// (layers.h) builds the whole context on the batch's device; the engine instead sends a step's
-// small inputs (positions, rotary tables, the document ids of packed rows and their offsets) over
-// the link and sets the limits on each device, per job for the microbatch it runs: a packed row of
-// 16k tokens would otherwise cross the link and sit in host staging as 256 MiB of mask.
+// How a training batch's attention is limited, built where attention runs (implemented in
+// attention.cpp). make_attention_context (attention.h) builds the whole context on the batch's
+// device; the engine instead sends a step's small inputs (positions, rotary tables, the document
+// ids of packed rows and their offsets) over the link and sets the limits on each device, per job
+// for the microbatch it runs: a packed row of 16k tokens would otherwise cross the link and sit in
+// host staging as 256 MiB of mask.
 //
 // Packed rows attend per document where that is the faster kernel (attend_per_document): on CUDA
 // through variable-length flash attention (no mask at all, grouped heads as they are, windows

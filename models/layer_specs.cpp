@@ -1,0 +1,199 @@
+// The layer list and the planner's cost model (layer_specs.h): parameter names and shapes per
+// layer, and the parameters, FLOPs and activation bytes a token costs in each. Pure arithmetic on
+// ModelConfig, no tensors. Used by the planner (engine/estimate.cpp) and by BlockWeights::bind.
+#include "models/layer_specs.h"
+
+#include <algorithm>
+#include <string>
+#include <utility>
+
+namespace rondo::models {
+
+const char* to_string(LayerKind kind) {
+  switch (kind) {
+    case LayerKind::kPrefix:
+      return "prefix";
+    case LayerKind::kBlock:
+      return "block";
+    case LayerKind::kHead:
+      return "head";
+  }
+  return "?";
+}
+
+std::int64_t ParamSpec::numel() const {
+  std::int64_t n = 1;
+  for (std::int64_t d : shape)
+    n *= d;
+  return n;
+}
+
+std::int64_t LayerSpec::param_count() const {
+  std::int64_t n = 0;
+  for (const ParamSpec& p : params)
+    if (!p.tied) n += p.numel();
+  return n;
+}
+
+namespace {
+// A sparse block's per-expert parameter (weights and biases; not the router's).
+bool is_expert_param(const ParamSpec& p) {
+  return p.name.find(".experts.") != std::string::npos;
+}
+}  // namespace
+
+double LayerSpec::active_param_count() const {
+  double n = 0, experts = 0;
+  for (const ParamSpec& p : params)
+    if (!p.tied) (is_expert_param(p) ? experts : n) += static_cast<double>(p.numel());
+  if (config.num_experts > 0)
+    n += experts * static_cast<double>(config.experts_per_token) /
+         static_cast<double>(config.num_experts);
+  return n;
+}
+
+double LayerSpec::flops_forward_per_token(std::int64_t seq_len) const {
+  const ModelConfig& c = config;
+  switch (kind) {
+    case LayerKind::kPrefix:
+      return 0;  // a gather
+    case LayerKind::kHead:
+      return 2.0 * static_cast<double>(c.vocab_size) * c.hidden_size;
+    case LayerKind::kBlock: {
+      // A sparse block computes only the routed share of its experts: experts_per_token of them
+      // per token.
+      double matmul = 0, experts = 0;
+      for (const ParamSpec& p : params)
+        if (is_expert_param(p))
+          experts += 2.0 * p.numel();  // biases too: a token pays for its experts' adds
+        else if (p.shape.size() == 2)
+          matmul += 2.0 * p.numel();
+      if (c.num_experts > 0)
+        matmul +=
+            experts * static_cast<double>(c.experts_per_token) / static_cast<double>(c.num_experts);
+      // Scores and the weighted sum: 2 * 2 * H * D multiply-adds per key, seq_len / 2 keys.
+      double attention = 4.0 * c.num_heads * c.head_dim * (static_cast<double>(seq_len) / 2.0);
+      return matmul + attention;
+    }
+  }
+  return 0;
+}
+
+double LayerSpec::flops_backward_per_token(std::int64_t seq_len) const {
+  return 2.0 * flops_forward_per_token(seq_len);
+}
+
+std::uint64_t LayerSpec::activation_bytes_per_token(std::size_t act_bytes,
+                                                    std::int64_t seq_len) const {
+  const ModelConfig& c = config;
+  const auto T = static_cast<std::uint64_t>(std::max<std::int64_t>(seq_len, 0));
+  std::uint64_t values = 0;
+  switch (kind) {
+    case LayerKind::kPrefix:
+      // The embedding's output. (The attention masks are the planner's per job, where they are
+      // built: PlanInputs::mask_bytes_per_token.)
+      values = c.hidden_size;
+      break;
+
+    case LayerKind::kHead:
+      // Normed input, plus one chunk of fp32 logits is transient, not per token.
+      values = 2 * c.hidden_size;
+      break;
+    case LayerKind::kBlock:
+      // x, normed x (twice), q k v (rotated copies too), attention output, o output, gate, up,
+      // silu(gate), their product.
+      values = 4 * c.hidden_size + 2 * (c.num_heads + 2 * c.num_kv_heads) * c.head_dim +
+               c.num_heads * c.head_dim;
+      // A sparse block: router logits and probabilities, and per routed copy of a token its
+      // gathered input, the four MLP intermediates and the weighted output.
+      values += c.num_heads * T;  // attention probabilities, kept for the backward
+      values += c.sparse(block)
+                    ? 2 * c.num_experts +
+                          c.experts_per_token * (2 * c.hidden_size + 4 * c.moe_intermediate_size)
+                    : 4 * c.intermediate_size;
+      break;
+  }
+  return values * act_bytes;
+}
+
+std::vector<LayerSpec> layer_specs(const ModelConfig& c) {
+  const std::int64_t C = c.hidden_size, H = c.num_heads, KV = c.num_kv_heads, D = c.head_dim,
+                     I = c.intermediate_size, V = c.vocab_size;
+  std::vector<LayerSpec> specs;
+  LayerSpec prefix;
+  prefix.kind = LayerKind::kPrefix;
+  prefix.config = c;
+  prefix.params.push_back({"model.embed_tokens.weight", {V, C}});
+  specs.push_back(prefix);
+  for (std::int64_t b = 0; b < c.num_layers; ++b) {
+    LayerSpec s;
+    s.kind = LayerKind::kBlock;
+    s.block = static_cast<int>(b);
+    s.config = c;
+    std::string p = "model.layers." + std::to_string(b) + ".";
+    auto add = [&](const std::string& name, std::vector<std::int64_t> shape) {
+      s.params.push_back({p + name, std::move(shape)});
+    };
+    add("input_layernorm.weight", {C});
+    add("self_attn.q_proj.weight", {H * D, C});
+    if (c.attention_bias) add("self_attn.q_proj.bias", {H * D});
+    add("self_attn.k_proj.weight", {KV * D, C});
+    if (c.attention_bias) add("self_attn.k_proj.bias", {KV * D});
+    add("self_attn.v_proj.weight", {KV * D, C});
+    if (c.attention_bias) add("self_attn.v_proj.bias", {KV * D});
+    add("self_attn.o_proj.weight", {C, H * D});
+    if (c.attention_out_bias) add("self_attn.o_proj.bias", {C});
+    if (c.qk_norm) {
+      add("self_attn.q_norm.weight", {D});
+      add("self_attn.k_norm.weight", {D});
+    }
+    if (c.attention_sinks) add("self_attn.sinks", {H});
+    add("post_attention_layernorm.weight", {C});
+    if (c.sparse(b) && c.family == Family::kGptOss) {
+      // GPT-OSS stores its experts fused, x @ W layout, gate and up interleaved, with biases.
+      const std::int64_t E = c.num_experts, F = c.moe_intermediate_size;
+      add("mlp.router.weight", {E, C});
+      add("mlp.router.bias", {E});
+      add("mlp.experts.gate_up_proj", {E, C, 2 * F});
+      add("mlp.experts.gate_up_proj_bias", {E, 2 * F});
+      add("mlp.experts.down_proj", {E, F, C});
+      add("mlp.experts.down_proj_bias", {E, C});
+      specs.push_back(std::move(s));
+      continue;
+    }
+    if (c.sparse(b)) {
+      // As the checkpoints store them: one module per expert.
+      const std::int64_t E = c.num_experts, F = c.moe_intermediate_size;
+      const bool mixtral = c.family == Family::kMixtral;
+      const std::string moe = mixtral ? "block_sparse_moe." : "mlp.";
+      add(moe + "gate.weight", {E, C});
+      for (std::int64_t e = 0; e < E; ++e) {
+        const std::string x = moe + "experts." + std::to_string(e) + ".";
+        add(x + (mixtral ? "w1" : "gate_proj") + ".weight", {F, C});
+        add(x + (mixtral ? "w3" : "up_proj") + ".weight", {F, C});
+        add(x + (mixtral ? "w2" : "down_proj") + ".weight", {C, F});
+      }
+      specs.push_back(std::move(s));
+      continue;
+    }
+    add("mlp.gate_proj.weight", {I, C});
+    if (c.mlp_bias) add("mlp.gate_proj.bias", {I});
+    add("mlp.up_proj.weight", {I, C});
+    if (c.mlp_bias) add("mlp.up_proj.bias", {I});
+    add("mlp.down_proj.weight", {C, I});
+    if (c.mlp_bias) add("mlp.down_proj.bias", {C});
+    specs.push_back(std::move(s));
+  }
+  LayerSpec head;
+  head.kind = LayerKind::kHead;
+  head.config = c;
+  head.params.push_back({"model.norm.weight", {C}});
+  if (c.tie_word_embeddings)
+    head.params.push_back({"model.embed_tokens.weight", {V, C}, true});
+  else
+    head.params.push_back({"lm_head.weight", {V, C}});
+  specs.push_back(head);
+  return specs;
+}
+
+}  // namespace rondo::models

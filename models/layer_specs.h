@@ -1,0 +1,65 @@
+// The model as a list of layers — [prefix, block_0 .. block_{L-1}, head] — by parameter names and
+// shapes, and the planner's cost model for each layer (parameters, FLOPs, activation bytes per
+// token). Owns no tensors and touches none: pure arithmetic on ModelConfig. Used by the planner
+// (engine/estimate.cpp), the weight readers and the block functions (models/layers.h).
+//
+//   auto specs = models::layer_specs(cfg);
+//   double f = specs[1].flops_forward_per_token(/*seq_len=*/4096);
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "models/config.h"
+
+namespace rondo::models {
+
+enum class LayerKind { kPrefix, kBlock, kHead };
+const char* to_string(LayerKind kind);
+
+struct ParamSpec {
+  std::string name;  // Hugging Face name, e.g. model.layers.3.self_attn.q_proj.weight
+  std::vector<std::int64_t> shape;  // torch order
+  bool tied = false;                // the same tensor as a parameter of another layer (LM head =
+                                    // embedding); its owner is the other layer
+  std::int64_t numel() const;
+};
+
+struct LayerSpec {
+  LayerKind kind = LayerKind::kBlock;
+  int block = -1;  // 0..L-1 for blocks
+  std::vector<ParamSpec> params;
+
+  // Parameters this layer owns (tied ones not counted).
+  std::int64_t param_count() const;
+  // Of those, the ones a token uses: a sparse block's experts count experts_per_token / E.
+  double active_param_count() const;
+  // FLOPs per token, forward, for sequences of `seq_len` tokens (attention grows with it;
+  // causal: on average seq_len / 2 keys per query).
+  double flops_forward_per_token(std::int64_t seq_len) const;
+  // Backward without recompute: twice the forward (input and weight gradients).
+  double flops_backward_per_token(std::int64_t seq_len) const;
+  // Bytes autograd keeps per token to run this layer's backward, activations in `act` dtype
+  // (an estimate from the shapes; the planner replaces it with measurements). With `seq_len`,
+  // rows of that many tokens whose attention runs on the math kernel (an explicit mask for
+  // packed documents rules out the fused ones): each block keeps its (H, T, T) probabilities, H·T
+  // per token, and the prefix's (T, T) boolean mask, T bytes per token, lives as long as any block
+  // of the microbatch does. At T = 4096 that is most of a block's activations.
+  std::uint64_t activation_bytes_per_token(std::size_t act_bytes, std::int64_t seq_len = 0) const;
+
+  ModelConfig config;  // the model this layer belongs to (dimensions for the costs)
+  // LoRA adapters among `params` (models/lora.h): their output is scaled by lora_scaling, their
+  // input goes through dropout lora_dropout in training. 0 / 0 without adapters.
+  double lora_scaling = 0, lora_dropout = 0;
+  // A sparse block's expert adapters (PEFT's target_parameters on the fused experts): on
+  // gate_up_proj (scaled by lora_fused_scaling: PEFT doubles its rank and alpha) and on
+  // down_proj. PEFT names the one wrapped first ...experts.base_layer.lora_A when both exist.
+  bool lora_experts_gate_up = false, lora_experts_down = false;
+  double lora_fused_scaling = 0;
+};
+
+std::vector<LayerSpec> layer_specs(const ModelConfig& config);
+
+}  // namespace rondo::models
