@@ -3,7 +3,7 @@
 //
 //  (a) schedule — 4 simulated devices behind a link slow enough that uploading a stage's weights
 //      takes about as long as computing it. Compute is emulated from per-layer costs
-//      (EngineOptions::emulate_costs: each job lasts at least what the costs say), so that four
+//      (test::EngineHooks: each job lasts at least what the costs say), so that four
 //      devices sharing two CPU cores behave like four GPUs; transfers are the SimDevice's emulated
 //      link. Reports the measured idle fraction next to the plan's predicted one (the simulator's
 //      figure, a lower bound: it has no dispatch overhead), and the step time of RoundPipe's
@@ -39,8 +39,9 @@
 
 #include "engine/engine.h"
 #include "engine/events.h"
-#include "engine/state.h"
+#include "engine/model_store.h"
 #include "kernels/cpu/sim_device.h"
+#include "tests/support/engine_hooks.h"
 #include "tests/support/plain_loop.h"
 
 using namespace rondo;
@@ -171,7 +172,9 @@ void bench_schedule(int steps, int N, double link_scale) {
   engine::PlanInputs in = costs_for(m, st, N, f_tok, link_bps, tokens, M);
   kernels::LinkSpec link{.bytes_per_s = link_bps, .latency_s = 0};
   engine::EngineOptions o;
-  o.emulate_costs = in.layers;
+  test::EngineHooks emulation;
+  emulation.costs = in.layers;
+  o.probe = &emulation;
   std::printf(
       "(a) schedule: %d simulated devices, %s of weights per block, link %.1f MB/s, "
       "block forward %.1f ms per microbatch, M = %d\n",
@@ -284,7 +287,9 @@ void bench_generation(int tokens) {
   std::map<std::pair<bool, int>, std::vector<std::vector<std::int64_t>>> produced;
   for (bool emulated : {false, true}) {
     engine::EngineOptions options;
-    if (emulated) options.emulate_costs = costs;
+    test::EngineHooks emulation;
+    emulation.costs = costs;
+    if (emulated) options.probe = &emulation;
     engine::Engine eng(m.config, m.specs, *st.store, st.arena, raw, plan, options);
     for (int rep = 0; rep < 2; ++rep)
       for (const auto& [groups, name] : ways) {

@@ -6,7 +6,7 @@
 //      pwrite/pread loop over the same bytes in the same request size (measure_disk_raw), with
 //      the backend at queue depth 32 and no checksums (measure_disk) between. Aim: >= 0.9.
 //  (b) NVMe-backed training — LoRA on 2 simulated devices whose emulated link is the bottleneck
-//      (compute emulated short, EngineOptions::emulate_costs): step time with every block's frozen
+//      (compute emulated short, test::EngineHooks): step time with every block's frozen
 //      weights on the NVMe tier against the same run with them in host memory. Aim: <= 1.1 (the
 //      reads overlap the uploads, so the link still decides).
 //  (c) quantised base — the same link-bound LoRA run with the frozen base in NF4 (and Q8_0, INT8)
@@ -24,12 +24,13 @@
 #include <vector>
 
 #include "engine/engine.h"
-#include "engine/state.h"
+#include "engine/model_store.h"
 #include "kernels/cpu/sim_device.h"
 #include "kernels/quant.h"
 #include "models/lora.h"
 #include "offload/disk_speed.h"
 #include "offload/nvme_store.h"
+#include "tests/support/engine_hooks.h"
 #include "tests/support/plain_loop.h"
 
 using namespace rondo;
@@ -107,11 +108,13 @@ Result run(const Model& m, const Setup& s, const std::string& dir, int steps, do
   const double tok = static_cast<double>(batch[0].batch.tokens.numel());
   engine::EngineOptions o;
   o.adamw.lr = 1e-4;
+  test::EngineHooks emulation;
   for (const models::LayerSpec& l : m.specs) {
     const double w = l.kind == models::LayerKind::kBlock ? 1.0 : 0.25;
-    o.emulate_costs.push_back(
+    emulation.costs.push_back(
         {.forward_s_per_token = w * 2e-3 / tok, .backward_s_per_token = w * 4e-3 / tok});
   }
+  o.probe = &emulation;
   engine::Plan plan;
   const int L = static_cast<int>(m.specs.size());
   plan.microbatches = M;

@@ -19,8 +19,8 @@
 
 #include <nlohmann/json.hpp>
 
-#include "engine/checkpoint_state.h"
-#include "engine/state.h"
+#include "engine/checkpoint_format.h"
+#include "engine/model_store.h"
 #include "kernels/checksum.h"
 #include "kernels/cpu/adamw.h"
 #include "kernels/error.h"
@@ -32,13 +32,13 @@ namespace {
 
 namespace fs = std::filesystem;
 
-using checkpoint_state::kFormat;
-using checkpoint_state::kStateFile;
-using checkpoint_state::kTensorsFile;
-using checkpoint_state::kVersion;
-using checkpoint_state::meta_checksum;
-using checkpoint_state::read_state_text;
-using checkpoint_state::step_of_folder;
+using checkpoint_format::kFormat;
+using checkpoint_format::kStateFile;
+using checkpoint_format::kTensorsFile;
+using checkpoint_format::kVersion;
+using checkpoint_format::meta_checksum;
+using checkpoint_format::read_state_text;
+using checkpoint_format::step_of_folder;
 constexpr const char* kExpAvg = ".exp_avg";
 constexpr const char* kExpAvgSq = ".exp_avg_sq";
 constexpr const char* kStream = ".stream";

@@ -20,7 +20,7 @@
 
 #include <nlohmann/json_fwd.hpp>
 
-#include "engine/checkpoint_state.h"
+#include "engine/checkpoint_format.h"
 #include "models/layers.h"
 #include "models/safetensors.h"
 #include "offload/layer_store.h"
@@ -44,7 +44,7 @@ std::uint64_t write_checkpoint(const std::string& dir, offload::LayerStore& stor
                                const nlohmann::json& meta, bool include_stream = false,
                                const std::function<void()>& before_rename = {});
 
-// checkpoint_problems(dir): engine/checkpoint_state.h.
+// checkpoint_problems(dir): engine/checkpoint_format.h.
 
 // Reads a checkpoint written by write_checkpoint into `store`, after checkpoint_problems (any
 // problem is an Error naming the folder): masters, moments, the streaming

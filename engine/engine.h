@@ -1,18 +1,24 @@
 // The engine: runs a plan's stage jobs on stateless devices, round-robin, and the optimizer on the
-// host (ARCHITECTURE.md §2, roundpipe.md §2–§4).
+// host (docs/architecture.md §2–§4). This header is its whole interface; behind it (engine.cpp
+// says where each piece lives): the board that the threads share (board.h), the loaders and
+// workers (pipeline.h), one microbatch's math (job_compute.h), a step's inputs (step_inputs.h),
+// the optimizer thread (optimizer_driver.h), re-planning (replan.h) and generation
+// (generation.h).
 //
 // Threads: per device a loader (uploads a job's weights, one stage ahead at most) and a worker
 // (enqueues the job's computation microbatch by microbatch, hands outputs on, downloads the
 // gradients); one optimizer thread (per step: waits for every gradient, then AdamW layer by layer
 // in forward order, releasing each layer to the next step's loaders). Job g of the global sequence
 // (step s = g / J, stage j = g % J) runs on device g % N: one round-robin pointer across stages
-// and steps, no barrier between steps. See Note [Engine synchronisation] in engine.cpp.
+// and steps, no barrier between steps. See Note [Engine synchronisation] in board.cpp.
 //
 // Per device four streams: compute, activation upload (high priority), weight upload (weights cut
-// into chunks of at most max_chunk_bytes, so activation uploads slot in between) and download.
-// A stage's output stays on the device when the next stage runs there; otherwise it goes down to
-// host staging memory and up to the next device. Activation checkpoints (each backward stage's
-// input, or every layer's input in layer grain) always go down to the host.
+// into chunks of at most max_chunk_bytes, so activation uploads slot in between) and download;
+// every copy is offload::Transfers' and counted in its TransferStats. A stage's output stays on
+// the device when the next stage runs there; otherwise it goes down to host staging memory and up
+// to the next device. Activation checkpoints (each backward stage's input, or every layer's input
+// in layer grain) always go down to the host (and on to the NVMe tier with
+// spill_checkpoint_bytes).
 //
 //   engine::Engine eng(model.config(), model.layers(), store, arena, devices, plan, options);
 //   auto results = eng.train(3, [&](std::int64_t step) { return microbatches_for(step); });
@@ -53,6 +59,42 @@ struct LossScaling {  // fp16: dynamic loss scaling
   double min_scale = 1.0 / 65536;
 };
 
+// Test and benchmark seams: the engine calls these at fixed points and does nothing else for them
+// (it never sleeps, reads the environment or kills anything itself). Every method defaults to
+// nothing. Called from the engine's threads: an implementation must be thread-safe.
+class EngineProbe {
+ public:
+  virtual ~EngineProbe() = default;
+  // On the optimizer thread once every gradient of `step` (1-based) is in the store, before the
+  // update (tests read them there).
+  virtual void gradients_in(std::int64_t step) { (void)step; }
+  // In compute-stream order on device `device`, right after one microbatch of a job (or one layer
+  // of a generation pass) over `layers` took `seconds` of host time for `tokens` tokens, forward
+  // only or with the backward. A benchmark's cost emulation sleeps here, so that simulated devices
+  // sharing a few cores behave like separate GPUs (tests/support/engine_hooks.h).
+  virtual void computed(int device, LayerRange layers, bool forward_only, std::int64_t tokens,
+                        double seconds) {
+    (void)device, (void)layers, (void)forward_only, (void)tokens, (void)seconds;
+  }
+};
+
+// A device ran out of memory in a job: the message says where (step, job, device) and what was
+// asked; `whose` tells whether the engine's own buffers (weights, activations, gradients) or
+// torch's allocations (its temporaries) did not fit. The caller adds the settings that lower it.
+class DeviceMemoryError : public Error {
+ public:
+  enum class Whose { kEngineBuffers, kTorch };
+  DeviceMemoryError(const std::string& message, Whose whose) : Error(message), whose(whose) {}
+  Whose whose;
+};
+
+// An op without a deterministic implementation ran while torch's deterministic algorithms were on
+// (engine::use_deterministic_torch): the message names the op and where it ran.
+class NondeterministicOpError : public Error {
+ public:
+  using Error::Error;
+};
+
 struct EngineOptions {
   kernels::AdamWParams adamw;  // adamw.step is ignored (the optimizer counts)
   double max_grad_norm = 0;    // <= 0: no clipping
@@ -90,17 +132,11 @@ struct EngineOptions {
   // jobs' measured compute times into the per-layer costs (smoothed: each update moves a cost
   // half-way to what was measured), and when some layer's cost moved by more than
   // `replan_threshold` it asks plan_ours() again and switches to the new plan at that step
-  // boundary (a `plan` event says so). On a GPU the measured times are issue times for now.
+  // boundary (a `plan` event says so). The measured times are device times (timing events).
   int replan_every = 0;
   double replan_threshold = 0.2;
-  // Runs on the optimizer thread once every gradient of `step` (1-based) is in the store, before
-  // the update (tests read them there).
-  std::function<void(std::int64_t step)> on_gradients;
-  // Benchmarks only: make each job take at least the time these per-layer costs give (compute
-  // per token, on a device of speed 1), as if the device were that fast, so that simulated devices
-  // sharing a few CPU cores behave like separate GPUs. Empty = off.
-  std::vector<LayerCosts> emulate_costs;
-  std::vector<double> emulate_speeds;  // per device; empty = all 1
+  // Tests and benchmarks: told when gradients are in and how long compute took (EngineProbe).
+  EngineProbe* probe = nullptr;
 };
 
 // Rows of logits the head computes at a time: `configured` (EngineOptions::head_chunk_tokens); on
@@ -168,7 +204,7 @@ struct Generation {
 };
 
 // What a checkpoint must hold beyond the store's tensors for a bit-identical resume.
-struct EngineState {
+struct EngineCounters {
   std::int64_t steps_done = 0;      // optimizer steps run, skipped fp16 steps included
   std::int64_t optimizer_step = 0;  // AdamW's step count (bias correction): applied steps only
   double loss_scale = 1;            // fp16 loss scaling: the scale of the next step
@@ -191,8 +227,9 @@ class Engine {
   // Runs `steps` optimizer steps; `batches(step)` (1-based step) gives the step's M microbatches
   // (called on this thread, a step or two ahead). `on_step` runs on this thread after each step.
   // On failure (a device out of memory, bad input, an error in a layer) every thread stops and
-  // the first error is rethrown, naming the device, the job and the step; state already updated
-  // stays as it was after the last completed step's update of each layer.
+  // the first error is rethrown, naming the device, the job and the step (DeviceMemoryError,
+  // NondeterministicOpError or Error); state already updated stays as it was after the last
+  // completed step's update of each layer.
   std::vector<StepResult> train(std::int64_t steps, const BatchSource& batches,
                                 const std::function<void(const StepResult&)>& on_step = {});
 
@@ -231,8 +268,8 @@ class Engine {
 
   // Between train() calls: the counters a checkpoint saves, and setting them back on a fresh
   // engine over a store read from that checkpoint (the next step is then steps_done + 1).
-  EngineState state() const;
-  void restore(const EngineState& state);
+  EngineCounters counters() const;
+  void restore(const EngineCounters& counters);
 
   const Plan& plan() const;  // the plan in use (it changes when the engine re-plans)
   double loss_scale() const;

@@ -18,7 +18,7 @@
 #include "engine/engine.h"
 #include "engine/gpus.h"
 #include "engine/speed.h"
-#include "engine/state.h"
+#include "engine/model_store.h"
 #include "kernels/error.h"
 #include "kernels/quant.h"
 #include "models/attention_masks.h"

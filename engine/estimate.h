@@ -40,7 +40,7 @@ struct HostNeeds {
   }
 };
 
-// Where the planner put each class of state (ARCHITECTURE.md §2 step 8).
+// Where the planner put each class of state (docs/architecture.md §5).
 struct Placement {
   // The store as planned: every layer's tensors (frozen ones with the format they are kept in)
   // and each part's tier. The run builds its LayerStore from exactly this.

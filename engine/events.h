@@ -1,5 +1,5 @@
 // The event stream: one JSON object per line (events.jsonl, or stdout with `--events -`), the one
-// contract between the engine and every front end (ARCHITECTURE.md §6; schema in docs/events.md).
+// contract between the engine and every front end (docs/architecture.md §8; schema in docs/events.md).
 // Every event carries the schema version "v", its "type", "t" (seconds since the run started, on
 // a monotonic clock) and "time" (wall clock, UTC, ISO 8601). Thread-safe: workers, the optimizer
 // and the session emit concurrently; each line is written whole and flushed, so a reader tailing

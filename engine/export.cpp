@@ -5,7 +5,7 @@
 #include <filesystem>
 #include <map>
 
-#include "engine/state.h"
+#include "engine/model_store.h"
 #include "kernels/error.h"
 #include "models/export.h"
 

@@ -6,7 +6,7 @@
 #include <algorithm>
 #include <limits>
 
-#include "engine/state.h"
+#include "engine/model_store.h"
 #include "kernels/error.h"
 #include "models/peft_adapter.h"
 #include "models/weight_reader.h"

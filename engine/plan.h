@@ -1,4 +1,4 @@
-// Execution plans and the partitioner (ARCHITECTURE.md §2.1, roundpipe.md §2.2 and §5).
+// Execution plans and the partitioner (docs/architecture.md §2.1 and §3.2).
 //
 // A plan cuts the layer list [prefix, block_0 .. block_{L-1}, head] into forward stages, a fused
 // tail (the last layers + LM head + loss, forward and backward in one job, no recompute) and
@@ -132,7 +132,7 @@ struct PlanPrediction {
 // (two stages of weights, the running stage's gradients, one microbatch's activations).
 PlanPrediction predict(const Plan& plan, const PlanInputs& inputs);
 
-// RoundPipe's planner (roundpipe.md §5). Throws Error when the inputs are invalid.
+// RoundPipe's planner (docs/architecture.md §3.2). Throws Error when the inputs are invalid.
 Plan plan_reference(const PlanInputs& inputs);
 // Ours: candidate cuts by job cost max(compute, transfer) under memory including activations,
 // chosen by predict(). The reference plan is among the candidates, so ours never predicts slower.

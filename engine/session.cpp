@@ -24,8 +24,8 @@
 #include "engine/estimate.h"
 #include "engine/export.h"
 #include "engine/run_lock.h"
-#include "engine/schedule.h"
-#include "engine/state.h"
+#include "engine/lr_schedule.h"
+#include "engine/model_store.h"
 #include "engine/torch_device.h"
 #include "kernels/checksum.h"
 #include "kernels/error.h"
@@ -68,6 +68,16 @@ namespace fs = std::filesystem;
 
 namespace rondo::engine {
 namespace {
+
+// Runs `body` (engine work), its errors in the run's words (rethrow_with_settings).
+template <typename F>
+auto with_settings_advice(F&& body) {
+  try {
+    return body();
+  } catch (...) {
+    rethrow_with_settings(std::current_exception());
+  }
+}
 
 // Runs `body`; an NVMe tier error from it (whose message names the file, the region and what to
 // do, but not what the run was doing) gets `doing` in front and `then` after it.
@@ -145,13 +155,32 @@ kernels::FloatDType stream_dtype(const std::string& d) {
                        : kernels::FloatDType::kBF16;
 }
 
-ScheduleKind schedule_kind(const std::string& s) {
-  return s == "constant" ? ScheduleKind::kConstant
-         : s == "linear" ? ScheduleKind::kLinear
-                         : ScheduleKind::kCosine;
+LrScheduleKind schedule_kind(const std::string& s) {
+  return s == "constant" ? LrScheduleKind::kConstant
+         : s == "linear" ? LrScheduleKind::kLinear
+                         : LrScheduleKind::kCosine;
 }
 
 }  // namespace
+
+void rethrow_with_settings(std::exception_ptr error) {
+  try {
+    std::rethrow_exception(error);
+  } catch (const DeviceMemoryError& e) {
+    if (e.whose == DeviceMemoryError::Whose::kTorch)
+      throw Error(std::string(e.what()) +
+                  "; use fewer rows per microbatch (training.batch_rows) and more microbatches "
+                  "(training.grad_accum), shorter sequences (data.seq_len) or a larger "
+                  "hardware.memory_cap");
+    throw Error(std::string(e.what()) +
+                " (the settings: training.grad_accum for more microbatches, data.seq_len for "
+                "shorter sequences, hardware.memory_cap)");
+  } catch (const NondeterministicOpError& e) {
+    throw Error(std::string(e.what()) +
+                " (exact runs use deterministic kernels only; training.deterministic = false runs "
+                "this op, and the run is then not bit-exact on GPUs)");
+  }
+}
 
 struct Session::Impl {
   TrainConfig c;
@@ -396,7 +425,10 @@ struct Session::Impl {
       prompts.emplace_back(ids.begin(), ids.end());
     }
     const Generation gen =
-        eng.generate(prompts, {.max_new_tokens = c.eval.sample_tokens, .stop_tokens = stops});
+        with_settings_advice([&] {
+          return eng.generate(prompts,
+                              {.max_new_tokens = c.eval.sample_tokens, .stop_tokens = stops});
+        });
     std::vector<std::pair<std::string, std::string>> out;
     for (std::size_t k = 0; k < prompts.size(); ++k) {
       std::vector<std::int32_t> g(gen.tokens[k].begin(), gen.tokens[k].end());
@@ -565,7 +597,7 @@ struct Session::Impl {
     };
     say_pin_failures();
 
-    EngineState state;
+    EngineCounters state;
     SessionResult result;
     std::optional<Plan> resume_plan;
     if (!from_checkpoint.empty()) {
@@ -655,7 +687,7 @@ struct Session::Impl {
     if (stop) eng.request_stop();
 
     auto checkpoint = [&](std::int64_t step) {
-      const EngineState st = eng.state();
+      const EngineCounters st = eng.counters();
       const Batcher::Position pos = batcher->position(step + 1);
       nlohmann::json meta = {
           {"step", st.steps_done},
@@ -690,7 +722,8 @@ struct Session::Impl {
     };
     // Validation: forward-only jobs through the engine, on the run's devices.
     auto evaluate = [&](std::int64_t step) {
-      const EvalResult v = eng.evaluate(val_batcher->all_rows());
+      const EvalResult v =
+          with_settings_advice([&] { return eng.evaluate(val_batcher->all_rows()); });
       const double loss = v.loss();
       const std::int64_t n = v.targets;
       sink.emit(EvalEvent{.step = step, .loss = loss, .tokens = n});
@@ -745,8 +778,10 @@ struct Session::Impl {
       std::int64_t next = steps;
       for (std::int64_t every : {c.checkpoint.every, c.eval.every, c.eval.sample_every})
         if (every > 0) next = std::min(next, (s / every + 1) * every);
-      std::vector<StepResult> done = eng.train(
-          next - s, [&](std::int64_t step) { return batcher->step(step); }, on_step);
+      std::vector<StepResult> done = with_settings_advice([&] {
+        return eng.train(
+            next - s, [&](std::int64_t step) { return batcher->step(step); }, on_step);
+      });
       s += static_cast<std::int64_t>(done.size());
       say_pin_failures();
       stopped = s < next;

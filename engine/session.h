@@ -1,7 +1,7 @@
 // A training run from a TrainConfig, start to end: checks everything it can before allocating
 // (config, files, data, sequence length, host memory, disk, device memory), then loads the model
 // into the host store, trains with the engine, evaluates, samples, writes checkpoints and exports,
-// and reports through the event stream (run folder layout: ARCHITECTURE.md §6). A run stopped
+// and reports through the event stream (run folder layout: docs/architecture.md §8). A run stopped
 // (request_stop) or killed continues exactly with `resume`: everything after a checkpoint is a
 // pure function of what the checkpoint holds (see Note [Exact resume] in session.cpp).
 //
@@ -11,6 +11,7 @@
 #pragma once
 
 #include <cstdint>
+#include <exception>
 #include <functional>
 #include <memory>
 #include <string>
@@ -28,6 +29,11 @@ enum class FaultPoint : std::uint8_t {
   kAfterStep,     // step N's event is out; nothing after it (checkpoint, evaluation) has run
   kInCheckpoint,  // step N's checkpoint is written and synced under its temporary name, not renamed
 };
+
+// Rethrows an engine error in a run's words: a DeviceMemoryError or NondeterministicOpError (which
+// say what ran out or could not run exactly, in the engine's terms) with the config settings that
+// change it; any other error as it is.
+[[noreturn]] void rethrow_with_settings(std::exception_ptr error);
 
 struct SessionOptions {
   std::string config_toml;  // the resolved config, written to <run_dir>/config.toml

@@ -4,7 +4,7 @@
 #include <cmath>
 #include <sstream>
 
-#include "engine/schedule.h"
+#include "engine/lr_schedule.h"
 #include "kernels/error.h"
 
 namespace rondo::engine {

@@ -5,10 +5,10 @@
 #include <nlohmann/json.hpp>
 #include <string>
 
-#include "engine/checkpoint_state.h"
+#include "engine/checkpoint_format.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
-  namespace cs = rondo::engine::checkpoint_state;
+  namespace cs = rondo::engine::checkpoint_format;
   const std::string text(reinterpret_cast<const char*>(data), size);
   nlohmann::json state;
   const std::vector<std::string> problems = cs::state_problems(text, "step-4", state);

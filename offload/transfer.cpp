@@ -258,6 +258,45 @@ Uploaded Transfers::upload(int d, const Staged& staged, std::size_t bytes) {
   return u;
 }
 
+Uploaded Transfers::upload_for(int d, kernels::Stream& consumer, const void* src,
+                               std::size_t bytes, Cargo cargo, kernels::Event* after) {
+  const DeviceLinks& dl = devs_.at(d);
+  RONDO_ASSERT(&consumer.device() == dl.dev);
+  Uploaded u;
+  u.buffer = dl.dev->allocate(bytes, &consumer);
+  // The buffer is the consumer's from here: the copy waits for the consumer to reach it (a
+  // stream-ordered allocator may hand out memory the consumer's earlier work still reads).
+  auto allocated = dl.dev->create_event();
+  consumer.record(*allocated);
+  dl.act_up->wait(*allocated);
+  if (after) dl.act_up->wait(*after);
+  if (bytes) dl.act_up->upload(u.buffer.data(), src, bytes);
+  u.ready = dl.dev->create_event();
+  dl.act_up->record(*u.ready);
+  std::lock_guard<std::mutex> lock(mutex_);
+  count(cargo, /*up=*/true, bytes);
+  return u;
+}
+
+void Transfers::count(Cargo cargo, bool up, std::uint64_t bytes) {
+  switch (cargo) {
+    case Cargo::kInputs:
+      RONDO_ASSERT(up);
+      stats_.inputs_up += bytes;
+      break;
+    case Cargo::kActivations:
+      (up ? stats_.activations_up : stats_.activations_down) += bytes;
+      break;
+    case Cargo::kKvCache:
+      (up ? stats_.kv_up : stats_.kv_down) += bytes;
+      break;
+    case Cargo::kOutputs:
+      RONDO_ASSERT(!up);
+      stats_.outputs_down += bytes;
+      break;
+  }
+}
+
 std::unique_ptr<kernels::Event> Transfers::enqueue_download(int d, void* dst, const void* src,
                                                             std::size_t bytes,
                                                             kernels::Event& after) {
@@ -283,10 +322,10 @@ std::unique_ptr<kernels::Event> Transfers::download_gradients(int d, int layer, 
 
 std::unique_ptr<kernels::Event> Transfers::download_value(int d, void* dst, const void* src,
                                                           std::size_t bytes,
-                                                          kernels::Event& after) {
+                                                          kernels::Event& after, Cargo cargo) {
   auto ev = enqueue_download(d, dst, src, bytes, after);
   std::lock_guard<std::mutex> lock(mutex_);
-  stats_.activations_down += bytes;
+  count(cargo, /*up=*/false, bytes);
   return ev;
 }
 

@@ -1,5 +1,5 @@
 // The transfer engine: every byte that crosses a device's host link is issued here
-// (ARCHITECTURE.md §2 step 7). The engine keeps the schedule — which job runs where, and when —
+// (docs/architecture.md §2.7). The engine keeps the schedule — which job runs where, and when —
 // and asks for "these layers' weights on device d, ready by an event", "this activation down to
 // the host", "this one up to device d", "these gradients down to the store"; this class decides
 // where the bytes come from (the host store, the NVMe tier, a quantised copy dequantised on the
@@ -36,7 +36,7 @@ namespace rondo::offload {
 
 struct TransferOptions {
   // Weight uploads are cut into pieces of at most this size, so that an activation upload waits
-  // for one piece at most (RoundPipe's priority rule, roundpipe.md §3).
+  // for one piece at most (RoundPipe's priority rule, docs/architecture.md §3.4).
   std::uint64_t max_chunk_bytes = 256ull << 20;
   // Layers read from the NVMe tier ahead of their upload, per device: host staging holds at most
   // this many layers per device (plus as many read ahead for its next job), whatever a stage's
@@ -56,12 +56,30 @@ struct TransferOptions {
   bool share_trained = false;
 };
 
+// What a copy carries, for TransferStats.
+enum class Cargo {
+  kInputs,       // a step's tokens, targets and attention context; generation's tokens
+  kActivations,  // stage outputs, activation checkpoints, their gradients
+  kKvCache,      // generation's KV caches kept in host memory between tokens
+  kOutputs,      // small results: a job's loss sum, generation's logits
+};
+
 // Bytes moved, by direction and kind, since the engine was made (for events and benchmarks).
+// Every copy between host and device memory is issued by Transfers and counted here once: the
+// sums of the *_up and *_down fields are the bytes the devices' links carried (tested against a
+// simulated device's own traffic counters).
 struct TransferStats {
   std::uint64_t weights_up = 0;           // as sent over the link (quantised where stored so)
   std::uint64_t weights_dequantised = 0;  // bytes written on the devices by dequantisation
+  std::uint64_t inputs_up = 0;
   std::uint64_t activations_up = 0, activations_down = 0;
   std::uint64_t gradients_down = 0;
+  std::uint64_t kv_up = 0, kv_down = 0;
+  std::uint64_t outputs_down = 0;
+  std::uint64_t bytes_up() const { return weights_up + inputs_up + activations_up + kv_up; }
+  std::uint64_t bytes_down() const {
+    return activations_down + gradients_down + kv_down + outputs_down;
+  }
   std::uint64_t nvme_read = 0;  // weights read from the NVMe tier for uploads
   SpillStats spill;             // activation checkpoints on the NVMe tier
   // The most checkpoints handed to the NVMe tier in host staging at once: waiting for the drive,
@@ -144,6 +162,13 @@ class Transfers {
   // high-priority activation stream. The staging buffer stays owned by `staged` (give it back
   // with recycle() once `ready` has completed).
   Uploaded upload(int d, const Staged& staged, std::size_t bytes);
+  // `bytes` of host memory at `src` up to a new buffer on device d that belongs to `consumer` (a
+  // stream of d): allocated and released in its order, so that the buffer may be dropped as soon
+  // as the consumer's work is enqueued; the copy runs on the activation stream once the consumer
+  // has reached this point (and `after`, when given, has completed). `src` must stay valid until
+  // `ready` (page-locked staging, for a copy that does not block).
+  Uploaded upload_for(int d, kernels::Stream& consumer, const void* src, std::size_t bytes,
+                      Cargo cargo, kernels::Event* after = nullptr);
   // Host staging memory (page-locked where the arena pins) from the pool, or new: for data the
   // engine writes on the host and uploads itself.
   HostBuffer take_staging(std::size_t bytes);
@@ -169,9 +194,11 @@ class Transfers {
   // copied.
   std::unique_ptr<kernels::Event> download_gradients(int d, int layer, const void* src,
                                                      kernels::Event& after);
-  // The same for any small device value (the tail's loss) into caller-owned host memory.
+  // The same for any device memory (the tail's loss, logits, new KV-cache positions) into
+  // caller-owned host memory, counted as `cargo`.
   std::unique_ptr<kernels::Event> download_value(int d, void* dst, const void* src,
-                                                 std::size_t bytes, kernels::Event& after);
+                                                 std::size_t bytes, kernels::Event& after,
+                                                 Cargo cargo = Cargo::kOutputs);
 
   TransferStats stats() const;
 
@@ -182,6 +209,7 @@ class Transfers {
   };
   std::unique_ptr<kernels::Event> enqueue_download(int d, void* dst, const void* src,
                                                    std::size_t bytes, kernels::Event& after);
+  void count(Cargo cargo, bool up, std::uint64_t bytes);  // under mutex_
 
   LayerStore& store_;
   HostArena& arena_;

@@ -19,7 +19,7 @@
 #include <nlohmann/json.hpp>
 
 #include "engine/run_lock.h"
-#include "engine/state.h"
+#include "engine/model_store.h"
 #include "kernels/checksum.h"
 #include "kernels/error.h"
 #include "models/lora.h"

@@ -23,13 +23,15 @@
 #include <nlohmann/json.hpp>
 
 #include "engine/events.h"
-#include "engine/state.h"
+#include "engine/model_store.h"
 #include "kernels/cpu/sim_device.h"
 #include "kernels/quant.h"
 #include "models/lora.h"
 #include "models/model.h"
 #include "offload/activation_spill.h"
 #include "offload/nvme_store.h"
+#include "tests/support/engine_hooks.h"
+#include "tests/support/error_of.h"
 #include "tests/support/plain_loop.h"
 
 namespace rondo::engine {
@@ -107,15 +109,7 @@ std::vector<std::unique_ptr<kernels::Device>> sim_devices(int n, std::uint64_t b
   return devs;
 }
 
-// The message of the Error `run` ends with; "" when it returns.
-std::string error_of(const std::function<void()>& run) {
-  try {
-    run();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "";
-}
+using test::error_of;
 
 std::vector<kernels::Device*> raw(const std::vector<std::unique_ptr<kernels::Device>>& devs) {
   std::vector<kernels::Device*> out;
@@ -163,8 +157,18 @@ EngineRun run_engine(const Case& s, const Plan& plan, int devices, EngineOptions
   options.adamw = {.lr = kLr, .eps = kEps, .weight_decay = kWd};
   options.max_grad_norm = kClip;
   options.head_chunk_tokens = 7;  // several chunks per microbatch
-  auto user_hook = options.on_gradients;
-  options.on_gradients = [&, user_hook](std::int64_t step) {
+  // The caller's probe (cost emulation, a hook of its own), with the step-1 gradients read here.
+  test::EngineHooks hooks;
+  std::function<void(std::int64_t)> user_hook;
+  if (options.probe) {
+    auto* user = dynamic_cast<test::EngineHooks*>(options.probe);
+    if (!user) throw std::logic_error("run_engine: the probe must be a test::EngineHooks");
+    hooks.costs = user->costs;
+    hooks.speeds = user->speeds;
+    user_hook = user->on_gradients;
+  }
+  options.probe = &hooks;
+  hooks.on_gradients = [&, user_hook](std::int64_t step) {
     if (user_hook) user_hook(step);
     if (step != 1) return;
     for (std::size_t l = 0; l < s.specs.size(); ++l)
@@ -379,9 +383,10 @@ TEST(Engine, OneStepStaleEqualsThePlainLoopRunStale) {
   // Devices slowed down (1 ms per layer and microbatch, emulated) so that the optimizer's AdamW
   // pass for a step finishes while the next step's jobs are still loading: a pass that wrote the
   // streaming copies would then be seen by that step's backward, and the test would fail.
+  test::EngineHooks slow;
   for (int l = 0; l < static_cast<int>(s.specs.size()); ++l)
-    o.emulate_costs.push_back(
-        {.forward_s_per_token = 1e-3 / 40, .backward_s_per_token = 2e-3 / 40});
+    slow.costs.push_back({.forward_s_per_token = 1e-3 / 40, .backward_s_per_token = 2e-3 / 40});
+  o.probe = &slow;
   for (int N : {1, 3}) {
     Plan plan = random_plan(layers, 2, RecomputeGrain::kStage, rng);
     const std::string what = "stale N=" + std::to_string(N) + " " + plan.describe();
@@ -1063,9 +1068,10 @@ TEST(Engine, OptimizerBehindTheLoadersStillSeesEveryJob) {
   // forward (4 ms backward), and a link that moves a block's weights in about the time of its
   // backward job.
   EngineOptions o;
+  test::EngineHooks slow;
   for (std::size_t l = 0; l < s.specs.size(); ++l)
-    o.emulate_costs.push_back(
-        {.forward_s_per_token = 2e-3 / 16, .backward_s_per_token = 4e-3 / 16});
+    slow.costs.push_back({.forward_s_per_token = 2e-3 / 16, .backward_s_per_token = 4e-3 / 16});
+  o.probe = &slow;
   offload::HostArena arena;
   offload::LayerStore probe(arena,
                             layer_descs(s.specs, [](const models::ParamSpec&) { return true; }),
@@ -1110,7 +1116,9 @@ TEST(Engine, ReplansFromMeasuredTimings) {
   EngineOptions o;
   o.events = sink.get();
   o.plan_inputs = &assumed;
-  o.emulate_costs = actual.layers;
+  test::EngineHooks slow;
+  slow.costs = actual.layers;
+  o.probe = &slow;
   o.replan_every = 2;
   EngineRun run = run_engine(s, first, 2, o);
   sink.reset();
@@ -1149,9 +1157,73 @@ TEST(Engine, DeviceOutOfMemoryIsAnErrorNamingTheJobAndWhatToChange) {
         << msg;
     EXPECT_NE(msg.find("more microbatches"), std::string::npos) << msg;
     EXPECT_NE(msg.find("layer-grain recompute"), std::string::npos) << msg;
+    // The engine says what ran out; advice in config keys is the session's (session_test).
+    auto* oom = dynamic_cast<const DeviceMemoryError*>(&e);
+    ASSERT_NE(oom, nullptr) << msg;
+    EXPECT_EQ(oom->whose, DeviceMemoryError::Whose::kEngineBuffers);
   }
   for (auto& d : devs)
     EXPECT_EQ(d->memory().bytes_in_use, 0u) << d->info().name;
+}
+
+// Every byte a simulated device's link carried, either way, was issued by offload::Transfers and
+// is in its TransferStats: for training steps (weights, step inputs, stage outputs and checkpoints,
+// gradients, the loss) and for a generation streamed over two devices with its KV caches in host
+// memory (tokens and attention context, hidden states crossing devices, caches, logits).
+TEST(Engine, EveryByteOnTheLinksIsInTheTransferStats) {
+  Case s = make_case(test::tiny_llama(4), 2, 41);
+  TrainedStore trained(s);
+  auto& [arena, store] = trained;
+  auto devs = sim_devices(2);
+  const int L = static_cast<int>(s.specs.size());
+  const Plan plan{{{0, 2}, {2, 4}}, {4, L}, {{2, 4}, {0, 2}}, 2, RecomputeGrain::kStage};
+  Engine engine(s.config, s.specs, store, arena, raw(devs), plan, {});
+  auto links = [&] {
+    kernels::TrafficStats sum;
+    for (auto& d : devs) {
+      const kernels::TrafficStats t = d->traffic();
+      sum.bytes_h2d += t.bytes_h2d;
+      sum.bytes_d2h += t.bytes_d2h;
+      sum.bytes_d2d_out += t.bytes_d2d_out;
+      sum.bytes_d2d_in += t.bytes_d2d_in;
+    }
+    return sum;
+  };
+  engine.train(2, [&](std::int64_t step) { return s.steps.at(step - 1); });
+  const offload::TransferStats trained_stats = engine.transfer_stats();
+  const kernels::TrafficStats trained_links = links();
+  EXPECT_GT(trained_stats.weights_up, 0u);
+  EXPECT_GT(trained_stats.inputs_up, 0u);
+  EXPECT_GT(trained_stats.activations_up, 0u);
+  EXPECT_GT(trained_stats.activations_down, 0u);
+  EXPECT_GT(trained_stats.gradients_down, 0u);
+  EXPECT_EQ(trained_stats.outputs_down, 2 * sizeof(float));  // each step's loss sum
+  EXPECT_EQ(trained_links.bytes_h2d, trained_stats.bytes_up());
+  EXPECT_EQ(trained_links.bytes_d2h, trained_stats.bytes_down());
+  EXPECT_EQ(trained_links.bytes_d2d_out + trained_links.bytes_d2d_in, 0u);
+
+  const std::vector<std::vector<std::int64_t>> prompts = {{5, 9, 13, 2, 7}, {11, 3}, {1, 2, 3}};
+  const Generation g = engine.generate(
+      prompts, {.max_new_tokens = 4, .stop_tokens = {-1}},
+      {.residency = Residency::kStreamed, .kv_caches = KvCaches::kHost, .groups = 2});
+  ASSERT_EQ(g.tokens[0].size(), 4u);
+  EXPECT_EQ(g.groups, 2);
+  const offload::TransferStats gen = engine.transfer_stats();
+  const kernels::TrafficStats gen_links = links();
+  EXPECT_GT(gen.weights_up, trained_stats.weights_up);
+  EXPECT_GT(gen.inputs_up, trained_stats.inputs_up);
+  EXPECT_GT(gen.activations_up, trained_stats.activations_up);  // stages alternate devices
+  EXPECT_GT(gen.activations_down, trained_stats.activations_down);
+  EXPECT_GT(gen.kv_up, 0u);
+  EXPECT_GT(gen.kv_down, 0u);
+  EXPECT_EQ(gen.kv_up, g.kv_bytes_up);
+  // The logits: 4 tokens of 3 prompts, V floats each.
+  EXPECT_EQ(gen.outputs_down - trained_stats.outputs_down,
+            4u * 3u * static_cast<std::uint64_t>(s.config.vocab_size) * sizeof(float));
+  EXPECT_EQ(gen_links.bytes_h2d - trained_links.bytes_h2d, gen.bytes_up() - trained_stats.bytes_up());
+  EXPECT_EQ(gen_links.bytes_d2h - trained_links.bytes_d2h,
+            gen.bytes_down() - trained_stats.bytes_down());
+  EXPECT_EQ(gen_links.bytes_d2d_out + gen_links.bytes_d2d_in, 0u);
 }
 
 TEST(Engine, BadInputStopsEveryThreadWithTheStepAndMicrobatch) {
@@ -1289,14 +1361,14 @@ TEST(Engine, StopFinishesTheStepsUnderWayAndRestoreContinuesExactly) {
     offload::LayerStore first(arena, descs, f16, f16);
     load_weights(first, s.specs, [&](const std::string& n) { return s.weights.at(n); });
     std::vector<StepResult> got;
-    EngineState state;
+    EngineCounters state;
     {
       auto devs = sim_devices(2);
       Engine e(s.config, s.specs, first, arena, raw(devs), plan, o);
       got = e.train(total, batches, [&](const StepResult& r) {
         if (r.step == stop_at) e.request_stop();
       });
-      state = e.state();
+      state = e.counters();
       EXPECT_TRUE(e.train(2, batches).empty());  // sticky
     }
     ASSERT_GE(static_cast<std::int64_t>(got.size()), stop_at);

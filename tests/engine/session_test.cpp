@@ -1,6 +1,7 @@
 // engine::Session's checks before it allocates: disk and host memory against the estimate, with
 // the OS's figures replaced by the test's (SessionOptions::disk_free / host_free); and the
-// deterministic-kernels switch of exact runs; the fault points a run reports to its caller.
+// deterministic-kernels switch of exact runs; the fault points a run reports to its caller; engine
+// errors in a run's words (the config keys that change them).
 #include "engine/session.h"
 
 #include <ATen/Context.h>
@@ -13,6 +14,7 @@
 #include <utility>
 #include <vector>
 
+#include "engine/engine.h"
 #include "kernels/error.h"
 #include "tests/support/tiny_model_folder.h"
 
@@ -112,6 +114,43 @@ TEST_F(SessionChecks, FaultPointsComeAfterEachStepAndInsideEachCheckpoint) {
       {P::kAfterStep, 1}, {P::kAfterStep, 2}, {P::kInCheckpoint, 2},
       {P::kAfterStep, 3}, {P::kAfterStep, 4}, {P::kInCheckpoint, 4}};
   EXPECT_EQ(calls, want);
+}
+
+}  // namespace
+}  // namespace rondo::engine
+
+namespace rondo::engine {
+namespace {
+
+std::string message_of(std::exception_ptr e) {
+  try {
+    rethrow_with_settings(e);
+  } catch (const std::exception& x) {
+    return x.what();
+  }
+  return "";
+}
+
+// The engine says what ran out in its own terms; the session adds the config keys that change it.
+TEST(SessionAdvice, EngineErrorsGetTheSettingsThatChangeThem) {
+  const std::string torch = message_of(std::make_exception_ptr(DeviceMemoryError(
+      "step 3, job T (layers 4-7) on sim0: out of GPU memory in torch's allocations",
+      DeviceMemoryError::Whose::kTorch)));
+  EXPECT_EQ(torch.find("step 3, job T (layers 4-7) on sim0: out of GPU memory"), 0u) << torch;
+  for (const char* key : {"training.batch_rows", "training.grad_accum", "data.seq_len",
+                          "hardware.memory_cap"})
+    EXPECT_NE(torch.find(key), std::string::npos) << key << ": " << torch;
+  const std::string ours = message_of(std::make_exception_ptr(DeviceMemoryError(
+      "step 1, job F0 (layers 0-1) on sim1: out of memory on sim1",
+      DeviceMemoryError::Whose::kEngineBuffers)));
+  EXPECT_NE(ours.find("training.grad_accum"), std::string::npos) << ours;
+  EXPECT_NE(ours.find("hardware.memory_cap"), std::string::npos) << ours;
+  const std::string exact = message_of(std::make_exception_ptr(
+      NondeterministicOpError("step 2, job B1 (layers 0-3) on cuda0: index_add_cuda_ does not have "
+                              "a deterministic implementation")));
+  EXPECT_NE(exact.find("training.deterministic = false"), std::string::npos) << exact;
+  // Anything else goes through as it is.
+  EXPECT_EQ(message_of(std::make_exception_ptr(Error("a bad token id"))), "a bad token id");
 }
 
 }  // namespace

@@ -17,11 +17,12 @@
 
 #include "engine/devices.h"
 #include "engine/engine.h"
-#include "engine/state.h"
+#include "engine/model_store.h"
 #include "engine/torch_device.h"
 #include "models/generate.h"
 #include "offload/activation_spill.h"
 #include "offload/nvme_store.h"
+#include "tests/support/engine_hooks.h"
 #include "tests/support/cuda_or_skip.h"
 #include "tests/support/plain_loop.h"
 
@@ -75,7 +76,9 @@ std::optional<GpuRun> train_on_one_gpu(const models::ModelConfig& config,
   o.adamw = {.lr = 1e-3, .eps = 1e-6, .weight_decay = 0.1};
   o.max_grad_norm = 0.5;
   GpuRun run;
-  o.on_gradients = [&](std::int64_t step) {
+  test::EngineHooks hooks;
+  o.probe = &hooks;
+  hooks.on_gradients = [&](std::int64_t step) {
     if (step != 1) return;
     for (std::size_t l = 0; l < specs.size(); ++l)
       for (std::size_t i = 0; i < specs[l].params.size(); ++i) {

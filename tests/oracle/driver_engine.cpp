@@ -27,7 +27,7 @@
 #include "driver.h"
 #include "driver_json.h"
 #include "engine/engine.h"
-#include "engine/state.h"
+#include "engine/model_store.h"
 #include "kernels/cpu/sim_device.h"
 #include "kernels/error.h"
 #include "models/model.h"

@@ -18,7 +18,7 @@
 #include "engine/engine.h"
 #include "engine/estimate.h"
 #include "engine/export.h"
-#include "engine/state.h"
+#include "engine/model_store.h"
 #include "kernels/cpu/sim_device.h"
 #include "kernels/error.h"
 #include "models/inspect.h"

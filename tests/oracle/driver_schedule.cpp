@@ -6,7 +6,7 @@
 #include <nlohmann/json.hpp>
 
 #include "driver.h"
-#include "engine/schedule.h"
+#include "engine/lr_schedule.h"
 #include "kernels/error.h"
 
 namespace rondo::oracle {
@@ -18,9 +18,9 @@ int lr_schedule(const std::vector<std::string>& args) {
   std::ifstream(args[0]) >> j;
   engine::LrSchedule s;
   const std::string kind = j["kind"];
-  s.kind = kind == "constant" ? engine::ScheduleKind::kConstant
-           : kind == "linear" ? engine::ScheduleKind::kLinear
-                              : engine::ScheduleKind::kCosine;
+  s.kind = kind == "constant" ? engine::LrScheduleKind::kConstant
+           : kind == "linear" ? engine::LrScheduleKind::kLinear
+                              : engine::LrScheduleKind::kCosine;
   s.lr = j["lr"];
   s.warmup_steps = j["warmup"];
   s.total_steps = j["total"];

@@ -3,7 +3,7 @@
 // Step numbers are the optimizer's, 1-based; step 1 runs at the schedule's value for 0 (so with a
 // warmup the first step has learning rate 0, exactly as transformers' schedulers give).
 //
-//   engine::LrSchedule s{.kind = engine::ScheduleKind::kCosine, .lr = 2e-4, .warmup_steps = 10,
+//   engine::LrSchedule s{.kind = engine::LrScheduleKind::kCosine, .lr = 2e-4, .warmup_steps = 10,
 //                        .total_steps = 1000};
 //   options.lr = [s](std::int64_t step) { return s.at(step); };
 #pragma once
@@ -14,11 +14,11 @@
 
 namespace rondo::engine {
 
-enum class ScheduleKind { kConstant, kLinear, kCosine };
-const char* to_string(ScheduleKind kind);  // "constant", "linear", "cosine"
+enum class LrScheduleKind { kConstant, kLinear, kCosine };
+const char* to_string(LrScheduleKind kind);  // "constant", "linear", "cosine"
 
 struct LrSchedule {
-  ScheduleKind kind = ScheduleKind::kCosine;
+  LrScheduleKind kind = LrScheduleKind::kCosine;
   double lr = 1e-4;               // peak learning rate
   std::int64_t warmup_steps = 0;  // linear from 0 to lr
   std::int64_t total_steps = 1;   // where linear and cosine reach their end

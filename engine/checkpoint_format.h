@@ -11,7 +11,7 @@
 
 #include <nlohmann/json_fwd.hpp>
 
-namespace rondo::engine::checkpoint_state {
+namespace rondo::engine::checkpoint_format {
 
 inline constexpr const char* kFormat = "rondo-checkpoint";
 // Version 2 records each file's size and XXH3-64 and a checksum of "meta" (version 1 had neither;
@@ -39,7 +39,7 @@ std::string read_state_text(const std::string& path);
 std::vector<std::string> state_problems(const std::string& text, const std::string& folder_name,
                                         nlohmann::json& state);
 
-}  // namespace rondo::engine::checkpoint_state
+}  // namespace rondo::engine::checkpoint_format
 
 namespace rondo::engine {
 

@@ -1,12 +1,13 @@
-// The bridge between a model's layer list and the host state the engine trains
-// (offload::LayerStore): which tensors are trainable, filling the streaming copies and master
+// A model's tensors in the host store the engine trains: the bridge between a model's layer list
+// and offload::LayerStore — which tensors are trainable, filling the streaming copies and master
 // weights from a model's tensors, and torch views of the store for inspection (tests, checkpoints,
 // export).
 //
-//   auto descs = engine::layer_descs(model.layers(), [](const models::ParamSpec&) { return true;
-//   }); offload::LayerStore store(arena, descs, kernels::FloatDType::kF32,
-//   kernels::FloatDType::kF32); engine::load_weights(store, model.layers(), [&](auto& name) {
-//   return model.tensor(name); });
+//   auto descs = engine::layer_descs(model.layers(),
+//                                    [](const models::ParamSpec&) { return true; });
+//   offload::LayerStore store(arena, descs, kernels::FloatDType::kF32, kernels::FloatDType::kF32);
+//   engine::load_weights(store, model.layers(),
+//                        [&](const std::string& name) { return model.tensor(name); });
 #pragma once
 
 #include <ATen/core/Tensor.h>

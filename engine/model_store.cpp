@@ -1,4 +1,4 @@
-#include "engine/state.h"
+#include "engine/model_store.h"
 
 #include <ATen/ATen.h>
 

@@ -1,4 +1,4 @@
-#include "engine/schedule.h"
+#include "engine/lr_schedule.h"
 
 #include <algorithm>
 #include <cmath>
@@ -6,13 +6,13 @@
 
 namespace rondo::engine {
 
-const char* to_string(ScheduleKind kind) {
+const char* to_string(LrScheduleKind kind) {
   switch (kind) {
-    case ScheduleKind::kConstant:
+    case LrScheduleKind::kConstant:
       return "constant";
-    case ScheduleKind::kLinear:
+    case LrScheduleKind::kLinear:
       return "linear";
-    case ScheduleKind::kCosine:
+    case LrScheduleKind::kCosine:
       return "cosine";
   }
   return "?";
@@ -24,12 +24,12 @@ double LrSchedule::at(std::int64_t step) const {
   if (s < w) return lr * s / std::max(1.0, w);
   double factor = 1;
   switch (kind) {
-    case ScheduleKind::kConstant:
+    case LrScheduleKind::kConstant:
       break;
-    case ScheduleKind::kLinear:
+    case LrScheduleKind::kLinear:
       factor = std::max(0.0, (n - s) / std::max(1.0, n - w));
       break;
-    case ScheduleKind::kCosine: {
+    case LrScheduleKind::kCosine: {
       const double progress = (s - w) / std::max(1.0, n - w);
       factor = std::max(0.0, 0.5 * (1.0 + std::cos(std::numbers::pi * progress)));
       factor = factor * (1 - min_lr_ratio) + min_lr_ratio;
@@ -48,7 +48,7 @@ std::vector<std::string> LrSchedule::problems() const {
     out.push_back("warmup steps (" + std::to_string(warmup_steps) + ") exceed the total steps (" +
                   std::to_string(total_steps) + ")");
   if (!(min_lr_ratio >= 0 && min_lr_ratio <= 1)) out.push_back("min_lr_ratio must be in [0, 1]");
-  if (min_lr_ratio > 0 && kind != ScheduleKind::kCosine)
+  if (min_lr_ratio > 0 && kind != LrScheduleKind::kCosine)
     out.push_back("min_lr_ratio applies to the cosine schedule only");
   return out;
 }

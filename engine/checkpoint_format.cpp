@@ -1,4 +1,4 @@
-#include "engine/checkpoint_state.h"
+#include "engine/checkpoint_format.h"
 
 #include <charconv>
 #include <filesystem>
@@ -10,7 +10,7 @@
 #include "models/mapped_file.h"
 
 namespace rondo::engine {
-namespace checkpoint_state {
+namespace checkpoint_format {
 
 // The checksum of "meta" as state.json records it: XXH3-64 of its compact JSON (nlohmann writes
 // objects with sorted keys and numbers in their shortest round-trip form, so parsing and dumping
@@ -87,12 +87,12 @@ std::vector<std::string> state_problems(const std::string& text, const std::stri
   return problems;
 }
 
-}  // namespace checkpoint_state
+}  // namespace checkpoint_format
 
 namespace {
 
 namespace fs = std::filesystem;
-using namespace checkpoint_state;
+using namespace checkpoint_format;
 
 bool path_exists(const fs::path& p) {
   std::error_code ec;
