@@ -1,5 +1,6 @@
 // adamw_bench: the fused CPU AdamW kernel's memory throughput against what the machine's memory
-// can do, as ratios measured side by side in one run (ARCHITECTURE.md §7; issue 4, benchmark c).
+// can do, as ratios measured side by side in one run (docs/architecture.md §9; issue 4,
+// benchmark c).
 //
 //  - AdamW GB/s: bytes the step must move (gradient read; master, m and v read and written;
 //    streaming copy written) per second, per gradient/stream dtype and SIMD path.

@@ -9,8 +9,8 @@ torch is timed the way Rondo's training state is laid out:
     the default implementation (foreach=False on the CPU) and fused=True (torch's own fused CPU
     kernel).
   - "bf16 grad -> bf16 copy": what a reference pipeline without a fused kernel does (RoundPipe,
-    roundpipe.md §7): copy the bf16 gradient into the fp32 .grad, opt.step(), copy the master back
-    to the bf16 weights.
+    docs/architecture.md §3.6): copy the bf16 gradient into the fp32 .grad, opt.step(), copy the
+    master back to the bf16 weights.
 Throughput is Rondo's byte count for the same work divided by torch's time, so every ratio below
 is a ratio of times. Each figure is the best of --reps steps.
 """

@@ -1,5 +1,5 @@
 # Compiler launcher and per-target flags. Flags are set per target, never through the global
-# CMAKE_CXX_FLAGS (CONVENTIONS.md, Build).
+# CMAKE_CXX_FLAGS (docs/README.md, "How the code is written").
 
 find_program(RONDO_CCACHE ccache)
 if(RONDO_CCACHE)

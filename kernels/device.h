@@ -1,6 +1,7 @@
 // The device interface the engine is written against: devices, their streams and events, device
 // memory and copies. Two implementations: SimDevice (kernels/cpu/, CPU-backed, with an emulated
-// link) and CudaDevice (kernels/cuda/). The engine cannot tell them apart (ARCHITECTURE.md §3).
+// link) and CudaDevice (kernels/cuda/). The engine cannot tell them apart
+// (docs/architecture.md §6).
 //
 // Invariants:
 //  - Work on one stream runs in the order it was enqueued; across streams only events order it.

@@ -1,6 +1,7 @@
 // Tensors over memory the engine owns: layers are pure functions of (weight views, inputs), and
-// the weights are at::Tensor views into host arena or device buffers (ARCHITECTURE.md §4). A view
-// never copies and never frees; the caller keeps the memory alive while the tensor is in use.
+// the weights are at::Tensor views into host arena or device buffers (docs/architecture.md §10).
+// A view never copies and never frees; the caller keeps the memory alive while the tensor is in
+// use.
 //
 //   at::Tensor w = models::tensor_view(buf.data(), DType::kBF16, {C, C});
 #pragma once

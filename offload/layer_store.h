@@ -1,7 +1,7 @@
-// The model's state at rest, layer by layer (ARCHITECTURE.md §2): for every tensor the streaming
-// copy the devices upload, and for trainable tensors the fp32 master weights, the AdamW moments m
-// and v, and a buffer for the gradient as the devices download it. Flat arenas with named views,
-// so that uploads, checkpoints and NVMe offload are byte ranges:
+// The model's state at rest, layer by layer (docs/architecture.md §5): for every tensor the
+// streaming copy the devices upload, and for trainable tensors the fp32 master weights, the AdamW
+// moments m and v, and a buffer for the gradient as the devices download it. Flat arenas with
+// named views, so that uploads, checkpoints and NVMe offload are byte ranges:
 //  - two streaming regions per layer (its tensors back to back, each 64-byte aligned): the frozen
 //    tensors' (the base of a LoRA run: written once, at load) and the trained tensors' (written by
 //    every optimizer step); a stage's weights upload as two copies per layer at most. A frozen

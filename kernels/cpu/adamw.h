@@ -1,6 +1,6 @@
 // The fused CPU AdamW step: one pass over a parameter tensor reads the low-precision gradient,
 // updates the f32 master weights and the f32 moments m and v, and writes the streaming copy the
-// devices upload (ARCHITECTURE.md §2, step 6). Also the gradient's sum of squares (for global-norm
+// devices upload (docs/architecture.md §2.6). Also the gradient's sum of squares (for global-norm
 // clipping) and a plain f32 -> bf16/f16 cast. Used by the engine's optimizer driver, per layer.
 //
 // Semantics are torch.optim.AdamW's (decoupled weight decay, bias-corrected moments), in torch's

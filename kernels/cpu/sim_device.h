@@ -1,7 +1,7 @@
 // SimDevice: a CPU-backed device for tests and for training without a GPU. Memory is host memory
 // under a capacity; each stream is an ordered queue served by its own thread; copies to and from
 // the host pay an emulated link (bandwidth + latency) by taking at least that long.
-// Used by the engine exactly like a CudaDevice (ARCHITECTURE.md §3).
+// Used by the engine exactly like a CudaDevice (docs/architecture.md §6).
 //
 //   auto dev = kernels::make_sim_device({.name = "sim0", .bytes_cap = 1 << 30,
 //                                        .link = {.bytes_per_s = 1e9, .latency_s = 20e-6}});

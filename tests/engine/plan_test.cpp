@@ -1,6 +1,7 @@
-// Plans: validation, RoundPipe's partitioner on a case worked out by hand from roundpipe.md §5,
-// the schedule simulation against closed-form step times, and our partitioner's guarantees
-// (never predicted slower than the reference, fits memory or says what would).
+// Plans: validation, RoundPipe's partitioner on a case worked out by hand from
+// docs/architecture.md §3.2, the schedule simulation against closed-form step times, and our
+// partitioner's guarantees (never predicted slower than the reference, fits memory or says what
+// would).
 #include "engine/plan.h"
 
 #include <gtest/gtest.h>
@@ -49,9 +50,10 @@ TEST(Plan, ValidPlansPassAndBrokenOnesAreExplained) {
 
 TEST(PlanReference, PacksAsRoundPipeDescribes) {
   // 8 layers, forward 1, backward 3 (so recompute + backward = 4), no memory limit.
-  // By hand (roundpipe.md §5): W = 4; candidate budgets in [4, 4.4] are only 4. Tail: from the top
-  // while sum(f + b) <= 4: layer 7 alone. Forward, from layer 6 down, sum(f) <= 4: [3,7), then
-  // [0,3); reversed. Backward, from layer 0 up, sum(f + b) <= 4: single layers, descending.
+  // By hand (docs/architecture.md §3.2): W = 4; candidate budgets in [4, 4.4] are only 4. Tail:
+  // from the top while sum(f + b) <= 4: layer 7 alone. Forward, from layer 6 down, sum(f) <= 4:
+  // [3,7), then [0,3); reversed. Backward, from layer 0 up, sum(f + b) <= 4: single layers,
+  // descending.
   PlanInputs in = uniform(8, 4, 1.0, 3.0, 5, 100);
   Plan plan = plan_reference(in);
   EXPECT_EQ(plan.describe(),
@@ -69,10 +71,10 @@ TEST(Predict, OneDeviceWithoutLinkCostsIsTheSumOfCompute) {
   EXPECT_TRUE(p.fits);
 }
 
-// roundpipe.md §2.6: N = 4, M = 5, eight jobs of equal length (F0 F1 F2 T B1 B2 B3 B4). Five
-// layers with costs chosen so that every job is one unit: F0 = f0 + f1, F1 = f2, F2 = f3,
-// T = f4 + b4, B = f + b of one layer each; a unit is a microbatch of 100 tokens at 1e-3 s per
-// token, 0.1 s, so each job takes 0.5 s per step.
+// docs/architecture.md §3.3: N = 4, M = 5, eight jobs of equal length
+// (F0 F1 F2 T B1 B2 B3 B4). Five layers with costs chosen so that every job is one unit:
+// F0 = f0 + f1, F1 = f2, F2 = f3, T = f4 + b4, B = f + b of one layer each; a unit is a
+// microbatch of 100 tokens at 1e-3 s per token, 0.1 s, so each job takes 0.5 s per step.
 struct RoundRobinCase {
   PlanInputs in = uniform(5, 4, 0, 0, 5, 500);
   Plan plan{{{0, 2}, {2, 3}, {3, 4}},
@@ -228,8 +230,9 @@ TEST(PlanOurs, StreamingCostsChangeTheCut) {
       << reference.describe() << " (" << pr.step_time_s << " s)";
 }
 
-// One GPU of a 24 GB card, a model shaped like the first GPU run's (docs/gpu.md): 30 layers of
-// about 120 MB of bf16 weights, LoRA-like (no weight gradients), 8 microbatches of 4096 tokens.
+// One GPU of a 24 GB card, a model shaped like the first GPU run's (docs/measurements/gpu.md):
+// 30 layers of about 120 MB of bf16 weights, LoRA-like (no weight gradients), 8 microbatches of
+// 4096 tokens.
 PlanInputs one_gpu(std::uint64_t cap) {
   PlanInputs in = uniform(30, 1, 1e-10, 2e-10, 8, 8 * 4096);
   for (auto& l : in.layers) {
