@@ -6,6 +6,7 @@
 
 #include "cli/test_faults.h"
 #include "engine/devices.h"
+#include "engine/disk_speeds.h"
 #include "offload/disk_speed.h"
 
 namespace rondo::cli {
@@ -128,7 +129,11 @@ int run_devices(const DevicesOptions& options) {
     const offload::DiskSpeed d =
         offload::measure_disk(options.disk, bytes, offload::BackendKind::kAuto,
                               offload::kDiskRequestBytes, offload::kDiskQueueDepth, faults);
+    // Plans with hardware.offload_dir on this drive use it from now on (engine/disk_speeds.h).
+    const bool remembered =
+        engine::remember_disk_speed(options.disk, d.read_bytes_per_s, d.write_bytes_per_s);
     j["disk"] = {{"dir", options.disk},
+                 {"remembered", remembered},
                  {"read_bytes_per_s", d.read_bytes_per_s},
                  {"write_bytes_per_s", d.write_bytes_per_s},
                  {"backend", d.backend},
@@ -145,7 +150,9 @@ int run_devices(const DevicesOptions& options) {
       fmt::print("  I/O backend: {}{}\n", d.backend,
                  d.backend_note.empty() ? "" : " (" + d.backend_note + ")");
       fmt::print("  O_DIRECT: {}\n", d.direct ? "yes" : "no (" + d.direct_note + ")");
-      fmt::print("  For planning: hardware.disk_speed = \"{:.1f}GB\"\n", d.read_bytes_per_s / 1e9);
+      fmt::print("  For planning: hardware.disk_speed = \"{:.1f}GB\"{}\n", d.read_bytes_per_s / 1e9,
+                 remembered ? " (remembered: plans with hardware.offload_dir on this drive use it)"
+                            : "");
     }
   }
   if (options.json) fmt::print("{}\n", j.dump(2));

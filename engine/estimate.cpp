@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <array>
 #include <chrono>
+#include <cmath>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
@@ -15,6 +16,7 @@
 #include <optional>
 #include <sstream>
 
+#include "engine/disk_speeds.h"
 #include "engine/engine.h"
 #include "engine/gpus.h"
 #include "engine/speed.h"
@@ -512,10 +514,24 @@ RunEstimate estimate_run(const TrainConfig& config, const models::ModelSummary& 
   size_checkpoints();
 
   // --- Host memory and the NVMe tier ----------------------------------------------------------
-  pl.disk_bytes_per_s =
-      config.hardware.disk_speed.empty()
-          ? 3e9
-          : static_cast<double>(parse_bytes(config.hardware.disk_speed, "hardware.disk_speed"));
+  // The drive's read speed: as set, else as `rondo devices --disk` measured this drive, else
+  // assumed.
+  if (!config.hardware.disk_speed.empty()) {
+    pl.disk_bytes_per_s =
+        static_cast<double>(parse_bytes(config.hardware.disk_speed, "hardware.disk_speed"));
+    pl.disk_speed_source = "hardware.disk_speed";
+  } else if (const std::optional<RememberedDiskSpeed> r =
+                 config.hardware.offload_dir.empty()
+                     ? std::nullopt
+                     : remembered_disk_speed(config.hardware.offload_dir)) {
+    pl.disk_bytes_per_s = r->read_bytes_per_s;
+    pl.disk_speed_source = fmt::format("measured {} by rondo devices --disk {}", r->measured_at,
+                                       r->dir);
+  } else {
+    pl.disk_bytes_per_s = 3e9;
+    pl.disk_speed_source =
+        "assumed; `rondo devices --disk DIR` measures the drive and plans remember it";
+  }
   auto needs = [&](const std::vector<offload::LayerDesc>& layers) {
     HostNeeds h = e.host;
     h.checkpoints = pl.activations == offload::Tier::kNvme
@@ -654,6 +670,22 @@ RunEstimate estimate_run(const TrainConfig& config, const models::ModelSummary& 
     e.prediction = predict(e.plan, e.inputs);
     e.tokens_per_s = tokens_per_step / std::max(e.prediction.step_time_s, 1e-12);
     e.seconds = e.prediction.step_time_s * static_cast<double>(steps);
+    // Whether the drive sets the step time: the same step with the NVMe tier free. Its traffic is
+    // mostly per step (weights read, optimizer state read and written) while compute grows with
+    // the tokens, so about `ratio` times the tokens per step would hide it behind compute.
+    if (e.inputs.nvme_bytes_per_s > 0) {
+      PlanInputs free_drive = e.inputs;
+      free_drive.nvme_bytes_per_s = 0;
+      e.step_time_without_drive_s = predict(e.plan, free_drive).step_time_s;
+      if (e.prediction.step_time_s > 1.1 * e.step_time_without_drive_s &&
+          e.step_time_without_drive_s > 0) {
+        const double ratio = e.prediction.step_time_s / e.step_time_without_drive_s;
+        e.tokens_per_step_to_hide_drive =
+            static_cast<std::int64_t>(std::ceil(static_cast<double>(tokens_per_step) * ratio));
+        e.grad_accum_to_hide_drive = static_cast<int>(
+            std::ceil(static_cast<double>(std::max(config.training.grad_accum, 1)) * ratio));
+      }
+    }
     // The same step's weights at full width (no quantisation).
     e.weights_up_unquantised = e.prediction.bytes_weights_up;
     for (std::size_t l = 0; l < e.inputs.layers.size(); ++l) {
@@ -762,6 +794,16 @@ RunEstimate estimate_run(const TrainConfig& config, const models::ModelSummary& 
   return e;
 }
 
+namespace {
+
+// A drive's speed as a person reads it: "3.0 GB/s", "20 MB/s".
+std::string rate_text(double bytes_per_s) {
+  return bytes_per_s >= 1e9 ? fmt::format("{:.1f} GB/s", bytes_per_s / 1e9)
+                            : fmt::format("{:.0f} MB/s", bytes_per_s / 1e6);
+}
+
+}  // namespace
+
 std::string RunEstimate::text() const {
   std::ostringstream o;
   o << fmt::format("Parameters  {}, {} trained\n", format_count(params),
@@ -787,10 +829,9 @@ std::string RunEstimate::text() const {
   o << placement.lines();
   if (placement.nvme_bytes > 0)
     o << fmt::format(
-        "NVMe tier   {} in the offload folder ({} to use), read at {:.1f} GB/s "
-        "(hardware.disk_speed)\n",
+        "NVMe tier   {} in the offload folder ({} to use), read at {} ({})\n",
         format_bytes(placement.nvme_bytes), format_bytes(placement.offload_free),
-        placement.disk_bytes_per_s / 1e9);
+        rate_text(placement.disk_bytes_per_s), placement.disk_speed_source);
   o << fmt::format("Disk        {} needed, {} free\n", format_bytes(disk_needed),
                    format_bytes(disk_free));
   if (prediction.step_time_s > 0) {
@@ -807,6 +848,16 @@ std::string RunEstimate::text() const {
                        format_bytes(static_cast<std::uint64_t>(prediction.bytes_nvme_write)));
     o << "\n";
   }
+  if (tokens_per_step_to_hide_drive > 0)
+    o << fmt::format(
+        "Drive       sets the step time: {:.3g} s a step, {:.3g} s with the drive free (NVMe {} "
+        "read and {} written per step at {}); about {} tokens per step "
+        "(training.grad_accum = {}) would hide it behind compute\n",
+        prediction.step_time_s, step_time_without_drive_s,
+        format_bytes(static_cast<std::uint64_t>(prediction.bytes_nvme_read)),
+        format_bytes(static_cast<std::uint64_t>(prediction.bytes_nvme_write)),
+        rate_text(placement.disk_bytes_per_s), tokens_per_step_to_hide_drive,
+        grad_accum_to_hide_drive);
   if (tokens_per_s > 0) {
     if (steps > 0)
       o << fmt::format(
@@ -863,6 +914,7 @@ std::string RunEstimate::json() const {
                         {"nvme_bytes", placement.nvme_bytes},
                         {"offload_free_bytes", placement.offload_free},
                         {"disk_bytes_per_s", placement.disk_bytes_per_s},
+                        {"disk_speed_source", placement.disk_speed_source},
                         {"frozen_weights",
                          {{"host_bytes", placement.host_part[0]},
                           {"nvme_bytes", placement.nvme_part[0]},
@@ -888,6 +940,11 @@ std::string RunEstimate::json() const {
                         {"nvme_read_bytes", prediction.bytes_nvme_read},
                         {"nvme_write_bytes", prediction.bytes_nvme_write}}},
                       {"step_seconds", prediction.step_time_s},
+                      {"drive",
+                       {{"bound", tokens_per_step_to_hide_drive > 0},
+                        {"step_seconds_without_drive", step_time_without_drive_s},
+                        {"tokens_per_step_to_hide", tokens_per_step_to_hide_drive},
+                        {"grad_accum_to_hide", grad_accum_to_hide_drive}}},
                       {"host_overhead_bytes", host_overhead},
                       {"checkpoint_bytes", checkpoint_bytes},
                       {"steps", steps},

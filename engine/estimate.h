@@ -57,7 +57,8 @@ struct Placement {
   // aside for them (checkpoint_spill_bytes) when there.
   offload::Tier activations = offload::Tier::kHost;
   std::uint64_t host_activations = 0, activation_checkpoint_bytes = 0, spill_bytes = 0;
-  double disk_bytes_per_s = 0;  // read speed assumed for offload_dir
+  double disk_bytes_per_s = 0;   // read speed assumed for offload_dir
+  std::string disk_speed_source;  // where it comes from: set, measured (when, where) or assumed
   std::string lines() const;    // one line per class for `rondo plan`
 };
 
@@ -82,6 +83,12 @@ struct RunEstimate {
   std::int64_t steps = 0, tokens_per_step = 0;
   std::int64_t steps_per_epoch = 0;      // optimizer steps in one pass over the data (0: no data)
   double tokens_per_s = 0, seconds = 0;  // predicted (compute speeds are estimates)
+  // With an NVMe tier: the step's time were the drive free; when the drive makes the step over
+  // 10% longer than that, the tokens per step (and training.grad_accum, at the same rows per
+  // microbatch) that would hide it behind compute (0 otherwise).
+  double step_time_without_drive_s = 0;
+  std::int64_t tokens_per_step_to_hide_drive = 0;
+  int grad_accum_to_hide_drive = 0;
   std::string verdict;                   // "fits", "tight", "does not fit"
   std::vector<std::string> problems;     // why it does not fit, each with what to change
   std::vector<std::string> warnings;     // why it is tight

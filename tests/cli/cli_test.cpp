@@ -88,25 +88,33 @@ TEST(Cli, SimulatedDevicesAreListedWithTheirLink) {
 }
 
 // `rondo devices --disk DIR`: the folder's sequential speed and the I/O backend that works there
-// (io_uring where the kernel allows it), as text and JSON; a folder that cannot be used is named.
+// (io_uring where the kernel allows it), as text and JSON, remembered for planning (in the speed
+// cache: a folder of the test's own here); a folder that cannot be used is named.
 TEST(Cli, DevicesMeasuresAnOffloadFolder) {
   const std::string dir =
       (std::filesystem::temp_directory_path() / ("rondo-disk-" + std::to_string(::getpid())))
           .string();
+  const std::string cache = dir + "-cache";
   std::filesystem::create_directories(dir);
-  Result r = run("devices --json --disk " + dir + " --disk-bytes 64MiB");
+  const std::string env = "RONDO_SPEED_CACHE=" + cache;
+  Result r = rondo::test::run_rondo("devices --json --disk " + dir + " --disk-bytes 64MiB", true,
+                                    env);
   ASSERT_EQ(r.code, 0) << r.out;
   auto j = nlohmann::json::parse(r.out);
   EXPECT_GT(j["disk"]["read_bytes_per_s"].get<double>(), 0) << r.out;
   EXPECT_GT(j["disk"]["write_bytes_per_s"].get<double>(), 0) << r.out;
   EXPECT_TRUE(j["disk"]["backend"] == "io_uring" || j["disk"]["backend"] == "threads") << r.out;
   EXPECT_EQ(j["disk"]["bytes"].get<std::uint64_t>(), 64ull << 20);
-  r = run("devices --disk " + dir + " --disk-bytes 64MiB");
+  EXPECT_TRUE(j["disk"]["remembered"].get<bool>()) << r.out;
+  EXPECT_TRUE(std::filesystem::exists(cache + "/disk-speeds.json"));
+  r = rondo::test::run_rondo("devices --disk " + dir + " --disk-bytes 64MiB", true, env);
   ASSERT_EQ(r.code, 0) << r.out;
   EXPECT_NE(r.out.find("I/O backend: "), std::string::npos) << r.out;
   EXPECT_NE(r.out.find("hardware.disk_speed"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("remembered"), std::string::npos) << r.out;
   EXPECT_TRUE(std::filesystem::is_empty(dir)) << "the measurement left a file";
   std::filesystem::remove_all(dir);
+  std::filesystem::remove_all(cache);
   r = run("devices --disk /proc/rondo-no-such-folder --disk-bytes 1MiB");
   EXPECT_EQ(r.code, 1) << r.out;
   EXPECT_NE(r.out.find("/proc/rondo-no-such-folder"), std::string::npos) << r.out;

@@ -5,9 +5,11 @@
 
 #include <gtest/gtest.h>
 
+#include <cstdlib>
 #include <filesystem>
 
 #include "engine/devices.h"
+#include "engine/disk_speeds.h"
 #include "models/attention_masks.h"
 #include "models/inspect.h"
 #include "tests/support/tiny_model_folder.h"
@@ -165,6 +167,64 @@ TEST(Estimate, CountsTheMasksTheDeviceBuilds) {
   summary.config.attention_dropout = 0.1;
   EXPECT_EQ(counted(gpu, "bf16", true), built(true));
   EXPECT_EQ(built(true), static_cast<std::uint64_t>(T));
+  fs::remove_all(dir);
+}
+
+
+// A drive measured by `rondo devices --disk` is remembered (engine/disk_speeds.h) and planned
+// with; and when the drive sets the step time, the estimate says so with the tokens per step that
+// would hide it: the same step with a drive 100 times faster is about as fast as compute alone.
+TEST(Estimate, ARememberedDriveIsPlannedWithAndASlowOneIsNamed) {
+  const fs::path dir = fs::path(::testing::TempDir()) / "estimate_drive";
+  fs::remove_all(dir);
+  fs::create_directories(dir / "offload");
+  const char* old = std::getenv("RONDO_SPEED_CACHE");
+  const std::string saved = old ? old : "";
+  ::setenv("RONDO_SPEED_CACHE", (dir / "cache").c_str(), 1);
+  test::write_model_folder((dir / "model").string(), 1,
+                           {.layers = 4, .hidden = 256, .intermediate = 512, .vocab = 4000});
+  const models::ModelSummary summary = models::inspect_model((dir / "model").string(), 64);
+  TrainConfig c;
+  c.model.path = (dir / "model").string();
+  c.model.dtype = "fp32";
+  c.data.seq_len = 64;
+  c.training.method = "full";
+  c.training.grad_accum = 2;
+  c.hardware.offload_dir = (dir / "offload").string();
+  const DevicePlan devices = plan_devices({.gpu = "RTX 4090"});
+  // A host budget the full state does not fit: masters and moments go to the tier.
+  auto plan = [&](const TrainConfig& config) {
+    return estimate_run(config, summary, devices, 10, 2 * 64, /*host_free=*/24ull << 20,
+                        /*disk_free=*/1ull << 40);
+  };
+  const RunEstimate assumed = plan(c);
+  ASSERT_GT(assumed.placement.nvme_bytes, 0u) << assumed.text();
+  EXPECT_EQ(assumed.placement.disk_bytes_per_s, 3e9);
+  EXPECT_NE(assumed.placement.disk_speed_source.find("assumed"), std::string::npos);
+
+  ASSERT_TRUE(remember_disk_speed((dir / "offload").string(), 20e6, 15e6));
+  const RunEstimate measured = plan(c);
+  EXPECT_EQ(measured.placement.disk_bytes_per_s, 20e6);
+  EXPECT_NE(measured.placement.disk_speed_source.find("measured"), std::string::npos);
+  // 20 MB/s: the drive sets the step time, and the estimate says how many tokens would hide it.
+  EXPECT_GT(measured.prediction.step_time_s, 1.1 * measured.step_time_without_drive_s);
+  EXPECT_GT(measured.tokens_per_step_to_hide_drive, 2 * 64);
+  EXPECT_GT(measured.grad_accum_to_hide_drive, 2);
+  EXPECT_NE(measured.text().find("Drive       sets the step time"), std::string::npos)
+      << measured.text();
+  // hardware.disk_speed wins over the remembered one; at 2 TB/s the drive hides.
+  TrainConfig fast = c;
+  fast.hardware.disk_speed = "2000GB";
+  const RunEstimate set = plan(fast);
+  EXPECT_EQ(set.placement.disk_bytes_per_s, static_cast<double>(2000ull << 30));  // GB: GiB
+  EXPECT_EQ(set.placement.disk_speed_source, "hardware.disk_speed");
+  EXPECT_EQ(set.tokens_per_step_to_hide_drive, 0);
+  EXPECT_EQ(set.text().find("Drive       sets"), std::string::npos);
+
+  if (old)
+    ::setenv("RONDO_SPEED_CACHE", saved.c_str(), 1);
+  else
+    ::unsetenv("RONDO_SPEED_CACHE");
   fs::remove_all(dir);
 }
 
