@@ -8,9 +8,7 @@
 #include <string>
 #include <vector>
 
-#include "kernels/cpu/adamw_internal.h"
-#include "kernels/cpu/float_convert.h"
-#include "kernels/cpu/parallel.h"
+#include "kernels/cpu/adamw_common.h"
 #include "kernels/error.h"
 
 // Note [One ISA per translation unit]
@@ -46,49 +44,77 @@
 // size, far inside the 1e-6 the oracle test allows.
 
 namespace rondo::kernels {
+namespace detail {
+
+Loops loops_for(SimdPath requested) {
+  switch (simd_path_resolve(requested)) {
+    case SimdPath::kAvx512:
+      return {adamw_avx512, adamw8bit_avx512, sum_squares_avx512, cast_avx512};
+    case SimdPath::kAvx2:
+      return {adamw_avx2, adamw8bit_avx2, sum_squares_avx2, cast_avx2};
+    default:
+      return {};
+  }
+}
+
+// Every problem at once, in torch's terms, so a bad config is fixed in one go.
+void append_step_problems(const AdamWParams& p, FloatDType grad_dtype, const void* stream,
+                          FloatDType stream_dtype, std::string& problems) {
+  auto bad = [&](const std::string& what) { problems += "\n  " + what; };
+  auto num = [](double x) { return std::to_string(x); };
+  if (!(p.lr >= 0.0) || !std::isfinite(p.lr)) bad("lr must be finite and >= 0, got " + num(p.lr));
+  if (!(p.beta1 >= 0.0 && p.beta1 < 1.0)) bad("beta1 must be in [0, 1), got " + num(p.beta1));
+  if (!(p.beta2 >= 0.0 && p.beta2 < 1.0)) bad("beta2 must be in [0, 1), got " + num(p.beta2));
+  if (!(p.eps >= 0.0) || !std::isfinite(p.eps))
+    bad("eps must be finite and >= 0, got " + num(p.eps));
+  if (!(p.weight_decay >= 0.0) || !std::isfinite(p.weight_decay))
+    bad("weight_decay must be finite and >= 0, got " + num(p.weight_decay));
+  if (p.step < 1)
+    bad("step must be >= 1 (the count of updates including this one), got " +
+        std::to_string(p.step));
+  if (!std::isfinite(p.grad_scale))
+    bad("grad_scale must be finite, got " + num(p.grad_scale) +
+        " (a zero gradient norm or loss scale upstream?)");
+  if (!valid_dtype(grad_dtype)) bad("grad_dtype is not F32, F16 or BF16");
+  if (stream != nullptr && !valid_dtype(stream_dtype)) bad("stream_dtype is not F32, F16 or BF16");
+}
+
+// Note [Matching torch.optim.AdamW]: doubles first, each rounded to float once.
+AdamWConstants adamw_constants(const AdamWParams& p) {
+  const double t = static_cast<double>(p.step);
+  const double bc1 = 1.0 - std::pow(p.beta1, t);
+  const double bc2 = 1.0 - std::pow(p.beta2, t);
+  AdamWConstants c{};
+  c.grad_scale = static_cast<float>(p.grad_scale);
+  c.decay = static_cast<float>(1.0 - p.lr * p.weight_decay);
+  // torch's lerp: weight below 0.5 in magnitude gives m + w*(g - m); otherwise g - (1-w)*(g - m),
+  // written as g + (w - 1)*(g - m), which is exact at w = 1 (β1 = 0: m becomes g).
+  const float w = static_cast<float>(1.0 - p.beta1);
+  c.m_from_m = std::fabs(w) < 0.5f;
+  c.m_coeff = c.m_from_m ? w : w - 1.0f;
+  c.beta2 = static_cast<float>(p.beta2);
+  c.one_minus_beta2 = static_cast<float>(1.0 - p.beta2);
+  c.bc2_sqrt = static_cast<float>(std::pow(bc2, 0.5));  // Python's `bc2 ** 0.5` is pow, not sqrt
+  c.eps = static_cast<float>(p.eps);
+  c.neg_step = static_cast<float>(-(p.lr / bc1));
+  return c;
+}
+
+}  // namespace detail
+
 namespace {
 
 using detail::AdamWArrays;
 using detail::AdamWConstants;
+using detail::for_each_chunk;
+using detail::kInlineBelow;
+using detail::kTile;
+using detail::load_f32_from;
+using detail::Loops;
+using detail::loops_for;
 using detail::parallel_for_tiles;
-
-// Elements per tile. A tile touches at most 20 bytes per element (f32 gradient, master, m, v and
-// stream copy): 160 KiB, which stays in the L2 of any x86 core of the last decade (256 KiB and
-// up), so the read-modify-write of master, m and v writes back from L2; and it is a few tens of
-// microseconds of work, far above oneTBB's per-task cost. A multiple of every SIMD width, so only
-// the last tile of a tensor has a scalar tail.
-constexpr std::size_t kTile = 8192;
-// Below this many elements a call runs on the caller's thread: waking workers costs about as much
-// as the work (a few tens of microseconds).
-constexpr std::size_t kInlineBelow = 4 * kTile;
-
-static_assert(kTile % 16 == 0, "tiles must hold whole AVX-512 vectors");
-
-inline float load_f32_from(const void* base, FloatDType dtype, std::size_t i) {
-  switch (dtype) {
-    case FloatDType::kF32:
-      return static_cast<const float*>(base)[i];
-    case FloatDType::kF16:
-      return f32_from_f16(static_cast<const std::uint16_t*>(base)[i]);
-    case FloatDType::kBF16:
-      return f32_from_bf16(static_cast<const std::uint16_t*>(base)[i]);
-  }
-  return 0.0f;
-}
-
-inline void store_f32_to(void* base, FloatDType dtype, std::size_t i, float x) {
-  switch (dtype) {
-    case FloatDType::kF32:
-      static_cast<float*>(base)[i] = x;
-      break;
-    case FloatDType::kF16:
-      static_cast<std::uint16_t*>(base)[i] = f16_from_f32(x);
-      break;
-    case FloatDType::kBF16:
-      static_cast<std::uint16_t*>(base)[i] = bf16_from_f32(x);
-      break;
-  }
-}
+using detail::store_f32_to;
+using detail::valid_dtype;
 
 // The reference. See Note [Bit-identical paths] before changing an operation here: the SIMD body
 // (adamw_simd_body.h) must change with it.
@@ -109,91 +135,14 @@ void adamw_scalar(const AdamWConstants& c, const AdamWArrays& a, std::size_t beg
   }
 }
 
-using AdamWLoop = std::size_t (*)(const AdamWConstants&, const AdamWArrays&, std::size_t,
-                                  std::size_t);
-using SumSquaresLoop = std::size_t (*)(const void*, FloatDType, std::size_t, std::size_t, double*);
-using CastLoop = std::size_t (*)(const float*, void*, FloatDType, std::size_t, std::size_t);
-
-struct Loops {
-  AdamWLoop adamw = nullptr;  // null: the scalar path does everything
-  SumSquaresLoop sum_squares = nullptr;
-  CastLoop cast = nullptr;
-};
-
-Loops loops_for(SimdPath requested) {
-  switch (simd_path_resolve(requested)) {
-    case SimdPath::kAvx512:
-      return {detail::adamw_avx512, detail::sum_squares_avx512, detail::cast_avx512};
-    case SimdPath::kAvx2:
-      return {detail::adamw_avx2, detail::sum_squares_avx2, detail::cast_avx2};
-    default:
-      return {};
-  }
-}
-
-// Calls body(begin, end) over [0, n): inline for small n, else in whole tiles spread over oneTBB
-// threads. Chunk boundaries are multiples of kTile.
-template <class Body>
-void for_each_chunk(std::size_t n, const Body& body) {
-  if (n < kInlineBelow) {
-    body(std::size_t{0}, n);
-    return;
-  }
-  parallel_for_tiles((n + kTile - 1) / kTile, [&](std::size_t first, std::size_t last) {
-    body(first * kTile, std::min(n, last * kTile));
-  });
-}
-
-bool valid_dtype(FloatDType dtype) {
-  return dtype == FloatDType::kF32 || dtype == FloatDType::kF16 || dtype == FloatDType::kBF16;
-}
-
-// Every problem at once, in torch's terms, so a bad config is fixed in one go.
+// Null arrays, on top of the hyper-parameters (detail::append_step_problems).
 void validate(const AdamWTensor& t, const AdamWParams& p) {
   std::string problems;
-  auto bad = [&](const std::string& what) { problems += "\n  " + what; };
-  auto num = [](double x) { return std::to_string(x); };
-  if (!(p.lr >= 0.0) || !std::isfinite(p.lr)) bad("lr must be finite and >= 0, got " + num(p.lr));
-  if (!(p.beta1 >= 0.0 && p.beta1 < 1.0)) bad("beta1 must be in [0, 1), got " + num(p.beta1));
-  if (!(p.beta2 >= 0.0 && p.beta2 < 1.0)) bad("beta2 must be in [0, 1), got " + num(p.beta2));
-  if (!(p.eps >= 0.0) || !std::isfinite(p.eps))
-    bad("eps must be finite and >= 0, got " + num(p.eps));
-  if (!(p.weight_decay >= 0.0) || !std::isfinite(p.weight_decay))
-    bad("weight_decay must be finite and >= 0, got " + num(p.weight_decay));
-  if (p.step < 1)
-    bad("step must be >= 1 (the count of updates including this one), got " +
-        std::to_string(p.step));
-  if (!std::isfinite(p.grad_scale))
-    bad("grad_scale must be finite, got " + num(p.grad_scale) +
-        " (a zero gradient norm or loss scale upstream?)");
-  if (!valid_dtype(t.grad_dtype)) bad("grad_dtype is not F32, F16 or BF16");
-  if (t.stream != nullptr && !valid_dtype(t.stream_dtype))
-    bad("stream_dtype is not F32, F16 or BF16");
+  detail::append_step_problems(p, t.grad_dtype, t.stream, t.stream_dtype, problems);
   if (t.n > 0 && (t.grad == nullptr || t.master == nullptr || t.m == nullptr || t.v == nullptr))
-    bad("grad, master, m and v must all be set for a tensor of " + std::to_string(t.n) +
-        " elements");
+    problems += "\n  grad, master, m and v must all be set for a tensor of " + std::to_string(t.n) +
+                " elements";
   if (!problems.empty()) throw Error("AdamW step: invalid arguments:" + problems);
-}
-
-// Note [Matching torch.optim.AdamW]: doubles first, each rounded to float once.
-AdamWConstants constants(const AdamWParams& p) {
-  const double t = static_cast<double>(p.step);
-  const double bc1 = 1.0 - std::pow(p.beta1, t);
-  const double bc2 = 1.0 - std::pow(p.beta2, t);
-  AdamWConstants c{};
-  c.grad_scale = static_cast<float>(p.grad_scale);
-  c.decay = static_cast<float>(1.0 - p.lr * p.weight_decay);
-  // torch's lerp: weight below 0.5 in magnitude gives m + w*(g - m); otherwise g - (1-w)*(g - m),
-  // written as g + (w - 1)*(g - m), which is exact at w = 1 (β1 = 0: m becomes g).
-  const float w = static_cast<float>(1.0 - p.beta1);
-  c.m_from_m = std::fabs(w) < 0.5f;
-  c.m_coeff = c.m_from_m ? w : w - 1.0f;
-  c.beta2 = static_cast<float>(p.beta2);
-  c.one_minus_beta2 = static_cast<float>(1.0 - p.beta2);
-  c.bc2_sqrt = static_cast<float>(std::pow(bc2, 0.5));  // Python's `bc2 ** 0.5` is pow, not sqrt
-  c.eps = static_cast<float>(p.eps);
-  c.neg_step = static_cast<float>(-(p.lr / bc1));
-  return c;
 }
 
 }  // namespace
@@ -202,7 +151,7 @@ void adamw_step(const AdamWTensor& tensor, const AdamWParams& params, SimdPath p
   validate(tensor, params);
   const Loops loops = loops_for(path);
   if (tensor.n == 0) return;
-  const AdamWConstants c = constants(params);
+  const AdamWConstants c = detail::adamw_constants(params);
   const AdamWArrays a{tensor.grad, tensor.grad_dtype, tensor.master,      tensor.m,
                       tensor.v,    tensor.stream,     tensor.stream_dtype};
   for_each_chunk(tensor.n, [&](std::size_t begin, std::size_t end) {

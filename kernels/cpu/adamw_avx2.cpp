@@ -7,6 +7,7 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "kernels/cpu/adamw8bit_simd_body.h"
 #include "kernels/cpu/adamw_internal.h"
 #include "kernels/cpu/adamw_simd_body.h"
 
@@ -61,6 +62,27 @@ struct Avx2 {
     _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT));
   }
 
+  static F max(F a, F b) { return _mm256_max_ps(a, b); }
+  static F min(F a, F b) { return _mm256_min_ps(a, b); }
+  static F abs(F x) { return _mm256_and_ps(x, _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF))); }
+  static F gather_code(const float* table, const std::uint8_t* codes) {
+    const __m256i index =
+        _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes)));
+    return _mm256_i32gather_ps(table, index, 4);
+  }
+  // Gathers 4 bytes per lane, keeps the first of each (the byte shuffle gathers them into the low
+  // dword of each 128-bit half; the permute puts those two dwords side by side).
+  static void store_bin_codes(const std::uint8_t* bin_code, F bin, std::uint8_t* out) {
+    const __m256i words =
+        _mm256_i32gather_epi32(reinterpret_cast<const int*>(bin_code), _mm256_cvttps_epi32(bin), 1);
+    const __m256i low_bytes = _mm256_shuffle_epi8(
+        words, _mm256_setr_epi8(0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, 0, 4,
+                                8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1));
+    const __m256i packed =
+        _mm256_permutevar8x32_epi32(low_bytes, _mm256_setr_epi32(0, 4, 0, 0, 0, 0, 0, 0));
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(out), _mm256_castsi256_si128(packed));
+  }
+
   static D dzero() { return _mm256_setzero_pd(); }
   static D lo_pd(F x) { return _mm256_cvtps_pd(_mm256_castps256_ps128(x)); }
   static D hi_pd(F x) { return _mm256_cvtps_pd(_mm256_extractf128_ps(x, 1)); }
@@ -73,6 +95,11 @@ struct Avx2 {
 std::size_t adamw_avx2(const AdamWConstants& c, const AdamWArrays& a, std::size_t begin,
                        std::size_t end) {
   return adamw_entry<Avx2>(c, a, begin, end);
+}
+
+std::size_t adamw8bit_avx2(const AdamW8bitConstants& c, const AdamW8bitArrays& a, std::size_t begin,
+                           std::size_t end) {
+  return adamw8bit_entry<Avx2>(c, a, begin, end);
 }
 
 std::size_t sum_squares_avx2(const void* grad, FloatDType dtype, std::size_t begin, std::size_t end,

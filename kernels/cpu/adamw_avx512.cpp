@@ -7,6 +7,7 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "kernels/cpu/adamw8bit_simd_body.h"
 #include "kernels/cpu/adamw_internal.h"
 #include "kernels/cpu/adamw_simd_body.h"
 
@@ -61,6 +62,23 @@ struct Avx512 {
                         _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT));
   }
 
+  static F max(F a, F b) { return _mm512_max_ps(a, b); }
+  static F min(F a, F b) { return _mm512_min_ps(a, b); }
+  static F abs(F x) {
+    return _mm512_castsi512_ps(
+        _mm512_and_si512(_mm512_castps_si512(x), _mm512_set1_epi32(0x7FFFFFFF)));
+  }
+  static F gather_code(const float* table, const std::uint8_t* codes) {
+    const __m512i index =
+        _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes)));
+    return _mm512_i32gather_ps(index, table, 4);
+  }
+  // Gathers 4 bytes per lane and keeps the first of each (VPMOVDB truncates).
+  static void store_bin_codes(const std::uint8_t* bin_code, F bin, std::uint8_t* out) {
+    const __m512i words = _mm512_i32gather_epi32(_mm512_cvttps_epi32(bin), bin_code, 1);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm512_cvtepi32_epi8(words));
+  }
+
   static D dzero() { return _mm512_setzero_pd(); }
   static D lo_pd(F x) { return _mm512_cvtps_pd(_mm512_castps512_ps256(x)); }
   static D hi_pd(F x) {
@@ -75,6 +93,11 @@ struct Avx512 {
 std::size_t adamw_avx512(const AdamWConstants& c, const AdamWArrays& a, std::size_t begin,
                          std::size_t end) {
   return adamw_entry<Avx512>(c, a, begin, end);
+}
+
+std::size_t adamw8bit_avx512(const AdamW8bitConstants& c, const AdamW8bitArrays& a,
+                             std::size_t begin, std::size_t end) {
+  return adamw8bit_entry<Avx512>(c, a, begin, end);
 }
 
 std::size_t sum_squares_avx512(const void* grad, FloatDType dtype, std::size_t begin,

@@ -42,65 +42,75 @@ inline void store_lanes(void* base, std::size_t i, typename Isa::F x) {
   }
 }
 
-// kStream false: no streaming copy (kStreamType is then unused).
-template <class Isa, FloatDType kGrad, bool kStream, FloatDType kStreamType>
-std::size_t adamw_loop(const AdamWConstants& c, const AdamWArrays& a, std::size_t begin,
-                       std::size_t end) {
-  using F = typename Isa::F;
-  constexpr std::size_t kW = Isa::kWidth;
-  const F grad_scale = Isa::set1(c.grad_scale);
-  const F decay = Isa::set1(c.decay);
-  const F m_coeff = Isa::set1(c.m_coeff);
-  const F beta2 = Isa::set1(c.beta2);
-  const F one_minus_beta2 = Isa::set1(c.one_minus_beta2);
-  const F bc2_sqrt = Isa::set1(c.bc2_sqrt);
-  const F eps = Isa::set1(c.eps);
-  const F neg_step = Isa::set1(c.neg_step);
-  std::size_t i = begin;
-  for (; i + kW <= end; i += kW) {
-    const F g = Isa::mul(load_lanes<Isa, kGrad>(a.grad, i), grad_scale);
-    const F p = Isa::mul(Isa::load_f32(a.master + i), decay);
-    const F m = Isa::load_f32(a.m + i);
-    const F m1 = Isa::fmadd(m_coeff, Isa::sub(g, m), c.m_from_m ? m : g);
-    const F v1 =
-        Isa::fmadd(Isa::mul(one_minus_beta2, g), g, Isa::mul(Isa::load_f32(a.v + i), beta2));
-    const F denom = Isa::add(Isa::div(Isa::sqrt(v1), bc2_sqrt), eps);
-    const F p1 = Isa::add(p, Isa::div(Isa::mul(neg_step, m1), denom));
-    Isa::store_f32(a.m + i, m1);
-    Isa::store_f32(a.v + i, v1);
-    Isa::store_f32(a.master + i, p1);
-    if constexpr (kStream) store_lanes<Isa, kStreamType>(a.stream, i, p1);
+// The f32 loop, a Body for run_by_dtypes below. kStream false: no streaming copy (kStreamType is
+// then unused).
+struct AdamWBody {
+  template <class Isa, FloatDType kGrad, bool kStream, FloatDType kStreamType>
+  static std::size_t run(const AdamWConstants& c, const AdamWArrays& a, std::size_t begin,
+                         std::size_t end) {
+    using F = typename Isa::F;
+    constexpr std::size_t kW = Isa::kWidth;
+    const F grad_scale = Isa::set1(c.grad_scale);
+    const F decay = Isa::set1(c.decay);
+    const F m_coeff = Isa::set1(c.m_coeff);
+    const F beta2 = Isa::set1(c.beta2);
+    const F one_minus_beta2 = Isa::set1(c.one_minus_beta2);
+    const F bc2_sqrt = Isa::set1(c.bc2_sqrt);
+    const F eps = Isa::set1(c.eps);
+    const F neg_step = Isa::set1(c.neg_step);
+    std::size_t i = begin;
+    for (; i + kW <= end; i += kW) {
+      const F g = Isa::mul(load_lanes<Isa, kGrad>(a.grad, i), grad_scale);
+      const F p = Isa::mul(Isa::load_f32(a.master + i), decay);
+      const F m = Isa::load_f32(a.m + i);
+      const F m1 = Isa::fmadd(m_coeff, Isa::sub(g, m), c.m_from_m ? m : g);
+      const F v1 =
+          Isa::fmadd(Isa::mul(one_minus_beta2, g), g, Isa::mul(Isa::load_f32(a.v + i), beta2));
+      const F denom = Isa::add(Isa::div(Isa::sqrt(v1), bc2_sqrt), eps);
+      const F p1 = Isa::add(p, Isa::div(Isa::mul(neg_step, m1), denom));
+      Isa::store_f32(a.m + i, m1);
+      Isa::store_f32(a.v + i, v1);
+      Isa::store_f32(a.master + i, p1);
+      if constexpr (kStream) store_lanes<Isa, kStreamType>(a.stream, i, p1);
+    }
+    return i;
   }
-  return i;
-}
+};
 
-template <class Isa, FloatDType kGrad>
-std::size_t adamw_by_stream(const AdamWConstants& c, const AdamWArrays& a, std::size_t begin,
-                            std::size_t end) {
-  if (a.stream == nullptr) return adamw_loop<Isa, kGrad, false, FloatDType::kF32>(c, a, begin, end);
+// Body::run instantiated for the arrays' gradient and streaming dtypes (shared by the f32 and
+// 8-bit kernels, whose array structs both have grad_dtype, stream and stream_dtype).
+template <class Body, class Isa, FloatDType kGrad, class C, class A>
+std::size_t run_by_stream(const C& c, const A& a, std::size_t begin, std::size_t end) {
+  if (a.stream == nullptr)
+    return Body::template run<Isa, kGrad, false, FloatDType::kF32>(c, a, begin, end);
   switch (a.stream_dtype) {
     case FloatDType::kF32:
-      return adamw_loop<Isa, kGrad, true, FloatDType::kF32>(c, a, begin, end);
+      return Body::template run<Isa, kGrad, true, FloatDType::kF32>(c, a, begin, end);
     case FloatDType::kF16:
-      return adamw_loop<Isa, kGrad, true, FloatDType::kF16>(c, a, begin, end);
+      return Body::template run<Isa, kGrad, true, FloatDType::kF16>(c, a, begin, end);
     case FloatDType::kBF16:
-      return adamw_loop<Isa, kGrad, true, FloatDType::kBF16>(c, a, begin, end);
+      return Body::template run<Isa, kGrad, true, FloatDType::kBF16>(c, a, begin, end);
   }
-  return begin;  // unreachable: adamw.cpp validated the dtype; the scalar path does it all
+  return begin;  // unreachable: the caller validated the dtype; the scalar path does it all
+}
+
+template <class Body, class Isa, class C, class A>
+std::size_t run_by_dtypes(const C& c, const A& a, std::size_t begin, std::size_t end) {
+  switch (a.grad_dtype) {
+    case FloatDType::kF32:
+      return run_by_stream<Body, Isa, FloatDType::kF32>(c, a, begin, end);
+    case FloatDType::kF16:
+      return run_by_stream<Body, Isa, FloatDType::kF16>(c, a, begin, end);
+    case FloatDType::kBF16:
+      return run_by_stream<Body, Isa, FloatDType::kBF16>(c, a, begin, end);
+  }
+  return begin;
 }
 
 template <class Isa>
 std::size_t adamw_entry(const AdamWConstants& c, const AdamWArrays& a, std::size_t begin,
                         std::size_t end) {
-  switch (a.grad_dtype) {
-    case FloatDType::kF32:
-      return adamw_by_stream<Isa, FloatDType::kF32>(c, a, begin, end);
-    case FloatDType::kF16:
-      return adamw_by_stream<Isa, FloatDType::kF16>(c, a, begin, end);
-    case FloatDType::kBF16:
-      return adamw_by_stream<Isa, FloatDType::kBF16>(c, a, begin, end);
-  }
-  return begin;
+  return run_by_dtypes<AdamWBody, Isa>(c, a, begin, end);
 }
 
 // Four f64 accumulators (two vectors of input per iteration) hide the FMA latency; the squares

@@ -28,7 +28,8 @@
 //    0.5) with v / amax computed as v * (1 / amax), and table[index] the first code whose midpoint
 //    with the next is >= -1 + 2 * index / 65535. The fused multiply-add is in the x86-64 wheel's
 //    machine code (GCC contracted the source's `* 65535 + 0.5`; it can change an index only where
-//    the sum crosses a power of two); an all-zero block gets code 0.
+//    the sum crosses a power of two); an all-zero block gets code 0. That quantiser is shared with
+//    the 8-bit AdamW (dynamic_map.h, Note [bitsandbytes' 8-bit quantiser]).
 #include "kernels/quant.h"
 
 #include <algorithm>
@@ -38,6 +39,7 @@
 #include <string>
 #include <vector>
 
+#include "kernels/cpu/dynamic_map.h"
 #include "kernels/cpu/float_convert.h"
 #include "kernels/cpu/parallel.h"
 #include "kernels/error.h"
@@ -127,24 +129,6 @@ int nf4_bucket(const Nf4Midpoints& mid, float v) {
   return code;
 }
 
-// bitsandbytes' 65536-entry table from a normalised value's bin to a dynamic-map code
-// (build_quantize_lut in csrc/cpu_ops.cpp).
-struct DynamicTable {
-  std::array<std::uint8_t, 65536> code;
-  DynamicTable() {
-    float mid[255];
-    for (int k = 0; k < 255; ++k)
-      mid[k] = 0.5f * (kDynamicMap[k] + kDynamicMap[k + 1]);
-    int k = 0;
-    for (int i = 0; i < 65536; ++i) {
-      const float v = -1.0f + (2.0f * static_cast<float>(i)) / 65535.0f;
-      while (k < 255 && mid[k] < v)
-        ++k;
-      code[i] = static_cast<std::uint8_t>(k);
-    }
-  }
-};
-
 // ceil(log2(x)) as torch's utils::CeilLog2 (1 for x <= 2).
 std::int64_t ceil_log2(std::int64_t x) {
   if (x <= 2) return 1;
@@ -218,27 +202,16 @@ float torch_cpu_sum(const float* x, std::int64_t n) {
 // The second level of double quantisation: `values` (absmax - offset) in blocks of 256 to 8-bit
 // dynamic-map codes and an fp32 absmax per block, as bitsandbytes' quantize_blockwise on the CPU.
 void quantize_dynamic(const std::vector<float>& values, std::uint8_t* codes, float* absmax) {
-  static const DynamicTable table;
+  static const DynamicMap map(kDynamicMap);
   const auto n = static_cast<std::int64_t>(values.size());
   const std::int64_t blocks = (n + quant::kNf4Block2 - 1) / quant::kNf4Block2;
   for_each_block(blocks, [&](std::size_t first, std::size_t last) {
     for (auto b = static_cast<std::int64_t>(first); b < static_cast<std::int64_t>(last); ++b) {
       const std::int64_t begin = b * quant::kNf4Block2;
       const std::int64_t end = std::min(n, begin + quant::kNf4Block2);
-      float amax = 0.0f;
-      for (std::int64_t i = begin; i < end; ++i)
-        amax = std::max(amax, std::fabs(values[i]));
-      absmax[b] = amax;
-      if (amax == 0.0f) {
-        std::fill(codes + begin, codes + end, std::uint8_t{0});
-        continue;
-      }
-      const float inv = 1.0f / amax;
-      for (std::int64_t i = begin; i < end; ++i) {
-        const float v = std::clamp(values[i] * inv, -1.0f, 1.0f);
-        const float bin = std::fma((v + 1.0f) * 0.5f, 65535.0f, 0.5f);
-        codes[i] = table.code[static_cast<std::uint16_t>(static_cast<int>(bin))];
-      }
+      absmax[b] =
+          quantize_dynamic_block(values.data() + begin, static_cast<std::size_t>(end - begin),
+                                 map.bin_code, codes + begin);
     }
   });
 }

@@ -25,147 +25,19 @@
 #include <vector>
 
 #include "../support/test_seed.h"
+#include "adamw_test_support.h"
 #include "kernels/cpu/adamw.h"
 #include "kernels/error.h"
 
 namespace rondo::kernels {
-
-// Names instead of bytes in gtest's parameter printouts (found by argument-dependent lookup).
-inline void PrintTo(SimdPath path, std::ostream* os) {
-  *os << to_string(path);
-}
-inline void PrintTo(FloatDType dtype, std::ostream* os) {
-  *os << to_string(dtype);
-}
-
 namespace {
+
+using namespace adamw_test;  // adamw_test_support.h
 
 // --- Seeds -----------------------------------------------------------------------------------
 
 using rondo::test::rng_for_test;
 using rondo::test::test_seed;
-
-// --- The test's own conversions: nearest representable value by distance, ties to the even
-// pattern (written differently from the kernel's bit tricks on purpose) --------------------------
-
-std::uint32_t bits_of(float f) {
-  std::uint32_t b;
-  std::memcpy(&b, &f, 4);
-  return b;
-}
-float float_of(std::uint32_t b) {
-  float f;
-  std::memcpy(&f, &b, 4);
-  return f;
-}
-
-// Rounds a magnitude `a` between the patterns lo and lo+1 whose values are vlo <= a < vhi.
-std::uint32_t nearest(double a, std::uint32_t lo, double vlo, double vhi) {
-  const double below = a - vlo, above = vhi - a;
-  if (below < above) return lo;
-  if (above < below) return lo + 1;
-  return (lo % 2 == 0) ? lo : lo + 1;
-}
-
-std::uint16_t ref_bf16(float f) {
-  const std::uint32_t sign = bits_of(f) & 0x80000000u;
-  if (std::isnan(f)) return static_cast<std::uint16_t>((sign >> 16) | 0x7FC0);
-  const float mag = std::fabs(f);
-  std::uint32_t lo = bits_of(mag) >> 16;  // truncation: the pattern at or below
-  if (lo >= 0x7F80) return static_cast<std::uint16_t>((sign >> 16) | 0x7F80);  // Inf
-  const double vlo = float_of(lo << 16);
-  // Above the largest finite bf16 the next "value" is 2^128: rounding there means overflow.
-  const double vhi = (lo + 1 == 0x7F80) ? std::ldexp(1.0, 128) : float_of((lo + 1) << 16);
-  return static_cast<std::uint16_t>((sign >> 16) | nearest(mag, lo, vlo, vhi));
-}
-
-double decode_f16(std::uint16_t h) {
-  const int exponent = (h >> 10) & 0x1F, mantissa = h & 0x3FF;
-  double mag;
-  if (exponent == 0x1F)
-    mag = mantissa ? std::numeric_limits<double>::quiet_NaN()
-                   : std::numeric_limits<double>::infinity();
-  else if (exponent == 0)
-    mag = std::ldexp(mantissa, -24);
-  else
-    mag = std::ldexp(1024 + mantissa, exponent - 25);
-  return (h & 0x8000) ? -mag : mag;
-}
-
-std::uint16_t ref_f16(float f) {
-  const std::uint16_t sign = (bits_of(f) & 0x80000000u) ? 0x8000 : 0;
-  if (std::isnan(f)) return sign | 0x7E00;
-  const double mag = std::fabs(static_cast<double>(f));
-  if (mag >= 65536.0) return sign | 0x7C00;
-  // The spacing of f16 values around mag: 2^-24 among subnormals, 2^(E-10) in [2^E, 2^(E+1)).
-  int e;
-  std::frexp(mag, &e);  // mag in [2^(e-1), 2^e)
-  const double ulp = std::ldexp(1.0, std::max(e - 1, -14) - 10);
-  const double lo = std::floor(mag / ulp) * ulp;  // exact: powers of two and small integers
-  const std::uint32_t lo_units = static_cast<std::uint32_t>(std::min(lo / ulp, 4096.0));
-  const double below = mag - lo, above = lo + ulp - mag;
-  const double value = below < above || (below == above && lo_units % 2 == 0) ? lo : lo + ulp;
-  if (value >= 65536.0) return sign | 0x7C00;  // past the largest finite, 65504: overflow
-  if (value < 0x1p-14) return static_cast<std::uint16_t>(sign | static_cast<int>(value * 0x1p24));
-  int ve;
-  const double frac = std::frexp(value, &ve);  // value = frac * 2^ve, frac in [0.5, 1)
-  const int mantissa = static_cast<int>((frac * 2 - 1) * 1024);
-  return static_cast<std::uint16_t>(sign | ((ve - 1 + 15) << 10) | mantissa);
-}
-
-// Two storage patterns mean the same number (any NaN matches any NaN of the same sign).
-bool same_value(std::uint16_t got, std::uint16_t want, FloatDType dtype) {
-  const bool nan_got = dtype == FloatDType::kBF16 ? std::isnan(float_of(std::uint32_t{got} << 16))
-                                                  : std::isnan(decode_f16(got));
-  const bool nan_want = dtype == FloatDType::kBF16 ? std::isnan(float_of(std::uint32_t{want} << 16))
-                                                   : std::isnan(decode_f16(want));
-  if (nan_got || nan_want) return nan_got && nan_want && (got & 0x8000) == (want & 0x8000);
-  return got == want;
-}
-
-// --- Arrays of a storage dtype -------------------------------------------------------------------
-
-struct Storage {
-  FloatDType dtype;
-  std::vector<std::uint8_t> bytes;
-  Storage(FloatDType d, std::size_t n) : dtype(d), bytes(n * dtype_size(d)) {}
-  void* data() { return bytes.data(); }
-  // Stores `x` rounded; returns the value stored, exactly.
-  double put(std::size_t i, float x) {
-    if (dtype == FloatDType::kF32) {
-      std::memcpy(&bytes[4 * i], &x, 4);
-      return x;
-    }
-    const std::uint16_t h = dtype == FloatDType::kBF16 ? ref_bf16(x) : ref_f16(x);
-    std::memcpy(&bytes[2 * i], &h, 2);
-    return get(i);
-  }
-  double get(std::size_t i) const {
-    if (dtype == FloatDType::kF32) {
-      float f;
-      std::memcpy(&f, &bytes[4 * i], 4);
-      return f;
-    }
-    std::uint16_t h;
-    std::memcpy(&h, &bytes[2 * i], 2);
-    return dtype == FloatDType::kBF16 ? float_of(std::uint32_t{h} << 16) : decode_f16(h);
-  }
-  std::uint16_t half(std::size_t i) const {
-    std::uint16_t h;
-    std::memcpy(&h, &bytes[2 * i], 2);
-    return h;
-  }
-};
-
-// --- The float64 reference, with a running bound on the error of an f32 evaluation -------------
-//
-// Each quantity carries, next to its exact (float64) value, a first-order bound on how far any
-// correct f32 evaluation in torch's order of operations may be from it: every f32 operation and
-// every constant rounded to f32 adds at most u = 2^-24 of its magnitude, and errors of operands
-// propagate through the operation's derivative. The kernel must stay within twice that bound
-// (the factor covers second-order terms). A wrong formula, order or constant is off by far more.
-
-constexpr double kU = 0x1p-24;
 
 struct RefState {
   std::vector<double> p, m, v;     // exact values
@@ -185,7 +57,6 @@ void reference_step(RefState& s, const std::vector<double>& grad, const StepInpu
   const bool from_m = std::fabs(w) < 0.5;
   for (std::size_t i = 0; i < grad.size(); ++i) {
     const double g = grad[i] * in.grad_scale, e_g = 2 * kU * std::fabs(g);
-    const double p1 = s.p[i] * decay, e_p1 = decay * s.ep[i] + 2 * kU * std::fabs(p1);
     const double diff = g - s.m[i], e_diff = e_g + s.em[i] + kU * std::fabs(diff);
     const double m1 = s.m[i] + w * diff;
     const double e_m1 = (from_m ? s.em[i] : e_g) + std::fabs(from_m ? w : w - 1) * e_diff +
@@ -194,51 +65,13 @@ void reference_step(RefState& s, const std::vector<double>& grad, const StepInpu
     const double q = c2 * g, e_q = c2 * e_g + 2 * kU * std::fabs(q);
     const double v1 = a + q * g;
     const double e_v1 = e_a + std::fabs(q) * e_g + std::fabs(g) * e_q + kU * std::fabs(v1);
-    const double sq = std::sqrt(v1);
-    const double e_sq = sq > 0 ? e_v1 / (2 * sq) + kU * sq : std::sqrt(e_v1);
-    const double r = sq / bc2_sqrt, e_r = e_sq / bc2_sqrt + 2 * kU * r;
-    const double den = r + in.eps, e_den = e_r + kU * in.eps + kU * den;
-    const double num = neg_step * m1, e_num = std::fabs(neg_step) * e_m1 + 2 * kU * std::fabs(num);
-    const double upd = num / den;
-    const double e_upd = e_num / den + std::fabs(upd) * e_den / den + kU * std::fabs(upd);
-    s.p[i] = p1 + upd;
-    s.ep[i] = e_p1 + e_upd + kU * std::fabs(s.p[i]);
+    reference_master(s.p[i], s.ep[i], m1, e_m1, v1, e_v1,
+                     {.decay = decay, .bc2_sqrt = bc2_sqrt, .eps = in.eps, .neg_step = neg_step});
     s.m[i] = m1;
     s.em[i] = e_m1;
     s.v[i] = v1;
     s.ev[i] = e_v1;
   }
-}
-
-// Element-wise |got - want| <= 2*bound (+ the smallest subnormal); reports the worst element.
-::testing::AssertionResult within_bound(const char* what, const std::vector<float>& got,
-                                        const std::vector<double>& want,
-                                        const std::vector<double>& bound) {
-  double worst_ratio = -1;
-  std::size_t worst = 0, failures = 0;
-  for (std::size_t i = 0; i < got.size(); ++i) {
-    const double tol = 2 * bound[i] + std::numeric_limits<float>::denorm_min();
-    const double err = std::fabs(static_cast<double>(got[i]) - want[i]);
-    const double ratio = std::isnan(err) ? std::numeric_limits<double>::infinity() : err / tol;
-    if (ratio > 1) ++failures;
-    if (ratio > worst_ratio) {
-      worst_ratio = ratio;
-      worst = i;
-    }
-  }
-  if (failures == 0) return ::testing::AssertionSuccess();
-  return ::testing::AssertionFailure()
-         << what << ": " << failures << " of " << got.size() << " elements outside the bound; "
-         << "worst at index " << worst << ": got " << got[worst] << ", float64 reference "
-         << want[worst] << ", error " << std::fabs(got[worst] - want[worst]) << " > allowed "
-         << 2 * bound[worst] << " (" << worst_ratio << "x)";
-}
-
-// First index where two float arrays differ bit for bit, or -1.
-long first_difference(const std::vector<float>& a, const std::vector<float>& b) {
-  for (std::size_t i = 0; i < a.size(); ++i)
-    if (bits_of(a[i]) != bits_of(b[i])) return static_cast<long>(i);
-  return -1;
 }
 
 // --- The kernel's state ----------------------------------------------------------------------
@@ -259,30 +92,6 @@ struct KernelState {
   }
 };
 
-// The streaming copy equals the master rounded, bit for bit.
-::testing::AssertionResult stream_is_rounded_master(const KernelState& s) {
-  for (std::size_t i = 0; i < s.p.size(); ++i) {
-    bool same;
-    if (s.stream.dtype == FloatDType::kF32) {
-      same = s.stream.get(i) == static_cast<double>(s.p[i]);
-    } else {
-      const std::uint16_t want =
-          s.stream.dtype == FloatDType::kBF16 ? ref_bf16(s.p[i]) : ref_f16(s.p[i]);
-      same = same_value(s.stream.half(i), want, s.stream.dtype);
-    }
-    if (!same)
-      return ::testing::AssertionFailure()
-             << "streaming copy (" << to_string(s.stream.dtype) << ") at index " << i << " is "
-             << s.stream.get(i) << ", but the master " << s.p[i] << " rounds differently";
-  }
-  return ::testing::AssertionSuccess();
-}
-
-std::string path_skip_reason(SimdPath path) {
-  return std::string("this CPU has no ") + to_string(path) + " (the widest it supports is " +
-         to_string(simd_path_resolve(SimdPath::kAuto)) + ")";
-}
-
 #if defined(__SANITIZE_THREAD__)
 // Under ThreadSanitizer every access is instrumented: the large size is cut to one that still
 // spreads over many tiles and threads.
@@ -295,18 +104,7 @@ constexpr std::size_t kLarge = 1'000'000;
 const std::size_t kSizes[] = {1, 22, 64, 4097, kLarge};
 constexpr int kSteps = 10;
 
-// Random initial state and gradients of the magnitudes training sees. Nothing is zero: a zero
-// would hide a missing term.
-double nonzero(double x) {
-  return x == 0 ? 1e-7 : x;
-}
-
-// Uniform in [-1, 1): the shape of the distribution does not matter here, and it is several
-// times cheaper to draw than a normal one (this test draws tens of millions).
-double symmetric(std::mt19937_64& rng) {
-  return std::uniform_real_distribution<double>(-1.0, 1.0)(rng);
-}
-
+// Random initial state and gradients of the magnitudes training sees.
 void random_init(std::mt19937_64& rng, KernelState& k, RefState& r, std::vector<double>& g_mag) {
   std::uniform_real_distribution<double> unit;
   const std::size_t n = k.p.size();
@@ -334,8 +132,6 @@ void random_grad(std::mt19937_64& rng, const std::vector<double>& g_mag, Storage
 }
 
 // --- AdamW against the float64 reference ------------------------------------------------------
-
-using Combo = std::tuple<SimdPath, FloatDType, FloatDType>;  // path, gradient, streaming copy
 
 class AdamWKernel : public ::testing::TestWithParam<Combo> {};
 
@@ -377,7 +173,7 @@ TEST_P(AdamWKernel, MatchesFloat64ReferenceAndScalarPathOver10Steps) {
       EXPECT_TRUE(within_bound("master", kernel.p, ref.p, ref.ep));
       EXPECT_TRUE(within_bound("m", kernel.m, ref.m, ref.em));
       EXPECT_TRUE(within_bound("v", kernel.v, ref.v, ref.ev));
-      EXPECT_TRUE(stream_is_rounded_master(kernel));
+      EXPECT_TRUE(stream_is_rounded_master(kernel.p, kernel.stream));
       if (path != SimdPath::kScalar) {
         EXPECT_EQ(first_difference(kernel.p, scalar.p), -1) << "master differs from scalar path";
         EXPECT_EQ(first_difference(kernel.m, scalar.m), -1) << "m differs from scalar path";
@@ -388,30 +184,9 @@ TEST_P(AdamWKernel, MatchesFloat64ReferenceAndScalarPathOver10Steps) {
   }
 }
 
-const SimdPath kPaths[] = {SimdPath::kScalar, SimdPath::kAvx2, SimdPath::kAvx512};
-const FloatDType kDtypes[] = {FloatDType::kF32, FloatDType::kF16, FloatDType::kBF16};
+INSTANTIATE_TEST_SUITE_P(AllPathsAndDtypes, AdamWKernel, every_combo(), combo_name);
 
-std::string combo_name(const ::testing::TestParamInfo<Combo>& info) {
-  const auto [path, grad, stream] = info.param;
-  return std::string(to_string(path)) + "_grad" + to_string(grad) + "_stream" + to_string(stream);
-}
-
-INSTANTIATE_TEST_SUITE_P(AllPathsAndDtypes, AdamWKernel,
-                         ::testing::Combine(::testing::ValuesIn(kPaths),
-                                            ::testing::ValuesIn(kDtypes),
-                                            ::testing::ValuesIn(kDtypes)),
-                         combo_name);
-
-class AdamWPath : public ::testing::TestWithParam<SimdPath> {
- protected:
-  void SetUp() override {
-    if (!simd_path_supported(GetParam())) GTEST_SKIP() << path_skip_reason(GetParam());
-  }
-};
-
-std::string path_name(const ::testing::TestParamInfo<SimdPath>& info) {
-  return to_string(info.param);
-}
+class AdamWPath : public SimdPathTest {};
 
 // torch's lerp switches form when the weight 1 - β1 reaches 0.5; β1 = 0 must make m = g exactly.
 TEST_P(AdamWPath, SmallBeta1UsesTheOtherLerpForm) {

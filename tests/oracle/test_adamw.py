@@ -1,4 +1,4 @@
-"""Rondo's fused CPU AdamW kernel (kernels/cpu/adamw.h) against torch.optim.AdamW on the CPU.
+"""Rondo's CPU AdamW kernels against torch.optim.AdamW and bitsandbytes' AdamW8bit on the CPU.
 
 Both sides start from the same fp32 master weights and moments and get the same gradients each
 step (Rondo reads them in F32, BF16 or F16; torch gets the same values as fp32 .grad, multiplied
@@ -10,7 +10,11 @@ magnitude (values that cancelled to nearly zero carry their operands' rounding, 
 Rondo performs torch's f32 operations in torch's order; the one difference left is that torch's
 sqrt on large tensors is not always correctly rounded (Note [Matching torch.optim.AdamW] in
 kernels/cpu/adamw.cpp), which moves an update by ~1e-7 of its size.
+
+The 8-bit kernel (kernels/cpu/adamw8bit.h) is compared with bnb.optim.AdamW8bit on the CPU, bit
+for bit: see the section "8-bit AdamW against bitsandbytes" below.
 """
+import contextlib
 import json
 import os
 
@@ -198,3 +202,172 @@ def test_grad_sum_squares_matches_torch_in_float64(grad_dtype, tmp_path):
         got = float(driver("sum_squares", tmp_path / "g.safetensors", "grad", simd))
         # Any order of f64 additions of n positive terms stays within n * 2^-53 of the sum.
         assert abs(got - want) <= n * 2.0 ** -53 * want, (simd, got, want)
+
+
+# --- 8-bit AdamW against bitsandbytes ---------------------------------------------------------
+#
+# Rondo's adamw8bit_step (kernels/cpu/adamw8bit.h) against bnb.optim.AdamW8bit on the CPU, from
+# the fresh state, with the same fp32 gradients (Rondo reads them in F32, BF16 or F16; bitsandbytes
+# gets the same values as fp32 .grad, multiplied by the same grad_scale in fp32). Expected values
+# come from bitsandbytes only. Two comparisons:
+#  - against bitsandbytes with torch.Tensor.sqrt made correctly rounded: everything bit for bit
+#    (codes, absmax, master, and the bf16 streaming copy against the master rounded by torch);
+#  - against bitsandbytes as shipped: torch's CPU sqrt goes through MKL's vector math, 1 ulp off
+#    for ~0.6% of elements (Note [bitsandbytes' AdamW8bit on the CPU] in kernels/cpu/adamw8bit.cpp).
+#    The moments never see the sqrt: codes and absmax still bit for bit. A master may differ by
+#    what a 1-ulp sqrt does to each step: an ulp of the master plus 2^-21 of the update, per step.
+
+BNB_SIZES = [1, 22, 255, 257, 4099, 70_001]
+STATE8 = ("m_codes", "m_absmax", "v_codes", "v_absmax")
+
+
+@contextlib.contextmanager
+def correctly_rounded_sqrt(enabled=True):
+    """torch.Tensor.sqrt through numpy (IEEE sqrt) while bitsandbytes steps."""
+    if not enabled:
+        yield
+        return
+    original = torch.Tensor.sqrt
+    torch.Tensor.sqrt = lambda self: torch.from_numpy(np.sqrt(self.detach().numpy()))
+    try:
+        yield
+    finally:
+        torch.Tensor.sqrt = original
+
+
+def run_bnb8(master, grads, steps, exact_sqrt):
+    """bnb.optim.AdamW8bit on the CPU from the fresh state; returns its state after the steps
+    (Rondo's names) and the master after every step."""
+    bnb = pytest.importorskip("bitsandbytes")
+    p = torch.nn.Parameter(master.clone())
+    s0 = steps[0]
+    opt = bnb.optim.AdamW8bit([p], lr=s0["lr"], betas=(s0["beta1"], s0["beta2"]), eps=s0["eps"],
+                              weight_decay=s0["weight_decay"], min_8bit_size=0)
+    trajectory = [master.clone()]
+    with correctly_rounded_sqrt(exact_sqrt):
+        for grad, s in zip(grads, steps):
+            opt.param_groups[0]["lr"] = s["lr"]
+            p.grad = grad.float() * s["grad_scale"]  # fp32 multiply by float(grad_scale)
+            opt.step()
+            trajectory.append(p.detach().clone())
+    st = opt.state[p]
+    assert st["state1"].dtype == torch.uint8, "bitsandbytes did not take the 8-bit path"
+    return {"master": p.detach().clone(), "m_codes": st["state1"], "m_absmax": st["absmax1"],
+            "v_codes": st["state2"], "v_absmax": st["absmax2"], "qmap1": st["qmap1"],
+            "qmap2": st["qmap2"]}, trajectory
+
+
+def run_rondo8(tmp_path, master, grads, steps, state=None, stream_dtype="BF16", simd="auto",
+               chunk=None):
+    tensors = {"master": master, **(state or {})}
+    tensors.update({f"grad.{k}": g for k, g in enumerate(grads, start=1)})
+    save_file(tensors, str(tmp_path / "in8.safetensors"))
+    run = {"steps": steps, "stream_dtype": stream_dtype, "simd": simd}
+    if chunk is not None:
+        run["chunk"] = chunk
+    (tmp_path / "run8.json").write_text(json.dumps(run))
+    path = driver("adamw8bit", tmp_path / "in8.safetensors", tmp_path / "run8.json",
+                  tmp_path / "out8.safetensors").strip()
+    print("SIMD path:", path)
+    return load_file(str(tmp_path / "out8.safetensors")), path
+
+
+def assert_equal_bits(name, got, want):
+    """Bit-equal tensors of any dtype; reports how many differ and the first."""
+    g, w = got.contiguous().view(torch.uint8), want.contiguous().view(torch.uint8)
+    assert g.shape == w.shape, f"{name}: {tuple(got.shape)} against {tuple(want.shape)}"
+    width = got.element_size()
+    bad = (g.view(-1, width) != w.view(-1, width)).any(dim=1).nonzero()
+    assert bad.numel() == 0, (
+        f"{name}: {bad.numel()} of {got.numel()} elements differ; first at {int(bad[0])}: "
+        f"rondo {got.view(-1)[bad[0]].item()!r}, bitsandbytes {want.view(-1)[bad[0]].item()!r}")
+
+
+def master_bound(trajectory):
+    """Per element: Σ over steps of an ulp of the master plus 2^-21 of the update."""
+    bound = torch.zeros_like(trajectory[0], dtype=torch.float64)
+    for before, after in zip(trajectory, trajectory[1:]):
+        a = after.double()
+        ulp = torch.from_numpy(np.spacing(np.abs(after.numpy()))).double()
+        bound += ulp + 2.0 ** -21 * (a - before.double()).abs()
+    return bound
+
+
+def case8(n, grad_dtype, weight_decay, beta1=0.9):
+    state, grads, steps = make_case(n, grad_dtype, weight_decay, new_seed(), beta1=beta1)
+    return state["master"], grads, steps
+
+
+def assert_matches_bnb_exactly(got, want):
+    for key in STATE8 + ("master",):
+        assert_equal_bits(key, got[key], want[key])
+    if "stream" in got:
+        assert_same_bits("bf16 stream", got["stream"], want["master"].to(torch.bfloat16))
+
+
+def test_adamw8bit_maps_are_bitsandbytes(tmp_path):
+    master, grads, steps = case8(1, "F32", 0.0)
+    want, _ = run_bnb8(master, grads[:1], steps[:1], exact_sqrt=True)
+    got, _ = run_rondo8(tmp_path, master, grads[:1], steps[:1])
+    assert_equal_bits("qmap1 (signed)", got["qmap1"], want["qmap1"])
+    assert_equal_bits("qmap2 (unsigned)", got["qmap2"], want["qmap2"])
+
+
+@pytest.mark.parametrize("n", BNB_SIZES)
+@pytest.mark.parametrize("weight_decay", [0.0, 0.1])
+@pytest.mark.parametrize("grad_dtype", ["F32", "BF16"])
+def test_adamw8bit_matches_bitsandbytes_over_10_steps(n, weight_decay, grad_dtype, tmp_path):
+    master, grads, steps = case8(n, grad_dtype, weight_decay)
+    got, _ = run_rondo8(tmp_path, master, grads, steps, stream_dtype="BF16")
+    want, _ = run_bnb8(master, grads, steps, exact_sqrt=True)
+    assert_matches_bnb_exactly(got, want)
+    shipped, trajectory = run_bnb8(master, grads, steps, exact_sqrt=False)
+    for key in STATE8:
+        assert_equal_bits(f"{key} (bitsandbytes as shipped)", got[key], shipped[key])
+    err = (got["master"].double() - shipped["master"].double()).abs()
+    bound = master_bound(trajectory)
+    worst = int((err / bound.clamp_min(1e-45)).argmax())
+    print(f"master against bitsandbytes as shipped: {int((err > 0).sum())} of {n} differ")
+    assert bool((err <= bound).all()), (
+        f"master: {int((err > bound).sum())} elements beyond the bound; worst at {worst}: rondo "
+        f"{got['master'][worst].item()!r}, bitsandbytes {shipped['master'][worst].item()!r}, "
+        f"bound {bound[worst].item():.3g}")
+
+
+@pytest.mark.parametrize("simd", ["scalar", "avx2", "avx512"])
+def test_adamw8bit_every_simd_path_matches_bitsandbytes(simd, tmp_path):
+    n = 4099 + 16 * 1024  # several tiles, a partial last block
+    master, grads, steps = case8(n, "BF16", 0.01)
+    try:
+        got, path = run_rondo8(tmp_path, master, grads, steps, simd=simd)
+    except Exception as e:  # noqa: BLE001 - the driver says why
+        if "does not support" in str(e):
+            pytest.skip(f"this CPU has no {simd}")
+        raise
+    assert path == simd
+    want, _ = run_bnb8(master, grads, steps, exact_sqrt=True)
+    assert_matches_bnb_exactly(got, want)
+
+
+def test_adamw8bit_zero_gradient_block_and_small_beta1(tmp_path):
+    """A block whose gradients are all zero keeps absmax 0 and code 0 (bitsandbytes' zero block);
+    beta1 = 0.3 on the side."""
+    master, grads, steps = case8(70_001, "F32", 0.1, beta1=0.3)
+    for g in grads:
+        g[256:512] = 0
+    got, _ = run_rondo8(tmp_path, master, grads, steps)
+    want, _ = run_bnb8(master, grads, steps, exact_sqrt=True)
+    assert_matches_bnb_exactly(got, want)
+    assert got["m_absmax"][1].item() == 0 and got["v_absmax"][1].item() == 0
+
+
+def test_adamw8bit_chunks_and_resume_match_bitsandbytes(tmp_path):
+    """Stepped in block-aligned chunks, stopped after 4 steps and resumed from the saved 8-bit
+    state and master: bitsandbytes' 10 uninterrupted steps, bit for bit."""
+    master, grads, steps = case8(70_001, "BF16", 0.1)
+    first, _ = run_rondo8(tmp_path, master, grads[:4], steps[:4], chunk=1024)
+    state = {key: first[key] for key in STATE8}
+    got, _ = run_rondo8(tmp_path, first["master"], grads[4:], steps[4:], state=state,
+                        chunk=256 * 37)
+    want, _ = run_bnb8(master, grads, steps, exact_sqrt=True)
+    assert_matches_bnb_exactly(got, want)
