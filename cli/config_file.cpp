@@ -51,6 +51,8 @@ std::vector<Field> fields(engine::TrainConfig& c) {
       {"training.batch_rows", &c.training.batch_rows, "rows per microbatch"},
       {"training.grad_accum", &c.training.grad_accum, "microbatches per step"},
       {"training.lr", &c.training.lr, "peak learning rate"},
+      {"training.optimizer", &c.training.optimizer,
+       "adamw, or adamw_8bit (moments in 8 bits: 2 bytes per parameter instead of 8)"},
       {"training.schedule", &c.training.schedule, "constant, linear, cosine"},
       {"training.warmup_steps", &c.training.warmup_steps, "linear warmup steps"},
       {"training.min_lr_ratio", &c.training.min_lr_ratio, "cosine floor, share of lr"},

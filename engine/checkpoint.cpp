@@ -23,6 +23,7 @@
 #include "engine/model_store.h"
 #include "kernels/checksum.h"
 #include "kernels/cpu/adamw.h"
+#include "kernels/cpu/adamw8bit.h"
 #include "kernels/error.h"
 #include "models/safetensors.h"
 #include "offload/layer_store.h"
@@ -42,6 +43,42 @@ using checkpoint_format::step_of_folder;
 constexpr const char* kExpAvg = ".exp_avg";
 constexpr const char* kExpAvgSq = ".exp_avg_sq";
 constexpr const char* kStream = ".stream";
+
+// A trained tensor's AdamW moments in a checkpoint, by the layer's MomentFormat: f32 m and v as
+// torch names them (exp_avg, exp_avg_sq), or their 8-bit codes (uint8, the tensor's shape) and
+// absmax (f32, one per block of 256 elements) as ".codes" and ".absmax" of the same names.
+struct MomentEntry {
+  const char* suffix;
+  StateView what;
+  models::DType dtype;
+  bool per_block;  // shape (blocks): the absmax; else the tensor's shape
+};
+constexpr MomentEntry kF32Moments[] = {
+    {kExpAvg, StateView::kM, models::DType::kF32, false},
+    {kExpAvgSq, StateView::kV, models::DType::kF32, false}};
+constexpr MomentEntry k8bitMoments[] = {
+    {".exp_avg.codes", StateView::kMCodes, models::DType::kU8, false},
+    {".exp_avg.absmax", StateView::kMAbsmax, models::DType::kF32, true},
+    {".exp_avg_sq.codes", StateView::kVCodes, models::DType::kU8, false},
+    {".exp_avg_sq.absmax", StateView::kVAbsmax, models::DType::kF32, true}};
+std::vector<MomentEntry> moment_entries(offload::MomentFormat format) {
+  return format == offload::MomentFormat::kF32
+             ? std::vector<MomentEntry>(std::begin(kF32Moments), std::end(kF32Moments))
+             : std::vector<MomentEntry>(std::begin(k8bitMoments), std::end(k8bitMoments));
+}
+std::vector<std::int64_t> entry_shape(const MomentEntry& e, const models::ParamSpec& spec) {
+  return e.per_block ? std::vector<std::int64_t>{static_cast<std::int64_t>(
+                           kernels::adamw8bit_blocks(static_cast<std::size_t>(spec.numel())))}
+                     : spec.shape;
+}
+// Whether `name` is a checkpoint entry of a tensor's state other than its master.
+bool is_state_entry(std::string_view name) {
+  for (const char* suffix : {kExpAvg, kExpAvgSq, kStream})
+    if (name.ends_with(suffix)) return true;
+  for (const MomentEntry& e : k8bitMoments)
+    if (name.ends_with(e.suffix)) return true;
+  return false;
+}
 
 [[noreturn]] void fail(const std::string& what, const fs::path& path, int err) {
   throw Error(what + " " + path.string() + ": " + std::strerror(err));
@@ -185,11 +222,11 @@ std::uint64_t write_checkpoint(const std::string& dir, offload::LayerStore& stor
   std::vector<Item> items;
   for (const Owned& o : owned) {
     const std::string& name = o.spec->name;
-    for (auto [suffix, what] :
-         {std::pair{"", StateView::kMaster}, std::pair{kExpAvg, StateView::kM},
-          std::pair{kExpAvgSq, StateView::kV}}) {
-      entries.push_back({name + suffix, models::DType::kF32, o.spec->shape});
-      items.push_back({&o, what});
+    entries.push_back({name, models::DType::kF32, o.spec->shape});
+    items.push_back({&o, StateView::kMaster});
+    for (const MomentEntry& e : moment_entries(store.moments(o.layer))) {
+      entries.push_back({name + e.suffix, e.dtype, entry_shape(e, *o.spec)});
+      items.push_back({&o, e.what});
     }
   }
   if (include_stream)
@@ -292,23 +329,25 @@ nlohmann::json read_checkpoint(const std::string& dir, offload::LayerStore& stor
   std::vector<std::pair<std::string, std::string>> problems;  // (kind, message)
   std::set<std::string> expected;
   struct Source {
-    const models::TensorEntry *master = nullptr, *m = nullptr, *v = nullptr, *stream = nullptr;
+    const models::TensorEntry *master = nullptr, *stream = nullptr;
+    std::vector<const models::TensorEntry*> moments;  // as moment_entries(the layer's format)
   };
   std::vector<Source> sources(owned.size());
   std::size_t with_stream = 0;
   // A problem of one entry: (kind, message), kind empty when the entry is fine.
   using Problem = std::pair<std::string, std::string>;
-  auto check = [&](const std::string& name, models::DType dtype, const models::ParamSpec& spec,
-                   bool required, const models::TensorEntry*& out) -> Problem {
+  auto check = [&](const std::string& name, models::DType dtype,
+                   const std::vector<std::int64_t>& shape, bool required,
+                   const models::TensorEntry*& out) -> Problem {
     expected.insert(name);
     const models::TensorEntry* e = file.find(name);
     if (e == nullptr)
       return {required ? "missing" : "", "no tensor " + name +
                                              " — was this checkpoint written for another "
                                              "model or LoRA setting?"};
-    if (e->shape != spec.shape)
+    if (e->shape != shape)
       return {"shape", "tensor " + name + " has shape " + models::shape_text(e->shape) +
-                           ", the model needs " + models::shape_text(spec.shape) +
+                           ", the model needs " + models::shape_text(shape) +
                            " — was this checkpoint written for another model or LoRA rank?"};
     if (e->dtype != dtype)
       return {"dtype", "tensor " + name + " is " + models::to_string(e->dtype) + ", expected " +
@@ -316,32 +355,74 @@ nlohmann::json read_checkpoint(const std::string& dir, offload::LayerStore& stor
                            (required ? ""
                                      : " (the streaming dtype of this run; resume with the "
                                        "precision the checkpoint was written with)")};
-    RONDO_ASSERT(e->bytes == static_cast<std::uint64_t>(spec.numel()) * dtype_size(dtype));
+    std::uint64_t numel = 1;
+    for (std::int64_t d : shape)
+      numel *= static_cast<std::uint64_t>(d);
+    RONDO_ASSERT(e->bytes == numel * dtype_size(dtype));
     out = e;
     return {};
   };
+  // Moments kept the other way (f32 in the checkpoint, 8-bit in this run, or the reverse) are one
+  // problem for the whole checkpoint, not two per tensor.
+  std::size_t other_format = 0;
   for (std::size_t k = 0; k < owned.size(); ++k) {
     const models::ParamSpec& spec = *owned[k].spec;
     Source& s = sources[k];
-    const Problem master = check(spec.name, models::DType::kF32, spec, true, s.master);
-    const Problem m = check(spec.name + kExpAvg, models::DType::kF32, spec, true, s.m);
-    const Problem v = check(spec.name + kExpAvgSq, models::DType::kF32, spec, true, s.v);
-    const Problem stream = check(spec.name + kStream, stream_dtype, spec, false, s.stream);
+    const offload::MomentFormat format = store.moments(owned[k].layer);
+    const std::vector<MomentEntry> moments = moment_entries(format);
+    const Problem master = check(spec.name, models::DType::kF32, spec.shape, true, s.master);
+    std::vector<Problem> moment_problems;
+    s.moments.assign(moments.size(), nullptr);
+    for (std::size_t e = 0; e < moments.size(); ++e)
+      moment_problems.push_back(check(spec.name + moments[e].suffix, moments[e].dtype,
+                                      entry_shape(moments[e], spec), true, s.moments[e]));
+    const Problem stream = check(spec.name + kStream, stream_dtype, spec.shape, false, s.stream);
     if (file.find(spec.name + kStream) != nullptr) ++with_stream;
+    // The other format's moments: say so once, and do not also list them as unknown.
+    const std::vector<MomentEntry> others =
+        moment_entries(format == offload::MomentFormat::kF32 ? offload::MomentFormat::kBlockwise8
+                                                             : offload::MomentFormat::kF32);
+    bool has_other = false;
+    for (const MomentEntry& e : others)
+      if (file.find(spec.name + e.suffix) != nullptr) {
+        expected.insert(spec.name + e.suffix);
+        has_other = true;
+      }
+    if (has_other && master.first.empty()) {
+      ++other_format;
+      if (!stream.first.empty()) problems.push_back(stream);
+      continue;
+    }
     // A tensor missing or misshapen with its moments is one problem, not three.
-    if (!master.first.empty() && master.first == m.first && master.first == v.first) {
+    bool all_alike = !master.first.empty();
+    for (const Problem& p : moment_problems)
+      all_alike = all_alike && p.first == master.first;
+    if (all_alike) {
       problems.push_back(master);
     } else {
-      for (const Problem* p : {&master, &m, &v})
-        if (!p->first.empty()) problems.push_back(*p);
+      if (!master.first.empty()) problems.push_back(master);
+      for (const Problem& p : moment_problems)
+        if (!p.first.empty()) problems.push_back(p);
     }
     if (!stream.first.empty()) problems.push_back(stream);
+  }
+  if (other_format > 0) {
+    const bool run_f32 = store.moments(owned.front().layer) == offload::MomentFormat::kF32;
+    problems.emplace_back(
+        "optimizer", "this checkpoint keeps the AdamW moments of " + std::to_string(other_format) +
+                         " trained tensors in " + (run_f32 ? "8 bits" : "f32") +
+                         " and this run keeps them in " + (run_f32 ? "f32" : "8 bits") +
+                         " (training.optimizer = \"" + (run_f32 ? "adamw" : "adamw_8bit") +
+                         "\"): resume with the optimizer the run was started with");
   }
   for (const models::TensorEntry& e : file.tensors()) {
     if (expected.contains(e.name)) continue;
     // "X.exp_avg" next to an unknown "X" is part of the same problem.
     bool moment_of_unknown = false;
-    for (const char* suffix : {kExpAvg, kExpAvgSq, kStream}) {
+    std::vector<const char*> suffixes = {kExpAvg, kExpAvgSq, kStream};
+    for (const MomentEntry& m : k8bitMoments)
+      suffixes.push_back(m.suffix);
+    for (const char* suffix : suffixes) {
       const std::string_view sv(suffix);
       if (e.name.ends_with(sv)) {
         const std::string base = e.name.substr(0, e.name.size() - sv.size());
@@ -374,7 +455,8 @@ nlohmann::json read_checkpoint(const std::string& dir, offload::LayerStore& stor
                                                        {"unknown", "unknown tensors"},
                                                        {"shape", "tensors of another shape"},
                                                        {"dtype", "tensors of another dtype"},
-                                                       {"stream", "stream problems"}};
+                                                       {"stream", "stream problems"},
+                                                       {"optimizer", "optimizer problems"}};
     for (const auto& [kind, n] : hidden)
       shown.push_back("... and " + std::to_string(n) + " more " + phrase.at(kind));
     throw Error(join_problems(where + ": cannot resume from this checkpoint", shown));
@@ -391,10 +473,14 @@ nlohmann::json read_checkpoint(const std::string& dir, offload::LayerStore& stor
     }
     const offload::TensorState& t = (*open)[owned[k].index];
     const Source& s = sources[k];
-    const std::size_t f32_bytes = t.numel * sizeof(float);
-    std::memcpy(t.master, s.master->data, f32_bytes);
-    std::memcpy(t.m, s.m->data, f32_bytes);
-    std::memcpy(t.v, s.v->data, f32_bytes);
+    std::memcpy(t.master, s.master->data, t.numel * sizeof(float));
+    const std::vector<MomentEntry> moments = moment_entries(store.moments(owned[k].layer));
+    for (std::size_t e = 0; e < moments.size(); ++e) {
+      const at::Tensor into = state_view(*open, store, specs, owned[k].layer, owned[k].index,
+                                         moments[e].what);
+      RONDO_ASSERT(into.nbytes() == s.moments[e]->bytes);
+      std::memcpy(into.data_ptr(), s.moments[e]->data, s.moments[e]->bytes);
+    }
     if (s.stream != nullptr)
       std::memcpy(t.stream, s.stream->data, s.stream->bytes);
     else  // the rounding Optimizer::publish_layer and the AdamW kernel apply
@@ -437,8 +523,7 @@ std::vector<CheckpointInfo> list_checkpoints(const std::string& run_dir) {
 std::map<std::string, at::Tensor> checkpoint_weights(const models::SafetensorsFile& state) {
   std::map<std::string, at::Tensor> out;
   for (const models::TensorEntry& t : state.tensors())
-    if (!t.name.ends_with(kExpAvg) && !t.name.ends_with(kExpAvgSq) && !t.name.ends_with(kStream))
-      out.emplace(t.name, t.view());
+    if (!is_state_entry(t.name)) out.emplace(t.name, t.view());
   return out;
 }
 

@@ -221,6 +221,9 @@ std::string Placement::lines() const {
                            : fmt::format("host {}, NVMe {} ({} layers)", format_bytes(host_part[p]),
                                          format_bytes(nvme_part[p]), nvme_layers[p]));
     if (p == kBase && !formats.empty()) out += " as " + formats;
+    if (p == kOptimizer && !layers.empty() &&
+        layers.front().moments == offload::MomentFormat::kBlockwise8)
+      out += " (AdamW moments in 8 bits)";
     out += "\n";
   }
   if (host_activations > 0)
@@ -281,6 +284,9 @@ RunEstimate estimate_run(const TrainConfig& config, const models::ModelSummary& 
     pl.quantize = "none";
   }
   pl.layers = layer_descs(specs, trainable);
+  const bool eight_bit = config.training.optimizer == "adamw_8bit";
+  for (offload::LayerDesc& d : pl.layers)
+    d.moments = eight_bit ? offload::MomentFormat::kBlockwise8 : offload::MomentFormat::kF32;
   std::map<std::string, std::uint64_t> format_bytes_of;  // frozen base bytes by kept format
   std::uint64_t largest_tensor = 0;
   e.experts = model.config.num_experts;
@@ -441,7 +447,7 @@ RunEstimate estimate_run(const TrainConfig& config, const models::ModelSummary& 
   // taken to be like this one), on f32 gradients (grad_bytes above).
   if (e.trained_params > 0)
     e.inputs.optimizer_s_per_grad_byte =
-        1.0 / (4.0 * cpu_optimizer_params_per_s(config.model.dtype));
+        1.0 / (4.0 * cpu_optimizer_params_per_s(config.model.dtype, eight_bit));
   e.inputs.tokens_per_step = tokens_per_step;
   // Per token of a step, on each device (the engine uploads a step's inputs once per device):
   // token id, target, position, document id (int64 each), the rotary cos and sin rows (the
@@ -540,8 +546,8 @@ RunEstimate estimate_run(const TrainConfig& config, const models::ModelSummary& 
     const offload::LayerStore::HostBytes hb =
         offload::LayerStore::host_bytes(layers, sd, kernels::FloatDType::kF32);
     h.weights = hb.weights;
-    h.masters = hb.optimizer / 3;
-    h.moments = hb.optimizer - h.masters;
+    h.masters = hb.masters;
+    h.moments = hb.optimizer - hb.masters;
     h.grads = hb.gradients;
     std::uint64_t layer_read = 0, layer_update = 0;
     for (std::size_t l = 0; l < layers.size(); ++l) {
@@ -739,6 +745,9 @@ RunEstimate estimate_run(const TrainConfig& config, const models::ModelSummary& 
                            : "model.quantize = nf4 (the frozen base in about 0.56 bytes per "
                              "parameter)");
     if (lora && config.model.dtype == "fp32") fixes.push_back("model.dtype = bf16");
+    if (!lora && !eight_bit)
+      fixes.push_back(
+          "training.optimizer = adamw_8bit (AdamW moments in 2 bytes per parameter, not 8)");
     if (!lora) fixes.push_back("training.method = lora (no masters or moments for the base)");
     if (!config.hardware.host_memory.empty())
       fixes.push_back("a larger hardware.host_memory, if the machine has it");
@@ -758,7 +767,10 @@ RunEstimate estimate_run(const TrainConfig& config, const models::ModelSummary& 
 
   const auto TP = static_cast<std::uint64_t>(e.trained_params);
   const auto P = static_cast<std::uint64_t>(e.params);
-  e.checkpoint_bytes = TP * 12 + (config.training.one_step_stale ? TP * wb : 0) + 4096;
+  // Masters and moments (f32, or 8-bit codes with an absmax per 256), and the streaming copies of
+  // a one-step-stale run.
+  e.checkpoint_bytes = TP * 4 + (eight_bit ? TP * 2 + (TP + 255) / 256 * 8 : TP * 8) +
+                       (config.training.one_step_stale ? TP * wb : 0) + 4096;
   const std::int64_t every =
       std::max<std::int64_t>(config.checkpoint.every > 0 ? config.checkpoint.every : steps, 1);
   // Checkpoints at every multiple of `every` and at the last step; with checkpoint.keep = K a new

@@ -27,7 +27,7 @@ struct HostNeeds {
   std::uint64_t weights = 0;  // streaming copies kept in host memory (as stored: quantised ones
                               // at their quantised size)
   std::uint64_t masters = 0;  // fp32 masters of the trained parameters kept in host memory
-  std::uint64_t moments = 0;  // AdamW m and v, fp32, kept in host memory
+  std::uint64_t moments = 0;  // AdamW m and v kept in host memory (f32, or 8-bit with absmax)
   std::uint64_t grads = 0;    // fp32 gradients of the trained parameters (always host memory)
   std::uint64_t loading = 0;  // the largest tensor converted while loading (one at a time)
   std::uint64_t staging = 0;  // stage outputs and step inputs in flight

@@ -4,6 +4,7 @@
 
 #include <cstring>
 
+#include "kernels/cpu/adamw8bit.h"
 #include "kernels/error.h"
 #include "kernels/quant.h"
 
@@ -60,16 +61,25 @@ const models::ParamSpec& spec_of(const std::vector<models::LayerSpec>& specs,
 namespace {
 at::Tensor view_of(const offload::TensorState& t, const offload::LayerStore& store,
                    const models::ParamSpec& p, std::size_t layer, StateView what) {
-  auto f32 = [&](float* data) {
+  // Optimizer state at `data`: null when frozen, on the NVMe tier, or in the other moment format.
+  auto state = [&](void* data, std::vector<std::int64_t> shape, at::ScalarType dtype) {
     if (!t.trainable)
       throw Error("tensor " + p.name + " of layer " + std::to_string(layer) +
                   " is frozen: it has no master weights, moments or gradient");
+    const bool eight_bit = t.m_codes != nullptr, f32_moments = t.m != nullptr;
+    if (data == nullptr && (eight_bit || f32_moments))
+      throw Error("tensor " + p.name + " of layer " + std::to_string(layer) + " keeps its moments " +
+                  (eight_bit ? "in 8 bits: view the codes and absmax (kMCodes, kMAbsmax, ...)"
+                             : "in f32: they have no codes or absmax"));
     if (data == nullptr)
       throw Error("tensor " + p.name + " of layer " + std::to_string(layer) +
                   ": its optimizer state is on the NVMe tier; open the layer with "
                   "LayerStore::access");
-    return at::from_blob(data, p.shape, at::kFloat);
+    return at::from_blob(data, shape, at::TensorOptions().dtype(dtype));
   };
+  auto f32 = [&](float* data) { return state(data, p.shape, at::kFloat); };
+  const std::vector<std::int64_t> blocks = {
+      static_cast<std::int64_t>(kernels::adamw8bit_blocks(t.numel))};
   switch (what) {
     case StateView::kStream:
       if (t.quant.type != kernels::QuantType::kNone)
@@ -81,7 +91,7 @@ at::Tensor view_of(const offload::TensorState& t, const offload::LayerStore& sto
                     "LayerStore::access");
       return at::from_blob(t.stream, p.shape, scalar_type(store.stream_dtype()));
     case StateView::kGrad:
-      if (t.grad == nullptr) return f32(nullptr);
+      if (!t.trainable) return f32(nullptr);
       return at::from_blob(t.grad, p.shape, scalar_type(store.grad_dtype()));
     case StateView::kMaster:
       return f32(t.master);
@@ -89,6 +99,14 @@ at::Tensor view_of(const offload::TensorState& t, const offload::LayerStore& sto
       return f32(t.m);
     case StateView::kV:
       return f32(t.v);
+    case StateView::kMCodes:
+      return state(t.m_codes, p.shape, at::kByte);
+    case StateView::kVCodes:
+      return state(t.v_codes, p.shape, at::kByte);
+    case StateView::kMAbsmax:
+      return state(t.m_absmax, blocks, at::kFloat);
+    case StateView::kVAbsmax:
+      return state(t.v_absmax, blocks, at::kFloat);
   }
   throw InternalError("unknown StateView");
 }

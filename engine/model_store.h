@@ -63,11 +63,14 @@ void load_weights(offload::LayerStore& store, const std::vector<models::LayerSpe
                   const std::map<std::string, at::Tensor>& extra = {},
                   const std::function<void(std::size_t, std::size_t)>& progress = {});
 
-enum class StateView { kStream, kMaster, kGrad, kM, kV };
+// kM, kV: f32 moments; kMCodes, kVCodes (uint8, shaped as the spec) and kMAbsmax, kVAbsmax (f32,
+// one per block of 256 elements: (blocks)): 8-bit moments (offload::MomentFormat::kBlockwise8).
+enum class StateView { kStream, kMaster, kGrad, kM, kV, kMCodes, kMAbsmax, kVCodes, kVAbsmax };
 // A CPU tensor viewing one tensor of the store (no copy), shaped as its spec. Throws Error when
-// the tensor has no such state (a frozen tensor has no master, moments or gradient), when the
-// state lives on the NVMe tier (open the layer with LayerStore::access and use the overload
-// below), and for a quantised streaming copy (use stream_tensor).
+// the tensor has no such state (a frozen tensor has no master, moments or gradient; 8-bit moments
+// no f32 ones, f32 moments no codes), when the state lives on the NVMe tier (open the layer with
+// LayerStore::access and use the overload below), and for a quantised streaming copy (use
+// stream_tensor).
 at::Tensor state_view(const offload::LayerStore& store, const std::vector<models::LayerSpec>& specs,
                       std::size_t layer, std::size_t index, StateView what);
 // The same through an open access of the layer (which must include the part viewed).

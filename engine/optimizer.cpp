@@ -3,6 +3,7 @@
 #include <cmath>
 #include <cstring>
 
+#include "kernels/cpu/adamw8bit.h"
 #include "kernels/error.h"
 
 namespace rondo::engine {
@@ -122,20 +123,39 @@ void Optimizer::update_layer(std::size_t layer, bool write_stream) {
     if (!t.trainable || t.tied) continue;
     kernels::FloatDType dtype;
     const void* g = gradient(layer, i, dtype);
-    kernels::adamw_step({.n = t.numel,
-                         .grad = g,
-                         .grad_dtype = dtype,
-                         .master = t.master,
-                         .m = t.m,
-                         .v = t.v,
-                         .stream = write_stream ? out[i].stream : nullptr,
-                         .stream_dtype = store_.stream_dtype()},
-                        p);
+    adamw_update(t, g, dtype, write_stream ? out[i].stream : nullptr, store_.stream_dtype(), p);
   }
   // The layer's gradients (tied copies included) start the next step at zero. A tied copy in a
   // later layer is zeroed when that layer is updated, after its owner has read it.
   const offload::ByteRange grads = store_.grad_bytes(layer);
   if (zero_grads_ && grads.bytes) std::memset(grads.data, 0, grads.bytes);
+}
+
+void adamw_update(const offload::TensorState& t, const void* grad, kernels::FloatDType grad_dtype,
+                  void* stream, kernels::FloatDType stream_dtype, const kernels::AdamWParams& p) {
+  if (t.m_codes) {  // 8-bit moments (offload::MomentFormat::kBlockwise8)
+    kernels::adamw8bit_step({.n = t.numel,
+                             .grad = grad,
+                             .grad_dtype = grad_dtype,
+                             .master = t.master,
+                             .m_codes = t.m_codes,
+                             .m_absmax = t.m_absmax,
+                             .v_codes = t.v_codes,
+                             .v_absmax = t.v_absmax,
+                             .stream = stream,
+                             .stream_dtype = stream_dtype},
+                            p);
+    return;
+  }
+  kernels::adamw_step({.n = t.numel,
+                       .grad = grad,
+                       .grad_dtype = grad_dtype,
+                       .master = t.master,
+                       .m = t.m,
+                       .v = t.v,
+                       .stream = stream,
+                       .stream_dtype = stream_dtype},
+                      p);
 }
 
 void Optimizer::discard_step() {

@@ -1,9 +1,10 @@
-// The optimizer driver: AdamW over the LayerStore, layer by layer, with exact global-norm gradient
-// clipping. Per step: once every gradient of the step has landed, begin_step() computes the global
-// norm (tied tensors' two gradients summed first) and the clip coefficient; then update_layer()
-// runs the fused AdamW kernel on each layer, in forward order, so that the next step's first stage
-// can start as soon as its own layers are updated. See Note [Exact clipping with per-layer
-// updates].
+// AdamW over the LayerStore, layer by layer, with exact global-norm gradient clipping (the
+// optimizer thread that drives it is optimizer_driver.h); moments in f32 or, where the store keeps
+// them so, bitsandbytes' blockwise 8-bit (kernels/cpu/adamw8bit.h). Per step: once every gradient
+// of the step has landed, begin_step() computes the global norm (tied tensors' two gradients summed
+// first) and the clip coefficient; then update_layer() runs the fused AdamW kernel on each layer,
+// in forward order, so that the next step's first stage can start as soon as its own layers are
+// updated. See Note [Exact clipping with per-layer updates].
 //
 //   engine::Optimizer opt(store, {.lr = 2e-5, .weight_decay = 0.1}, /*max_grad_norm=*/1.0);
 //   double norm = opt.begin_step();            // all gradients of the step are in the store
@@ -20,6 +21,12 @@
 #include "offload/layer_store.h"
 
 namespace rondo::engine {
+
+// One AdamW step of a tensor whose master and moments `t` points at — f32 moments or 8-bit ones,
+// whichever the store keeps (kernels::adamw_step or kernels::adamw8bit_step) — reading `grad`
+// and writing the rounded master to `stream` (null: none).
+void adamw_update(const offload::TensorState& t, const void* grad, kernels::FloatDType grad_dtype,
+                  void* stream, kernels::FloatDType stream_dtype, const kernels::AdamWParams& p);
 
 class Optimizer {
  public:

@@ -19,7 +19,9 @@
 #include <vector>
 
 #include "engine/engine.h"
+#include "engine/optimizer.h"
 #include "kernels/cpu/adamw.h"
+#include "kernels/cpu/adamw8bit.h"
 #include "models/layers.h"
 #include "models/lora.h"
 
@@ -204,31 +206,41 @@ double cached(const std::string& key, const std::function<double()>& measure) {
 
 }  // namespace
 
-double cpu_optimizer_params_per_s(const std::string& stream_dtype) {
+double cpu_optimizer_params_per_s(const std::string& stream_dtype, bool eight_bit_moments) {
   // 20 bytes a parameter (gradient, master, m, v, an f32 streaming copy at most).
   const long l3 = ::sysconf(_SC_LEVEL3_CACHE_SIZE);
   const std::size_t n = std::clamp<std::size_t>(l3 > 0 ? 2 * static_cast<std::size_t>(l3) / 20 : 0,
                                                 4u << 20, 64u << 20);
-  const std::string key = fmt::format("{}|optimizer|cpu={}|threads={}|stream={}|n={}", kMethod,
-                                      cpu_model(), at::get_num_threads(), stream_dtype, n);
+  const std::string key =
+      fmt::format("{}|optimizer|cpu={}|threads={}|stream={}|n={}{}", kMethod, cpu_model(),
+                  at::get_num_threads(), stream_dtype, n, eight_bit_moments ? "|moments=8bit" : "");
   return cached(key, [&] {
     const kernels::FloatDType sd = stream_dtype == "fp32"   ? kernels::FloatDType::kF32
                                    : stream_dtype == "fp16" ? kernels::FloatDType::kF16
                                                             : kernels::FloatDType::kBF16;
-    std::vector<float> grad(n, 1e-3f), master(n, 0.5f), m(n, 0.f), v(n, 0.f), stream(n);
-    const kernels::AdamWTensor t{.n = n,
-                                 .grad = grad.data(),
-                                 .grad_dtype = kernels::FloatDType::kF32,
-                                 .master = master.data(),
-                                 .m = m.data(),
-                                 .v = v.data(),
-                                 .stream = stream.data(),
-                                 .stream_dtype = sd};
-    kernels::adamw_step(t, {.step = 1});  // warm-up: pages, threads
-    std::int64_t step = 1;
+    // A tensor as the store holds it: master and moments in the format asked for.
+    const std::size_t blocks = kernels::adamw8bit_blocks(n);
+    std::vector<float> grad(n, 1e-3f), master(n, 0.5f), stream(n);
+    std::vector<float> moments(eight_bit_moments ? 2 * blocks : 2 * n, 0.f);
+    std::vector<std::uint8_t> codes(eight_bit_moments ? 2 * n : 0);
+    offload::TensorState tensor{.numel = n, .trainable = true, .master = master.data()};
+    if (eight_bit_moments) {
+      tensor.m_codes = codes.data();
+      tensor.v_codes = codes.data() + n;
+      tensor.m_absmax = moments.data();
+      tensor.v_absmax = moments.data() + blocks;
+    } else {
+      tensor.m = moments.data();
+      tensor.v = moments.data() + n;
+    }
+    auto step = [&](std::int64_t k) {
+      adamw_update(tensor, grad.data(), kernels::FloatDType::kF32, stream.data(), sd, {.step = k});
+    };
+    step(1);  // warm-up: pages, threads
+    std::int64_t t = 1;
     return static_cast<double>(n) / median_seconds([&] {
              (void)kernels::grad_sum_squares(grad.data(), kernels::FloatDType::kF32, n);
-             kernels::adamw_step(t, {.step = ++step});
+             step(++t);
            });
   });
 }

@@ -49,8 +49,8 @@ double cpu_head_flops(const models::ModelConfig& config, std::int64_t seq_len, s
 // read from memory, not from a cache (on this project's machine, whose virtual CPU reports a
 // 480 MiB L3, 4 M parameters ran at twice the speed the optimizer then had in a step). The median
 // pass after a warm-up, timed as cpu_flops is (five passes and 0.4 s at least), cached the same
-// way.
-double cpu_optimizer_params_per_s(const std::string& stream_dtype);
+// way. With `eight_bit_moments`, the 8-bit kernel (kernels/cpu/adamw8bit.h) instead.
+double cpu_optimizer_params_per_s(const std::string& stream_dtype, bool eight_bit_moments = false);
 
 // Where the cache lives (for tests and messages).
 std::string speed_cache_dir();

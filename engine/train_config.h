@@ -66,6 +66,9 @@ struct TrainingSection {
   double beta1 = 0.9, beta2 = 0.999, eps = 1e-8;
   double max_grad_norm = 1.0;   // <= 0: no clipping
   std::uint64_t seed = 42;      // adapters' initialisation, shuffling, dropout
+  // "adamw": f32 moments (8 bytes per trained parameter); "adamw_8bit": both moments in
+  // bitsandbytes' blockwise 8-bit (2.03 bytes; its AdamW8bit on the CPU, bit for bit).
+  std::string optimizer = "adamw";
   bool one_step_stale = false;  // RoundPipe's asynchronous update (see EngineOptions)
   // Torch's deterministic algorithms (and cuBLAS's fixed workspace): what an exact resume needs on
   // a GPU, where atomics (index_add_) and some attention backwards otherwise add in a different

@@ -11,6 +11,7 @@
 #include <set>
 #include <utility>
 
+#include "kernels/cpu/adamw8bit.h"
 #include "kernels/error.h"
 #include "offload/nvme_store.h"
 
@@ -34,8 +35,11 @@ int part_index(unsigned part) {
 // The layout both the host arena and the NVMe regions use for one layer.
 struct LayerLayout {
   std::vector<std::size_t> stream_off, grad_off, opt_off;  // per tensor, in its part's region
-  std::size_t bytes[3] = {0, 0, 0};  // base, stream: bytes; optimizer: 3 * opt_elems * 4
-  std::size_t grad = 0, opt_elems = 0;
+  std::vector<std::size_t> block_off;  // per tensor, 8-bit moments: its first absmax entry
+  // base, stream: bytes; optimizer: master, m and v (f32: 3 * opt_elems * 4; 8-bit: the master,
+  // then 2 * opt_elems codes and 2 * opt_blocks absmax entries)
+  std::size_t bytes[3] = {0, 0, 0};
+  std::size_t grad = 0, opt_elems = 0, opt_blocks = 0;
   std::size_t device = 0;  // both streaming parts on a device (dequantised)
 };
 
@@ -67,15 +71,21 @@ LayerLayout layout_of(const LayerDesc& layer, std::size_t l, kernels::FloatDType
     std::size_t& region = o.bytes[t.trainable ? 1 : 0];
     o.stream_off.push_back(region);
     o.opt_off.push_back(o.opt_elems);
+    o.block_off.push_back(o.opt_blocks);
     o.grad_off.push_back(o.grad);
     if (t.tied_to_layer < 0) {
       region += align_up(stored_bytes(t, ss));
       o.device += align_up(n * ss);
-      if (t.trainable) o.opt_elems += align_up(n * 4) / 4;
+      if (t.trainable) {
+        o.opt_elems += align_up(n * 4) / 4;
+        o.opt_blocks += align_up(kernels::adamw8bit_blocks(n) * 4) / 4;
+      }
     }
     if (t.trainable) o.grad += align_up(n * gs);
   }
-  o.bytes[2] = 3 * o.opt_elems * sizeof(float);
+  o.bytes[2] = layer.moments == MomentFormat::kF32
+                   ? 3 * o.opt_elems * sizeof(float)
+                   : o.opt_elems * (sizeof(float) + 2) + 2 * o.opt_blocks * sizeof(float);
   return o;
 }
 
@@ -92,10 +102,35 @@ std::array<Tier, 3> tiers_of(const LayerDesc& d) {
   return {d.base, d.weights, d.optimizer};
 }
 
+// A trainable tensor's master and moments in a layer's optimizer region at `base` (the layer's
+// opt_elems master elements first, then the moments in `format`), at element `off` and (8-bit)
+// absmax entry `block_off` of the layer's runs.
+void bind_optimizer(TensorState& t, std::uint8_t* base, MomentFormat format,
+                    std::size_t opt_elems, std::size_t opt_blocks, std::size_t off,
+                    std::size_t block_off) {
+  auto* f32 = reinterpret_cast<float*>(base);
+  t.master = f32 + off;
+  if (format == MomentFormat::kF32) {
+    t.m = f32 + opt_elems + off;
+    t.v = f32 + 2 * opt_elems + off;
+    return;
+  }
+  std::uint8_t* codes = base + opt_elems * sizeof(float);
+  auto* absmax = reinterpret_cast<float*>(codes + 2 * opt_elems);
+  t.m_codes = codes + off;
+  t.v_codes = codes + opt_elems + off;
+  t.m_absmax = absmax + block_off;
+  t.v_absmax = absmax + opt_blocks + block_off;
+}
+
 }  // namespace
 
 const char* to_string(Tier tier) {
   return tier == Tier::kHost ? "host" : "nvme";
+}
+
+const char* to_string(MomentFormat format) {
+  return format == MomentFormat::kF32 ? "f32" : "8-bit";
 }
 
 // NVMe regions of each layer and the I/O in flight on them.
@@ -190,12 +225,13 @@ LayerStore::LayerStore(HostArena& arena, const std::vector<LayerDesc>& layers,
     const std::array<Tier, 3> tier = tiers_of(layers[l]);
     tiers_.push_back(tier);
     opt_elems_.push_back(o.opt_elems);
+    opt_blocks_.push_back(o.opt_blocks);
+    moments_.push_back(layers[l].moments);
     device_bytes_.push_back(o.device);
     std::uint8_t* part_host[3] = {
         tier[0] == Tier::kHost && wbase ? wbase + base[l][0] : nullptr,
         tier[1] == Tier::kHost && wbase ? wbase + total[0] + base[l][1] : nullptr,
         tier[2] == Tier::kHost && obase ? obase + base[l][2] : nullptr};
-    auto* opt = reinterpret_cast<float*>(part_host[2]);
     std::map<std::string, std::size_t> seen;
     for (std::size_t i = 0; i < layers[l].tensors.size(); ++i) {
       const TensorDesc& t = layers[l].tensors[i];
@@ -226,16 +262,18 @@ LayerStore::LayerStore(HostArena& arena, const std::vector<LayerDesc>& layers,
         s.master = owner->master;
         s.m = owner->m;
         s.v = owner->v;
+        s.m_codes = owner->m_codes;
+        s.v_codes = owner->v_codes;
+        s.m_absmax = owner->m_absmax;
+        s.v_absmax = owner->v_absmax;
       } else {
         s.stream_offset = o.stream_off[i];
         s.stream_bytes = stored_bytes(t, kernels::dtype_size(stream_dtype));
         std::uint8_t* region = part_host[t.trainable ? 1 : 0];
         if (region) s.stream = region + o.stream_off[i];
-        if (t.trainable && opt) {
-          s.master = opt + o.opt_off[i];
-          s.m = opt + o.opt_elems + o.opt_off[i];
-          s.v = opt + 2 * o.opt_elems + o.opt_off[i];
-        }
+        if (t.trainable && part_host[2])
+          bind_optimizer(s, part_host[2], layers[l].moments, o.opt_elems, o.opt_blocks,
+                         o.opt_off[i], o.block_off[i]);
       }
       if (t.trainable) s.grad = gbase + grad_base[l] + o.grad_off[i];
       layers_[l].push_back(s);
@@ -288,7 +326,10 @@ LayerStore::HostBytes LayerStore::host_bytes(const std::vector<LayerDesc>& layer
     const std::array<Tier, 3> t = tiers_of(layers[l]);
     if (t[0] == Tier::kHost) b.weights += o.bytes[0];
     if (t[1] == Tier::kHost) b.weights += o.bytes[1];
-    if (t[2] == Tier::kHost) b.optimizer += o.bytes[2];
+    if (t[2] == Tier::kHost) {
+      b.optimizer += o.bytes[2];
+      b.masters += o.opt_elems * sizeof(float);
+    }
     b.gradients += o.grad;
   }
   return b;
@@ -421,14 +462,14 @@ LayerAccess LayerStore::access(std::size_t layer, unsigned parts, AccessMode mod
     a.staged_[p] = stage(part);
     auto* base = a.staged_[p].as<std::uint8_t>();
     if (part == kOptimizerPart) {
-      const std::size_t n = opt_elems_[layer];
-      std::size_t off = 0;  // trainable tensors' runs in master, m and v, in layout order
+      // Trainable tensors' runs in master and moments, in layout order.
+      std::size_t off = 0, block_off = 0;
       for (TensorState& t : a.tensors_) {
         if (t.tied || !t.trainable) continue;
-        t.master = reinterpret_cast<float*>(base) + off;
-        t.m = reinterpret_cast<float*>(base) + n + off;
-        t.v = reinterpret_cast<float*>(base) + 2 * n + off;
+        bind_optimizer(t, base, moments_[layer], opt_elems_[layer], opt_blocks_[layer], off,
+                       block_off);
         off += align_up(t.numel * 4) / 4;
+        block_off += align_up(kernels::adamw8bit_blocks(t.numel) * 4) / 4;
       }
     } else {
       (part == kBasePart ? a.base_ : a.stream_).data = base;

@@ -8,7 +8,9 @@
 //    tensor may be kept quantised (GGUF blocks, NF4, INT8: kernels/quant.h) and is dequantised
 //    on the device;
 //  - one gradient region per layer, laid out like its trainable tensors (always in host memory);
-//  - master, m and v per layer, each contiguous.
+//  - master, m and v per layer, each contiguous: m and v in f32, or (MomentFormat::kBlockwise8)
+//    as bitsandbytes' blockwise 8-bit codes with an f32 absmax per block of 256 elements of a
+//    tensor (kernels/cpu/adamw8bit.h).
 // Each of a layer's three parts — frozen streaming copies, trained streaming copies, optimizer
 // state (master, m, v) — lives in host memory or on the NVMe tier (an NvmeStore), as the planner
 // placed it (Tier). State on NVMe is reached only through access(): it is read into host staging
@@ -57,11 +59,19 @@ struct TensorDesc {
   std::int64_t rows = 0, cols = 0;
 };
 
+// How the AdamW moments m and v of a layer's trainable tensors are kept.
+enum class MomentFormat {
+  kF32,         // f32: 8 bytes per parameter (kernels::adamw_step)
+  kBlockwise8,  // 8-bit codes plus an f32 absmax per 256: 2.03 bytes (kernels::adamw8bit_step)
+};
+const char* to_string(MomentFormat format);  // "f32", "8-bit"
+
 struct LayerDesc {
   std::vector<TensorDesc> tensors;
   Tier base = Tier::kHost;       // streaming copies of the frozen tensors
   Tier weights = Tier::kHost;    // streaming copies of the trainable tensors
   Tier optimizer = Tier::kHost;  // masters and moments of its trainable tensors
+  MomentFormat moments = MomentFormat::kF32;
 };
 
 struct TensorState {
@@ -79,8 +89,15 @@ struct TensorState {
   void* stream = nullptr;   // (stream_bytes) streaming dtype, or the quantised blob
   void* grad = nullptr;     // (numel) gradient dtype, trainable only: what devices download
   float* master = nullptr;  // (numel) f32, trainable only
-  float* m = nullptr;       // (numel) f32 AdamW first moment, trainable only
-  float* v = nullptr;       // (numel) f32 AdamW second moment, trainable only
+  // The AdamW moments, trainable only: f32 (m, v), or 8-bit (the codes, numel each, and their
+  // absmax, kernels::adamw8bit_blocks(numel) each), as the layer's MomentFormat says; the other
+  // pointers are null.
+  float* m = nullptr;  // (numel) f32 first moment
+  float* v = nullptr;  // (numel) f32 second moment
+  std::uint8_t* m_codes = nullptr;
+  std::uint8_t* v_codes = nullptr;
+  float* m_absmax = nullptr;
+  float* v_absmax = nullptr;
 };
 
 struct ByteRange {
@@ -161,6 +178,7 @@ class LayerStore {
   // Bytes of host memory by purpose the store allocates (for the planner and its tests).
   struct HostBytes {
     std::uint64_t weights = 0, gradients = 0, optimizer = 0;
+    std::uint64_t masters = 0;  // of `optimizer`, the f32 masters (the rest: the moments)
   };
   static HostBytes host_bytes(const std::vector<LayerDesc>& layers,
                               kernels::FloatDType stream_dtype, kernels::FloatDType grad_dtype);
@@ -173,6 +191,8 @@ class LayerStore {
 
   // Where a part of a layer lives.
   Tier tier(std::size_t layer, unsigned part) const;
+  // How the layer's AdamW moments are kept.
+  MomentFormat moments(std::size_t layer) const { return moments_.at(layer); }
   // The layer's streaming copies of one part (kBasePart or kStreamPart) as stored (tied ones
   // excluded: their owner uploads them); data is null when they live on NVMe. And its gradients
   // (always host).
@@ -213,7 +233,9 @@ class LayerStore {
   std::vector<std::array<Tier, 3>> tiers_;  // per layer, by part index
   std::vector<ByteRange> base_ranges_, stream_ranges_, grad_ranges_;
   std::vector<std::size_t> device_bytes_;
-  std::vector<std::size_t> opt_elems_;  // per layer: elements of each of master, m, v
+  std::vector<std::size_t> opt_elems_;   // per layer: elements of each of master, m, v
+  std::vector<std::size_t> opt_blocks_;  // per layer, 8-bit moments: absmax entries of each
+  std::vector<MomentFormat> moments_;    // per layer
   HostBuffer weights_, gradients_, optimizer_;
   std::unique_ptr<Regions> regions_;
 };

@@ -13,34 +13,23 @@ A step's measured time is the difference of consecutive `step` events' clocks; t
 the steps after the first (which warms up) and before the last (which evaluates and samples in the
 demo) is compared with the `plan` event's predicted_step_s.
 """
-import importlib.util
 import json
 import os
-import shutil
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-spec = importlib.util.spec_from_file_location("peer_bench", ROOT / "bench" / "peer_bench.py")
-peer_bench = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(peer_bench)
+import slow_support
+from slow_support import peer_bench
 
-rondo, work = sys.argv[1], Path(sys.argv[2])
-shutil.rmtree(work, ignore_errors=True)
-work.mkdir(parents=True)
+rondo, work = slow_support.arguments()
 STEPS = 10
 TOLERANCE = 0.25
 PLAN_SPREAD = 0.10
 
 
 def call(*args, env=None):
-    p = subprocess.run([rondo, *map(str, args)], capture_output=True, text=True, timeout=1500,
-                       env=env)
-    if p.returncode != 0:
-        sys.exit(f"rondo {' '.join(map(str, args))} failed:\n{p.stdout}{p.stderr}")
-    return p.stdout
+    return slow_support.call(rondo, *args, env=env)
 
 
 def measured_and_predicted(run_dir):

@@ -428,6 +428,38 @@ TEST_F(TrainCli, SigkillAtARandomStepThenResumeIsBitIdentical) {
   }
 }
 
+// training.optimizer = "adamw_8bit": a run killed after a random step and resumed ends bit for bit
+// as the one that was not — losses and the last checkpoint, whose moments are 8-bit codes and
+// absmax — for LoRA and full fine-tuning.
+TEST_F(TrainCli, EightBitAdamWRunsResumeBitIdentically) {
+  std::mt19937 rng(std::random_device{}());
+  for (const std::string method : {"lora", "full"}) {
+    const std::string a_dir = "a8-" + method, b_dir = "b8-" + method;
+    const std::vector<std::string> sets = {"--set", "training.optimizer=adamw_8bit", "--set",
+                                           "training.method=" + method};
+    write(dir / "a.toml", config(a_dir));
+    Result r = run_rondo("train " + (dir / "a.toml").string() + " " + sets[0] + " " + sets[1] +
+                         " " + sets[2] + " " + sets[3]);
+    ASSERT_EQ(r.code, 0) << r.out;
+    const int kill_at = std::uniform_int_distribution<int>(4, 11)(rng);
+    SCOPED_TRACE(method + ", killed after step " + std::to_string(kill_at));
+    write(dir / "b.toml", config(b_dir));
+    std::vector<std::string> args = {"train", (dir / "b.toml").string()};
+    args.insert(args.end(), sets.begin(), sets.end());
+    pid_t pid = spawn(args, dir / "b.log",
+                      {{"RONDO_FAULT_KILL_AFTER_STEP", std::to_string(kill_at)}});
+    ASSERT_EQ(wait_for(pid), 128 + SIGKILL) << slurp(dir / "b.log");
+    r = run_rondo("train --resume " + (dir / b_dir).string());
+    ASSERT_EQ(r.code, 0) << r.out;
+    EXPECT_EQ(step_losses(dir / b_dir / "events.jsonl"), step_losses(dir / a_dir / "events.jsonl"));
+    const fs::path last = fs::path("checkpoints") / "step-12" / "state.safetensors";
+    const std::string a = slurp(dir / a_dir / last), b = slurp(dir / b_dir / last);
+    ASSERT_FALSE(a.empty());
+    EXPECT_NE(a.find(".exp_avg.codes"), std::string::npos) << "no 8-bit moments in the checkpoint";
+    EXPECT_TRUE(a == b) << "the last checkpoints differ";
+  }
+}
+
 TEST_F(TrainCli, SigkillInsideACheckpointWriteLeavesThePreviousOneUsable) {
   write(dir / "a.toml", config("a"));
   Result r = run_rondo("train " + (dir / "a.toml").string());

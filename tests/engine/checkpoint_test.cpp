@@ -24,6 +24,7 @@
 #include "kernels/error.h"
 #include "models/lora.h"
 #include "models/safetensors.h"
+#include "tests/support/error_of.h"
 #include "tests/support/plain_loop.h"
 
 namespace rondo::engine {
@@ -65,12 +66,27 @@ bool mlp_and_norms(const std::string& n) {
 
 // A store holding a model's weights, as a run builds it before training or resuming.
 struct TestStore {
-  TestStore(const Model& m, const Trainable& trainable, FloatDType stream_dtype)
+  TestStore(const Model& m, const Trainable& trainable, FloatDType stream_dtype,
+            offload::MomentFormat moments = offload::MomentFormat::kF32)
       : specs(m.specs),
-        store(arena,
-              layer_descs(m.specs, [&](const models::ParamSpec& p) { return trainable(p.name); }),
-              stream_dtype, FloatDType::kF32) {
+        store(arena, descs(m, trainable, moments), stream_dtype, FloatDType::kF32) {
     load_weights(store, specs, [&](const std::string& n) { return m.weights.at(n); });
+  }
+  static std::vector<offload::LayerDesc> descs(const Model& m, const Trainable& trainable,
+                                               offload::MomentFormat moments) {
+    auto d = layer_descs(m.specs, [&](const models::ParamSpec& p) { return trainable(p.name); });
+    for (offload::LayerDesc& layer : d)
+      layer.moments = moments;
+    return d;
+  }
+  bool eight_bit() const { return store.moments(0) == offload::MomentFormat::kBlockwise8; }
+  // The moments' views: f32 m and v, or the 8-bit codes and absmax.
+  std::vector<std::pair<const char*, StateView>> moment_views() const {
+    if (!eight_bit()) return {{"/m", StateView::kM}, {"/v", StateView::kV}};
+    return {{"/m_codes", StateView::kMCodes},
+            {"/m_absmax", StateView::kMAbsmax},
+            {"/v_codes", StateView::kVCodes},
+            {"/v_absmax", StateView::kVAbsmax}};
   }
 
   at::Tensor view(std::size_t l, std::size_t i, StateView what) const {
@@ -88,8 +104,11 @@ struct TestStore {
         if (t.tied) continue;
         at::Tensor master = view(l, i, StateView::kMaster);
         master.copy_(at::randn(master.sizes()));
-        view(l, i, StateView::kM).copy_(1e-2 * at::randn(master.sizes()));
-        view(l, i, StateView::kV).copy_(1e-4 * at::rand(master.sizes()));
+        for (auto [suffix, what] : moment_views()) {
+          at::Tensor st = view(l, i, what);
+          st.copy_(st.scalar_type() == at::kByte ? at::randint(256, st.sizes(), at::kByte)
+                                                 : 1e-2 * at::rand(st.sizes()));
+        }
         view(l, i, StateView::kStream)
             .copy_(stale ? master + 1e-2 * at::randn(master.sizes()) : master);
       }
@@ -108,8 +127,8 @@ struct TestStore {
         out[name + "/stream"] = view(l, i, StateView::kStream).clone();
         if (!t.trainable) continue;
         out[name + "/master"] = view(l, i, StateView::kMaster).clone();
-        out[name + "/m"] = view(l, i, StateView::kM).clone();
-        out[name + "/v"] = view(l, i, StateView::kV).clone();
+        for (auto [suffix, what] : moment_views())
+          out[name + suffix] = view(l, i, what).clone();
       }
     return out;
   }
@@ -150,8 +169,9 @@ class CheckpointTest : public ::testing::Test {
 
   // Writes, reads into a fresh store holding different random state, and checks every byte.
   void round_trip(const Model& m, const Trainable& trainable, FloatDType stream_dtype, bool stale,
-                  bool include_stream) {
-    TestStore src(m, trainable, stream_dtype);
+                  bool include_stream,
+                  offload::MomentFormat moments = offload::MomentFormat::kF32) {
+    TestStore src(m, trainable, stream_dtype, moments);
     src.fill_random(stale);
     const auto before = src.snapshot();
     const nlohmann::json meta = {{"step", 40},
@@ -164,16 +184,18 @@ class CheckpointTest : public ::testing::Test {
                          fs::file_size(fs::path(step_dir(40)) / "state.json"));
     EXPECT_FALSE(fs::exists(step_dir(40) + ".tmp"));
 
-    // The file holds exactly the owned trainable tensors, three (four with streams) each.
+    // The file holds exactly the owned trainable tensors: master and moments (two f32, or four
+    // 8-bit: codes and absmax of each), and the stream when asked.
     std::size_t owned = 0;
     for (std::size_t l = 0; l < src.store.layers(); ++l)
       for (const offload::TensorState& t : src.store.layer(l))
         owned += t.trainable && !t.tied;
     ASSERT_GT(owned, 0u);
     models::SafetensorsFile file((fs::path(step_dir(40)) / "state.safetensors").string());
-    EXPECT_EQ(file.tensors().size(), owned * (include_stream ? 4 : 3));
+    EXPECT_EQ(file.tensors().size(),
+              owned * (1 + src.moment_views().size() + (include_stream ? 1 : 0)));
 
-    TestStore dst(m, trainable, stream_dtype);
+    TestStore dst(m, trainable, stream_dtype, moments);
     dst.fill_random(true);
     EXPECT_EQ(read_checkpoint(step_dir(40), dst.store, dst.specs), meta);
     const auto after = dst.snapshot();
@@ -194,8 +216,10 @@ class CheckpointTest : public ::testing::Test {
           EXPECT_TRUE(same_bytes(stream, before.at(name + "/stream"))) << name;
           continue;
         }
-        for (const char* s : {"/master", "/m", "/v"})
-          EXPECT_TRUE(same_bytes(after.at(name + s), before.at(name + s))) << name << s;
+        EXPECT_TRUE(same_bytes(after.at(name + "/master"), before.at(name + "/master"))) << name;
+        for (auto [suffix, what] : dst.moment_views())
+          EXPECT_TRUE(same_bytes(after.at(name + suffix), before.at(name + suffix)))
+              << name << suffix;
         if (include_stream) {
           EXPECT_TRUE(same_bytes(stream, before.at(name + "/stream"))) << name << " stream";
         } else {
@@ -231,6 +255,35 @@ TEST_F(CheckpointTest, RoundTripTiedEmbeddingF16) {
 
 TEST_F(CheckpointTest, RoundTripTiedEmbeddingStaleStreamKept) {
   round_trip(qwen2_tied(), all, FloatDType::kBF16, /*stale=*/true, /*include_stream=*/true);
+}
+
+// 8-bit moments (training.optimizer = "adamw_8bit"): their codes and absmax round-trip bit for
+// bit, the tied embedding's with its owner's.
+TEST_F(CheckpointTest, RoundTrip8bitMoments) {
+  round_trip(qwen2_tied(), all, FloatDType::kBF16, /*stale=*/true, /*include_stream=*/true,
+             offload::MomentFormat::kBlockwise8);
+  round_trip(llama(), mlp_and_norms, FloatDType::kF32, /*stale=*/false, /*include_stream=*/false,
+             offload::MomentFormat::kBlockwise8);
+}
+
+// A checkpoint whose moments are kept the other way than the run keeps them is refused in one
+// problem that names the setting, either way round.
+TEST_F(CheckpointTest, ReadRefusesMomentsOfTheOtherFormat) {
+  for (auto [written, read] :
+       {std::pair{offload::MomentFormat::kF32, offload::MomentFormat::kBlockwise8},
+        std::pair{offload::MomentFormat::kBlockwise8, offload::MomentFormat::kF32}}) {
+    TestStore src(llama(), all, FloatDType::kBF16, written);
+    src.fill_random(false);
+    write_checkpoint(step_dir(1), src.store, src.specs, {{"step", 1}}, false);
+    TestStore dst(llama(), all, FloatDType::kBF16, read);
+    const std::string msg =
+        test::error_of([&] { read_checkpoint(step_dir(1), dst.store, dst.specs); });
+    EXPECT_NE(msg.find("this checkpoint keeps the AdamW moments of"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("training.optimizer"), std::string::npos) << msg;
+    EXPECT_EQ(msg.find("unknown tensor"), std::string::npos) << msg;
+    EXPECT_EQ(msg.find("missing"), std::string::npos) << msg;
+    fs::remove_all(step_dir(1));
+  }
 }
 
 TEST_F(CheckpointTest, RoundTripLoraF32) {

@@ -7,6 +7,7 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstring>
 #include <filesystem>
@@ -236,6 +237,80 @@ TEST_F(LayerStoreNvme, PartsOnNvmeRoundTripThroughAccess) {
   }
   // Staging is returned when accesses end.
   EXPECT_EQ(arena.usage()[Purpose::kStaging].bytes, 0u);
+}
+
+// 8-bit moments (MomentFormat::kBlockwise8): per trained tensor n codes of each moment and an
+// absmax per block of 256 elements, no f32 moments; regions disjoint inside the optimizer part, in
+// host memory and on the NVMe tier, accounted at 4 + 2 bytes per element plus 8 per block.
+TEST_F(LayerStoreNvme, EightBitMomentsAreLaidOutAndRoundTrip) {
+  std::vector<LayerDesc> desc = offloaded();
+  desc[1].tensors[1].numel = 70001;  // 274 blocks, the last partial
+  for (LayerDesc& d : desc)
+    d.moments = MomentFormat::kBlockwise8;
+  HostArena arena({.pinning = Pinning::kOff});
+  NvmeStore nvme(options(), LayerStore::nvme_bytes(desc, FloatDType::kBF16));
+  LayerStore store(arena, desc, FloatDType::kBF16, FloatDType::kF32, &nvme);
+  EXPECT_EQ(store.moments(1), MomentFormat::kBlockwise8);
+  // Host layers 0 and 3: one owned trained tensor (embed) and final_norm.
+  const LayerStore::HostBytes hb =
+      LayerStore::host_bytes(desc, FloatDType::kBF16, FloatDType::kF32);
+  const std::size_t embed = up64(22 * 7 * 4) / 4, norm = up64(7 * 4) / 4;  // f32 elements
+  const std::size_t blocks = 2 * (up64(1 * 4) / 4);                        // one block each
+  EXPECT_EQ(hb.masters, (embed + norm) * 4);
+  EXPECT_EQ(hb.optimizer, (embed + norm) * (4 + 2) + 2 * blocks * 4);
+  EXPECT_EQ(arena.usage()[Purpose::kOptimizerState].bytes, hb.optimizer);
+  for (std::size_t l = 0; l < store.layers(); ++l) {
+    LayerAccess a = store.access(l, kOptimizerPart, AccessMode::kOverwrite);
+    std::vector<std::pair<const std::uint8_t*, std::size_t>> spans;
+    for (std::size_t i = 0; i < a.size(); ++i) {
+      const TensorState& t = a[i];
+      if (!t.trainable || t.tied) continue;
+      EXPECT_EQ(t.m, nullptr);
+      EXPECT_EQ(t.v, nullptr);
+      ASSERT_NE(t.m_codes, nullptr);
+      const std::size_t nb = (t.numel + 255) / 256;
+      spans.push_back({reinterpret_cast<const std::uint8_t*>(t.master), t.numel * 4});
+      spans.push_back({t.m_codes, t.numel});
+      spans.push_back({t.v_codes, t.numel});
+      spans.push_back({reinterpret_cast<const std::uint8_t*>(t.m_absmax), nb * 4});
+      spans.push_back({reinterpret_cast<const std::uint8_t*>(t.v_absmax), nb * 4});
+      // Fresh state: all zero (m = v = 0 as bitsandbytes starts).
+      for (std::size_t k = 0; k < t.numel; ++k)
+        ASSERT_EQ(t.m_codes[k] | t.v_codes[k], 0) << t.name;
+      for (std::size_t k = 0; k < t.numel; ++k) {
+        t.master[k] = static_cast<float>(l * 1000 + k);
+        t.m_codes[k] = static_cast<std::uint8_t>(k * 7 + l);
+        t.v_codes[k] = static_cast<std::uint8_t>(k * 13 + l);
+      }
+      for (std::size_t b = 0; b < nb; ++b) {
+        t.m_absmax[b] = static_cast<float>(b) + 0.5f;
+        t.v_absmax[b] = static_cast<float>(b) + 0.25f;
+      }
+    }
+    std::sort(spans.begin(), spans.end());
+    for (std::size_t k = 1; k < spans.size(); ++k)
+      EXPECT_LE(spans[k - 1].first + spans[k - 1].second, spans[k].first) << "layer " << l;
+  }
+  store.flush();
+  for (std::size_t l = 0; l < store.layers(); ++l) {
+    const LayerAccess a = store.access(l, kOptimizerPart, AccessMode::kRead);
+    for (std::size_t i = 0; i < a.size(); ++i) {
+      const TensorState& t = a[i];
+      if (!t.trainable || t.tied) continue;
+      for (std::size_t k = 0; k < t.numel; ++k) {
+        ASSERT_EQ(t.master[k], static_cast<float>(l * 1000 + k)) << t.name;
+        ASSERT_EQ(t.m_codes[k], static_cast<std::uint8_t>(k * 7 + l)) << t.name;
+        ASSERT_EQ(t.v_codes[k], static_cast<std::uint8_t>(k * 13 + l)) << t.name;
+      }
+      for (std::size_t b = 0; b < (t.numel + 255) / 256; ++b) {
+        ASSERT_EQ(t.m_absmax[b], static_cast<float>(b) + 0.5f) << t.name;
+        ASSERT_EQ(t.v_absmax[b], static_cast<float>(b) + 0.25f) << t.name;
+      }
+    }
+  }
+  // The tied embedding views its owner's 8-bit state.
+  EXPECT_EQ(store.layer(3)[1].m_codes, store.layer(0)[0].m_codes);
+  EXPECT_EQ(store.layer(3)[1].v_absmax, store.layer(0)[0].v_absmax);
 }
 
 // One writer updating a part in place while readers (and prefetches) read it, as a device's

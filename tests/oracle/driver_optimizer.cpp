@@ -2,8 +2,10 @@
 //   optimizer <in.json> <out.safetensors>
 //     in.json: {"layers": [[{"name", "numel", "trainable", "tied_to"}, ...], ...],
 //               "init": {name: [f32...]}, "grads": [[{name: [f32...]} per layer] per step],
-//               "lr", "weight_decay", "betas": [b1, b2], "eps", "max_norm"}
-//     writes "s<step>.<name>" (the f32 master after each step, owners only) and "norm<step>".
+//               "lr", "weight_decay", "betas": [b1, b2], "eps", "max_norm",
+//               "moments": "f32" (default) or "8bit"}
+//     writes "s<step>.<name>" (the f32 master after each step, owners only) and "norm<step>";
+//     with 8-bit moments also "s<step>.<name>.{m_codes,m_absmax,v_codes,v_absmax}".
 #include <ATen/ATen.h>
 
 #include <cstring>
@@ -12,6 +14,7 @@
 
 #include "driver.h"
 #include "engine/optimizer.h"
+#include "kernels/cpu/adamw8bit.h"
 #include "kernels/error.h"
 #include "models/safetensors.h"
 
@@ -25,6 +28,8 @@ int optimizer(const std::vector<std::string>& args) {
   std::vector<offload::LayerDesc> layers;
   for (const auto& layer : j["layers"]) {
     offload::LayerDesc d;
+    d.moments = j.value("moments", "f32") == "8bit" ? offload::MomentFormat::kBlockwise8
+                                                    : offload::MomentFormat::kF32;
     for (const auto& t : layer)
       d.tensors.push_back({t["name"], t["numel"], t["trainable"], t.value("tied_to", -1)});
     layers.push_back(d);
@@ -62,10 +67,20 @@ int optimizer(const std::vector<std::string>& args) {
     out.push_back({"norm" + std::to_string(step), at::scalar_tensor(norm, at::kDouble)});
     for (std::size_t l = 0; l < store.layers(); ++l)
       for (const auto& t : store.layer(l))
-        if (t.trainable && !t.tied)
-          out.push_back(
-              {"s" + std::to_string(step) + "." + t.name,
-               at::from_blob(t.master, {static_cast<std::int64_t>(t.numel)}, at::kFloat).clone()});
+        if (t.trainable && !t.tied) {
+          const std::string name = "s" + std::to_string(step) + "." + t.name;
+          const auto n = static_cast<std::int64_t>(t.numel);
+          const auto blocks = static_cast<std::int64_t>(kernels::adamw8bit_blocks(t.numel));
+          out.push_back({name, at::from_blob(t.master, {n}, at::kFloat).clone()});
+          if (t.m_codes) {
+            out.push_back({name + ".m_codes", at::from_blob(t.m_codes, {n}, at::kByte).clone()});
+            out.push_back({name + ".v_codes", at::from_blob(t.v_codes, {n}, at::kByte).clone()});
+            out.push_back(
+                {name + ".m_absmax", at::from_blob(t.m_absmax, {blocks}, at::kFloat).clone()});
+            out.push_back(
+                {name + ".v_absmax", at::from_blob(t.v_absmax, {blocks}, at::kFloat).clone()});
+          }
+        }
   }
   models::write_safetensors(args[1], out);
   return 0;

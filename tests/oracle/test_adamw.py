@@ -14,7 +14,6 @@ kernels/cpu/adamw.cpp), which moves an update by ~1e-7 of its size.
 The 8-bit kernel (kernels/cpu/adamw8bit.h) is compared with bnb.optim.AdamW8bit on the CPU, bit
 for bit: see the section "8-bit AdamW against bitsandbytes" below.
 """
-import contextlib
 import json
 import os
 
@@ -23,7 +22,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from rondo_oracle import driver
+from rondo_oracle import correctly_rounded_sqrt, driver
 
 RTOL = 1e-6
 STEPS = 10
@@ -219,20 +218,6 @@ def test_grad_sum_squares_matches_torch_in_float64(grad_dtype, tmp_path):
 
 BNB_SIZES = [1, 22, 255, 257, 4099, 70_001]
 STATE8 = ("m_codes", "m_absmax", "v_codes", "v_absmax")
-
-
-@contextlib.contextmanager
-def correctly_rounded_sqrt(enabled=True):
-    """torch.Tensor.sqrt through numpy (IEEE sqrt) while bitsandbytes steps."""
-    if not enabled:
-        yield
-        return
-    original = torch.Tensor.sqrt
-    torch.Tensor.sqrt = lambda self: torch.from_numpy(np.sqrt(self.detach().numpy()))
-    try:
-        yield
-    finally:
-        torch.Tensor.sqrt = original
 
 
 def run_bnb8(master, grads, steps, exact_sqrt):
