@@ -78,6 +78,8 @@ std::vector<Field> fields(engine::TrainConfig& c) {
        "NVMe folder for what host memory cannot hold"},
       {"hardware.offload_io", &c.hardware.offload_io, "auto, io_uring, threads"},
       {"hardware.disk_speed", &c.hardware.disk_speed, "offload_dir read speed per second, \"3GB\""},
+      {"hardware.offload_chunk", &c.hardware.offload_chunk,
+       "optimizer state staged at a time per NVMe piece, \"256MB\""},
       {"hardware.disk_space", &c.hardware.disk_space,
        "space the run may use in offload_dir, \"500GB\""},
       {"hardware.gpu", &c.hardware.gpu, "plan for this card: \"RTX 4090\", \"A100\", ..."},

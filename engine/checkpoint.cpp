@@ -234,17 +234,39 @@ std::uint64_t write_checkpoint(const std::string& dir, offload::LayerStore& stor
       entries.push_back({o.spec->name + kStream, model_dtype(store.stream_dtype()), o.spec->shape});
       items.push_back({&o, StateView::kStream});
     }
-  std::optional<offload::LayerAccess> open;  // the layer being written
+  // Masters and moments a chunk at a time (Note [Optimizer chunks] in offload/layer_store.cpp),
+  // so that staging holds a chunk, not a layer. The last chunk stays open: a tensor within one
+  // chunk has it read once for all its kinds of state, one spanning several has each read once
+  // per kind. The streaming copies a layer at a time.
+  std::optional<offload::LayerAccess> open;  // the layer whose streaming copies are being written
   std::size_t open_layer = 0;
+  std::optional<offload::LayerAccess> chunk;
+  std::pair<std::size_t, std::size_t> chunk_at;  // its layer and number
   auto produce = [&](std::size_t k, const models::SafetensorsSink& sink) {
     const Item& it = items[k];
-    if (!open || open_layer != it.owned->layer) {
-      open.reset();
-      open = store.access(it.owned->layer, offload::kStreamPart | offload::kOptimizerPart,
-                          offload::AccessMode::kRead);
-      open_layer = it.owned->layer;
+    const std::size_t layer = it.owned->layer;
+    if (it.what != StateView::kStream) {
+      const auto pieces = store.tensor_pieces(layer, it.owned->index);
+      for (std::size_t j = 0; j < pieces.size(); ++j) {
+        if (!chunk || chunk_at != std::pair{layer, pieces[j].first}) {
+          if (j + 1 < pieces.size()) store.prefetch_chunk(layer, pieces[j + 1].first);
+          chunk.reset();
+          chunk = store.access_chunk(layer, pieces[j].first, offload::AccessMode::kRead);
+          chunk_at = {layer, pieces[j].first};
+        }
+        const std::size_t p = pieces[j].second;
+        const PieceState s = piece_state((*chunk)[p], chunk->piece(p).begin, it.what);
+        sink(s.data, s.bytes);
+      }
+      return;
     }
-    const at::Tensor t = state_view(*open, store, specs, it.owned->layer, it.owned->index, it.what);
+    if (!open || open_layer != layer) {
+      open.reset();
+      open = store.access(layer, offload::kStreamPart, offload::AccessMode::kRead);
+      open_layer = layer;
+    }
+    chunk.reset();
+    const at::Tensor t = state_view(*open, store, specs, layer, it.owned->index, it.what);
     sink(t.data_ptr(), t.nbytes());
   };
 
@@ -260,6 +282,7 @@ std::uint64_t write_checkpoint(const std::string& dir, offload::LayerStore& stor
     // write_safetensors fsyncs the file and its folder (tmp) itself.
     const std::uint64_t tensors_xxh3 =
         models::write_safetensors(tensors_path.string(), entries, {{"format", kFormat}}, produce);
+    chunk.reset();
     open.reset();
     const std::uint64_t tensors_bytes = file_bytes(tensors_path);
     bytes += tensors_bytes;
@@ -462,30 +485,47 @@ nlohmann::json read_checkpoint(const std::string& dir, offload::LayerStore& stor
     throw Error(join_problems(where + ": cannot resume from this checkpoint", shown));
   }
 
-  // Layer by layer, wherever the store keeps it. Every owned trained tensor is in the file, so the
-  // trained streaming copies and the optimizer state are overwritten whole.
-  std::optional<offload::LayerAccess> open;
+  // Wherever the store keeps it: the trained streaming copies a layer at a time, the masters and
+  // moments a chunk at a time (each chunk opened once, as its first piece comes: owned tensors
+  // are in layer and chunk order). Every owned trained tensor is in the file, so both are
+  // overwritten whole.
+  std::optional<offload::LayerAccess> open, chunk;
+  std::size_t chunk_layer = 0, chunk_no = 0;
   for (std::size_t k = 0; k < owned.size(); ++k) {
-    if (!open || (k > 0 && owned[k - 1].layer != owned[k].layer)) {
+    const std::size_t layer = owned[k].layer;
+    if (!open || (k > 0 && owned[k - 1].layer != layer)) {
+      chunk.reset();
       open.reset();
-      open = store.access(owned[k].layer, offload::kStreamPart | offload::kOptimizerPart,
-                          offload::AccessMode::kOverwrite);
+      open = store.access(layer, offload::kStreamPart, offload::AccessMode::kOverwrite);
     }
     const offload::TensorState& t = (*open)[owned[k].index];
     const Source& s = sources[k];
-    std::memcpy(t.master, s.master->data, t.numel * sizeof(float));
-    const std::vector<MomentEntry> moments = moment_entries(store.moments(owned[k].layer));
-    for (std::size_t e = 0; e < moments.size(); ++e) {
-      const at::Tensor into = state_view(*open, store, specs, owned[k].layer, owned[k].index,
-                                         moments[e].what);
-      RONDO_ASSERT(into.nbytes() == s.moments[e]->bytes);
-      std::memcpy(into.data_ptr(), s.moments[e]->data, s.moments[e]->bytes);
+    const std::vector<MomentEntry> moments = moment_entries(store.moments(layer));
+    for (const auto& [c, p] : store.tensor_pieces(layer, owned[k].index)) {
+      if (!chunk || chunk_layer != layer || chunk_no != c) {
+        chunk.reset();
+        chunk = store.access_chunk(layer, c, offload::AccessMode::kOverwrite);
+        chunk_layer = layer;
+        chunk_no = c;
+      }
+      const std::size_t begin = chunk->piece(p).begin;
+      auto fill = [&](StateView what, const models::TensorEntry& from) {
+        const PieceState into = piece_state((*chunk)[p], begin, what);
+        RONDO_ASSERT(into.offset + into.bytes <= from.bytes);
+        std::memcpy(into.data, static_cast<const std::uint8_t*>(from.data) + into.offset,
+                    into.bytes);
+      };
+      fill(StateView::kMaster, *s.master);
+      for (std::size_t e = 0; e < moments.size(); ++e)
+        fill(moments[e].what, *s.moments[e]);
     }
     if (s.stream != nullptr)
       std::memcpy(t.stream, s.stream->data, s.stream->bytes);
     else  // the rounding Optimizer::publish_layer and the AdamW kernel apply
-      kernels::cast_from_f32(t.master, t.stream, store.stream_dtype(), t.numel);
+      kernels::cast_from_f32(reinterpret_cast<const float*>(s.master->data), t.stream,
+                             store.stream_dtype(), t.numel);
   }
+  chunk.reset();
   open.reset();
   store.flush();
   for (std::size_t l = 0; l < store.layers(); ++l) {

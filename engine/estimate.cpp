@@ -208,6 +208,32 @@ std::string percent_mix(const std::map<std::string, std::uint64_t>& bytes) {
   return out;
 }
 
+// Host staging the NVMe tier needs at most during a step (offload::LayerStore, Transfers):
+//  - per device, a window of layers being uploaded and as many read ahead (Transfers,
+//    nvme_window 2): whole layers of frozen and trained weights;
+//  - the optimizer's layer: its trained weights rewritten whole, one chunk of masters and moments
+//    updated and the next read ahead (Note [Optimizer chunks] in offload/layer_store.cpp), and
+//    up to 4 write-backs in flight, each a chunk or a layer's trained weights.
+// Loading and checkpoints stage less: a layer's weights and a chunk or two.
+std::uint64_t nvme_staging(const std::vector<offload::LayerDesc>& layers,
+                           const std::vector<std::array<std::uint64_t, 3>>& parts,
+                           std::uint64_t chunk_bytes, std::uint64_t devices) {
+  std::uint64_t layer_read = 0, trained = 0, chunk = 0;
+  for (std::size_t l = 0; l < layers.size(); ++l) {
+    std::uint64_t r = 0;
+    for (int p : {kBase, kTrained})
+      if (tier_of(layers[l], p) == offload::Tier::kNvme) r += parts[l][p];
+    layer_read = std::max(layer_read, r);
+    if (tier_of(layers[l], kTrained) == offload::Tier::kNvme)
+      trained = std::max(trained, parts[l][kTrained]);
+    if (tier_of(layers[l], kOptimizer) == offload::Tier::kNvme)
+      for (const auto& c : offload::LayerStore::chunks_of(layers[l], chunk_bytes))
+        chunk = std::max(chunk, offload::LayerStore::chunk_record_bytes(c, layers[l].moments));
+  }
+  const std::uint64_t update = trained + 2 * chunk + 4 * std::max(trained, chunk);
+  return 2 * 2 * devices * layer_read + (trained + chunk > 0 ? update : 0);
+}
+
 }  // namespace
 
 std::string Placement::lines() const {
@@ -224,6 +250,9 @@ std::string Placement::lines() const {
     if (p == kOptimizer && !layers.empty() &&
         layers.front().moments == offload::MomentFormat::kBlockwise8)
       out += " (AdamW moments in 8 bits)";
+    if (p == kOptimizer && nvme_part[p] > 0)
+      out += fmt::format(", staged in chunks of {} (hardware.offload_chunk)",
+                         format_bytes(chunk_bytes));
     out += "\n";
   }
   if (host_activations > 0)
@@ -260,6 +289,8 @@ RunEstimate estimate_run(const TrainConfig& config, const models::ModelSummary& 
 
   // --- What the frozen base is kept as ---------------------------------------------------------
   Placement& pl = e.placement;
+  if (!config.hardware.offload_chunk.empty())
+    pl.chunk_bytes = parse_bytes(config.hardware.offload_chunk, "hardware.offload_chunk");
   e.host_overhead = host_fixed_overhead();
   e.host_available = host_free;
   if (!config.hardware.host_memory.empty())
@@ -549,20 +580,7 @@ RunEstimate estimate_run(const TrainConfig& config, const models::ModelSummary& 
     h.masters = hb.masters;
     h.moments = hb.optimizer - hb.masters;
     h.grads = hb.gradients;
-    std::uint64_t layer_read = 0, layer_update = 0;
-    for (std::size_t l = 0; l < layers.size(); ++l) {
-      std::uint64_t r = 0, u = 0;
-      for (int p : {kBase, kTrained})
-        if (tier_of(layers[l], p) == offload::Tier::kNvme) r += parts[l][p];
-      for (int p : {kTrained, kOptimizer})
-        if (tier_of(layers[l], p) == offload::Tier::kNvme) u += parts[l][p];
-      layer_read = std::max(layer_read, r);
-      layer_update = std::max(layer_update, u);
-    }
-    // Per device, a window of layers being uploaded and as many read ahead (offload::Transfers,
-    // nvme_window 2); the optimizer's layer, the next one prefetched, and write-backs in flight
-    // (LayerStore: 4 parts at most, about two layers).
-    h.nvme_staging = 2 * 2 * N * layer_read + 4 * layer_update;
+    h.nvme_staging = nvme_staging(layers, parts, pl.chunk_bytes, N);
     return h;
   };
   e.host = needs(pl.layers);
@@ -616,7 +634,7 @@ RunEstimate estimate_run(const TrainConfig& config, const models::ModelSummary& 
         pl.host_part[p] += parts[l][p];
       }
     }
-  pl.nvme_bytes = offload::LayerStore::nvme_bytes(pl.layers, sd);
+  pl.nvme_bytes = offload::LayerStore::nvme_bytes(pl.layers, sd, pl.chunk_bytes);
   if (pl.activations == offload::Tier::kNvme) {
     pl.spill_bytes = checkpoint_spill_bytes(e.plan, pl.activation_checkpoint_bytes);
     pl.nvme_bytes += pl.spill_bytes;

@@ -48,6 +48,8 @@ struct Placement {
   std::string quantize;  // resolved model.quantize: "none", "nf4", "int8" or "gguf"
   std::string formats;   // what the frozen base is kept as: "NF4 (block 64)", "Q4_1 98%, F32 2%"
   std::uint64_t nvme_bytes = 0;    // on the NVMe tier
+  // hardware.offload_chunk: the most optimizer state of one chunk (offload::LayerStore)
+  std::uint64_t chunk_bytes = offload::kDefaultChunkBytes;
   std::uint64_t offload_free = 0;  // hardware.disk_space, or the free space in offload_dir
   // Bytes of each class in host memory and on NVMe: frozen base, trained weights, optimizer.
   std::uint64_t host_part[3] = {0, 0, 0}, nvme_part[3] = {0, 0, 0};

@@ -112,6 +112,33 @@ at::Tensor view_of(const offload::TensorState& t, const offload::LayerStore& sto
 }
 }  // namespace
 
+PieceState piece_state(const offload::TensorState& view, std::size_t begin, StateView what) {
+  const std::size_t n = view.numel;
+  auto f32 = [&](float* p) {
+    return PieceState{reinterpret_cast<std::uint8_t*>(p), n * sizeof(float), begin * sizeof(float)};
+  };
+  auto absmax = [&](float* p) {
+    return PieceState{reinterpret_cast<std::uint8_t*>(p),
+                      kernels::adamw8bit_blocks(n) * sizeof(float),
+                      begin / kernels::kAdamW8bitBlock * sizeof(float)};
+  };
+  PieceState s;
+  switch (what) {
+    case StateView::kMaster: s = f32(view.master); break;
+    case StateView::kM: s = f32(view.m); break;
+    case StateView::kV: s = f32(view.v); break;
+    case StateView::kMCodes: s = {view.m_codes, n, begin}; break;
+    case StateView::kVCodes: s = {view.v_codes, n, begin}; break;
+    case StateView::kMAbsmax: s = absmax(view.m_absmax); break;
+    case StateView::kVAbsmax: s = absmax(view.v_absmax); break;
+    default: throw InternalError("piece_state: not optimizer state");
+  }
+  if (s.data == nullptr)
+    throw InternalError("piece_state: the view has no state of that kind (the other moment "
+                        "format?)");
+  return s;
+}
+
 at::Tensor state_view(const offload::LayerStore& store, const std::vector<models::LayerSpec>& specs,
                       std::size_t layer, std::size_t index, StateView what) {
   const models::ParamSpec& p = spec_of(specs, store, layer, index);
@@ -142,8 +169,13 @@ void load_weights(offload::LayerStore& store, const std::vector<models::LayerSpe
                   const WeightSource& source) {
   const at::ScalarType sd = scalar_type(store.stream_dtype());
   for (std::size_t l = 0; l < store.layers(); ++l) {
+    // The weights a layer at a time; the masters a chunk at a time (Note [Optimizer chunks] in
+    // offload/layer_store.cpp), each chunk opened once, as its first piece comes, and written
+    // back when the load has moved past it (its moments start at zero).
     const offload::LayerAccess a =
-        store.access(l, offload::kAllParts, offload::AccessMode::kOverwrite);
+        store.access(l, offload::kBasePart | offload::kStreamPart, offload::AccessMode::kOverwrite);
+    std::optional<offload::LayerAccess> chunk;
+    std::size_t chunk_no = 0;
     for (std::size_t i = 0; i < a.size(); ++i) {
       const offload::TensorState& t = a[i];
       if (t.tied) continue;
@@ -175,7 +207,20 @@ void load_weights(offload::LayerStore& store, const std::vector<models::LayerSpe
         } else {
           at::from_blob(t.stream, p.shape, sd).copy_(src);
         }
-        if (t.trainable) at::from_blob(t.master, p.shape, at::kFloat).copy_(src);
+        if (t.trainable) {
+          const at::Tensor flat = src.reshape({-1});
+          for (const auto& [k, pi] : store.tensor_pieces(l, i)) {
+            if (!chunk || chunk_no != k) {
+              chunk.reset();
+              chunk = store.access_chunk(l, k, offload::AccessMode::kOverwrite);
+              chunk_no = k;
+            }
+            const offload::TensorState& v = (*chunk)[pi];
+            at::from_blob(v.master, {static_cast<std::int64_t>(v.numel)}, at::kFloat)
+                .copy_(flat.narrow(0, static_cast<std::int64_t>(chunk->piece(pi).begin),
+                                   static_cast<std::int64_t>(v.numel)));
+          }
+        }
       }
       if (source.done) source.done(p.name);
     }

@@ -66,6 +66,15 @@ void load_weights(offload::LayerStore& store, const std::vector<models::LayerSpe
 // kM, kV: f32 moments; kMCodes, kVCodes (uint8, shaped as the spec) and kMAbsmax, kVAbsmax (f32,
 // one per block of 256 elements: (blocks)): 8-bit moments (offload::MomentFormat::kBlockwise8).
 enum class StateView { kStream, kMaster, kGrad, kM, kV, kMCodes, kMAbsmax, kVCodes, kVAbsmax };
+
+// One kind of optimizer state (kMaster and the moments) of a piece of a tensor, as
+// LayerStore::access_chunk views it: its bytes, and their offset in the whole tensor's state of
+// that kind (e.g. in a checkpoint entry). `begin`: the piece's first element in the tensor.
+struct PieceState {
+  std::uint8_t* data = nullptr;
+  std::size_t bytes = 0, offset = 0;
+};
+PieceState piece_state(const offload::TensorState& view, std::size_t begin, StateView what);
 // A CPU tensor viewing one tensor of the store (no copy), shaped as its spec. Throws Error when
 // the tensor has no such state (a frozen tensor has no master, moments or gradient; 8-bit moments
 // no f32 ones, f32 moments no codes), when the state lives on the NVMe tier (open the layer with

@@ -95,14 +95,21 @@ double Optimizer::begin_step(const std::vector<double>* partial) {
 }
 
 void Optimizer::publish_layer(std::size_t layer) {
-  const offload::LayerAccess opt =
-      store_.access(layer, offload::kOptimizerPart, offload::AccessMode::kRead);
-  // Every trained tensor's streaming copy is rewritten: nothing to read first.
+  // Every trained tensor's streaming copy is rewritten: nothing to read first. The masters are
+  // read a chunk at a time (Note [Optimizer chunks] in offload/layer_store.cpp).
   const offload::LayerAccess out =
       store_.access(layer, offload::kStreamPart, offload::AccessMode::kOverwrite);
-  for (std::size_t i = 0; i < opt.size(); ++i)
-    if (opt[i].trainable && !opt[i].tied)
-      kernels::cast_from_f32(opt[i].master, out[i].stream, store_.stream_dtype(), opt[i].numel);
+  const std::size_t ss = kernels::dtype_size(store_.stream_dtype());
+  for (std::size_t k = 0; k < store_.optimizer_chunks(layer); ++k) {
+    if (k + 1 < store_.optimizer_chunks(layer)) store_.prefetch_chunk(layer, k + 1);
+    const offload::LayerAccess opt = store_.access_chunk(layer, k, offload::AccessMode::kRead);
+    for (std::size_t i = 0; i < opt.size(); ++i) {
+      const offload::OptimizerPiece& piece = opt.piece(i);
+      kernels::cast_from_f32(opt[i].master,
+                             static_cast<std::uint8_t*>(out[piece.tensor].stream) + piece.begin * ss,
+                             store_.stream_dtype(), opt[i].numel);
+    }
+  }
 }
 
 void Optimizer::update_layer(std::size_t layer, bool write_stream) {
@@ -110,20 +117,31 @@ void Optimizer::update_layer(std::size_t layer, bool write_stream) {
   kernels::AdamWParams p = params_;
   p.step = step_;
   p.grad_scale = clip_ * unscale_;
-  // Masters and moments wherever they live (on NVMe: read, prefetched one layer ahead, and
-  // written back); the streaming copies are all rewritten, so not read first.
-  if (layer + 1 < store_.layers()) store_.prefetch(layer + 1, offload::kOptimizerPart);
-  const offload::LayerAccess opt =
-      store_.access(layer, offload::kOptimizerPart, offload::AccessMode::kReadWrite);
+  // Masters and moments wherever they live, a chunk at a time (on NVMe: read, the next chunk —
+  // or the next layer's first — read ahead, and written back); the streaming copies are all
+  // rewritten, so not read first.
   offload::LayerAccess out;
   if (write_stream)
     out = store_.access(layer, offload::kStreamPart, offload::AccessMode::kOverwrite);
-  for (std::size_t i = 0; i < opt.size(); ++i) {
-    const offload::TensorState& t = opt[i];
-    if (!t.trainable || t.tied) continue;
-    kernels::FloatDType dtype;
-    const void* g = gradient(layer, i, dtype);
-    adamw_update(t, g, dtype, write_stream ? out[i].stream : nullptr, store_.stream_dtype(), p);
+  const std::size_t ss = kernels::dtype_size(store_.stream_dtype());
+  const std::size_t chunks = store_.optimizer_chunks(layer);
+  for (std::size_t k = 0; k < chunks; ++k) {
+    if (k + 1 < chunks)
+      store_.prefetch_chunk(layer, k + 1);
+    else if (layer + 1 < store_.layers() && store_.optimizer_chunks(layer + 1) > 0)
+      store_.prefetch_chunk(layer + 1, 0);
+    const offload::LayerAccess opt =
+        store_.access_chunk(layer, k, offload::AccessMode::kReadWrite);
+    for (std::size_t i = 0; i < opt.size(); ++i) {
+      const offload::OptimizerPiece& piece = opt.piece(i);
+      kernels::FloatDType dtype;
+      const auto* g = static_cast<const std::uint8_t*>(gradient(layer, piece.tensor, dtype)) +
+                      piece.begin * kernels::dtype_size(dtype);
+      void* stream = write_stream
+                         ? static_cast<std::uint8_t*>(out[piece.tensor].stream) + piece.begin * ss
+                         : nullptr;
+      adamw_update(opt[i], g, dtype, stream, store_.stream_dtype(), p);
+    }
   }
   // The layer's gradients (tied copies included) start the next step at zero. A tied copy in a
   // later layer is zeroed when that layer is updated, after its owner has read it.

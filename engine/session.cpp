@@ -570,7 +570,7 @@ struct Session::Impl {
     // The store as planned: each part of each layer in host memory or on NVMe, the frozen base
     // kept in the format chosen (est.placement).
     offload::LayerStore store(arena, est.placement.layers, sd, kernels::FloatDType::kF32,
-                              nvme.get());
+                              nvme.get(), est.placement.chunk_bytes);
     // Progress while loading (a large model takes minutes): at most about twice a second, and the
     // last layer always.
     double last_load_event = -1;

@@ -141,6 +141,7 @@ std::vector<std::string> TrainConfig::validate(bool planning) const {
   for (auto [field, value] : {std::pair{"hardware.memory_cap", &hardware.memory_cap},
                               std::pair{"hardware.host_memory", &hardware.host_memory},
                               std::pair{"hardware.disk_speed", &hardware.disk_speed},
+                              std::pair{"hardware.offload_chunk", &hardware.offload_chunk},
                               std::pair{"hardware.disk_space", &hardware.disk_space}}) {
     if (value->empty()) continue;
     try {

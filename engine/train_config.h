@@ -101,6 +101,9 @@ struct HardwareSection {
   std::string disk_speed;           // offload_dir's sequential read speed for planning, e.g.
                                     // "3GB" (per second); "" = 3 GB/s (measure: rondo devices
                                     // --disk DIR)
+  // The most bytes of optimizer state (masters and moments) staged at a time for one piece of a
+  // layer on NVMe, e.g. "256MB"; "" = 256 MiB (offload/layer_store.h).
+  std::string offload_chunk;
   // Plan for a GPU that is not in this machine (`rondo plan` only): a name from the table of
   // common cards (engine/gpus.h: "RTX 4090", "A100", ...) and how many.
   std::string gpu;

@@ -9,6 +9,7 @@
 #include <map>
 #include <optional>
 #include <set>
+#include <tuple>
 #include <utility>
 
 #include "kernels/cpu/adamw8bit.h"
@@ -42,6 +43,12 @@ struct LayerLayout {
   std::size_t grad = 0, opt_elems = 0, opt_blocks = 0;
   std::size_t device = 0;  // both streaming parts on a device (dequantised)
 };
+
+// Bytes of masters and moments for runs of `elems` elements and (8-bit) `blocks` absmax entries.
+std::size_t optimizer_bytes(std::size_t elems, std::size_t blocks, MomentFormat format) {
+  return format == MomentFormat::kF32 ? 3 * elems * sizeof(float)
+                                      : elems * (sizeof(float) + 2) + 2 * blocks * sizeof(float);
+}
 
 std::size_t stored_bytes(const TensorDesc& t, std::size_t ss) {
   if (t.quant.type == kernels::QuantType::kNone) return static_cast<std::size_t>(t.numel) * ss;
@@ -83,9 +90,7 @@ LayerLayout layout_of(const LayerDesc& layer, std::size_t l, kernels::FloatDType
     }
     if (t.trainable) o.grad += align_up(n * gs);
   }
-  o.bytes[2] = layer.moments == MomentFormat::kF32
-                   ? 3 * o.opt_elems * sizeof(float)
-                   : o.opt_elems * (sizeof(float) + 2) + 2 * o.opt_blocks * sizeof(float);
+  o.bytes[2] = optimizer_bytes(o.opt_elems, o.opt_blocks, layer.moments);
   return o;
 }
 
@@ -123,7 +128,109 @@ void bind_optimizer(TensorState& t, std::uint8_t* base, MomentFormat format,
   t.v_absmax = absmax + opt_blocks + block_off;
 }
 
+// Bytes of masters and moments per element (the absmax of 8-bit moments counted apart).
+std::size_t state_bytes_per_element(MomentFormat format) {
+  return format == MomentFormat::kF32 ? 3 * sizeof(float) : sizeof(float) + 2;
+}
+
+// Copies a piece's master and moments between a tensor's views (whole) and the piece's own views
+// (in a chunk record): elements [begin, begin + piece.numel) of the tensor.
+void copy_piece(const TensorState& whole, const TensorState& piece, std::size_t begin,
+                bool into_piece) {
+  auto copy = [&](void* tensor_at, void* piece_at, std::size_t bytes) {
+    if (into_piece)
+      std::memcpy(piece_at, tensor_at, bytes);
+    else
+      std::memcpy(tensor_at, piece_at, bytes);
+  };
+  const std::size_t n = piece.numel;
+  copy(whole.master + begin, piece.master, n * sizeof(float));
+  if (piece.m) {
+    copy(whole.m + begin, piece.m, n * sizeof(float));
+    copy(whole.v + begin, piece.v, n * sizeof(float));
+    return;
+  }
+  const std::size_t b = begin / kernels::kAdamW8bitBlock, nb = kernels::adamw8bit_blocks(n);
+  copy(whole.m_codes + begin, piece.m_codes, n);
+  copy(whole.v_codes + begin, piece.v_codes, n);
+  copy(whole.m_absmax + b, piece.m_absmax, nb * sizeof(float));
+  copy(whole.v_absmax + b, piece.v_absmax, nb * sizeof(float));
+}
+
 }  // namespace
+
+// Note [Optimizer chunks]
+// The optimizer touches a layer's masters and moments once per step, and they are the bulk of
+// its state (12 bytes per parameter in f32, 6 with 8-bit moments): staging them a layer at a time
+// made the NVMe tier's host staging grow with the largest layer — an untied embedding of a large
+// vocabulary is a twentieth of a Llama 3 — so that moving state to the drive could cost more
+// host memory than it saved (issue 34). So a layer's trained tensors are cut, in order, into
+// chunks of at most chunk_bytes of state (a tensor is cut at multiples of kChunkGrain elements,
+// so an 8-bit moment block never straddles two chunks), and an NVMe-resident optimizer part is
+// one NVMe region per chunk holding that chunk's record: its pieces' masters, then their moments,
+// laid out like a small layer (bind_optimizer). The optimizer reads, updates and writes back one
+// chunk at a time (access_chunk), the next chunk read ahead; AdamW is elementwise (and blockwise
+// per 256 elements for 8-bit moments), so chunked updates are bit for bit the layer's. A layer
+// access of the optimizer part (loading, checkpoints, export) still sees the layer's layout: it
+// is gathered from the records and scattered back to them chunk by chunk. Host-resident state is
+// viewed in place, chunked or not.
+std::vector<std::vector<OptimizerPiece>> LayerStore::chunks_of(const LayerDesc& layer,
+                                                               std::uint64_t chunk_bytes) {
+  const std::size_t per_element = state_bytes_per_element(layer.moments);
+  const std::size_t cap =
+      std::max<std::size_t>(kChunkGrain, chunk_bytes / per_element / kChunkGrain * kChunkGrain);
+  std::vector<std::vector<OptimizerPiece>> chunks;
+  std::vector<OptimizerPiece> current;
+  std::size_t filled = 0;
+  auto close = [&] {
+    if (!current.empty()) chunks.push_back(std::move(current));
+    current.clear();
+    filled = 0;
+  };
+  for (std::size_t i = 0; i < layer.tensors.size(); ++i) {
+    const TensorDesc& t = layer.tensors[i];
+    if (!t.trainable || t.tied_to_layer >= 0) continue;
+    const auto numel = static_cast<std::size_t>(t.numel);
+    for (std::size_t begin = 0; begin < numel;) {
+      std::size_t take = std::min(numel - begin, cap - filled);
+      if (take < numel - begin) take = take / kChunkGrain * kChunkGrain;  // a cut: on the grain
+      if (take == 0) {
+        close();
+        continue;
+      }
+      current.push_back({i, begin, take});
+      filled += take;
+      begin += take;
+      if (filled == cap) close();
+    }
+  }
+  close();
+  return chunks;
+}
+
+namespace {
+// A chunk record's layout: its pieces' runs like a layer's (bind_optimizer).
+struct RecordLayout {
+  std::vector<std::size_t> off, block_off;  // per piece
+  std::size_t elems = 0, blocks = 0, bytes = 0;
+};
+RecordLayout record_layout(const std::vector<OptimizerPiece>& chunk, MomentFormat format) {
+  RecordLayout r;
+  for (const OptimizerPiece& p : chunk) {
+    r.off.push_back(r.elems);
+    r.block_off.push_back(r.blocks);
+    r.elems += align_up(p.numel * 4) / 4;
+    r.blocks += align_up(kernels::adamw8bit_blocks(p.numel) * 4) / 4;
+  }
+  r.bytes = optimizer_bytes(r.elems, r.blocks, format);
+  return r;
+}
+}  // namespace
+
+std::uint64_t LayerStore::chunk_record_bytes(const std::vector<OptimizerPiece>& chunk,
+                                             MomentFormat format) {
+  return record_layout(chunk, format).bytes;
+}
 
 const char* to_string(Tier tier) {
   return tier == Tier::kHost ? "host" : "nvme";
@@ -135,9 +242,12 @@ const char* to_string(MomentFormat format) {
 
 // NVMe regions of each layer and the I/O in flight on them.
 struct LayerStore::Regions {
-  std::vector<std::array<Region, 3>> region;  // per layer, by part index
+  // Per layer, by part index; the optimizer part's is unused (see chunk).
+  std::vector<std::array<Region, 3>> region;
+  std::vector<std::vector<Region>> chunk;  // per layer: NVMe optimizer state, a record per chunk
   std::mutex mutex;
-  using Key = std::pair<std::size_t, unsigned>;  // layer, part
+  // Layer, part, chunk (0 for the streaming parts): a unit of staging and I/O.
+  using Key = std::tuple<std::size_t, unsigned, std::size_t>;
   struct Io {
     IoTicket ticket;
     HostBuffer buffer;
@@ -153,6 +263,17 @@ struct LayerStore::Regions {
   // that a stream of readers cannot starve the writer.
   std::map<Key, int> writing;
   std::condition_variable done;
+
+  // A unit's data in a staging buffer of region.bytes (read, taken from a prefetch or a
+  // write-back in flight, or zeros for kOverwrite).
+  HostBuffer stage(NvmeStore* nvme, HostArena& arena, const Key& key, const Region& region,
+                   AccessMode mode);
+  // Starts reading a unit ahead (no-op when a read or a write-back of it is in flight).
+  void prefetch(NvmeStore* nvme, HostArena& arena, const Key& key, const Region& region);
+  // Starts writing `buf` to the unit; write-backs beyond kMaxPendingWrites are taken out into
+  // `evicted` for the caller to wait for (complete()).
+  void submit_write(NvmeStore* nvme, const Key& key, const Region& region, HostBuffer buf,
+                    std::vector<std::pair<Key, Io>>& evicted);
 
   // Under `lock`: waits until no thread is completing, or waiting to submit, a write-back of `key`.
   void settle(std::unique_lock<std::mutex>& lock, const Key& key) {
@@ -182,7 +303,7 @@ struct LayerStore::Regions {
 
 LayerStore::LayerStore(HostArena& arena, const std::vector<LayerDesc>& layers,
                        kernels::FloatDType stream_dtype, kernels::FloatDType grad_dtype,
-                       NvmeStore* nvme)
+                       NvmeStore* nvme, std::uint64_t chunk_bytes)
     : arena_(arena), stream_dtype_(stream_dtype), grad_dtype_(grad_dtype), nvme_(nvme) {
   // First pass: layouts, and the host totals.
   std::vector<LayerLayout> lay;
@@ -214,6 +335,7 @@ LayerStore::LayerStore(HostArena& arena, const std::vector<LayerDesc>& layers,
   optimizer_ = arena.allocate(total[2], Purpose::kOptimizerState);
   regions_ = std::make_unique<Regions>();
   regions_->region.resize(layers.size());
+  regions_->chunk.resize(layers.size());
 
   // Second pass: views. Fresh mmap'd memory is already zero; NVMe parts are written at load.
   auto* wbase = weights_.as<std::uint8_t>();
@@ -281,11 +403,21 @@ LayerStore::LayerStore(HostArena& arena, const std::vector<LayerDesc>& layers,
     base_ranges_.push_back({part_host[0], o.bytes[0]});
     stream_ranges_.push_back({part_host[1], o.bytes[1]});
     grad_ranges_.push_back({gbase ? gbase + grad_base[l] : nullptr, o.grad});
-    static const char* kWhat[3] = {"frozen weights", "trained weights", "optimizer state"};
-    for (int p = 0; p < 3; ++p)
+    static const char* kWhat[2] = {"frozen weights", "trained weights"};
+    for (int p = 0; p < 2; ++p)
       if (tier[p] == Tier::kNvme && o.bytes[p] > 0)
         regions_->region[l][p] = nvme_->reserve(align_up(o.bytes[p], kNvmeAlign),
                                                 "layer " + std::to_string(l) + " " + kWhat[p]);
+    chunks_.push_back(chunks_of(layers[l], chunk_bytes));
+    for (std::size_t k = 0; k < chunks_[l].size(); ++k) {
+      const std::uint64_t bytes = chunk_record_bytes(chunks_[l][k], layers[l].moments);
+      max_chunk_bytes_ = std::max(max_chunk_bytes_, align_up(bytes, kNvmeAlign));
+      if (tier[2] == Tier::kNvme)
+        regions_->chunk[l].push_back(nvme_->reserve(
+            align_up(bytes, kNvmeAlign),
+            "layer " + std::to_string(l) + " optimizer state, chunk " + std::to_string(k + 1) +
+                " of " + std::to_string(chunks_[l].size())));
+    }
   }
 }
 
@@ -299,13 +431,17 @@ LayerStore::~LayerStore() {
 }
 
 std::uint64_t LayerStore::nvme_bytes(const std::vector<LayerDesc>& layers,
-                                     kernels::FloatDType stream_dtype) {
+                                     kernels::FloatDType stream_dtype,
+                                     std::uint64_t chunk_bytes) {
   std::uint64_t total = 0;
   for (std::size_t l = 0; l < layers.size(); ++l) {
     const LayerLayout o = layout_of(layers[l], l, stream_dtype, kernels::FloatDType::kF32);
     const std::array<Tier, 3> t = tiers_of(layers[l]);
-    for (int p = 0; p < 3; ++p)
+    for (int p = 0; p < 2; ++p)
       if (t[p] == Tier::kNvme) total += align_up(o.bytes[p], kNvmeAlign);
+    if (t[2] == Tier::kNvme)
+      for (const auto& chunk : chunks_of(layers[l], chunk_bytes))
+        total += align_up(chunk_record_bytes(chunk, layers[l].moments), kNvmeAlign);
   }
   return total;
 }
@@ -359,8 +495,10 @@ LayerAccess& LayerAccess::operator=(LayerAccess&& other) noexcept {
     finish();
     store_ = std::exchange(other.store_, nullptr);
     layer_ = other.layer_;
+    chunk_ = other.chunk_;
     write_ = other.write_;
     tensors_ = std::move(other.tensors_);
+    pieces_ = std::move(other.pieces_);
     base_ = other.base_;
     stream_ = other.stream_;
     for (int p = 0; p < 3; ++p)
@@ -375,18 +513,178 @@ LayerAccess::~LayerAccess() {
 
 void LayerAccess::finish() noexcept {
   if (store_ && write_ && (staged_[0] || staged_[1] || staged_[2])) store_->write_back(*this);
+  pieces_.clear();
   store_ = nullptr;
   for (HostBuffer& b : staged_)
     b.reset();
 }
 
+HostBuffer LayerStore::Regions::stage(NvmeStore* nvme, HostArena& arena, const Key& key,
+                                      const Region& region, AccessMode mode) {
+  // A unit's staging buffer: its write-back still in flight (the data is that), a prefetch, or
+  // a fresh read.
+  std::optional<Io> prefetched;
+  std::vector<std::pair<Key, Io>> pending;
+  const bool fresh_read_needed = mode != AccessMode::kOverwrite;
+  bool counted = false;  // counted in `reading` while our read is in flight
+  {
+    std::unique_lock<std::mutex> lock(mutex);
+    settle(lock, key);
+    if (auto it = writes.find(key); it != writes.end()) {
+      pending.emplace_back(key, std::move(it->second));
+      writes.erase(it);
+      write_order.erase(std::find(write_order.begin(), write_order.end(), key));
+      completing.insert(key);
+    } else if (auto it = reads.find(key); it != reads.end()) {
+      prefetched = std::move(it->second);
+      reads.erase(it);
+      counted = true;
+    } else {
+      counted = fresh_read_needed;
+    }
+    if (counted) ++reading[key];
+  }
+  // A write-back of this unit waits until our read has ended (a write may not overtake a read:
+  // the drive would hand back a mix, and the checksum would be the new one's).
+  struct ReadDone {
+    Regions& r;
+    const Key& key;
+    bool counted;
+    ~ReadDone() {
+      if (!counted) return;
+      {
+        std::lock_guard<std::mutex> lock(r.mutex);
+        if (--r.reading[key] == 0) r.reading.erase(key);
+      }
+      r.done.notify_all();
+    }
+  } read_done{*this, key, counted};
+  HostBuffer buf;
+  if (!pending.empty()) {
+    // The data is the buffer being written: wait for the write (the buffer must not change
+    // while it is written, and other readers wait for the drive to hold it), then use it.
+    if (std::exception_ptr e = complete(nvme, pending)) std::rethrow_exception(e);
+    buf = std::move(pending.front().second.buffer);
+  } else if (prefetched) {
+    nvme->wait(prefetched->ticket);
+    buf = std::move(prefetched->buffer);
+  } else {
+    buf = arena.allocate(region.bytes, Purpose::kStaging);  // fresh pages: zeros
+    if (fresh_read_needed) {
+      IoTicket t = nvme->read(region, 0, buf.data(), region.bytes);
+      nvme->wait(t);
+    }
+    return buf;
+  }
+  if (mode == AccessMode::kOverwrite) std::memset(buf.data(), 0, buf.bytes());
+  return buf;
+}
+
+void LayerStore::Regions::prefetch(NvmeStore* nvme, HostArena& arena, const Key& key,
+                                   const Region& region) {
+  std::unique_lock<std::mutex> lock(mutex);
+  settle(lock, key);
+  // A write-back in flight already holds the data; a prefetch is already under way.
+  if (writes.count(key) || reads.count(key)) return;
+  Io io;
+  io.buffer = arena.allocate(region.bytes, Purpose::kStaging);
+  io.ticket = nvme->read(region, 0, io.buffer.data(), region.bytes);
+  reads.emplace(key, std::move(io));
+}
+
+void LayerStore::Regions::submit_write(NvmeStore* nvme, const Key& key, const Region& region,
+                                       HostBuffer buf, std::vector<std::pair<Key, Io>>& evicted) {
+  std::unique_lock<std::mutex> lock(mutex);
+  // No read of the unit may be in flight when its write starts (see stage()): hold new readers
+  // back, wait for those in flight, and drop a prefetch (it read the old data).
+  ++writing[key];
+  struct Submitted {  // lets new readers go on (under the lock), however this scope ends
+    Regions& r;
+    const Key& key;
+    ~Submitted() {
+      if (--r.writing[key] == 0) r.writing.erase(key);
+      r.done.notify_all();
+    }
+  } submitted{*this, key};
+  for (;;) {
+    done.wait(lock, [&] { return reading.count(key) == 0 && completing.count(key) == 0; });
+    auto it = reads.find(key);
+    if (it == reads.end()) break;
+    std::vector<std::pair<Key, Io>> stale;
+    stale.emplace_back(key, std::move(it->second));
+    reads.erase(it);
+    completing.insert(key);
+    lock.unlock();
+    complete(nvme, stale);  // its data is stale; an error of it does not matter now
+    lock.lock();
+  }
+  Io io;
+  io.ticket = nvme->write(region, 0, buf.data(), region.bytes);  // submitted, not waited
+  io.buffer = std::move(buf);
+  writes.emplace(key, std::move(io));
+  write_order.push_back(key);
+  while (write_order.size() > kMaxPendingWrites) {
+    const Key old = write_order.front();
+    auto it = writes.find(old);
+    evicted.emplace_back(old, std::move(it->second));
+    writes.erase(it);
+    write_order.pop_front();
+    completing.insert(old);
+  }
+}
+
+std::vector<TensorState> LayerStore::chunk_views(std::size_t layer, std::size_t chunk,
+                                                 std::uint8_t* record) const {
+  const std::vector<OptimizerPiece>& pieces = chunks_[layer][chunk];
+  const RecordLayout rl = record_layout(pieces, moments_[layer]);
+  std::vector<TensorState> views;
+  for (std::size_t i = 0; i < pieces.size(); ++i) {
+    const OptimizerPiece& p = pieces[i];
+    const TensorState& t = layers_[layer][p.tensor];
+    TensorState v;
+    v.name = t.name;
+    v.numel = p.numel;
+    v.trainable = true;
+    if (record) {
+      bind_optimizer(v, record, moments_[layer], rl.elems, rl.blocks, rl.off[i], rl.block_off[i]);
+    } else {  // in place in the host arena
+      const std::size_t b = p.begin / kernels::kAdamW8bitBlock;
+      v.master = t.master + p.begin;
+      if (t.m) {
+        v.m = t.m + p.begin;
+        v.v = t.v + p.begin;
+      } else {
+        v.m_codes = t.m_codes + p.begin;
+        v.v_codes = t.v_codes + p.begin;
+        v.m_absmax = t.m_absmax + b;
+        v.v_absmax = t.v_absmax + b;
+      }
+    }
+    views.push_back(std::move(v));
+  }
+  return views;
+}
+
+std::vector<std::pair<std::size_t, std::size_t>> LayerStore::tensor_pieces(
+    std::size_t layer, std::size_t index) const {
+  std::vector<std::pair<std::size_t, std::size_t>> out;
+  const auto& chunks = chunks_.at(layer);
+  for (std::size_t k = 0; k < chunks.size(); ++k)
+    for (std::size_t p = 0; p < chunks[k].size(); ++p)
+      if (chunks[k][p].tensor == index) out.emplace_back(k, p);
+  return out;
+}
+
+void LayerStore::rethrow_write_error() {
+  Regions& r = *regions_;
+  std::lock_guard<std::mutex> lock(r.mutex);
+  if (r.write_error) std::rethrow_exception(std::exchange(r.write_error, nullptr));
+}
+
 LayerAccess LayerStore::access(std::size_t layer, unsigned parts, AccessMode mode) {
   RONDO_ASSERT(layer < layers_.size());
   Regions& r = *regions_;
-  {
-    std::lock_guard<std::mutex> lock(r.mutex);
-    if (r.write_error) std::rethrow_exception(std::exchange(r.write_error, nullptr));
-  }
+  rethrow_write_error();
   LayerAccess a;
   a.store_ = this;
   a.layer_ = layer;
@@ -394,75 +692,17 @@ LayerAccess LayerStore::access(std::size_t layer, unsigned parts, AccessMode mod
   a.tensors_ = layers_[layer];
   a.base_ = base_ranges_[layer];
   a.stream_ = stream_ranges_[layer];
-  // A part's staging buffer: its write-back still in flight (the data is that), a prefetch, or
-  // a fresh read.
-  auto stage = [&](unsigned part) -> HostBuffer {
-    const Region region = r.region[layer][part_index(part)];
-    const Regions::Key key{layer, part};
-    std::optional<Regions::Io> prefetched;
-    std::vector<std::pair<Regions::Key, Regions::Io>> pending;
-    const bool fresh_read_needed = mode != AccessMode::kOverwrite;
-    bool reading = false;  // counted in r.reading while our read is in flight
-    {
-      std::unique_lock<std::mutex> lock(r.mutex);
-      r.settle(lock, key);
-      if (auto it = r.writes.find(key); it != r.writes.end()) {
-        pending.emplace_back(key, std::move(it->second));
-        r.writes.erase(it);
-        r.write_order.erase(std::find(r.write_order.begin(), r.write_order.end(), key));
-        r.completing.insert(key);
-      } else if (auto it = r.reads.find(key); it != r.reads.end()) {
-        prefetched = std::move(it->second);
-        r.reads.erase(it);
-        reading = true;
-      } else {
-        reading = fresh_read_needed;
-      }
-      if (reading) ++r.reading[key];
-    }
-    // A write-back of this part waits until our read has ended (a write may not overtake a read:
-    // the drive would hand back a mix, and the checksum would be the new one's).
-    struct ReadDone {
-      Regions& r;
-      Regions::Key key;
-      bool counted;
-      ~ReadDone() {
-        if (!counted) return;
-        {
-          std::lock_guard<std::mutex> lock(r.mutex);
-          if (--r.reading[key] == 0) r.reading.erase(key);
-        }
-        r.done.notify_all();
-      }
-    } read_done{r, key, reading};
-    HostBuffer buf;
-    if (!pending.empty()) {
-      // The data is the buffer being written: wait for the write (the buffer must not change
-      // while it is written, and other readers wait for the drive to hold it), then use it.
-      if (std::exception_ptr e = r.complete(nvme_, pending)) std::rethrow_exception(e);
-      buf = std::move(pending.front().second.buffer);
-    } else if (prefetched) {
-      nvme_->wait(prefetched->ticket);
-      buf = std::move(prefetched->buffer);
-    } else {
-      buf = arena_.allocate(region.bytes, Purpose::kStaging);  // fresh pages: zeros
-      if (fresh_read_needed) {
-        IoTicket t = nvme_->read(region, 0, buf.data(), region.bytes);
-        nvme_->wait(t);
-      }
-      return buf;
-    }
-    if (mode == AccessMode::kOverwrite) std::memset(buf.data(), 0, buf.bytes());
-    return buf;
-  };
   for (unsigned part : kParts) {
     const int p = part_index(part);
-    if (!(parts & part) || tiers_[layer][p] != Tier::kNvme || r.region[layer][p].bytes == 0)
-      continue;
-    a.staged_[p] = stage(part);
-    auto* base = a.staged_[p].as<std::uint8_t>();
+    if (!(parts & part) || tiers_[layer][p] != Tier::kNvme) continue;
     if (part == kOptimizerPart) {
-      // Trainable tensors' runs in master and moments, in layout order.
+      const std::size_t chunks = chunks_[layer].size();
+      if (chunks == 0) continue;
+      // The layer's layout gathered from its chunk records, the next record read ahead.
+      a.staged_[p] = arena_.allocate(
+          optimizer_bytes(opt_elems_[layer], opt_blocks_[layer], moments_[layer]),
+          Purpose::kStaging);
+      auto* base = a.staged_[p].as<std::uint8_t>();
       std::size_t off = 0, block_off = 0;
       for (TensorState& t : a.tensors_) {
         if (t.tied || !t.trainable) continue;
@@ -471,13 +711,55 @@ LayerAccess LayerStore::access(std::size_t layer, unsigned parts, AccessMode mod
         off += align_up(t.numel * 4) / 4;
         block_off += align_up(kernels::adamw8bit_blocks(t.numel) * 4) / 4;
       }
-    } else {
-      (part == kBasePart ? a.base_ : a.stream_).data = base;
-      for (TensorState& t : a.tensors_)
-        if (!t.tied && stream_part(t) == part) t.stream = base + t.stream_offset;
+      if (mode == AccessMode::kOverwrite) continue;  // fresh pages: zeros
+      for (std::size_t k = 0; k < chunks; ++k) {
+        if (k + 1 < chunks) prefetch_chunk(layer, k + 1);
+        const HostBuffer record =
+            r.stage(nvme_, arena_, {layer, part, k}, r.chunk[layer][k], AccessMode::kRead);
+        const std::vector<TensorState> views = chunk_views(layer, k, record.as<std::uint8_t>());
+        for (std::size_t i = 0; i < views.size(); ++i) {
+          const OptimizerPiece& piece = chunks_[layer][k][i];
+          copy_piece(a.tensors_[piece.tensor], views[i], piece.begin, /*into_piece=*/false);
+        }
+      }
+      continue;
     }
+    const Region region = r.region[layer][p];
+    if (region.bytes == 0) continue;
+    a.staged_[p] = r.stage(nvme_, arena_, {layer, part, 0}, region, mode);
+    auto* base = a.staged_[p].as<std::uint8_t>();
+    (part == kBasePart ? a.base_ : a.stream_).data = base;
+    for (TensorState& t : a.tensors_)
+      if (!t.tied && stream_part(t) == part) t.stream = base + t.stream_offset;
   }
   return a;
+}
+
+LayerAccess LayerStore::access_chunk(std::size_t layer, std::size_t chunk, AccessMode mode) {
+  RONDO_ASSERT(layer < layers_.size() && chunk < chunks_[layer].size());
+  rethrow_write_error();
+  LayerAccess a;
+  a.store_ = this;
+  a.layer_ = layer;
+  a.chunk_ = chunk;
+  a.write_ = mode != AccessMode::kRead;
+  a.pieces_ = chunks_[layer][chunk];
+  std::uint8_t* record = nullptr;
+  if (tiers_[layer][2] == Tier::kNvme) {
+    Regions& r = *regions_;
+    a.staged_[2] =
+        r.stage(nvme_, arena_, {layer, kOptimizerPart, chunk}, r.chunk[layer][chunk], mode);
+    record = a.staged_[2].as<std::uint8_t>();
+  }
+  a.tensors_ = chunk_views(layer, chunk, record);
+  return a;
+}
+
+void LayerStore::prefetch_chunk(std::size_t layer, std::size_t chunk) {
+  RONDO_ASSERT(layer < layers_.size() && chunk < chunks_[layer].size());
+  if (tiers_[layer][2] != Tier::kNvme) return;
+  Regions& r = *regions_;
+  r.prefetch(nvme_, arena_, {layer, kOptimizerPart, chunk}, r.chunk[layer][chunk]);
 }
 
 void LayerStore::prefetch(std::size_t layer, unsigned parts) {
@@ -485,17 +767,13 @@ void LayerStore::prefetch(std::size_t layer, unsigned parts) {
   Regions& r = *regions_;
   for (unsigned part : kParts) {
     const int p = part_index(part);
+    if (!(parts & part) || tiers_[layer][p] != Tier::kNvme) continue;
+    if (part == kOptimizerPart) {
+      if (!chunks_[layer].empty()) prefetch_chunk(layer, 0);
+      continue;
+    }
     const Region region = r.region[layer][p];
-    if (!(parts & part) || tiers_[layer][p] != Tier::kNvme || region.bytes == 0) continue;
-    const Regions::Key key{layer, part};
-    std::unique_lock<std::mutex> lock(r.mutex);
-    r.settle(lock, key);
-    // A write-back in flight already holds the data; a prefetch is already under way.
-    if (r.writes.count(key) || r.reads.count(key)) continue;
-    Regions::Io io;
-    io.buffer = arena_.allocate(region.bytes, Purpose::kStaging);
-    io.ticket = nvme_->read(region, 0, io.buffer.data(), region.bytes);
-    r.reads.emplace(key, std::move(io));
+    if (region.bytes != 0) r.prefetch(nvme_, arena_, {layer, part, 0}, region);
   }
 }
 
@@ -503,56 +781,44 @@ void LayerStore::write_back(LayerAccess& a) noexcept {
   Regions& r = *regions_;
   std::vector<std::pair<Regions::Key, Regions::Io>> evicted;  // waited for outside the lock
   std::exception_ptr error;
+  // Each submit may evict older write-backs; they are waited for as we go, so that staging stays
+  // bounded while a whole optimizer part is scattered into its records.
+  auto complete_evicted = [&] {
+    if (std::exception_ptr e = r.complete(nvme_, evicted); e && !error) error = e;
+    evicted.clear();
+  };
   try {
     for (unsigned part : kParts) {
-      HostBuffer& buf = a.staged_[part_index(part)];
+      const int p = part_index(part);
+      HostBuffer& buf = a.staged_[p];
       if (!buf) continue;
-      const Region region = r.region[a.layer_][part_index(part)];
-      const Regions::Key key{a.layer_, part};
-      std::unique_lock<std::mutex> lock(r.mutex);
-      // No read of the part may be in flight when its write starts (see stage() in access()):
-      // hold new readers back, wait for those in flight, and drop a prefetch (it read the old
-      // data).
-      ++r.writing[key];
-      struct Submitted {  // lets new readers go on (under the lock), however this scope ends
-        Regions& r;
-        const Regions::Key& key;
-        ~Submitted() {
-          if (--r.writing[key] == 0) r.writing.erase(key);
-          r.done.notify_all();
+      if (part != kOptimizerPart) {
+        r.submit_write(nvme_, {a.layer_, part, 0}, r.region[a.layer_][p], std::move(buf),
+                       evicted);
+      } else if (a.chunk_ != SIZE_MAX) {
+        r.submit_write(nvme_, {a.layer_, part, a.chunk_}, r.chunk[a.layer_][a.chunk_],
+                       std::move(buf), evicted);
+      } else {  // a layer access: scattered back into the chunk records
+        for (std::size_t k = 0; k < chunks_[a.layer_].size(); ++k) {
+          HostBuffer record = arena_.allocate(r.chunk[a.layer_][k].bytes, Purpose::kStaging);
+          const std::vector<TensorState> views =
+              chunk_views(a.layer_, k, record.as<std::uint8_t>());
+          for (std::size_t i = 0; i < views.size(); ++i) {
+            const OptimizerPiece& piece = chunks_[a.layer_][k][i];
+            copy_piece(a.tensors_[piece.tensor], views[i], piece.begin, /*into_piece=*/true);
+          }
+          r.submit_write(nvme_, {a.layer_, part, k}, r.chunk[a.layer_][k], std::move(record),
+                         evicted);
+          complete_evicted();
         }
-      } submitted{r, key};
-      for (;;) {
-        r.done.wait(lock,
-                    [&] { return r.reading.count(key) == 0 && r.completing.count(key) == 0; });
-        auto it = r.reads.find(key);
-        if (it == r.reads.end()) break;
-        std::vector<std::pair<Regions::Key, Regions::Io>> stale;
-        stale.emplace_back(key, std::move(it->second));
-        r.reads.erase(it);
-        r.completing.insert(key);
-        lock.unlock();
-        r.complete(nvme_, stale);  // its data is stale; an error of it does not matter now
-        lock.lock();
+        buf.reset();
       }
-      Regions::Io io;
-      io.ticket = nvme_->write(region, 0, buf.data(), region.bytes);  // submitted, not waited
-      io.buffer = std::move(buf);
-      r.writes.emplace(key, std::move(io));
-      r.write_order.push_back(key);
-      while (r.write_order.size() > kMaxPendingWrites) {
-        const Regions::Key old = r.write_order.front();
-        auto it = r.writes.find(old);
-        evicted.emplace_back(old, std::move(it->second));
-        r.writes.erase(it);
-        r.write_order.pop_front();
-        r.completing.insert(old);
-      }
+      complete_evicted();
     }
   } catch (...) {
-    error = std::current_exception();
+    if (!error) error = std::current_exception();
   }
-  if (std::exception_ptr e = r.complete(nvme_, evicted); e && !error) error = e;
+  complete_evicted();
   if (error) {
     std::lock_guard<std::mutex> lock(r.mutex);
     if (!r.write_error) r.write_error = error;

@@ -15,6 +15,10 @@
 // state (master, m, v) — lives in host memory or on the NVMe tier (an NvmeStore), as the planner
 // placed it (Tier). State on NVMe is reached only through access(): it is read into host staging
 // memory and written back when the access ends.
+// Optimizer state moves in chunks (Note [Optimizer chunks] in layer_store.cpp): a layer's trained
+// tensors are cut into pieces of at most chunk_bytes of masters and moments together, and on NVMe
+// each chunk is a record of its own, so that the optimizer stages one chunk (access_chunk), not a
+// whole layer — an embedding of a large vocabulary included.
 // A tied tensor (the LM head that is the embedding) is stored once, by its owner; the tying layer
 // views the owner's streaming copy and master, but gets a gradient buffer of its own (each layer's
 // job downloads its own gradient; the optimizer adds them). Layers with ties stay in host memory.
@@ -105,6 +109,18 @@ struct ByteRange {
   std::size_t bytes = 0;
 };
 
+// Elements [begin, begin + numel) of trainable tensor `tensor` (an index in the layer) in one
+// optimizer chunk; begin is a multiple of kChunkGrain.
+struct OptimizerPiece {
+  std::size_t tensor = 0;
+  std::size_t begin = 0, numel = 0;
+};
+// Chunks cut tensors at multiples of this many elements: the 8-bit moments' block
+// (kernels::kAdamW8bitBlock), so that a block's absmax belongs to one chunk.
+inline constexpr std::size_t kChunkGrain = 256;
+// hardware.offload_chunk's default: RoundPipe's and ZeRO-Infinity's order of size.
+inline constexpr std::uint64_t kDefaultChunkBytes = 256ull << 20;
+
 // Parts of a layer's state, for access() and prefetch(): the frozen tensors' streaming copies,
 // the trainable tensors' streaming copies, their masters and moments.
 inline constexpr unsigned kBasePart = 1, kStreamPart = 2, kOptimizerPart = 4;
@@ -136,7 +152,11 @@ class LayerAccess {
   ~LayerAccess();
 
   std::size_t size() const { return tensors_.size(); }
+  // A layer access: the layer's tensors. A chunk access (LayerStore::access_chunk): the chunk's
+  // pieces, each a TensorState whose numel, master and moments are the piece's own (the name
+  // and flags the tensor's; stream and grad null), piece(i) saying where it lies.
   const TensorState& operator[](std::size_t i) const { return tensors_.at(i); }
+  const OptimizerPiece& piece(std::size_t i) const { return pieces_.at(i); }
   const std::vector<TensorState>& tensors() const { return tensors_; }
   // One of the layer's streaming regions (kBasePart or kStreamPart) in host memory (staged when
   // on NVMe); needs that part opened.
@@ -147,8 +167,10 @@ class LayerAccess {
   void finish() noexcept;
   LayerStore* store_ = nullptr;
   std::size_t layer_ = 0;
+  std::size_t chunk_ = SIZE_MAX;  // SIZE_MAX: a layer access
   bool write_ = false;
   std::vector<TensorState> tensors_;
+  std::vector<OptimizerPiece> pieces_;
   ByteRange base_, stream_;
   HostBuffer staged_[3];  // NVMe parts, by part index (base, stream, optimizer)
 };
@@ -160,16 +182,25 @@ class LayerStore {
   // on Tier::kNvme; size it with nvme_bytes()). Throws Error for inconsistent descriptions (a tie
   // to a later layer or to a missing tensor, a trainable quantised tensor, NVMe without a store,
   // a layer with ties on NVMe, ...).
+  // `chunk_bytes`: the most bytes of masters and moments in one optimizer chunk.
   LayerStore(HostArena& arena, const std::vector<LayerDesc>& layers,
              kernels::FloatDType stream_dtype, kernels::FloatDType grad_dtype,
-             NvmeStore* nvme = nullptr);
+             NvmeStore* nvme = nullptr, std::uint64_t chunk_bytes = kDefaultChunkBytes);
   ~LayerStore();
   LayerStore(const LayerStore&) = delete;
   LayerStore& operator=(const LayerStore&) = delete;
 
   // Bytes the NVMe tier must hold for these layers (each region rounded up to 4 KiB).
   static std::uint64_t nvme_bytes(const std::vector<LayerDesc>& layers,
-                                  kernels::FloatDType stream_dtype);
+                                  kernels::FloatDType stream_dtype,
+                                  std::uint64_t chunk_bytes = kDefaultChunkBytes);
+  // A layer's optimizer chunks: each a list of pieces of its trainable untied tensors, in order,
+  // of at most chunk_bytes of masters and moments (one piece of kChunkGrain elements at least).
+  static std::vector<std::vector<OptimizerPiece>> chunks_of(const LayerDesc& layer,
+                                                           std::uint64_t chunk_bytes);
+  // Bytes of one chunk's record (its masters and moments, as staged).
+  static std::uint64_t chunk_record_bytes(const std::vector<OptimizerPiece>& chunk,
+                                          MomentFormat format);
   // Bytes of each part of layer `layer` (frozen weights, trained weights, optimizer state) as
   // stored, wherever they live.
   static std::array<std::uint64_t, 3> part_bytes(const std::vector<LayerDesc>& layers,
@@ -212,8 +243,26 @@ class LayerStore {
   // when staging would pass the host budget.
   LayerAccess access(std::size_t layer, unsigned parts, AccessMode mode);
   // Starts reading the NVMe-resident `parts` of a layer into staging memory so that a later
-  // access() finds them there. No-op for host-resident parts or when already prefetched.
+  // access() finds them there. No-op for host-resident parts or when already prefetched. For the
+  // optimizer part, only its first chunk is read ahead.
   void prefetch(std::size_t layer, unsigned parts);
+
+  // The layer's optimizer chunks (none without trained tensors) and their pieces.
+  std::size_t optimizer_chunks(std::size_t layer) const { return chunks_.at(layer).size(); }
+  const std::vector<OptimizerPiece>& optimizer_chunk(std::size_t layer, std::size_t chunk) const {
+    return chunks_.at(layer).at(chunk);
+  }
+  // Host views of one optimizer chunk's masters and moments (see LayerAccess), as access() for
+  // the optimizer part: in place where the layer's optimizer state is in host memory, else staged
+  // (only this chunk) and written back when the access ends unless `mode` only reads.
+  LayerAccess access_chunk(std::size_t layer, std::size_t chunk, AccessMode mode);
+  // Starts reading an NVMe-resident chunk ahead of its access_chunk(); no-op otherwise.
+  void prefetch_chunk(std::size_t layer, std::size_t chunk);
+  // Where tensor `index` of the layer lies in its chunks: (chunk, piece) pairs in element order.
+  std::vector<std::pair<std::size_t, std::size_t>> tensor_pieces(std::size_t layer,
+                                                                 std::size_t index) const;
+  // The largest chunk record of any layer (what one staged chunk takes).
+  std::uint64_t max_chunk_bytes() const { return max_chunk_bytes_; }
   // Waits for every write-back; throws the first I/O error one met.
   void flush();
 
@@ -225,6 +274,10 @@ class LayerStore {
   friend class LayerAccess;
   struct Regions;  // NVMe regions and I/O in flight (layer_store.cpp)
   void write_back(LayerAccess& a) noexcept;
+  void rethrow_write_error();  // the first failed write-back not yet reported
+  // Host views of a chunk's pieces in a record at `record` (staged) or in the host arena (null).
+  std::vector<TensorState> chunk_views(std::size_t layer, std::size_t chunk,
+                                       std::uint8_t* record) const;
 
   HostArena& arena_;
   kernels::FloatDType stream_dtype_, grad_dtype_;
@@ -236,6 +289,8 @@ class LayerStore {
   std::vector<std::size_t> opt_elems_;   // per layer: elements of each of master, m, v
   std::vector<std::size_t> opt_blocks_;  // per layer, 8-bit moments: absmax entries of each
   std::vector<MomentFormat> moments_;    // per layer
+  std::vector<std::vector<std::vector<OptimizerPiece>>> chunks_;  // per layer, per chunk
+  std::uint64_t max_chunk_bytes_ = 0;
   HostBuffer weights_, gradients_, optimizer_;
   std::unique_ptr<Regions> regions_;
 };

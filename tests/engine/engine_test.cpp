@@ -135,6 +135,7 @@ struct StorePlacement {
   std::function<void(std::vector<offload::LayerDesc>&)> edit;
   std::string nvme_dir;
   kernels::FloatDType grad_dtype = kernels::FloatDType::kF32;
+  std::uint64_t chunk_bytes = offload::kDefaultChunkBytes;  // optimizer chunks
 };
 
 EngineRun run_engine(const Case& s, const Plan& plan, int devices, EngineOptions options = {},
@@ -147,10 +148,11 @@ EngineRun run_engine(const Case& s, const Plan& plan, int devices, EngineOptions
   if (!placement.nvme_dir.empty())
     nvme = std::make_unique<offload::NvmeStore>(
         offload::NvmeStoreOptions{.dir = placement.nvme_dir},
-        offload::LayerStore::nvme_bytes(descs, kernels::FloatDType::kF32) +
+        offload::LayerStore::nvme_bytes(descs, kernels::FloatDType::kF32,
+                                        placement.chunk_bytes) +
             options.spill_checkpoint_bytes);
   offload::LayerStore store(arena, descs, kernels::FloatDType::kF32, placement.grad_dtype,
-                            nvme.get());
+                            nvme.get(), placement.chunk_bytes);
   load_weights(store, s.specs, [&](const std::string& n) { return s.weights.at(n); });
   auto devs = sim_devices(devices, 1ull << 30, link);
   EngineRun out;
@@ -454,8 +456,10 @@ TEST(Engine, LoraOnExpertsTrainsLikeThePlainLoop) {
 }
 
 // The NVMe tier changes where bytes live, not what is computed: full fine-tuning with every
-// block's weights, masters and moments on NVMe, and LoRA with the (quantised) frozen base on
-// NVMe, end bit for bit where the same runs held in host memory end.
+// block's weights, masters and moments on NVMe (the optimizer state in the default chunks, and
+// in chunks of 256 elements that cut the blocks' matrices, 8-bit moments too), and LoRA with
+// the (quantised) frozen base on NVMe, end bit for bit where the same runs held in host memory
+// end.
 TEST(Engine, NvmeTierTrainsBitForBitLikeHostMemory) {
   const unsigned seed = std::random_device{}();
   std::printf("seed %u\n", seed);
@@ -481,6 +485,26 @@ TEST(Engine, NvmeTierTrainsBitForBitLikeHostMemory) {
     const EngineRun nvme =
         run_engine(s, plan, 2, {}, {}, {.edit = blocks_on_nvme, .nvme_dir = dir});
     expect_same_bits(host, nvme);
+    // Small chunks: every matrix of a block cut (offload::kChunkGrain elements of masters and
+    // moments each), with the host-resident embedding and head chunked in place too.
+    const EngineRun chunked = run_engine(
+        s, plan, 2, {}, {},
+        {.edit = blocks_on_nvme, .nvme_dir = dir, .chunk_bytes = 12 * offload::kChunkGrain});
+    expect_same_bits(host, chunked);
+    auto eight_bit = [](std::vector<offload::LayerDesc>& d) {
+      for (offload::LayerDesc& l : d)
+        l.moments = offload::MomentFormat::kBlockwise8;
+    };
+    const EngineRun host8 = run_engine(s, plan, 2, {}, {}, {.edit = eight_bit});
+    const EngineRun chunked8 = run_engine(s, plan, 2, {}, {},
+                                          {.edit =
+                                               [&](auto& d) {
+                                                 eight_bit(d);
+                                                 blocks_on_nvme(d);
+                                               },
+                                           .nvme_dir = dir,
+                                           .chunk_bytes = 6 * offload::kChunkGrain});
+    expect_same_bits(host8, chunked8);
   }
   {
     Case s = make_case(test::tiny_qwen2(3), 2, seed);

@@ -316,6 +316,121 @@ TEST_F(LayerStoreNvme, EightBitMomentsAreLaidOutAndRoundTrip) {
 // One writer updating a part in place while readers (and prefetches) read it, as a device's
 // loaders read a layer the optimizer has just written: every read sees one whole version (never a
 // mix of two, never a read overtaking a write-back), and versions only move forward.
+// Optimizer chunks (Note [Optimizer chunks]): tensors cut at the grain into chunks of at most
+// the chunk size, every trained element in exactly one piece, in order; a chunk's views are the
+// tensor's elements (in place for host memory, staged for NVMe), and what a chunk access writes
+// is what a layer access reads, and back, in both moment formats.
+TEST_F(LayerStoreNvme, OptimizerChunksCutTensorsAndRoundTrip) {
+  for (MomentFormat format : {MomentFormat::kF32, MomentFormat::kBlockwise8}) {
+    SCOPED_TRACE(to_string(format));
+    const std::size_t per_element = format == MomentFormat::kF32 ? 12 : 6;
+    std::vector<LayerDesc> desc(2);
+    for (LayerDesc& d : desc) {
+      d.tensors = {{"a", 2000, true, -1}, {"frozen", 100, false, -1}, {"b", 500, true, -1}};
+      d.moments = format;
+    }
+    desc[1].base = desc[1].weights = desc[1].optimizer = Tier::kNvme;
+    const std::uint64_t chunk_bytes = per_element * 800;  // 800 elements: 768 after the grain
+    // By the rule: a in [0,768) [768,1536) and [1536,2000) (464); then 304 elements of room for
+    // b, cut on the grain to 256, which join a's tail; b's other 244 make the last chunk.
+    const std::vector<std::vector<OptimizerPiece>> want = {
+        {{0, 0, 768}}, {{0, 768, 768}}, {{0, 1536, 464}, {2, 0, 256}}, {{2, 256, 244}}};
+    const auto chunks = LayerStore::chunks_of(desc[0], chunk_bytes);
+    ASSERT_EQ(chunks.size(), want.size());
+    for (std::size_t k = 0; k < want.size(); ++k) {
+      ASSERT_EQ(chunks[k].size(), want[k].size()) << "chunk " << k;
+      std::size_t elements = 0;
+      for (std::size_t i = 0; i < want[k].size(); ++i) {
+        EXPECT_EQ(chunks[k][i].tensor, want[k][i].tensor);
+        EXPECT_EQ(chunks[k][i].begin, want[k][i].begin);
+        EXPECT_EQ(chunks[k][i].numel, want[k][i].numel);
+        EXPECT_EQ(chunks[k][i].begin % kChunkGrain, 0u);
+        elements += chunks[k][i].numel;
+      }
+      EXPECT_LE(elements * per_element, chunk_bytes);
+    }
+    HostArena arena({.pinning = Pinning::kOff});
+    NvmeStore nvme(options(), LayerStore::nvme_bytes(desc, FloatDType::kBF16, chunk_bytes));
+    LayerStore store(arena, desc, FloatDType::kBF16, FloatDType::kF32, &nvme, chunk_bytes);
+    ASSERT_EQ(store.optimizer_chunks(1), want.size());
+    // Every element a value of its own, through layer accesses.
+    auto value = [](std::size_t l, std::size_t i, std::size_t k, int what) {
+      return static_cast<float>(l * 100000 + i * 10000 + k) + 0.25f * static_cast<float>(what);
+    };
+    for (std::size_t l = 0; l < 2; ++l) {
+      LayerAccess a = store.access(l, kOptimizerPart, AccessMode::kOverwrite);
+      for (std::size_t i : {0u, 2u}) {
+        const TensorState& t = a[i];
+        for (std::size_t k = 0; k < t.numel; ++k) {
+          t.master[k] = value(l, i, k, 0);
+          if (t.m) {
+            t.m[k] = value(l, i, k, 1);
+            t.v[k] = value(l, i, k, 2);
+          } else {
+            t.m_codes[k] = static_cast<std::uint8_t>(k * 7 + i + l);
+            t.v_codes[k] = static_cast<std::uint8_t>(k * 13 + i + l);
+          }
+        }
+        for (std::size_t b = 0; t.m_absmax && b < (t.numel + 255) / 256; ++b) {
+          t.m_absmax[b] = value(l, i, b, 3);
+          t.v_absmax[b] = value(l, i, b, 4);
+        }
+      }
+    }
+    // Chunk by chunk: each piece sees its elements; then each is changed through the chunk.
+    for (std::size_t l = 0; l < 2; ++l)
+      for (std::size_t c = 0; c < store.optimizer_chunks(l); ++c) {
+        if (c + 1 < store.optimizer_chunks(l)) store.prefetch_chunk(l, c + 1);
+        const LayerAccess a = store.access_chunk(l, c, AccessMode::kReadWrite);
+        ASSERT_EQ(a.size(), want[c].size());
+        for (std::size_t p = 0; p < a.size(); ++p) {
+          const OptimizerPiece& piece = a.piece(p);
+          const TensorState& v = a[p];
+          ASSERT_EQ(v.numel, piece.numel);
+          if (l == 0)  // host memory: in place
+            EXPECT_EQ(v.master, store.layer(0)[piece.tensor].master + piece.begin);
+          for (std::size_t k = 0; k < v.numel; ++k) {
+            const std::size_t e = piece.begin + k;
+            ASSERT_EQ(v.master[k], value(l, piece.tensor, e, 0)) << l << " " << c << " " << k;
+            v.master[k] += 1;
+            if (v.m) {
+              ASSERT_EQ(v.m[k], value(l, piece.tensor, e, 1));
+              ASSERT_EQ(v.v[k], value(l, piece.tensor, e, 2));
+              v.v[k] += 2;
+            } else {
+              ASSERT_EQ(v.m_codes[k], static_cast<std::uint8_t>(e * 7 + piece.tensor + l));
+              ASSERT_EQ(v.v_codes[k], static_cast<std::uint8_t>(e * 13 + piece.tensor + l));
+              v.v_codes[k] ^= 0xff;
+            }
+          }
+          for (std::size_t b = 0; v.m_absmax && b < (v.numel + 255) / 256; ++b) {
+            ASSERT_EQ(v.m_absmax[b], value(l, piece.tensor, piece.begin / 256 + b, 3));
+            v.v_absmax[b] += 4;
+          }
+        }
+      }
+    store.flush();
+    for (std::size_t l = 0; l < 2; ++l) {
+      const LayerAccess a = store.access(l, kOptimizerPart, AccessMode::kRead);
+      for (std::size_t i : {0u, 2u}) {
+        const TensorState& t = a[i];
+        for (std::size_t k = 0; k < t.numel; ++k) {
+          ASSERT_EQ(t.master[k], value(l, i, k, 0) + 1) << l << " " << i << " " << k;
+          if (t.m)
+            ASSERT_EQ(t.v[k], value(l, i, k, 2) + 2);
+          else
+            ASSERT_EQ(t.v_codes[k], static_cast<std::uint8_t>((k * 13 + i + l) ^ 0xff));
+        }
+        for (std::size_t b = 0; t.m_absmax && b < (t.numel + 255) / 256; ++b)
+          ASSERT_EQ(t.v_absmax[b], value(l, i, b, 4) + 4);
+      }
+    }
+    // Staging while a chunk is open: the chunk's record, not the layer's state.
+    const LayerAccess one = store.access_chunk(1, 0, AccessMode::kRead);
+    EXPECT_LE(arena.usage()[Purpose::kStaging].bytes, 2 * store.max_chunk_bytes());
+  }
+}
+
 TEST_F(LayerStoreNvme, ReadersNeverSeeATornOrOlderVersion) {
   HostArena arena({.pinning = Pinning::kOff});
   std::vector<LayerDesc> desc = {{{{"w", (3 << 20) / 4 + 5, true, -1}}}};  // 3 blocks and a bit
