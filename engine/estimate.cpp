@@ -251,7 +251,7 @@ std::string Placement::lines() const {
         layers.front().moments == offload::MomentFormat::kBlockwise8)
       out += " (AdamW moments in 8 bits)";
     if (p == kOptimizer && nvme_part[p] > 0)
-      out += fmt::format(", staged in chunks of {} (hardware.offload_chunk)",
+      out += fmt::format(", staged in chunks of {} at most (hardware.offload_chunk)",
                          format_bytes(chunk_bytes));
     out += "\n";
   }
@@ -289,8 +289,6 @@ RunEstimate estimate_run(const TrainConfig& config, const models::ModelSummary& 
 
   // --- What the frozen base is kept as ---------------------------------------------------------
   Placement& pl = e.placement;
-  if (!config.hardware.offload_chunk.empty())
-    pl.chunk_bytes = parse_bytes(config.hardware.offload_chunk, "hardware.offload_chunk");
   e.host_overhead = host_fixed_overhead();
   e.host_available = host_free;
   if (!config.hardware.host_memory.empty())
@@ -298,6 +296,15 @@ RunEstimate estimate_run(const TrainConfig& config, const models::ModelSummary& 
   if (e.host_available == 0) {
     const std::uint64_t avail = host_memory_available();
     e.host_available = avail > e.host_overhead ? avail - e.host_overhead : 0;
+  }
+  // Optimizer chunks: as set, else the default unless the budget is small — the NVMe tier stages
+  // about six chunks at once, kept to a fifth of the budget (a power of two of 4 MiB at least).
+  if (!config.hardware.offload_chunk.empty()) {
+    pl.chunk_bytes = parse_bytes(config.hardware.offload_chunk, "hardware.offload_chunk");
+  } else {
+    pl.chunk_bytes = offload::kDefaultChunkBytes;
+    while (pl.chunk_bytes > (4ull << 20) && 6 * pl.chunk_bytes > e.host_available / 5)
+      pl.chunk_bytes /= 2;
   }
   pl.quantize = config.model.quantize;
   if (pl.quantize == "auto") {

@@ -102,7 +102,7 @@ struct HardwareSection {
                                     // "3GB" (per second); "" = 3 GB/s (measure: rondo devices
                                     // --disk DIR)
   // The most bytes of optimizer state (masters and moments) staged at a time for one piece of a
-  // layer on NVMe, e.g. "256MB"; "" = 256 MiB (offload/layer_store.h).
+  // layer on NVMe, e.g. "256MB"; "" = 256 MiB, less for a budget under 7.5 GiB (engine/estimate).
   std::string offload_chunk;
   // Plan for a GPU that is not in this machine (`rondo plan` only): a name from the table of
   // common cards (engine/gpus.h: "RTX 4090", "A100", ...) and how many.
