@@ -209,8 +209,9 @@ std::string percent_mix(const std::map<std::string, std::uint64_t>& bytes) {
 }
 
 // Host staging the NVMe tier needs at most during a step (offload::LayerStore, Transfers):
-//  - per device, a window of layers being uploaded and as many read ahead (Transfers,
-//    nvme_window 2): whole layers of frozen and trained weights;
+//  - per device, a window of weight pieces being uploaded and as many read ahead (Transfers,
+//    nvme_window 2): each a layer's frozen or trained weights, or a piece of the chunk size of
+//    them (Note [Weight pieces] in offload/layer_store.cpp);
 //  - the optimizer's layer: its trained weights rewritten whole, one chunk of masters and moments
 //    updated and the next read ahead (Note [Optimizer chunks] in offload/layer_store.cpp), and
 //    up to 4 write-backs in flight, each a chunk or a layer's trained weights.
@@ -218,12 +219,13 @@ std::string percent_mix(const std::map<std::string, std::uint64_t>& bytes) {
 std::uint64_t nvme_staging(const std::vector<offload::LayerDesc>& layers,
                            const std::vector<std::array<std::uint64_t, 3>>& parts,
                            std::uint64_t chunk_bytes, std::uint64_t devices) {
-  std::uint64_t layer_read = 0, trained = 0, chunk = 0;
+  const std::uint64_t piece =
+      offload::LayerStore::piece_bytes_for(chunk_bytes, offload::NvmeStoreOptions{}.block_bytes);
+  std::uint64_t read = 0, trained = 0, chunk = 0;
   for (std::size_t l = 0; l < layers.size(); ++l) {
-    std::uint64_t r = 0;
     for (int p : {kBase, kTrained})
-      if (tier_of(layers[l], p) == offload::Tier::kNvme) r += parts[l][p];
-    layer_read = std::max(layer_read, r);
+      if (tier_of(layers[l], p) == offload::Tier::kNvme)
+        read = std::max(read, std::min(parts[l][p], piece));
     if (tier_of(layers[l], kTrained) == offload::Tier::kNvme)
       trained = std::max(trained, parts[l][kTrained]);
     if (tier_of(layers[l], kOptimizer) == offload::Tier::kNvme)
@@ -231,7 +233,7 @@ std::uint64_t nvme_staging(const std::vector<offload::LayerDesc>& layers,
         chunk = std::max(chunk, offload::LayerStore::chunk_record_bytes(c, layers[l].moments));
   }
   const std::uint64_t update = trained + 2 * chunk + 4 * std::max(trained, chunk);
-  return 2 * 2 * devices * layer_read + (trained + chunk > 0 ? update : 0);
+  return 2 * 2 * devices * read + (trained + chunk > 0 ? update : 0);
 }
 
 }  // namespace

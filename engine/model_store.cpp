@@ -68,7 +68,8 @@ at::Tensor view_of(const offload::TensorState& t, const offload::LayerStore& sto
                   " is frozen: it has no master weights, moments or gradient");
     const bool eight_bit = t.m_codes != nullptr, f32_moments = t.m != nullptr;
     if (data == nullptr && (eight_bit || f32_moments))
-      throw Error("tensor " + p.name + " of layer " + std::to_string(layer) + " keeps its moments " +
+      throw Error("tensor " + p.name + " of layer " + std::to_string(layer) +
+                  " keeps its moments " +
                   (eight_bit ? "in 8 bits: view the codes and absmax (kMCodes, kMAbsmax, ...)"
                              : "in f32: they have no codes or absmax"));
     if (data == nullptr)
@@ -165,17 +166,79 @@ at::Tensor stream_tensor(const offload::LayerAccess& access, const offload::Laye
   return out;
 }
 
+namespace {
+// Loading an NVMe-resident streaming part piece by piece (Note [Weight pieces] in
+// offload/layer_store.cpp): bytes put at increasing offsets of the part, each piece written as the
+// load moves past it, so that staging holds a piece, not the part.
+class PieceWriter {
+ public:
+  PieceWriter(offload::LayerStore& store, std::size_t layer, unsigned part)
+      : store_(store), layer_(layer), part_(part), pieces_(store.pieces(layer, part)) {}
+  // `bytes` at `offset` of the part; offsets only grow from call to call.
+  void put(std::size_t offset, const void* data, std::size_t bytes) {
+    const auto* src = static_cast<const std::uint8_t*>(data);
+    const std::size_t P = store_.piece_bytes();
+    while (bytes > 0) {
+      const std::size_t index = offset / P;
+      advance_to(index);
+      const std::size_t in = offset - index * P, n = std::min(bytes, buf_.bytes() - in);
+      std::memcpy(buf_.as<std::uint8_t>() + in, src, n);
+      offset += n;
+      src += n;
+      bytes -= n;
+    }
+  }
+  // Writes the pieces left (zeros where nothing was put).
+  void finish() { advance_to(pieces_); }
+
+ private:
+  // Pieces before `index` written; buf_ holding piece `index` (when there is one).
+  void advance_to(std::size_t index) {
+    for (; next_ < index; ++next_) {
+      if (!open_) buf_ = store_.piece_buffer(layer_, part_, next_);  // nothing put: zeros
+      open_ = false;
+      store_.write_piece(layer_, part_, next_, std::move(buf_));
+    }
+    if (index < pieces_ && !open_) {
+      buf_ = store_.piece_buffer(layer_, part_, index);
+      open_ = true;
+    }
+  }
+  offload::LayerStore& store_;
+  std::size_t layer_;
+  unsigned part_;
+  std::size_t pieces_, next_ = 0;
+  offload::HostBuffer buf_;
+  bool open_ = false;  // buf_ holds piece next_
+};
+}  // namespace
+
 void load_weights(offload::LayerStore& store, const std::vector<models::LayerSpec>& specs,
                   const WeightSource& source) {
   const at::ScalarType sd = scalar_type(store.stream_dtype());
   for (std::size_t l = 0; l < store.layers(); ++l) {
-    // The weights a layer at a time; the masters a chunk at a time (Note [Optimizer chunks] in
+    // The weights a layer at a time where they live in host memory, in pieces where on NVMe
+    // (Note [Weight pieces]); the masters a chunk at a time (Note [Optimizer chunks] in
     // offload/layer_store.cpp), each chunk opened once, as its first piece comes, and written
     // back when the load has moved past it (its moments start at zero).
-    const offload::LayerAccess a =
-        store.access(l, offload::kBasePart | offload::kStreamPart, offload::AccessMode::kOverwrite);
+    unsigned in_host = 0;
+    std::optional<PieceWriter> writers[2];
+    for (unsigned part : {offload::kBasePart, offload::kStreamPart}) {
+      if (store.tier(l, part) == offload::Tier::kHost)
+        in_host |= part;
+      else
+        writers[part == offload::kBasePart ? 0 : 1].emplace(store, l, part);
+    }
+    const offload::LayerAccess a = store.access(l, in_host, offload::AccessMode::kOverwrite);
     std::optional<offload::LayerAccess> chunk;
     std::size_t chunk_no = 0;
+    // The tensor's streaming copy as stored, from `data` (t.stream_bytes).
+    auto put = [&](const offload::TensorState& t, const void* data) {
+      if (t.stream)
+        std::memcpy(t.stream, data, t.stream_bytes);
+      else
+        writers[t.trainable ? 1 : 0]->put(t.stream_offset, data, t.stream_bytes);
+    };
     for (std::size_t i = 0; i < a.size(); ++i) {
       const offload::TensorState& t = a[i];
       if (t.tied) continue;
@@ -188,7 +251,7 @@ void load_weights(offload::LayerStore& store, const std::vector<models::LayerSpe
           throw Error("tensor " + p.name + ": " + std::to_string(b.nbytes()) +
                       " bytes given for its " + kernels::to_string(t.quant) + " form, which is " +
                       std::to_string(t.stream_bytes) + " bytes");
-        std::memcpy(t.stream, b.data_ptr(), t.stream_bytes);
+        put(t, b.data_ptr());
       } else {
         at::Tensor src = source.tensor(p.name);
         if (src.sizes() != at::IntArrayRef(p.shape))
@@ -199,13 +262,17 @@ void load_weights(offload::LayerStore& store, const std::vector<models::LayerSpe
           // From the checkpoint's own dtype, as bitsandbytes quantises the weights it is given.
           const at::ScalarType st = src.scalar_type();
           const at::Tensor f = st == at::kBFloat16 || st == at::kHalf ? src : src.to(at::kFloat);
+          std::vector<std::uint8_t> blocks(t.stream ? 0 : t.stream_bytes);
           kernels::quantize(t.quant, f.data_ptr(),
                             st == at::kBFloat16 ? kernels::FloatDType::kBF16
                             : st == at::kHalf   ? kernels::FloatDType::kF16
                                                 : kernels::FloatDType::kF32,
-                            t.rows, t.cols, t.stream);
-        } else {
+                            t.rows, t.cols, t.stream ? t.stream : blocks.data());
+          if (!t.stream) put(t, blocks.data());
+        } else if (t.stream) {
           at::from_blob(t.stream, p.shape, sd).copy_(src);
+        } else {
+          put(t, src.to(sd).contiguous().data_ptr());
         }
         if (t.trainable) {
           const at::Tensor flat = src.reshape({-1});
@@ -224,6 +291,9 @@ void load_weights(offload::LayerStore& store, const std::vector<models::LayerSpe
       }
       if (source.done) source.done(p.name);
     }
+    chunk.reset();
+    for (std::optional<PieceWriter>& w : writers)
+      if (w) w->finish();
     if (source.progress) source.progress(l + 1, store.layers());
   }
   store.flush();

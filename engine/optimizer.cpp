@@ -105,9 +105,8 @@ void Optimizer::publish_layer(std::size_t layer) {
     const offload::LayerAccess opt = store_.access_chunk(layer, k, offload::AccessMode::kRead);
     for (std::size_t i = 0; i < opt.size(); ++i) {
       const offload::OptimizerPiece& piece = opt.piece(i);
-      kernels::cast_from_f32(opt[i].master,
-                             static_cast<std::uint8_t*>(out[piece.tensor].stream) + piece.begin * ss,
-                             store_.stream_dtype(), opt[i].numel);
+      auto* stream = static_cast<std::uint8_t*>(out[piece.tensor].stream) + piece.begin * ss;
+      kernels::cast_from_f32(opt[i].master, stream, store_.stream_dtype(), opt[i].numel);
     }
   }
 }

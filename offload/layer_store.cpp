@@ -163,7 +163,7 @@ void copy_piece(const TensorState& whole, const TensorState& piece, std::size_t 
 // The optimizer touches a layer's masters and moments once per step, and they are the bulk of
 // its state (12 bytes per parameter in f32, 6 with 8-bit moments): staging them a layer at a time
 // made the NVMe tier's host staging grow with the largest layer — an untied embedding of a large
-// vocabulary is a twentieth of a Llama 3 — so that moving state to the drive could cost more
+// vocabulary is a fifteenth of a Llama 3 8B — so that moving state to the drive could cost more
 // host memory than it saved (issue 34). So a layer's trained tensors are cut, in order, into
 // chunks of at most chunk_bytes of state (a tensor is cut at multiples of kChunkGrain elements,
 // so an 8-bit moment block never straddles two chunks), and an NVMe-resident optimizer part is
@@ -270,11 +270,45 @@ struct LayerStore::Regions {
                    AccessMode mode);
   // Starts reading a unit ahead (no-op when a read or a write-back of it is in flight).
   void prefetch(NvmeStore* nvme, HostArena& arena, const Key& key, const Region& region);
+  // A piece (`key`, bytes at `offset` of the region) of a streaming part (`whole`): read, or
+  // taken from a prefetch; a write-back of the whole part in flight is waited for first.
+  HostBuffer read_piece(NvmeStore* nvme, HostArena& arena, const Key& whole, const Key& key,
+                        const Region& region, std::uint64_t offset, std::uint64_t bytes);
+  void prefetch_piece(NvmeStore* nvme, HostArena& arena, const Key& whole, const Key& key,
+                      const Region& region, std::uint64_t offset, std::uint64_t bytes);
+  // Ends the count of a read of `key` in `reading` (and wakes a write-back waiting for it).
+  struct ReadDone {
+    Regions& r;
+    const Key& key;
+    bool counted;
+    ~ReadDone() {
+      if (!counted) return;
+      {
+        std::lock_guard<std::mutex> lock(r.mutex);
+        if (--r.reading[key] == 0) r.reading.erase(key);
+      }
+      r.done.notify_all();
+    }
+  };
   // Starts writing `buf` to the unit; write-backs beyond kMaxPendingWrites are taken out into
   // `evicted` for the caller to wait for (complete()).
+  // (`bytes` at `offset` of the region: a piece of a streaming part being loaded; else the whole
+  // region.)
   void submit_write(NvmeStore* nvme, const Key& key, const Region& region, HostBuffer buf,
-                    std::vector<std::pair<Key, Io>>& evicted);
+                    std::vector<std::pair<Key, Io>>& evicted, std::uint64_t offset = 0,
+                    std::uint64_t bytes = 0);
 
+  // Under the lock: moves `key`'s write-back in flight from `writes` into `into` (its key in
+  // `completing` until complete()); false when there is none.
+  bool take_write(const Key& key, std::vector<std::pair<Key, Io>>& into) {
+    auto it = writes.find(key);
+    if (it == writes.end()) return false;
+    into.emplace_back(key, std::move(it->second));
+    writes.erase(it);
+    write_order.erase(std::find(write_order.begin(), write_order.end(), key));
+    completing.insert(key);
+    return true;
+  }
   // Under `lock`: waits until no thread is completing, or waiting to submit, a write-back of `key`.
   void settle(std::unique_lock<std::mutex>& lock, const Key& key) {
     done.wait(lock, [&] { return completing.count(key) == 0 && writing.count(key) == 0; });
@@ -333,6 +367,7 @@ LayerStore::LayerStore(HostArena& arena, const std::vector<LayerDesc>& layers,
   weights_ = arena.allocate(total[0] + total[1], Purpose::kWeights);
   gradients_ = arena.allocate(grad_total, Purpose::kGradients);
   optimizer_ = arena.allocate(total[2], Purpose::kOptimizerState);
+  piece_bytes_ = piece_bytes_for(chunk_bytes, nvme ? nvme->info().block_bytes : 1u << 20);
   regions_ = std::make_unique<Regions>();
   regions_->region.resize(layers.size());
   regions_->chunk.resize(layers.size());
@@ -530,11 +565,8 @@ HostBuffer LayerStore::Regions::stage(NvmeStore* nvme, HostArena& arena, const K
   {
     std::unique_lock<std::mutex> lock(mutex);
     settle(lock, key);
-    if (auto it = writes.find(key); it != writes.end()) {
-      pending.emplace_back(key, std::move(it->second));
-      writes.erase(it);
-      write_order.erase(std::find(write_order.begin(), write_order.end(), key));
-      completing.insert(key);
+    if (take_write(key, pending)) {
+      // The data is that write's buffer (below).
     } else if (auto it = reads.find(key); it != reads.end()) {
       prefetched = std::move(it->second);
       reads.erase(it);
@@ -546,19 +578,7 @@ HostBuffer LayerStore::Regions::stage(NvmeStore* nvme, HostArena& arena, const K
   }
   // A write-back of this unit waits until our read has ended (a write may not overtake a read:
   // the drive would hand back a mix, and the checksum would be the new one's).
-  struct ReadDone {
-    Regions& r;
-    const Key& key;
-    bool counted;
-    ~ReadDone() {
-      if (!counted) return;
-      {
-        std::lock_guard<std::mutex> lock(r.mutex);
-        if (--r.reading[key] == 0) r.reading.erase(key);
-      }
-      r.done.notify_all();
-    }
-  } read_done{*this, key, counted};
+  const ReadDone read_done{*this, key, counted};
   HostBuffer buf;
   if (!pending.empty()) {
     // The data is the buffer being written: wait for the write (the buffer must not change
@@ -592,8 +612,51 @@ void LayerStore::Regions::prefetch(NvmeStore* nvme, HostArena& arena, const Key&
   reads.emplace(key, std::move(io));
 }
 
+HostBuffer LayerStore::Regions::read_piece(NvmeStore* nvme, HostArena& arena, const Key& whole,
+                                           const Key& key, const Region& region,
+                                           std::uint64_t offset, std::uint64_t bytes) {
+  std::optional<Io> prefetched;
+  std::vector<std::pair<Key, Io>> pending;
+  {
+    std::unique_lock<std::mutex> lock(mutex);
+    settle(lock, whole);
+    // The part's write-back (the optimizer's streaming copies) must be on the drive before we
+    // read (and then no piece of it was read ahead: the write-back dropped those).
+    const bool wait_for_write = take_write(whole, pending);
+    if (auto it = reads.find(key); !wait_for_write && it != reads.end()) {
+      prefetched = std::move(it->second);
+      reads.erase(it);
+    }
+    ++reading[whole];  // a write-back of the part waits for this read
+  }
+  const ReadDone read_done{*this, whole, true};
+  if (!pending.empty())
+    if (std::exception_ptr e = complete(nvme, pending)) std::rethrow_exception(e);
+  if (prefetched) {
+    nvme->wait(prefetched->ticket);
+    return std::move(prefetched->buffer);
+  }
+  HostBuffer buf = arena.allocate(bytes, Purpose::kStaging);
+  IoTicket t = nvme->read(region, offset, buf.data(), bytes);
+  nvme->wait(t);
+  return buf;
+}
+
+void LayerStore::Regions::prefetch_piece(NvmeStore* nvme, HostArena& arena, const Key& whole,
+                                         const Key& key, const Region& region,
+                                         std::uint64_t offset, std::uint64_t bytes) {
+  std::unique_lock<std::mutex> lock(mutex);
+  settle(lock, whole);
+  if (writes.count(whole) || reads.count(key)) return;
+  Io io;
+  io.buffer = arena.allocate(bytes, Purpose::kStaging);
+  io.ticket = nvme->read(region, offset, io.buffer.data(), bytes);
+  reads.emplace(key, std::move(io));
+}
+
 void LayerStore::Regions::submit_write(NvmeStore* nvme, const Key& key, const Region& region,
-                                       HostBuffer buf, std::vector<std::pair<Key, Io>>& evicted) {
+                                       HostBuffer buf, std::vector<std::pair<Key, Io>>& evicted,
+                                       std::uint64_t offset, std::uint64_t bytes) {
   std::unique_lock<std::mutex> lock(mutex);
   // No read of the unit may be in flight when its write starts (see stage()): hold new readers
   // back, wait for those in flight, and drop a prefetch (it read the old data).
@@ -606,20 +669,31 @@ void LayerStore::Regions::submit_write(NvmeStore* nvme, const Key& key, const Re
       r.done.notify_all();
     }
   } submitted{*this, key};
+  // A prefetch of the unit, or of a piece of a streaming part (Note [Weight pieces]).
+  auto stale_read = [&] {
+    auto it = reads.find(key);
+    if (it != reads.end() || std::get<1>(key) == kOptimizerPart) return it;
+    it = reads.lower_bound({std::get<0>(key), std::get<1>(key), 1});
+    return it != reads.end() && std::get<0>(it->first) == std::get<0>(key) &&
+                   std::get<1>(it->first) == std::get<1>(key)
+               ? it
+               : reads.end();
+  };
   for (;;) {
     done.wait(lock, [&] { return reading.count(key) == 0 && completing.count(key) == 0; });
-    auto it = reads.find(key);
+    auto it = stale_read();
     if (it == reads.end()) break;
     std::vector<std::pair<Key, Io>> stale;
-    stale.emplace_back(key, std::move(it->second));
+    const Key stale_key = it->first;
+    stale.emplace_back(stale_key, std::move(it->second));
     reads.erase(it);
-    completing.insert(key);
+    completing.insert(stale_key);
     lock.unlock();
     complete(nvme, stale);  // its data is stale; an error of it does not matter now
     lock.lock();
   }
   Io io;
-  io.ticket = nvme->write(region, 0, buf.data(), region.bytes);  // submitted, not waited
+  io.ticket = nvme->write(region, offset, buf.data(), bytes ? bytes : region.bytes);  // not waited
   io.buffer = std::move(buf);
   writes.emplace(key, std::move(io));
   write_order.push_back(key);
@@ -673,6 +747,65 @@ std::vector<std::pair<std::size_t, std::size_t>> LayerStore::tensor_pieces(
     for (std::size_t p = 0; p < chunks[k].size(); ++p)
       if (chunks[k][p].tensor == index) out.emplace_back(k, p);
   return out;
+}
+
+// Note [Weight pieces]
+// The loaders read a layer's NVMe-resident streaming copies in pieces of piece_bytes() (the
+// optimizer chunk size on the drive's blocks), each into staging of its own that goes back as
+// soon as its upload has landed, so that a window of reads ahead of the uploads holds pieces, not
+// layers: an untied embedding or LM head of a large vocabulary no longer stages whole. A piece is
+// a block-aligned range of the part's region (the part was written whole, so its blocks are read
+// as written). The trained part is rewritten whole by the optimizer: a piece read waits for that
+// write-back, and a write-back drops pieces read ahead of it (they hold the old data).
+std::uint64_t LayerStore::piece_bytes_for(std::uint64_t chunk_bytes, std::uint64_t block_bytes) {
+  return std::max(block_bytes, chunk_bytes / block_bytes * block_bytes);
+}
+
+std::size_t LayerStore::pieces(std::size_t layer, unsigned part) const {
+  RONDO_ASSERT(layer < layers_.size() && (part == kBasePart || part == kStreamPart));
+  const Region& region = regions_->region[layer][part_index(part)];
+  if (tiers_[layer][part_index(part)] != Tier::kNvme || region.bytes == 0) return 0;
+  return (region.bytes + piece_bytes_ - 1) / piece_bytes_;
+}
+
+HostBuffer LayerStore::read_piece(std::size_t layer, unsigned part, std::size_t index) {
+  RONDO_ASSERT(index < pieces(layer, part));
+  rethrow_write_error();
+  Regions& r = *regions_;
+  const Region& region = r.region[layer][part_index(part)];
+  const std::uint64_t offset = index * piece_bytes_;
+  return r.read_piece(nvme_, arena_, {layer, part, 0}, {layer, part, index + 1}, region, offset,
+                      std::min(piece_bytes_, region.bytes - offset));
+}
+
+void LayerStore::prefetch_piece(std::size_t layer, unsigned part, std::size_t index) {
+  RONDO_ASSERT(index < pieces(layer, part));
+  Regions& r = *regions_;
+  const Region& region = r.region[layer][part_index(part)];
+  const std::uint64_t offset = index * piece_bytes_;
+  r.prefetch_piece(nvme_, arena_, {layer, part, 0}, {layer, part, index + 1}, region, offset,
+                   std::min(piece_bytes_, region.bytes - offset));
+}
+
+HostBuffer LayerStore::piece_buffer(std::size_t layer, unsigned part, std::size_t index) {
+  RONDO_ASSERT(index < pieces(layer, part));
+  const Region& region = regions_->region[layer][part_index(part)];
+  return arena_.allocate(std::min(piece_bytes_, region.bytes - index * piece_bytes_),
+                         Purpose::kStaging);
+}
+
+void LayerStore::write_piece(std::size_t layer, unsigned part, std::size_t index,
+                             HostBuffer data) {
+  RONDO_ASSERT(index < pieces(layer, part));
+  rethrow_write_error();
+  Regions& r = *regions_;
+  const Region& region = r.region[layer][part_index(part)];
+  const std::uint64_t offset = index * piece_bytes_;
+  const std::uint64_t bytes = std::min(piece_bytes_, region.bytes - offset);
+  RONDO_ASSERT(data.bytes() >= bytes);
+  std::vector<std::pair<Regions::Key, Regions::Io>> evicted;
+  r.submit_write(nvme_, {layer, part, index + 1}, region, std::move(data), evicted, offset, bytes);
+  if (std::exception_ptr e = r.complete(nvme_, evicted)) std::rethrow_exception(e);
 }
 
 void LayerStore::rethrow_write_error() {

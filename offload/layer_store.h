@@ -18,7 +18,8 @@
 // Optimizer state moves in chunks (Note [Optimizer chunks] in layer_store.cpp): a layer's trained
 // tensors are cut into pieces of at most chunk_bytes of masters and moments together, and on NVMe
 // each chunk is a record of its own, so that the optimizer stages one chunk (access_chunk), not a
-// whole layer — an embedding of a large vocabulary included.
+// whole layer — an embedding of a large vocabulary included. The loaders read NVMe-resident
+// weights in pieces of about the same size (read_piece, Note [Weight pieces]).
 // A tied tensor (the LM head that is the embedding) is stored once, by its owner; the tying layer
 // views the owner's streaming copy and master, but gets a gradient buffer of its own (each layer's
 // job downloads its own gradient; the optimizer adds them). Layers with ties stay in host memory.
@@ -261,6 +262,28 @@ class LayerStore {
   // Where tensor `index` of the layer lies in its chunks: (chunk, piece) pairs in element order.
   std::vector<std::pair<std::size_t, std::size_t>> tensor_pieces(std::size_t layer,
                                                                  std::size_t index) const;
+  // The NVMe-resident streaming parts read in pieces (Note [Weight pieces] in layer_store.cpp):
+  // each part is cut into pieces of piece_bytes() (the last one shorter), which the loaders read
+  // one at a time into staging of their own (offload::Transfers). Pieces of a part not on NVMe:
+  // none.
+  std::size_t pieces(std::size_t layer, unsigned part) const;
+  std::uint64_t piece_bytes() const { return piece_bytes_; }
+  // Piece bytes for a store of this chunk size on an NVMe store of these blocks: the chunk
+  // size on the blocks (one block at least).
+  static std::uint64_t piece_bytes_for(std::uint64_t chunk_bytes, std::uint64_t block_bytes);
+  // Piece `index` of the part: its bytes (piece_bytes() or fewer) read into a fresh staging
+  // buffer (or taken from prefetch_piece()), blocking; offset index * piece_bytes() in the part's
+  // region as stream_bytes() lays it out. A write-back of the whole part still in flight is
+  // waited for first. Throws IoError on a failed read.
+  HostBuffer read_piece(std::size_t layer, unsigned part, std::size_t index);
+  // Starts reading a piece ahead of read_piece(); no-op when one is already under way or a
+  // write-back of the part is in flight.
+  void prefetch_piece(std::size_t layer, unsigned part, std::size_t index);
+  // Loading a part in pieces: a zeroed staging buffer for piece `index`, and its write (in the
+  // background, write-backs bounded as for access()). Every piece of the part is written once,
+  // and flush() ends the load before anything reads the part.
+  HostBuffer piece_buffer(std::size_t layer, unsigned part, std::size_t index);
+  void write_piece(std::size_t layer, unsigned part, std::size_t index, HostBuffer data);
   // The largest chunk record of any layer (what one staged chunk takes).
   std::uint64_t max_chunk_bytes() const { return max_chunk_bytes_; }
   // Waits for every write-back; throws the first I/O error one met.
@@ -291,6 +314,7 @@ class LayerStore {
   std::vector<MomentFormat> moments_;    // per layer
   std::vector<std::vector<std::vector<OptimizerPiece>>> chunks_;  // per layer, per chunk
   std::uint64_t max_chunk_bytes_ = 0;
+  std::uint64_t piece_bytes_ = 0;
   HostBuffer weights_, gradients_, optimizer_;
   std::unique_ptr<Regions> regions_;
 };

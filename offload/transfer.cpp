@@ -79,13 +79,27 @@ std::unique_ptr<DeviceWeights> Transfers::load_weights(int d, const std::vector<
   const DeviceLinks& dl = devs_.at(d);
   const std::size_t ss = kernels::dtype_size(store_.stream_dtype());
   std::uint64_t up = 0, dequantised = 0, read = 0;
-  // NVMe-resident layers in staging, oldest first, each with the event behind its upload.
+  // NVMe-resident parts are read in pieces (Note [Weight pieces] in layer_store.cpp): every piece
+  // of this call in order, so that reads run nvme_window pieces ahead of the uploads, across
+  // layers. In staging, oldest first, each with the event behind its upload.
+  struct Piece {
+    std::size_t layer;
+    unsigned part;
+    std::size_t index;
+  };
+  std::vector<Piece> pieces;
+  for (int l : layers)
+    for (unsigned part : {kBasePart, kStreamPart})
+      if (nvme_parts(store_, static_cast<std::size_t>(l), false) & part)
+        for (std::size_t i = 0; i < store_.pieces(static_cast<std::size_t>(l), part); ++i)
+          pieces.push_back({static_cast<std::size_t>(l), part, i});
+  std::size_t next = 0;  // in pieces: the next to read
   struct Staging {
-    LayerAccess access;
+    HostBuffer buffer;
     std::unique_ptr<kernels::Event> uploaded;
   };
   std::deque<Staging> window;
-  // An error part way (a later layer's read failing, most often) unwinds while the staged layers'
+  // An error part way (a later piece's read failing, most often) unwinds while the staged pieces'
   // copies may still be queued: their host memory (its own mapping) goes only once the stream is
   // past them. Unmapped under a queued copy, it crashed the process instead of reporting the error.
   // The wait also covers the device buffers' stream-ordered releases (`w` goes before it), so the
@@ -103,10 +117,11 @@ std::unique_ptr<DeviceWeights> Transfers::load_weights(int d, const std::vector<
   } outlive{*dl.weight_up};
   auto w = std::make_unique<DeviceWeights>();
   w->store_ = &store_;
-  std::vector<int> nvme_layers;
-  for (int l : layers)
-    if (nvme_parts(store_, static_cast<std::size_t>(l), false)) nvme_layers.push_back(l);
-  std::size_t k = 0;  // in nvme_layers: the one being loaded
+  auto upload = [&](std::uint8_t* dst, const std::uint8_t* src, std::size_t bytes) {
+    for (std::size_t off = 0; off < bytes; off += options_.max_chunk_bytes)
+      dl.weight_up->upload(dst + off, src + off,
+                           std::min<std::size_t>(options_.max_chunk_bytes, bytes - off));
+  };
   for (int l : layers) {
     const std::size_t layer = static_cast<std::size_t>(l);
     // One device buffer per layer: the frozen part, then the trained part.
@@ -123,42 +138,43 @@ std::unique_ptr<DeviceWeights> Transfers::load_weights(int d, const std::vector<
         parts[p] = {};
       }
     const std::size_t bytes = parts[0].bytes + parts[1].bytes;
-    if (on_nvme) {
-      // Staging for at most nvme_window layers: wait for the oldest upload to end first.
-      while (static_cast<int>(window.size()) >= options_.nvme_window) {
-        window.front().uploaded->synchronize();
-        window.pop_front();
-      }
-      // Reads for this layer and the next ones of the window (a read already under way is left
-      // alone).
-      for (std::size_t j = k;
-           j < std::min(nvme_layers.size(), k + static_cast<std::size_t>(options_.nvme_window));
-           ++j) {
-        const auto lj = static_cast<std::size_t>(nvme_layers[j]);
-        store_.prefetch(lj, nvme_parts(store_, lj, false));
-      }
-      ++k;
-      window.push_back({store_.access(layer, on_nvme, AccessMode::kRead), nullptr});
-      for (unsigned part : {kBasePart, kStreamPart})
-        if (on_nvme & part) {
-          parts[part == kBasePart ? 0 : 1] = window.back().access.stream_bytes(part);
-          read += parts[part == kBasePart ? 0 : 1].bytes;
-        }
-    }
     if (bytes == 0 && !in_place[0] && !in_place[1]) continue;
     kernels::DeviceBuffer buf;
     if (bytes > 0) buf = dl.dev->allocate(bytes, dl.weight_up);
     auto* base = static_cast<std::uint8_t*>(buf.data());
     std::size_t at = 0;
-    for (const ByteRange& range : parts) {
-      for (std::size_t off = 0; off < range.bytes; off += options_.max_chunk_bytes)
-        dl.weight_up->upload(base + at + off, range.data + off,
-                             std::min<std::size_t>(options_.max_chunk_bytes, range.bytes - off));
+    for (int p : {0, 1}) {
+      const ByteRange& range = parts[p];
+      const unsigned part = p == 0 ? kBasePart : kStreamPart;
+      if (!(on_nvme & part)) {
+        upload(base + at, range.data, range.bytes);
+        at += range.bytes;
+        continue;
+      }
+      for (std::size_t i = 0; i < store_.pieces(layer, part); ++i) {
+        RONDO_ASSERT(next < pieces.size() && pieces[next].layer == layer &&
+                     pieces[next].part == part && pieces[next].index == i);
+        // Staging for at most nvme_window pieces: wait for the oldest upload to end first.
+        while (static_cast<int>(window.size()) >= options_.nvme_window) {
+          window.front().uploaded->synchronize();
+          window.pop_front();
+        }
+        // Reads for this piece and the next ones of the window (one already under way is left
+        // alone).
+        for (std::size_t j = next;
+             j < std::min(pieces.size(), next + static_cast<std::size_t>(options_.nvme_window));
+             ++j)
+          store_.prefetch_piece(pieces[j].layer, pieces[j].part, pieces[j].index);
+        ++next;
+        HostBuffer piece = store_.read_piece(layer, part, i);
+        const std::size_t offset = i * store_.piece_bytes();
+        const std::size_t n = std::min<std::size_t>(store_.piece_bytes(), range.bytes - offset);
+        upload(base + at + offset, piece.as<std::uint8_t>(), n);
+        read += n;
+        window.push_back({std::move(piece), dl.dev->create_event()});
+        dl.weight_up->record(*window.back().uploaded);
+      }
       at += range.bytes;
-    }
-    if (on_nvme) {
-      window.back().uploaded = dl.dev->create_event();
-      dl.weight_up->record(*window.back().uploaded);
     }
     up += bytes;
     const std::vector<TensorState>& ts = store_.layer(layer);
@@ -182,7 +198,7 @@ std::unique_ptr<DeviceWeights> Transfers::load_weights(int d, const std::vector<
     if (bytes > 0) w->buffers_.push_back(std::move(buf));
   }
   for (Staging& s : window)
-    w->staged_.push_back(std::move(s.access));  // freed once the uploads are done
+    w->staged_.push_back(std::move(s.buffer));  // freed once the uploads are done
   w->ready_ = std::shared_ptr<kernels::Event>(dl.dev->create_event());
   dl.weight_up->record(*w->ready_);
   std::lock_guard<std::mutex> lock(mutex_);
@@ -193,13 +209,17 @@ std::unique_ptr<DeviceWeights> Transfers::load_weights(int d, const std::vector<
 }
 
 void Transfers::prefetch_weights(const std::vector<int>& layers, bool frozen_only) {
+  // The first nvme_window pieces (Note [Weight pieces]) of the layers' NVMe-resident parts.
   int n = 0;
   for (int l : layers) {
-    if (n >= options_.nvme_window) break;
     const std::size_t layer = static_cast<std::size_t>(l);
-    if (const unsigned parts = nvme_parts(store_, layer, frozen_only)) {
-      store_.prefetch(layer, parts);
-      ++n;
+    const unsigned parts = nvme_parts(store_, layer, frozen_only);
+    for (unsigned part : {kBasePart, kStreamPart}) {
+      if (!(parts & part)) continue;
+      for (std::size_t i = 0; i < store_.pieces(layer, part); ++i) {
+        if (n++ >= options_.nvme_window) return;
+        store_.prefetch_piece(layer, part, i);
+      }
     }
   }
 }

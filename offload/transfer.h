@@ -38,9 +38,10 @@ struct TransferOptions {
   // Weight uploads are cut into pieces of at most this size, so that an activation upload waits
   // for one piece at most (RoundPipe's priority rule, docs/architecture.md §3.4).
   std::uint64_t max_chunk_bytes = 256ull << 20;
-  // Layers read from the NVMe tier ahead of their upload, per device: host staging holds at most
-  // this many layers per device (plus as many read ahead for its next job), whatever a stage's
-  // size, while reads overlap uploads.
+  // Pieces of layers (LayerStore::piece_bytes() each at most) read from the NVMe tier ahead of
+  // their upload, per device: host staging holds at most this many pieces per device (plus as
+  // many read ahead for its next job), whatever a stage's or a layer's size, while reads overlap
+  // uploads.
   int nvme_window = 2;
   // Bytes of the store's NVMe tier (store.nvme(), sized for them) for activation checkpoints:
   // > 0 turns spill() on (offload/activation_spill.h).
@@ -114,7 +115,7 @@ class DeviceWeights {
   const LayerStore* store_ = nullptr;
   std::map<std::pair<int, std::size_t>, void*> tensors_;
   std::vector<kernels::DeviceBuffer> buffers_;
-  std::vector<LayerAccess> staged_;  // NVMe-resident layers, read into host memory for the copy
+  std::vector<HostBuffer> staged_;  // NVMe-resident pieces, read into host memory for the copy
   std::shared_ptr<kernels::Event> ready_;
 };
 
@@ -145,15 +146,16 @@ class Transfers {
   kernels::Stream& download_stream(int d) const { return *devs_.at(d).down; }
 
   // The streaming copies of `layers` (tied owners included by the caller) to device d: from host
-  // memory, or read from the NVMe tier first — nvme_window layers ahead of the uploads, the
-  // caller blocking while it waits for a read or for an upload to free its staging; quantised
-  // tensors go over the link as stored and are dequantised on the device. Returns once every copy
-  // is enqueued; ready() completes when they have landed. Allocates device memory
-  // (kernels::OutOfMemory past the cap); offload::IoError on an NVMe failure.
+  // memory, or read from the NVMe tier first — in pieces (LayerStore::read_piece), nvme_window
+  // pieces ahead of the uploads, the caller blocking while it waits for a read or for an upload to
+  // free its staging; quantised tensors go over the link as stored and are dequantised on the
+  // device. Returns once every copy is enqueued; ready() completes when they have landed.
+  // Allocates device memory (kernels::OutOfMemory past the cap); offload::IoError on an NVMe
+  // failure.
   std::unique_ptr<DeviceWeights> load_weights(int d, const std::vector<int>& layers);
-  // Starts the NVMe reads of the first nvme_window NVMe-resident layers of `layers` ahead of
-  // load_weights. With `frozen_only`, of the frozen weights only (the trained ones may be about
-  // to change).
+  // Starts the NVMe reads of the first nvme_window pieces of the NVMe-resident layers of `layers`
+  // ahead of load_weights. With `frozen_only`, of the frozen weights only (the trained ones may be
+  // about to change).
   void prefetch_weights(const std::vector<int>& layers, bool frozen_only = false);
 
   // `bytes` of device memory on d down to a recycled host staging buffer, after `after`.

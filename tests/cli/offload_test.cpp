@@ -491,6 +491,50 @@ TEST_F(Offload, PlansALlama70BFromItsConfigAlone) {
   EXPECT_FALSE(contains(problems, "model.quantize")) << problems;      // it is nf4 already
 }
 
+// "Full fine-tuning of Llama-3-8B on a 24 GB card with 64 GB of RAM?" (issue 34), asked from its
+// config.json: bf16, RTX 4090, 16 x 4,096 tokens per step, an offload folder at 7 GB/s. It fits in
+// host and device memory (this machine's own disk for checkpoints aside), at 80% or more of the
+// tokens/s the same plan gets with 256 GB; with 8-bit AdamW and 128 GB, everything stays in host
+// memory. Before optimizer chunks the 64 GB plan needed 64.6 GiB: the 525 M-parameter embedding
+// and head staged their masters and moments whole.
+TEST_F(Offload, PlansLlama3_8BFullFineTuningOn64GB) {
+  const fs::path llama = write_llama3_config(dir / "Llama-3-8B", 4096, 14336, 32, 32, 8192);
+  const std::string base = "plan --json --set model.path=" + llama.string() +
+                           " --set model.dtype=bf16 --set training.method=full"
+                           " --set hardware.gpu='RTX 4090' --set training.steps=100"
+                           " --set data.seq_len=4096 --set training.batch_rows=1"
+                           " --set training.grad_accum=16";
+  const std::string nvme = " --set hardware.offload_dir=" + (dir / "nvme").string() +
+                           " --set hardware.disk_space=2TB --set hardware.disk_speed=7GB";
+  auto plan = [&](const std::string& extra) {
+    const Result r = run_rondo(base + extra, false);
+    json j = json::parse(r.out);
+    std::printf("%s: %s, host %.2f of %.2f GiB, NVMe staging %.2f GiB, %.0f tokens/s\n",
+                extra.c_str(), j["verdict"].get<std::string>().c_str(),
+                j["host"]["needed_bytes"].get<double>() / (1 << 30),
+                j["host"]["available_bytes"].get<double>() / (1 << 30),
+                j["host"]["nvme_staging"].get<double>() / (1 << 30),
+                j["tokens_per_s"].get<double>());
+    for (const json& p : j["problems"]) {  // the checkpoints' disk, here, may be short
+      EXPECT_FALSE(contains(p.get<std::string>(), "host memory")) << p;
+      EXPECT_FALSE(contains(p.get<std::string>(), "device memory")) << p;
+    }
+    EXPECT_LE(j["host"]["needed_bytes"].get<double>(), j["host"]["available_bytes"].get<double>());
+    for (const json& d : j["devices"])
+      EXPECT_LE(d["peak_bytes"].get<double>(), d["cap_bytes"].get<double>()) << d;
+    return j;
+  };
+  const json small = plan(" --set hardware.host_memory=64GB" + nvme);
+  const json large = plan(" --set hardware.host_memory=256GB" + nvme);
+  EXPECT_GT(small["placement"]["optimizer_state"]["nvme_bytes"].get<double>(), 0);
+  EXPECT_GE(small["tokens_per_s"].get<double>(), 0.8 * large["tokens_per_s"].get<double>());
+  const json eight_bit =
+      plan(" --set hardware.host_memory=128GB --set training.optimizer=adamw_8bit" + nvme);
+  for (const char* part : {"frozen_weights", "trained_weights", "optimizer_state"})
+    EXPECT_EQ(eight_bit["placement"][part]["nvme_bytes"].get<double>(), 0) << part;
+  EXPECT_EQ(eight_bit["placement"]["activation_checkpoints"]["tier"], "host");
+}
+
 // The same question for a mixture of experts, Qwen3-30B-A3B (its published config.json). Its
 // model card says 30.5B parameters in total and 3.3B activated: the plan reports both.
 TEST_F(Offload, PlansAQwen3MoeFromItsConfigAlone) {

@@ -387,8 +387,9 @@ TEST_F(LayerStoreNvme, OptimizerChunksCutTensorsAndRoundTrip) {
           const OptimizerPiece& piece = a.piece(p);
           const TensorState& v = a[p];
           ASSERT_EQ(v.numel, piece.numel);
-          if (l == 0)  // host memory: in place
+          if (l == 0) {  // host memory: in place
             EXPECT_EQ(v.master, store.layer(0)[piece.tensor].master + piece.begin);
+          }
           for (std::size_t k = 0; k < v.numel; ++k) {
             const std::size_t e = piece.begin + k;
             ASSERT_EQ(v.master[k], value(l, piece.tensor, e, 0)) << l << " " << c << " " << k;
@@ -416,10 +417,11 @@ TEST_F(LayerStoreNvme, OptimizerChunksCutTensorsAndRoundTrip) {
         const TensorState& t = a[i];
         for (std::size_t k = 0; k < t.numel; ++k) {
           ASSERT_EQ(t.master[k], value(l, i, k, 0) + 1) << l << " " << i << " " << k;
-          if (t.m)
+          if (t.m) {
             ASSERT_EQ(t.v[k], value(l, i, k, 2) + 2);
-          else
+          } else {
             ASSERT_EQ(t.v_codes[k], static_cast<std::uint8_t>((k * 13 + i + l) ^ 0xff));
+          }
         }
         for (std::size_t b = 0; t.m_absmax && b < (t.numel + 255) / 256; ++b)
           ASSERT_EQ(t.v_absmax[b], value(l, i, b, 4) + 4);
@@ -429,6 +431,66 @@ TEST_F(LayerStoreNvme, OptimizerChunksCutTensorsAndRoundTrip) {
     const LayerAccess one = store.access_chunk(1, 0, AccessMode::kRead);
     EXPECT_LE(arena.usage()[Purpose::kStaging].bytes, 2 * store.max_chunk_bytes());
   }
+}
+
+// Weight pieces (Note [Weight pieces]): a streaming part on NVMe loaded piece by piece reads back
+// piece by piece as written, whatever the piece's size against the part's; a piece read ahead of
+// a rewrite of the part is dropped, and the read after it sees the new bytes.
+TEST_F(LayerStoreNvme, WeightPiecesLoadAndReadAsWritten) {
+  std::vector<LayerDesc> desc(1);
+  desc[0].tensors = {{"frozen", 700001, false, -1}, {"trained", 300007, true, -1}};
+  desc[0].base = desc[0].weights = Tier::kNvme;
+  const std::uint64_t chunk = 1 << 20;  // pieces of one 1 MiB block
+  HostArena arena({.pinning = Pinning::kOff});
+  NvmeStore nvme(options(), LayerStore::nvme_bytes(desc, FloatDType::kF32, chunk));
+  LayerStore store(arena, desc, FloatDType::kF32, FloatDType::kF32, &nvme, chunk);
+  ASSERT_EQ(store.piece_bytes(), 1u << 20);
+  // 700001 * 4 bytes: 3 pieces (the last 0.67 MiB); 300007 * 4: 2.
+  EXPECT_EQ(store.pieces(0, kBasePart), 3u);
+  EXPECT_EQ(store.pieces(0, kStreamPart), 2u);
+  auto byte = [](unsigned part, std::size_t k, int version) {
+    return static_cast<std::uint8_t>(k * 31 + part * 7 + version);
+  };
+  for (unsigned part : {kBasePart, kStreamPart})
+    for (std::size_t i = 0; i < store.pieces(0, part); ++i) {
+      HostBuffer b = store.piece_buffer(0, part, i);
+      for (std::size_t k = 0; k < b.bytes(); ++k)
+        b.as<std::uint8_t>()[k] = byte(part, i * store.piece_bytes() + k, 0);
+      store.write_piece(0, part, i, std::move(b));
+    }
+  store.flush();
+  auto expect_pieces = [&](unsigned part, int version) {
+    const std::size_t n = store.pieces(0, part), bytes = store.stream_bytes(0, part).bytes;
+    for (std::size_t i = 0; i < n; ++i) {
+      if (i + 1 < n) store.prefetch_piece(0, part, i + 1);
+      const HostBuffer b = store.read_piece(0, part, i);
+      const std::size_t first = i * store.piece_bytes();
+      for (std::size_t k = 0; first + k < bytes && k < store.piece_bytes(); ++k)
+        ASSERT_EQ(b.as<std::uint8_t>()[k], byte(part, first + k, version))
+            << "part " << part << " piece " << i << " byte " << k;
+    }
+  };
+  expect_pieces(kBasePart, 0);
+  expect_pieces(kStreamPart, 0);
+  // The same bytes through a layer access.
+  {
+    const LayerAccess a = store.access(0, kBasePart, AccessMode::kRead);
+    const ByteRange r = a.stream_bytes(kBasePart);
+    for (std::size_t k = 0; k < r.bytes; k += 4099)
+      ASSERT_EQ(r.data[k], byte(kBasePart, k, 0)) << k;
+  }
+  // A piece read ahead, then the part rewritten whole (as the optimizer does): the read after
+  // the rewrite sees the new bytes.
+  store.prefetch_piece(0, kStreamPart, 1);
+  {
+    const LayerAccess a = store.access(0, kStreamPart, AccessMode::kOverwrite);
+    const ByteRange r = a.stream_bytes(kStreamPart);
+    for (std::size_t k = 0; k < r.bytes; ++k)
+      r.data[k] = byte(kStreamPart, k, 1);
+  }
+  expect_pieces(kStreamPart, 1);
+  store.flush();
+  expect_pieces(kStreamPart, 1);
 }
 
 TEST_F(LayerStoreNvme, ReadersNeverSeeATornOrOlderVersion) {
