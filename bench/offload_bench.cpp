@@ -210,8 +210,8 @@ FullResult run_full(bool nvme_tier, const std::string& dir, int steps, double li
   }
   const std::uint64_t C = nvme_tier ? store.max_chunk_bytes() : 0;
   const std::uint64_t devices = 2;
-  out.bound = 2 * 2 * devices * read +
-              (trained + C > 0 ? trained + 2 * C + 4 * std::max(trained, C) : 0);
+  out.bound =
+      2 * 2 * devices * read + (trained + C > 0 ? trained + 2 * C + 4 * std::max(trained, C) : 0);
   return out;
 }
 
@@ -308,8 +308,8 @@ int main(int argc, char** argv) {
       const std::string nvme_dir = dirs.front() + "/rondo-offload-bench";
       const FullResult host = run_full(false, nvme_dir, steps, link_bps);
       const FullResult nv = run_full(true, nvme_dir, steps, link_bps);
-      const double extra = static_cast<double>(nv.staging_peak) -
-                           static_cast<double>(host.staging_peak);
+      const double extra =
+          static_cast<double>(nv.staging_peak) - static_cast<double>(host.staging_peak);
       std::printf(
           "(d) link-bound full fine-tuning step (2 simulated devices, %.0f MB/s links): trained "
           "weights, masters and moments on NVMe (%s), masters and moments in 1 MiB chunks, "

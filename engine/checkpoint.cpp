@@ -53,9 +53,8 @@ struct MomentEntry {
   models::DType dtype;
   bool per_block;  // shape (blocks): the absmax; else the tensor's shape
 };
-constexpr MomentEntry kF32Moments[] = {
-    {kExpAvg, StateView::kM, models::DType::kF32, false},
-    {kExpAvgSq, StateView::kV, models::DType::kF32, false}};
+constexpr MomentEntry kF32Moments[] = {{kExpAvg, StateView::kM, models::DType::kF32, false},
+                                       {kExpAvgSq, StateView::kV, models::DType::kF32, false}};
 constexpr MomentEntry k8bitMoments[] = {
     {".exp_avg.codes", StateView::kMCodes, models::DType::kU8, false},
     {".exp_avg.absmax", StateView::kMAbsmax, models::DType::kF32, true},
@@ -474,12 +473,10 @@ nlohmann::json read_checkpoint(const std::string& dir, offload::LayerStore& stor
       else
         ++hidden[kind];
     }
-    const std::map<std::string, std::string> phrase = {{"missing", "missing tensors"},
-                                                       {"unknown", "unknown tensors"},
-                                                       {"shape", "tensors of another shape"},
-                                                       {"dtype", "tensors of another dtype"},
-                                                       {"stream", "stream problems"},
-                                                       {"optimizer", "optimizer problems"}};
+    const std::map<std::string, std::string> phrase = {
+        {"missing", "missing tensors"},        {"unknown", "unknown tensors"},
+        {"shape", "tensors of another shape"}, {"dtype", "tensors of another dtype"},
+        {"stream", "stream problems"},         {"optimizer", "optimizer problems"}};
     for (const auto& [kind, n] : hidden)
       shown.push_back("... and " + std::to_string(n) + " more " + phrase.at(kind));
     throw Error(join_problems(where + ": cannot resume from this checkpoint", shown));

@@ -19,8 +19,8 @@
 #include "engine/disk_speeds.h"
 #include "engine/engine.h"
 #include "engine/gpus.h"
-#include "engine/speed.h"
 #include "engine/model_store.h"
+#include "engine/speed.h"
 #include "kernels/error.h"
 #include "kernels/quant.h"
 #include "models/attention_masks.h"
@@ -571,8 +571,8 @@ RunEstimate estimate_run(const TrainConfig& config, const models::ModelSummary& 
                      ? std::nullopt
                      : remembered_disk_speed(config.hardware.offload_dir)) {
     pl.disk_bytes_per_s = r->read_bytes_per_s;
-    pl.disk_speed_source = fmt::format("measured {} by rondo devices --disk {}", r->measured_at,
-                                       r->dir);
+    pl.disk_speed_source =
+        fmt::format("measured {} by rondo devices --disk {}", r->measured_at, r->dir);
   } else {
     pl.disk_bytes_per_s = 3e9;
     pl.disk_speed_source =
@@ -867,10 +867,9 @@ std::string RunEstimate::text() const {
                    format_bytes(host_overhead));
   o << placement.lines();
   if (placement.nvme_bytes > 0)
-    o << fmt::format(
-        "NVMe tier   {} in the offload folder ({} to use), read at {} ({})\n",
-        format_bytes(placement.nvme_bytes), format_bytes(placement.offload_free),
-        rate_text(placement.disk_bytes_per_s), placement.disk_speed_source);
+    o << fmt::format("NVMe tier   {} in the offload folder ({} to use), read at {} ({})\n",
+                     format_bytes(placement.nvme_bytes), format_bytes(placement.offload_free),
+                     rate_text(placement.disk_bytes_per_s), placement.disk_speed_source);
   o << fmt::format("Disk        {} needed, {} free\n", format_bytes(disk_needed),
                    format_bytes(disk_free));
   if (prediction.step_time_s > 0) {

@@ -47,7 +47,7 @@ struct Placement {
   std::vector<offload::LayerDesc> layers;
   std::string quantize;  // resolved model.quantize: "none", "nf4", "int8" or "gguf"
   std::string formats;   // what the frozen base is kept as: "NF4 (block 64)", "Q4_1 98%, F32 2%"
-  std::uint64_t nvme_bytes = 0;    // on the NVMe tier
+  std::uint64_t nvme_bytes = 0;  // on the NVMe tier
   // hardware.offload_chunk: the most optimizer state of one chunk (offload::LayerStore)
   std::uint64_t chunk_bytes = offload::kDefaultChunkBytes;
   std::uint64_t offload_free = 0;  // hardware.disk_space, or the free space in offload_dir
@@ -59,9 +59,9 @@ struct Placement {
   // aside for them (checkpoint_spill_bytes) when there.
   offload::Tier activations = offload::Tier::kHost;
   std::uint64_t host_activations = 0, activation_checkpoint_bytes = 0, spill_bytes = 0;
-  double disk_bytes_per_s = 0;   // read speed assumed for offload_dir
+  double disk_bytes_per_s = 0;    // read speed assumed for offload_dir
   std::string disk_speed_source;  // where it comes from: set, measured (when, where) or assumed
-  std::string lines() const;    // one line per class for `rondo plan`
+  std::string lines() const;      // one line per class for `rondo plan`
 };
 
 struct RunEstimate {
@@ -91,9 +91,9 @@ struct RunEstimate {
   double step_time_without_drive_s = 0;
   std::int64_t tokens_per_step_to_hide_drive = 0;
   int grad_accum_to_hide_drive = 0;
-  std::string verdict;                   // "fits", "tight", "does not fit"
-  std::vector<std::string> problems;     // why it does not fit, each with what to change
-  std::vector<std::string> warnings;     // why it is tight
+  std::string verdict;                // "fits", "tight", "does not fit"
+  std::vector<std::string> problems;  // why it does not fit, each with what to change
+  std::vector<std::string> warnings;  // why it is tight
 
   std::string text() const;  // the report `rondo plan` prints
   std::string json() const;  // the same as one JSON object (`rondo plan --json`, the GUI)

@@ -125,18 +125,34 @@ PieceState piece_state(const offload::TensorState& view, std::size_t begin, Stat
   };
   PieceState s;
   switch (what) {
-    case StateView::kMaster: s = f32(view.master); break;
-    case StateView::kM: s = f32(view.m); break;
-    case StateView::kV: s = f32(view.v); break;
-    case StateView::kMCodes: s = {view.m_codes, n, begin}; break;
-    case StateView::kVCodes: s = {view.v_codes, n, begin}; break;
-    case StateView::kMAbsmax: s = absmax(view.m_absmax); break;
-    case StateView::kVAbsmax: s = absmax(view.v_absmax); break;
-    default: throw InternalError("piece_state: not optimizer state");
+    case StateView::kMaster:
+      s = f32(view.master);
+      break;
+    case StateView::kM:
+      s = f32(view.m);
+      break;
+    case StateView::kV:
+      s = f32(view.v);
+      break;
+    case StateView::kMCodes:
+      s = {view.m_codes, n, begin};
+      break;
+    case StateView::kVCodes:
+      s = {view.v_codes, n, begin};
+      break;
+    case StateView::kMAbsmax:
+      s = absmax(view.m_absmax);
+      break;
+    case StateView::kVAbsmax:
+      s = absmax(view.v_absmax);
+      break;
+    default:
+      throw InternalError("piece_state: not optimizer state");
   }
   if (s.data == nullptr)
-    throw InternalError("piece_state: the view has no state of that kind (the other moment "
-                        "format?)");
+    throw InternalError(
+        "piece_state: the view has no state of that kind (the other moment "
+        "format?)");
   return s;
 }
 

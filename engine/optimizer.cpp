@@ -129,8 +129,7 @@ void Optimizer::update_layer(std::size_t layer, bool write_stream) {
       store_.prefetch_chunk(layer, k + 1);
     else if (layer + 1 < store_.layers() && store_.optimizer_chunks(layer + 1) > 0)
       store_.prefetch_chunk(layer + 1, 0);
-    const offload::LayerAccess opt =
-        store_.access_chunk(layer, k, offload::AccessMode::kReadWrite);
+    const offload::LayerAccess opt = store_.access_chunk(layer, k, offload::AccessMode::kReadWrite);
     for (std::size_t i = 0; i < opt.size(); ++i) {
       const offload::OptimizerPiece& piece = opt.piece(i);
       kernels::FloatDType dtype;

@@ -23,9 +23,9 @@
 #include "engine/engine.h"
 #include "engine/estimate.h"
 #include "engine/export.h"
-#include "engine/run_lock.h"
 #include "engine/lr_schedule.h"
 #include "engine/model_store.h"
+#include "engine/run_lock.h"
 #include "engine/torch_device.h"
 #include "kernels/checksum.h"
 #include "kernels/error.h"
@@ -424,11 +424,9 @@ struct Session::Impl {
                : tok->encode(prompt, /*add_special_tokens=*/true);
       prompts.emplace_back(ids.begin(), ids.end());
     }
-    const Generation gen =
-        with_settings_advice([&] {
-          return eng.generate(prompts,
-                              {.max_new_tokens = c.eval.sample_tokens, .stop_tokens = stops});
-        });
+    const Generation gen = with_settings_advice([&] {
+      return eng.generate(prompts, {.max_new_tokens = c.eval.sample_tokens, .stop_tokens = stops});
+    });
     std::vector<std::pair<std::string, std::string>> out;
     for (std::size_t k = 0; k < prompts.size(); ++k) {
       std::vector<std::int32_t> g(gen.tokens[k].begin(), gen.tokens[k].end());

@@ -89,8 +89,7 @@ std::vector<std::string> TrainConfig::validate(bool planning) const {
   if (!(training.lr > 0 && training.lr < 1))
     add("training.lr", "must be in (0, 1) (got " + str(training.lr) + ")");
   if (!one_of(training.optimizer, {"adamw", "adamw_8bit"}))
-    add("training.optimizer",
-        "must be adamw or adamw_8bit (got '" + training.optimizer + "')");
+    add("training.optimizer", "must be adamw or adamw_8bit (got '" + training.optimizer + "')");
   if (!one_of(training.schedule, {"constant", "linear", "cosine"}))
     add("training.schedule",
         "must be constant, linear or cosine (got '" + training.schedule + "')");

@@ -64,8 +64,8 @@ struct TrainingSection {
   double min_lr_ratio = 0;  // cosine floor, as a share of lr
   double weight_decay = 0;
   double beta1 = 0.9, beta2 = 0.999, eps = 1e-8;
-  double max_grad_norm = 1.0;   // <= 0: no clipping
-  std::uint64_t seed = 42;      // adapters' initialisation, shuffling, dropout
+  double max_grad_norm = 1.0;  // <= 0: no clipping
+  std::uint64_t seed = 42;     // adapters' initialisation, shuffling, dropout
   // "adamw": f32 moments (8 bytes per trained parameter); "adamw_8bit": both moments in
   // bitsandbytes' blockwise 8-bit (2.03 bytes; its AdamW8bit on the CPU, bit for bit).
   std::string optimizer = "adamw";

@@ -110,9 +110,8 @@ std::array<Tier, 3> tiers_of(const LayerDesc& d) {
 // A trainable tensor's master and moments in a layer's optimizer region at `base` (the layer's
 // opt_elems master elements first, then the moments in `format`), at element `off` and (8-bit)
 // absmax entry `block_off` of the layer's runs.
-void bind_optimizer(TensorState& t, std::uint8_t* base, MomentFormat format,
-                    std::size_t opt_elems, std::size_t opt_blocks, std::size_t off,
-                    std::size_t block_off) {
+void bind_optimizer(TensorState& t, std::uint8_t* base, MomentFormat format, std::size_t opt_elems,
+                    std::size_t opt_blocks, std::size_t off, std::size_t block_off) {
   auto* f32 = reinterpret_cast<float*>(base);
   t.master = f32 + off;
   if (format == MomentFormat::kF32) {
@@ -449,9 +448,9 @@ LayerStore::LayerStore(HostArena& arena, const std::vector<LayerDesc>& layers,
       max_chunk_bytes_ = std::max(max_chunk_bytes_, align_up(bytes, kNvmeAlign));
       if (tier[2] == Tier::kNvme)
         regions_->chunk[l].push_back(nvme_->reserve(
-            align_up(bytes, kNvmeAlign),
-            "layer " + std::to_string(l) + " optimizer state, chunk " + std::to_string(k + 1) +
-                " of " + std::to_string(chunks_[l].size())));
+            align_up(bytes, kNvmeAlign), "layer " + std::to_string(l) + " optimizer state, chunk " +
+                                             std::to_string(k + 1) + " of " +
+                                             std::to_string(chunks_[l].size())));
     }
   }
 }
@@ -466,8 +465,7 @@ LayerStore::~LayerStore() {
 }
 
 std::uint64_t LayerStore::nvme_bytes(const std::vector<LayerDesc>& layers,
-                                     kernels::FloatDType stream_dtype,
-                                     std::uint64_t chunk_bytes) {
+                                     kernels::FloatDType stream_dtype, std::uint64_t chunk_bytes) {
   std::uint64_t total = 0;
   for (std::size_t l = 0; l < layers.size(); ++l) {
     const LayerLayout o = layout_of(layers[l], l, stream_dtype, kernels::FloatDType::kF32);
@@ -643,8 +641,8 @@ HostBuffer LayerStore::Regions::read_piece(NvmeStore* nvme, HostArena& arena, co
 }
 
 void LayerStore::Regions::prefetch_piece(NvmeStore* nvme, HostArena& arena, const Key& whole,
-                                         const Key& key, const Region& region,
-                                         std::uint64_t offset, std::uint64_t bytes) {
+                                         const Key& key, const Region& region, std::uint64_t offset,
+                                         std::uint64_t bytes) {
   std::unique_lock<std::mutex> lock(mutex);
   settle(lock, whole);
   if (writes.count(whole) || reads.count(key)) return;
@@ -794,8 +792,7 @@ HostBuffer LayerStore::piece_buffer(std::size_t layer, unsigned part, std::size_
                          Purpose::kStaging);
 }
 
-void LayerStore::write_piece(std::size_t layer, unsigned part, std::size_t index,
-                             HostBuffer data) {
+void LayerStore::write_piece(std::size_t layer, unsigned part, std::size_t index, HostBuffer data) {
   RONDO_ASSERT(index < pieces(layer, part));
   rethrow_write_error();
   Regions& r = *regions_;
@@ -832,9 +829,9 @@ LayerAccess LayerStore::access(std::size_t layer, unsigned parts, AccessMode mod
       const std::size_t chunks = chunks_[layer].size();
       if (chunks == 0) continue;
       // The layer's layout gathered from its chunk records, the next record read ahead.
-      a.staged_[p] = arena_.allocate(
-          optimizer_bytes(opt_elems_[layer], opt_blocks_[layer], moments_[layer]),
-          Purpose::kStaging);
+      a.staged_[p] =
+          arena_.allocate(optimizer_bytes(opt_elems_[layer], opt_blocks_[layer], moments_[layer]),
+                          Purpose::kStaging);
       auto* base = a.staged_[p].as<std::uint8_t>();
       std::size_t off = 0, block_off = 0;
       for (TensorState& t : a.tensors_) {
@@ -926,8 +923,7 @@ void LayerStore::write_back(LayerAccess& a) noexcept {
       HostBuffer& buf = a.staged_[p];
       if (!buf) continue;
       if (part != kOptimizerPart) {
-        r.submit_write(nvme_, {a.layer_, part, 0}, r.region[a.layer_][p], std::move(buf),
-                       evicted);
+        r.submit_write(nvme_, {a.layer_, part, 0}, r.region[a.layer_][p], std::move(buf), evicted);
       } else if (a.chunk_ != SIZE_MAX) {
         r.submit_write(nvme_, {a.layer_, part, a.chunk_}, r.chunk[a.layer_][a.chunk_],
                        std::move(buf), evicted);
