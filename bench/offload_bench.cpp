@@ -18,9 +18,9 @@
 //      weights, masters and moments on the NVMe tier, masters and moments in 1 MiB chunks and
 //      weights read in 1 MiB pieces, against the same run in host memory. Step time ratio (aim
 //      <= 1.15), and the NVMe run's host staging beyond the in-memory run's against the
-//      planner's bound for it (windows of weight pieces, the trained weights rewritten, two
-//      chunks, four write-backs: nvme_staging() in engine/estimate.cpp, recomputed here from the
-//      store). Gradients stay in host memory (not tiered yet).
+//      planner's bound for it (windows of weight pieces, the trained weights rewritten a piece at
+//      a time, two chunks, four write-backs: nvme_staging() in engine/estimate.cpp, recomputed
+//      here from the store). Gradients stay in host memory (not tiered yet).
 //
 //   offload_bench [--dir D]... [--bytes 1GiB] [--steps 6] [--only a|b|c|d] [--link 50MB]
 #include <ATen/ATen.h>
@@ -199,19 +199,25 @@ FullResult run_full(bool nvme_tier, const std::string& dir, int steps, double li
       c, specs, store, arena, steps, link_bps, [](const models::LayerSpec&) { return 1.0; }, plan);
   out.staging_peak = arena.usage()[offload::Purpose::kStaging].peak;
   // The planner's bound, from the store's own sizes.
-  std::uint64_t read = 0, trained = 0;
+  std::uint64_t read = 0, trained = 0, rounded = 0;
   for (std::size_t l = 0; l < store.layers(); ++l) {
     for (unsigned part : {offload::kBasePart, offload::kStreamPart})
       if (store.tier(l, part) == offload::Tier::kNvme)
         read = std::max<std::uint64_t>(
             read, std::min<std::uint64_t>(store.stream_bytes(l, part).bytes, store.piece_bytes()));
-    if (store.tier(l, offload::kStreamPart) == offload::Tier::kNvme)
-      trained = std::max<std::uint64_t>(trained, store.stream_bytes(l, offload::kStreamPart).bytes);
+    if (store.tier(l, offload::kStreamPart) != offload::Tier::kNvme) continue;
+    trained = std::max<std::uint64_t>(
+        trained, std::min<std::uint64_t>(store.stream_bytes(l, offload::kStreamPart).bytes,
+                                         store.piece_bytes()));
+    for (std::size_t k = 0; k < store.optimizer_chunks(l); ++k)
+      for (const offload::OptimizerPiece& p : store.optimizer_chunk(l, k))
+        rounded =
+            std::max<std::uint64_t>(rounded, p.numel * kernels::dtype_size(store.stream_dtype()));
   }
   const std::uint64_t C = nvme_tier ? store.max_chunk_bytes() : 0;
   const std::uint64_t devices = 2;
-  out.bound =
-      2 * 2 * devices * read + (trained + C > 0 ? trained + 2 * C + 4 * std::max(trained, C) : 0);
+  out.bound = 2 * 2 * devices * read +
+              (trained + C > 0 ? trained + rounded + 2 * C + 4 * std::max(trained, C) : 0);
   return out;
 }
 

@@ -212,27 +212,36 @@ std::string percent_mix(const std::map<std::string, std::uint64_t>& bytes) {
 //  - per device, a window of weight pieces being uploaded and as many read ahead (Transfers,
 //    nvme_window 2): each a layer's frozen or trained weights, or a piece of the chunk size of
 //    them (Note [Weight pieces] in offload/layer_store.cpp);
-//  - the optimizer's layer: its trained weights rewritten whole, one chunk of masters and moments
-//    updated and the next read ahead (Note [Optimizer chunks] in offload/layer_store.cpp), and
-//    up to 4 write-backs in flight, each a chunk or a layer's trained weights.
+//  - the optimizer's layer: one chunk of masters and moments updated and the next read ahead
+//    (Note [Optimizer chunks] in offload/layer_store.cpp), the chunk's streaming copies rounded
+//    into staging and the piece of the trained weights they go to (Note [Streaming copies a
+//    chunk at a time] in optimizer.cpp), and up to 4 write-backs in flight, each a chunk or a
+//    piece.
 // Loading and checkpoints stage less: a layer's weights and a chunk or two.
 std::uint64_t nvme_staging(const std::vector<offload::LayerDesc>& layers,
                            const std::vector<std::array<std::uint64_t, 3>>& parts,
-                           std::uint64_t chunk_bytes, std::uint64_t devices) {
+                           std::uint64_t chunk_bytes, std::uint64_t devices,
+                           std::uint64_t stream_bytes) {
   const std::uint64_t piece =
       offload::LayerStore::piece_bytes_for(chunk_bytes, offload::NvmeStoreOptions{}.block_bytes);
-  std::uint64_t read = 0, trained = 0, chunk = 0;
+  std::uint64_t read = 0, trained = 0, rounded = 0, chunk = 0;
   for (std::size_t l = 0; l < layers.size(); ++l) {
     for (int p : {kBase, kTrained})
       if (tier_of(layers[l], p) == offload::Tier::kNvme)
         read = std::max(read, std::min(parts[l][p], piece));
-    if (tier_of(layers[l], kTrained) == offload::Tier::kNvme)
-      trained = std::max(trained, parts[l][kTrained]);
-    if (tier_of(layers[l], kOptimizer) == offload::Tier::kNvme)
-      for (const auto& c : offload::LayerStore::chunks_of(layers[l], chunk_bytes))
+    const bool stream_on_nvme = tier_of(layers[l], kTrained) == offload::Tier::kNvme;
+    if (stream_on_nvme) trained = std::max(trained, std::min(parts[l][kTrained], piece));
+    const bool opt_on_nvme = tier_of(layers[l], kOptimizer) == offload::Tier::kNvme;
+    if (!stream_on_nvme && !opt_on_nvme) continue;
+    for (const auto& c : offload::LayerStore::chunks_of(layers[l], chunk_bytes)) {
+      if (opt_on_nvme)
         chunk = std::max(chunk, offload::LayerStore::chunk_record_bytes(c, layers[l].moments));
+      if (stream_on_nvme)  // staging of one chunk piece's copies, the largest
+        for (const offload::OptimizerPiece& p : c)
+          rounded = std::max<std::uint64_t>(rounded, p.numel * stream_bytes);
+    }
   }
-  const std::uint64_t update = trained + 2 * chunk + 4 * std::max(trained, chunk);
+  const std::uint64_t update = trained + rounded + 2 * chunk + 4 * std::max(trained, chunk);
   return 2 * 2 * devices * read + (trained + chunk > 0 ? update : 0);
 }
 
@@ -589,7 +598,7 @@ RunEstimate estimate_run(const TrainConfig& config, const models::ModelSummary& 
     h.masters = hb.masters;
     h.moments = hb.optimizer - hb.masters;
     h.grads = hb.gradients;
-    h.nvme_staging = nvme_staging(layers, parts, pl.chunk_bytes, N);
+    h.nvme_staging = nvme_staging(layers, parts, pl.chunk_bytes, N, wb);
     return h;
   };
   e.host = needs(pl.layers);

@@ -182,53 +182,6 @@ at::Tensor stream_tensor(const offload::LayerAccess& access, const offload::Laye
   return out;
 }
 
-namespace {
-// Loading an NVMe-resident streaming part piece by piece (Note [Weight pieces] in
-// offload/layer_store.cpp): bytes put at increasing offsets of the part, each piece written as the
-// load moves past it, so that staging holds a piece, not the part.
-class PieceWriter {
- public:
-  PieceWriter(offload::LayerStore& store, std::size_t layer, unsigned part)
-      : store_(store), layer_(layer), part_(part), pieces_(store.pieces(layer, part)) {}
-  // `bytes` at `offset` of the part; offsets only grow from call to call.
-  void put(std::size_t offset, const void* data, std::size_t bytes) {
-    const auto* src = static_cast<const std::uint8_t*>(data);
-    const std::size_t P = store_.piece_bytes();
-    while (bytes > 0) {
-      const std::size_t index = offset / P;
-      advance_to(index);
-      const std::size_t in = offset - index * P, n = std::min(bytes, buf_.bytes() - in);
-      std::memcpy(buf_.as<std::uint8_t>() + in, src, n);
-      offset += n;
-      src += n;
-      bytes -= n;
-    }
-  }
-  // Writes the pieces left (zeros where nothing was put).
-  void finish() { advance_to(pieces_); }
-
- private:
-  // Pieces before `index` written; buf_ holding piece `index` (when there is one).
-  void advance_to(std::size_t index) {
-    for (; next_ < index; ++next_) {
-      if (!open_) buf_ = store_.piece_buffer(layer_, part_, next_);  // nothing put: zeros
-      open_ = false;
-      store_.write_piece(layer_, part_, next_, std::move(buf_));
-    }
-    if (index < pieces_ && !open_) {
-      buf_ = store_.piece_buffer(layer_, part_, index);
-      open_ = true;
-    }
-  }
-  offload::LayerStore& store_;
-  std::size_t layer_;
-  unsigned part_;
-  std::size_t pieces_, next_ = 0;
-  offload::HostBuffer buf_;
-  bool open_ = false;  // buf_ holds piece next_
-};
-}  // namespace
-
 void load_weights(offload::LayerStore& store, const std::vector<models::LayerSpec>& specs,
                   const WeightSource& source) {
   const at::ScalarType sd = scalar_type(store.stream_dtype());
@@ -238,7 +191,7 @@ void load_weights(offload::LayerStore& store, const std::vector<models::LayerSpe
     // offload/layer_store.cpp), each chunk opened once, as its first piece comes, and written
     // back when the load has moved past it (its moments start at zero).
     unsigned in_host = 0;
-    std::optional<PieceWriter> writers[2];
+    std::optional<offload::PieceWriter> writers[2];
     for (unsigned part : {offload::kBasePart, offload::kStreamPart}) {
       if (store.tier(l, part) == offload::Tier::kHost)
         in_host |= part;
@@ -308,7 +261,7 @@ void load_weights(offload::LayerStore& store, const std::vector<models::LayerSpe
       if (source.done) source.done(p.name);
     }
     chunk.reset();
-    for (std::optional<PieceWriter>& w : writers)
+    for (std::optional<offload::PieceWriter>& w : writers)
       if (w) w->finish();
     if (source.progress) source.progress(l + 1, store.layers());
   }

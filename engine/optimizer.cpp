@@ -2,6 +2,7 @@
 
 #include <cmath>
 #include <cstring>
+#include <optional>
 
 #include "kernels/cpu/adamw8bit.h"
 #include "kernels/error.h"
@@ -94,21 +95,68 @@ double Optimizer::begin_step(const std::vector<double>* partial) {
   return norm;
 }
 
+// Note [Streaming copies a chunk at a time]
+// Every trained tensor's streaming copy is rewritten by an update (or a publish): nothing to read
+// first. In host memory it is written in place. On the NVMe tier the optimizer writes it as it
+// goes, chunk by chunk, into the part's pieces (offload::PieceWriter): each chunk's copies are
+// rounded into staging of the chunk's size and put at their offsets, and a piece goes to the
+// drive as soon as the optimizer has moved past it, so the update stages a chunk and a piece,
+// never the layer's whole trained part (an untied LM head of a large vocabulary is hundreds of
+// MB). Pieces a chunk leaves out (alignment padding between tensors) are written as zeros, as
+// loading wrote them.
+class Optimizer::StreamOut {
+ public:
+  StreamOut(offload::LayerStore& store, std::size_t layer) : store_(store), layer_(layer) {
+    if (store.tier(layer, offload::kStreamPart) == offload::Tier::kNvme)
+      writer_.emplace(store, layer, offload::kStreamPart);
+    else
+      host_ = store.access(layer, offload::kStreamPart, offload::AccessMode::kOverwrite);
+  }
+  // Where to round chunk piece `i` of `opt` to (valid until the next call).
+  void* target(const offload::LayerAccess& opt, std::size_t i) {
+    const offload::OptimizerPiece& piece = opt.piece(i);
+    const std::size_t ss = kernels::dtype_size(store_.stream_dtype());
+    if (!writer_) return static_cast<std::uint8_t*>(host_[piece.tensor].stream) + piece.begin * ss;
+    const std::size_t bytes = opt[i].numel * ss;
+    if (staging_.bytes() < bytes) {
+      staging_.reset();
+      staging_ = store_.piece_staging(bytes);
+    }
+    pending_ = {store_.layer(layer_)[piece.tensor].stream_offset + piece.begin * ss, bytes};
+    return staging_.data();
+  }
+  // The bytes target() handed out are final.
+  void done() {
+    if (writer_ && pending_.second) writer_->put(pending_.first, staging_.data(), pending_.second);
+    pending_ = {0, 0};
+  }
+  void finish() {
+    if (writer_) writer_->finish();
+  }
+
+ private:
+  offload::LayerStore& store_;
+  std::size_t layer_;
+  offload::LayerAccess host_;
+  std::optional<offload::PieceWriter> writer_;
+  offload::HostBuffer staging_;
+  std::pair<std::size_t, std::size_t> pending_{0, 0};  // offset, bytes in staging_
+};
+
 void Optimizer::publish_layer(std::size_t layer) {
-  // Every trained tensor's streaming copy is rewritten: nothing to read first. The masters are
-  // read a chunk at a time (Note [Optimizer chunks] in offload/layer_store.cpp).
-  const offload::LayerAccess out =
-      store_.access(layer, offload::kStreamPart, offload::AccessMode::kOverwrite);
-  const std::size_t ss = kernels::dtype_size(store_.stream_dtype());
+  // The masters are read a chunk at a time (Note [Optimizer chunks] in offload/layer_store.cpp),
+  // the streaming copies written so (Note [Streaming copies a chunk at a time]).
+  StreamOut out(store_, layer);
   for (std::size_t k = 0; k < store_.optimizer_chunks(layer); ++k) {
     if (k + 1 < store_.optimizer_chunks(layer)) store_.prefetch_chunk(layer, k + 1);
     const offload::LayerAccess opt = store_.access_chunk(layer, k, offload::AccessMode::kRead);
     for (std::size_t i = 0; i < opt.size(); ++i) {
-      const offload::OptimizerPiece& piece = opt.piece(i);
-      auto* stream = static_cast<std::uint8_t*>(out[piece.tensor].stream) + piece.begin * ss;
-      kernels::cast_from_f32(opt[i].master, stream, store_.stream_dtype(), opt[i].numel);
+      kernels::cast_from_f32(opt[i].master, out.target(opt, i), store_.stream_dtype(),
+                             opt[i].numel);
+      out.done();
     }
   }
+  out.finish();
 }
 
 void Optimizer::update_layer(std::size_t layer, bool write_stream) {
@@ -118,11 +166,9 @@ void Optimizer::update_layer(std::size_t layer, bool write_stream) {
   p.grad_scale = clip_ * unscale_;
   // Masters and moments wherever they live, a chunk at a time (on NVMe: read, the next chunk —
   // or the next layer's first — read ahead, and written back); the streaming copies are all
-  // rewritten, so not read first.
-  offload::LayerAccess out;
-  if (write_stream)
-    out = store_.access(layer, offload::kStreamPart, offload::AccessMode::kOverwrite);
-  const std::size_t ss = kernels::dtype_size(store_.stream_dtype());
+  // rewritten, so not read first (Note [Streaming copies a chunk at a time]).
+  std::optional<StreamOut> out;
+  if (write_stream) out.emplace(store_, layer);
   const std::size_t chunks = store_.optimizer_chunks(layer);
   for (std::size_t k = 0; k < chunks; ++k) {
     if (k + 1 < chunks)
@@ -135,12 +181,11 @@ void Optimizer::update_layer(std::size_t layer, bool write_stream) {
       kernels::FloatDType dtype;
       const auto* g = static_cast<const std::uint8_t*>(gradient(layer, piece.tensor, dtype)) +
                       piece.begin * kernels::dtype_size(dtype);
-      void* stream = write_stream
-                         ? static_cast<std::uint8_t*>(out[piece.tensor].stream) + piece.begin * ss
-                         : nullptr;
-      adamw_update(opt[i], g, dtype, stream, store_.stream_dtype(), p);
+      adamw_update(opt[i], g, dtype, out ? out->target(opt, i) : nullptr, store_.stream_dtype(), p);
+      if (out) out->done();
     }
   }
+  if (out) out->finish();
   // The layer's gradients (tied copies included) start the next step at zero. A tied copy in a
   // later layer is zeroed when that layer is updated, after its owner has read it.
   const offload::ByteRange grads = store_.grad_bytes(layer);

@@ -69,6 +69,7 @@ class Optimizer {
   void set_lr(double lr) { params_.lr = lr; }
 
  private:
+  class StreamOut;  // where an update writes a layer's streaming copies (optimizer.cpp)
   bool has_ties(std::size_t layer, std::size_t index) const;
   // tied_sums_ for the owner (layer, index), from this step's gradients.
   void sum_tied(std::size_t layer, std::size_t index);

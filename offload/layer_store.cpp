@@ -308,6 +308,18 @@ struct LayerStore::Regions {
     completing.insert(key);
     return true;
   }
+  // Under the lock: moves the write-backs in flight of pieces of the streaming part `whole`
+  // (keys (layer, part, 1...)) into `into`, as take_write.
+  void take_piece_writes(const Key& whole, std::vector<std::pair<Key, Io>>& into) {
+    const auto [layer, part, zero] = whole;
+    std::vector<Key> keys;
+    for (auto it = writes.lower_bound({layer, part, 1});
+         it != writes.end() && std::get<0>(it->first) == layer && std::get<1>(it->first) == part;
+         ++it)
+      keys.push_back(it->first);
+    for (const Key& k : keys)
+      take_write(k, into);
+  }
   // Under `lock`: waits until no thread is completing, or waiting to submit, a write-back of `key`.
   void settle(std::unique_lock<std::mutex>& lock, const Key& key) {
     done.wait(lock, [&] { return completing.count(key) == 0 && writing.count(key) == 0; });
@@ -561,6 +573,16 @@ HostBuffer LayerStore::Regions::stage(NvmeStore* nvme, HostArena& arena, const K
   const bool fresh_read_needed = mode != AccessMode::kOverwrite;
   bool counted = false;  // counted in `reading` while our read is in flight
   {
+    // Pieces of a streaming part written since (the optimizer writes the trained part so) are
+    // on the drive before the part is read whole or overwritten.
+    std::vector<std::pair<Key, Io>> pieces;
+    if (std::get<1>(key) != kOptimizerPart) {
+      std::unique_lock<std::mutex> lock(mutex);
+      take_piece_writes(key, pieces);
+    }
+    if (std::exception_ptr e = complete(nvme, pieces)) std::rethrow_exception(e);
+  }
+  {
     std::unique_lock<std::mutex> lock(mutex);
     settle(lock, key);
     if (take_write(key, pending)) {
@@ -618,18 +640,24 @@ HostBuffer LayerStore::Regions::read_piece(NvmeStore* nvme, HostArena& arena, co
   {
     std::unique_lock<std::mutex> lock(mutex);
     settle(lock, whole);
-    // The part's write-back (the optimizer's streaming copies) must be on the drive before we
-    // read (and then no piece of it was read ahead: the write-back dropped those).
+    settle(lock, key);
+    // A write-back of the whole part must be on the drive before we read (and then no piece of
+    // it was read ahead: the write-back dropped those). A write of this piece in flight (the
+    // optimizer writes the trained part in pieces) holds the data: we take its buffer once the
+    // drive has it.
     const bool wait_for_write = take_write(whole, pending);
-    if (auto it = reads.find(key); !wait_for_write && it != reads.end()) {
+    const bool piece_written = !wait_for_write && take_write(key, pending);
+    if (auto it = reads.find(key); !wait_for_write && !piece_written && it != reads.end()) {
       prefetched = std::move(it->second);
       reads.erase(it);
     }
     ++reading[whole];  // a write-back of the part waits for this read
   }
   const ReadDone read_done{*this, whole, true};
-  if (!pending.empty())
+  if (!pending.empty()) {
     if (std::exception_ptr e = complete(nvme, pending)) std::rethrow_exception(e);
+    if (std::get<2>(pending.front().first) != 0) return std::move(pending.front().second.buffer);
+  }
   if (prefetched) {
     nvme->wait(prefetched->ticket);
     return std::move(prefetched->buffer);
@@ -645,7 +673,8 @@ void LayerStore::Regions::prefetch_piece(NvmeStore* nvme, HostArena& arena, cons
                                          std::uint64_t bytes) {
   std::unique_lock<std::mutex> lock(mutex);
   settle(lock, whole);
-  if (writes.count(whole) || reads.count(key)) return;
+  settle(lock, key);
+  if (writes.count(whole) || writes.count(key) || reads.count(key)) return;
   Io io;
   io.buffer = arena.allocate(bytes, Purpose::kStaging);
   io.ticket = nvme->read(region, offset, io.buffer.data(), bytes);
@@ -670,7 +699,8 @@ void LayerStore::Regions::submit_write(NvmeStore* nvme, const Key& key, const Re
   // A prefetch of the unit, or of a piece of a streaming part (Note [Weight pieces]).
   auto stale_read = [&] {
     auto it = reads.find(key);
-    if (it != reads.end() || std::get<1>(key) == kOptimizerPart) return it;
+    // A piece's write drops its own prefetch; a whole part's, any of its pieces'.
+    if (it != reads.end() || std::get<1>(key) == kOptimizerPart || std::get<2>(key) != 0) return it;
     it = reads.lower_bound({std::get<0>(key), std::get<1>(key), 1});
     return it != reads.end() && std::get<0>(it->first) == std::get<0>(key) &&
                    std::get<1>(it->first) == std::get<1>(key)
@@ -753,8 +783,12 @@ std::vector<std::pair<std::size_t, std::size_t>> LayerStore::tensor_pieces(
 // soon as its upload has landed, so that a window of reads ahead of the uploads holds pieces, not
 // layers: an untied embedding or LM head of a large vocabulary no longer stages whole. A piece is
 // a block-aligned range of the part's region (the part was written whole, so its blocks are read
-// as written). The trained part is rewritten whole by the optimizer: a piece read waits for that
-// write-back, and a write-back drops pieces read ahead of it (they hold the old data).
+// as written). The optimizer rewrites the trained part in pieces too (PieceWriter), so that
+// neither staging nor a write-back ever holds a whole part: a piece read takes the buffer of that
+// piece's write while it is in flight, a piece write drops its piece read ahead (it held the old
+// data), and writes to the same bytes never overlap in flight (a drive may reorder them). A whole
+// part's access waits for its piece writes, and a whole part's write-back drops every piece read
+// ahead of it.
 std::uint64_t LayerStore::piece_bytes_for(std::uint64_t chunk_bytes, std::uint64_t block_bytes) {
   return std::max(block_bytes, chunk_bytes / block_bytes * block_bytes);
 }
@@ -801,6 +835,17 @@ void LayerStore::write_piece(std::size_t layer, unsigned part, std::size_t index
   const std::uint64_t bytes = std::min(piece_bytes_, region.bytes - offset);
   RONDO_ASSERT(data.bytes() >= bytes);
   std::vector<std::pair<Regions::Key, Regions::Io>> evicted;
+  // Writes to the same bytes still in flight — this piece's of an earlier step, the whole part's
+  // — end first: the drive may reorder writes in flight.
+  {
+    std::unique_lock<std::mutex> lock(r.mutex);
+    r.settle(lock, {layer, part, 0});
+    r.settle(lock, {layer, part, index + 1});
+    r.take_write({layer, part, 0}, evicted);
+    r.take_write({layer, part, index + 1}, evicted);
+  }
+  if (std::exception_ptr e = r.complete(nvme_, evicted)) std::rethrow_exception(e);
+  evicted.clear();
   r.submit_write(nvme_, {layer, part, index + 1}, region, std::move(data), evicted, offset, bytes);
   if (std::exception_ptr e = r.complete(nvme_, evicted)) std::rethrow_exception(e);
 }
@@ -975,6 +1020,41 @@ void LayerStore::flush() {
   std::lock_guard<std::mutex> lock(r.mutex);
   if (!error) error = std::exchange(r.write_error, nullptr);
   if (error) std::rethrow_exception(error);
+}
+
+PieceWriter::PieceWriter(LayerStore& store, std::size_t layer, unsigned part)
+    : store_(store), layer_(layer), part_(part), pieces_(store.pieces(layer, part)) {}
+
+void PieceWriter::put(std::size_t offset, const void* data, std::size_t bytes) {
+  RONDO_ASSERT_MSG(offset >= end_, "PieceWriter::put: offsets must grow");
+  end_ = offset + bytes;
+  const auto* src = static_cast<const std::uint8_t*>(data);
+  const std::size_t P = store_.piece_bytes();
+  while (bytes > 0) {
+    const std::size_t index = offset / P;
+    advance_to(index);
+    const std::size_t in = offset - index * P, n = std::min(bytes, buf_.bytes() - in);
+    std::memcpy(buf_.as<std::uint8_t>() + in, src, n);
+    offset += n;
+    src += n;
+    bytes -= n;
+  }
+}
+
+void PieceWriter::finish() {
+  advance_to(pieces_);
+}
+
+void PieceWriter::advance_to(std::size_t index) {
+  for (; next_ < index; ++next_) {
+    if (!open_) buf_ = store_.piece_buffer(layer_, part_, next_);  // nothing put: zeros
+    open_ = false;
+    store_.write_piece(layer_, part_, next_, std::move(buf_));
+  }
+  if (index < pieces_ && !open_) {
+    buf_ = store_.piece_buffer(layer_, part_, index);
+    open_ = true;
+  }
 }
 
 }  // namespace rondo::offload

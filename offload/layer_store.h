@@ -198,7 +198,7 @@ class LayerStore {
   // A layer's optimizer chunks: each a list of pieces of its trainable untied tensors, in order,
   // of at most chunk_bytes of masters and moments (one piece of kChunkGrain elements at least).
   static std::vector<std::vector<OptimizerPiece>> chunks_of(const LayerDesc& layer,
-                                                           std::uint64_t chunk_bytes);
+                                                            std::uint64_t chunk_bytes);
   // Bytes of one chunk's record (its masters and moments, as staged).
   static std::uint64_t chunk_record_bytes(const std::vector<OptimizerPiece>& chunk,
                                           MomentFormat format);
@@ -284,6 +284,8 @@ class LayerStore {
   // and flush() ends the load before anything reads the part.
   HostBuffer piece_buffer(std::size_t layer, unsigned part, std::size_t index);
   void write_piece(std::size_t layer, unsigned part, std::size_t index, HostBuffer data);
+  // Host staging of `bytes` from the store's arena (counted as staging against the budget).
+  HostBuffer piece_staging(std::size_t bytes) { return arena_.allocate(bytes, Purpose::kStaging); }
   // The largest chunk record of any layer (what one staged chunk takes).
   std::uint64_t max_chunk_bytes() const { return max_chunk_bytes_; }
   // Waits for every write-back; throws the first I/O error one met.
@@ -317,6 +319,34 @@ class LayerStore {
   std::uint64_t piece_bytes_ = 0;
   HostBuffer weights_, gradients_, optimizer_;
   std::unique_ptr<Regions> regions_;
+};
+
+// Writing an NVMe-resident streaming part piece by piece (Note [Weight pieces] in
+// layer_store.cpp): bytes put at increasing offsets of the part (as LayerStore::stream_bytes lays
+// it out), each piece written as the writer moves past it, so that staging holds a piece, not the
+// part. Loading writes the frozen and trained parts so, the optimizer the trained part.
+//
+//   offload::PieceWriter w(store, layer, offload::kStreamPart);
+//   w.put(t.stream_offset, bytes, t.stream_bytes);  // tensor by tensor, in layout order
+//   w.finish();                                      // the pieces left, zeros where nothing was
+//   put
+class PieceWriter {
+ public:
+  PieceWriter(LayerStore& store, std::size_t layer, unsigned part);
+  // `bytes` at `offset` of the part; offsets only grow from call to call.
+  void put(std::size_t offset, const void* data, std::size_t bytes);
+  // Writes the pieces left (zeros where nothing was put).
+  void finish();
+
+ private:
+  // Pieces before `index` written; buf_ holding piece `index` (when there is one).
+  void advance_to(std::size_t index);
+  LayerStore& store_;
+  std::size_t layer_;
+  unsigned part_;
+  std::size_t pieces_, next_ = 0, end_ = 0;  // end_: where the last put ended
+  HostBuffer buf_;
+  bool open_ = false;  // buf_ holds piece next_
 };
 
 }  // namespace rondo::offload

@@ -148,8 +148,7 @@ EngineRun run_engine(const Case& s, const Plan& plan, int devices, EngineOptions
   if (!placement.nvme_dir.empty())
     nvme = std::make_unique<offload::NvmeStore>(
         offload::NvmeStoreOptions{.dir = placement.nvme_dir},
-        offload::LayerStore::nvme_bytes(descs, kernels::FloatDType::kF32,
-                                        placement.chunk_bytes) +
+        offload::LayerStore::nvme_bytes(descs, kernels::FloatDType::kF32, placement.chunk_bytes) +
             options.spill_checkpoint_bytes);
   offload::LayerStore store(arena, descs, kernels::FloatDType::kF32, placement.grad_dtype,
                             nvme.get(), placement.chunk_bytes);
@@ -505,6 +504,15 @@ TEST(Engine, NvmeTierTrainsBitForBitLikeHostMemory) {
                                            .nvme_dir = dir,
                                            .chunk_bytes = 6 * offload::kChunkGrain});
     expect_same_bits(host8, chunked8);
+    // One-step-stale training publishes the masters to the streaming copies apart from the update
+    // (Optimizer::publish_layer), in pieces on NVMe as well.
+    EngineOptions stale;
+    stale.one_step_stale = true;
+    const EngineRun host_stale = run_engine(s, plan, 2, stale);
+    const EngineRun nvme_stale = run_engine(
+        s, plan, 2, stale, {},
+        {.edit = blocks_on_nvme, .nvme_dir = dir, .chunk_bytes = 12 * offload::kChunkGrain});
+    expect_same_bits(host_stale, nvme_stale);
   }
   {
     Case s = make_case(test::tiny_qwen2(3), 2, seed);
@@ -1244,7 +1252,8 @@ TEST(Engine, EveryByteOnTheLinksIsInTheTransferStats) {
   // The logits: 4 tokens of 3 prompts, V floats each.
   EXPECT_EQ(gen.outputs_down - trained_stats.outputs_down,
             4u * 3u * static_cast<std::uint64_t>(s.config.vocab_size) * sizeof(float));
-  EXPECT_EQ(gen_links.bytes_h2d - trained_links.bytes_h2d, gen.bytes_up() - trained_stats.bytes_up());
+  EXPECT_EQ(gen_links.bytes_h2d - trained_links.bytes_h2d,
+            gen.bytes_up() - trained_stats.bytes_up());
   EXPECT_EQ(gen_links.bytes_d2h - trained_links.bytes_d2h,
             gen.bytes_down() - trained_stats.bytes_down());
   EXPECT_EQ(gen_links.bytes_d2d_out + gen_links.bytes_d2d_in, 0u);
