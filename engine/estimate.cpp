@@ -389,15 +389,19 @@ RunEstimate estimate_run(const TrainConfig& config, const models::ModelSummary& 
       pl.formats +=
           config.model.double_quant ? " (NF4: block 64, double quant)" : " (NF4: block 64)";
   }
-  // Loading holds one tensor at a time outside the store: its file pages while it is read
-  // (dropped after, models::WeightReader::release) and, unless the file already holds the
-  // streaming dtype, the converted (or dequantised) copy.
+  // Loading holds outside the store, where the file holds the streaming dtype, the file pages of
+  // a slice of a tensor (a weight piece at most: Note [Loading in slices] in model_store.cpp);
+  // else a whole tensor at a time: its file pages while it is read (dropped after,
+  // models::WeightReader::release) and the converted (or dequantised) copy.
   {
     std::uint64_t stored_bytes = wb;
     for (const auto& [name, type] : model.stored_types)
       if (type == "F32") stored_bytes = 4;
     const bool same = !gguf && stored_bytes == wb;
-    e.host.loading = largest_tensor * (stored_bytes + (same ? 0 : wb));
+    e.host.loading = same ? std::min(largest_tensor * stored_bytes,
+                                     offload::LayerStore::piece_bytes_for(
+                                         pl.chunk_bytes, offload::NvmeStoreOptions{}.block_bytes))
+                          : largest_tensor * (stored_bytes + wb);
   }
   const std::uint64_t C = static_cast<std::uint64_t>(model.config.hidden_size);
 

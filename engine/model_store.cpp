@@ -182,6 +182,15 @@ at::Tensor stream_tensor(const offload::LayerAccess& access, const offload::Laye
   return out;
 }
 
+// Note [Loading in slices]
+// Loading holds little of a tensor outside the store. The reader hands a tensor stored in the
+// streaming dtype as a view of the file's mapping, whose pages fill as they are touched; the
+// loader copies it into the store a slice at a time — a weight piece of a frozen tensor, an
+// optimizer piece (streaming copy and master) of a trained one — rounding each slice on its own
+// where the part is on NVMe, and tells the reader as each slice is in (done_range), which drops
+// its pages. So loading touches about a piece of the file at a time, not the largest tensor (an
+// untied embedding of a large vocabulary is hundreds of MB). A tensor the reader converts (another
+// dtype in the file) or dequantises is still held whole while it is loaded.
 void load_weights(offload::LayerStore& store, const std::vector<models::LayerSpec>& specs,
                   const WeightSource& source) {
   const at::ScalarType sd = scalar_type(store.stream_dtype());
@@ -238,23 +247,51 @@ void load_weights(offload::LayerStore& store, const std::vector<models::LayerSpe
                                                 : kernels::FloatDType::kF32,
                             t.rows, t.cols, t.stream ? t.stream : blocks.data());
           if (!t.stream) put(t, blocks.data());
-        } else if (t.stream) {
-          at::from_blob(t.stream, p.shape, sd).copy_(src);
         } else {
-          put(t, src.to(sd).contiguous().data_ptr());
-        }
-        if (t.trainable) {
+          // A slice at a time (Note [Loading in slices]): the streaming copy and, trained, the
+          // master of each optimizer piece of the tensor; frozen, slices of a weight piece.
           const at::Tensor flat = src.reshape({-1});
-          for (const auto& [k, pi] : store.tensor_pieces(l, i)) {
+          const std::size_t ss = kernels::dtype_size(store.stream_dtype());
+          auto copy = [&](std::size_t begin, std::size_t n) {
+            const at::Tensor from =
+                flat.narrow(0, static_cast<std::int64_t>(begin), static_cast<std::int64_t>(n));
+            if (t.stream) {
+              at::from_blob(static_cast<std::uint8_t*>(t.stream) + begin * ss,
+                            {static_cast<std::int64_t>(n)}, sd)
+                  .copy_(from);
+            } else {
+              const at::Tensor rounded = from.to(sd).contiguous();
+              writers[t.trainable ? 1 : 0]->put(t.stream_offset + begin * ss, rounded.data_ptr(),
+                                                n * ss);
+            }
+          };
+          auto copied = [&](std::size_t begin, std::size_t n) {
+            if (source.done_range)
+              source.done_range(p.name, static_cast<std::int64_t>(begin),
+                                static_cast<std::int64_t>(n));
+          };
+          if (!t.trainable) {
+            const std::size_t slice = std::max<std::size_t>(store.piece_bytes() / 4, 1);
+            for (std::size_t b = 0; b < t.numel; b += slice) {
+              copy(b, std::min(slice, t.numel - b));
+              copied(b, std::min(slice, t.numel - b));
+            }
+          }
+          for (const auto& [k, pi] : t.trainable
+                                         ? store.tensor_pieces(l, i)
+                                         : std::vector<std::pair<std::size_t, std::size_t>>{}) {
             if (!chunk || chunk_no != k) {
               chunk.reset();
               chunk = store.access_chunk(l, k, offload::AccessMode::kOverwrite);
               chunk_no = k;
             }
             const offload::TensorState& v = (*chunk)[pi];
+            const std::size_t begin = chunk->piece(pi).begin;
+            copy(begin, v.numel);
             at::from_blob(v.master, {static_cast<std::int64_t>(v.numel)}, at::kFloat)
-                .copy_(flat.narrow(0, static_cast<std::int64_t>(chunk->piece(pi).begin),
+                .copy_(flat.narrow(0, static_cast<std::int64_t>(begin),
                                    static_cast<std::int64_t>(v.numel)));
+            copied(begin, v.numel);
           }
         }
       }
@@ -296,6 +333,10 @@ void load_weights(offload::LayerStore& store, const std::vector<models::LayerSpe
                             .done =
                                 [&](const std::string& n) {
                                   if (!extra.count(n)) reader.release(n);
+                                },
+                            .done_range =
+                                [&](const std::string& n, std::int64_t first, std::int64_t count) {
+                                  if (!extra.count(n)) reader.release_range(n, first, count);
                                 },
                             .progress = progress});
 }

@@ -42,6 +42,9 @@ struct WeightSource {
   std::function<std::optional<at::Tensor>(const std::string&)> blocks;
   // Optional: called once a tensor has been copied into the store (the reader drops its pages).
   std::function<void(const std::string&)> done;
+  // Optional: called as elements [first, first + count) of a tensor not kept quantised have been
+  // copied into the store (the reader may drop their pages before the rest is read).
+  std::function<void(const std::string&, std::int64_t, std::int64_t)> done_range;
   // Optional: called after each layer with (layers done, layers in all).
   std::function<void(std::size_t, std::size_t)> progress;
 };

@@ -152,4 +152,16 @@ void WeightReader::release(const std::string& name) const {
   }
 }
 
+void WeightReader::release_range(const std::string& name, std::int64_t first,
+                                 std::int64_t count) const {
+  const Impl& m = *impl_;
+  if (m.gguf || m.mxfp4.count(name)) return;
+  const TensorEntry* e = m.hf->find(name);
+  if (e == nullptr || e->numel() == 0 || first < 0 || count <= 0 || first + count > e->numel())
+    return;
+  const std::uint64_t element = e->bytes / static_cast<std::uint64_t>(e->numel());
+  release_mapped_pages(e->data + static_cast<std::uint64_t>(first) * element,
+                       static_cast<std::uint64_t>(count) * element);
+}
+
 }  // namespace rondo::models

@@ -63,6 +63,9 @@ class WeightReader {
       const std::string& name) const;
   // Drops the tensor's file pages from this process (see release_mapped_pages).
   void release(const std::string& name) const;
+  // The same for elements [first, first + count) of a Hugging Face tensor stored as it is read
+  // (a loader that has copied that much drops its pages as it goes); a no-op for the rest.
+  void release_range(const std::string& name, std::int64_t first, std::int64_t count) const;
 
  private:
   struct Impl;
