@@ -125,10 +125,11 @@ std::string step_time_warning(double predicted_s, std::vector<double> measured_s
 // tokenizer and the tokenized data, heaps, and the tensors torch allocates while computing on
 // the CPU (and a simulated GPU's memory, which is host memory under the device's own cap). That
 // is the stated overhead: host_fixed_overhead() is the process's resident size when the run is
-// planned (everything loaded but the weights) plus a margin for compute temporaries. One tensor
-// is converted at a time while loading (HostNeeds::loading) outside the arena, so the arena's
-// limit is the budget minus that. When no budget is given, the budget is what the OS reports
-// available minus the overhead.
+// planned (everything loaded but the weights) plus a margin for compute temporaries. Loading
+// holds a slice of a tensor (or a converted tensor) outside the arena (HostNeeds::loading), and on
+// the CPU device the device's memory is this machine's (HostNeeds::cpu_device: the plan's peak
+// for what the device does not read in place), so the arena's limit is the budget minus those.
+// When no budget is given, the budget is what the OS reports available minus the overhead.
 
 std::uint64_t checkpoint_spill_bytes(const Plan& plan, std::uint64_t checkpoint_bytes) {
   return offload::ActivationSpill::capacity_for(
@@ -757,14 +758,34 @@ RunEstimate estimate_run(const TrainConfig& config, const models::ModelSummary& 
     }
   }
 
+  // On the CPU device the device's memory is host memory: the budget holds it too (Note [Host
+  // budget]). What it computes on beyond the store: weights copied from the NVMe tier (those in
+  // host memory are read in place, EngineOptions::share_frozen_weights; quantised ones are
+  // dequantised, counted as planned), gradient accumulators unless they are the store's own
+  // (share_trained_state, exact training), and activations.
+  if (planned && devices.mode == DeviceMode::kCpu) {
+    PlanInputs cpu = e.inputs;
+    for (std::size_t l = 0; l < cpu.layers.size(); ++l) {
+      LayerCosts& c = cpu.layers[l];
+      if (c.device_param_bytes == 0) {
+        c.param_bytes = 0;
+        for (int p : {kBase, kTrained})
+          if (tier_of(pl.layers[l], p) == offload::Tier::kNvme) c.param_bytes += parts[l][p];
+      }
+      if (!config.training.one_step_stale) c.grad_bytes = 0;
+    }
+    const PlanPrediction on_cpu = predict(e.plan, cpu);
+    if (!on_cpu.peak_bytes.empty()) e.host.cpu_device = on_cpu.peak_bytes[0];
+  }
   const std::uint64_t need = e.host.total();
   const std::string breakdown = fmt::format(
       "weights {}, masters {}, moments {}, gradients {}, loading {}, staging {}, activation "
-      "checkpoints {}{}",
+      "checkpoints {}{}{}",
       format_bytes(e.host.weights), format_bytes(e.host.masters), format_bytes(e.host.moments),
       format_bytes(e.host.grads), format_bytes(e.host.loading), format_bytes(e.host.staging),
       format_bytes(e.host.checkpoints),
-      e.host.nvme_staging ? ", NVMe staging " + format_bytes(e.host.nvme_staging) : "");
+      e.host.nvme_staging ? ", NVMe staging " + format_bytes(e.host.nvme_staging) : "",
+      e.host.cpu_device ? ", the CPU device's computing " + format_bytes(e.host.cpu_device) : "");
   if (need > e.host_available) {
     // What would make it fit, only what applies to this run.
     std::vector<std::string> fixes;
@@ -957,7 +978,8 @@ std::string RunEstimate::json() const {
                         {"loading", host.loading},
                         {"staging", host.staging},
                         {"checkpoints", host.checkpoints},
-                        {"nvme_staging", host.nvme_staging}}},
+                        {"nvme_staging", host.nvme_staging},
+                        {"cpu_device", host.cpu_device}}},
                       {"disk", {{"needed_bytes", disk_needed}, {"free_bytes", disk_free}}},
                       {"placement",
                        {{"quantize", placement.quantize},

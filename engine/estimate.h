@@ -35,8 +35,12 @@ struct HostNeeds {
   // ahead and those waiting for the drive.
   std::uint64_t checkpoints = 0;
   std::uint64_t nvme_staging = 0;  // NVMe reads ahead of uploads and write-backs in flight
+  // A run on the CPU device: the device's own memory (weights as computed on, gradient
+  // accumulators, activations: the plan's predicted peak), which is this machine's memory too.
+  std::uint64_t cpu_device = 0;
   std::uint64_t total() const {
-    return weights + masters + moments + grads + loading + staging + checkpoints + nvme_staging;
+    return weights + masters + moments + grads + loading + staging + checkpoints + nvme_staging +
+           cpu_device;
   }
 };
 

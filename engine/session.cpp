@@ -541,9 +541,10 @@ struct Session::Impl {
     }
     // Host memory under the budget (Note [Host budget] in estimate.cpp): the arena refuses to
     // pass it with a named error.
+    const std::uint64_t outside_arena = est.host.loading + est.host.cpu_device;
     offload::HostArena arena(offload::HostArenaOptions{
-        .bytes_limit = est.host_available > est.host.loading ? est.host_available - est.host.loading
-                                                             : est.host_available});
+        .bytes_limit = est.host_available > outside_arena ? est.host_available - outside_arena
+                                                          : est.host_available});
     struct ArenaPeak {  // recorded however the run ends
       offload::HostArena& arena;
       std::uint64_t& out;

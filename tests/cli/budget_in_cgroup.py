@@ -2,8 +2,9 @@
 the CPU device and on 2 simulated GPUs) of a Llama-shaped model whose untied embedding and head
 are each many times a block, with its training state 3x hardware.host_memory, and a LoRA run
 whose base is 3x the budget, each run inside a memory cgroup of the budget plus the overhead the
-plan states. Each must complete, with weights (the merged export, the adapter) byte for byte
-those of the same run held in memory; the peaks are printed.
+plan states (plus, for the simulated GPUs, their memory caps: a real card's memory is its own).
+Each must complete, with weights (the merged export, the adapter) byte for byte those of the same
+run held in memory; the peaks are printed.
 
 Needs a writable cgroup v1 memory controller (/sys/fs/cgroup/memory, as root); without one the
 script says so and exits 77 (ctest: skipped).
@@ -125,7 +126,11 @@ def main():
         ref = write_config(work, folder, data, f"mem-{name}", method, devices)
         slow_support.call(rondo, "train", ref)
         overhead = plan["host_overhead_bytes"]
-        limit = budget + overhead
+        # Simulated GPUs keep their memory in this process: on a real machine it is the cards'
+        # own, so their caps come on top (the CPU device's memory is the budget's: the plan
+        # counts it).
+        device_memory = sum(d["cap_bytes"] for d in plan["devices"]) if devices else 0
+        limit = budget + overhead + device_memory
         code, out, peak, failcnt = run_in_cgroup(rondo, config, limit)
         run = work / f"cg-{name}"
         end = {}
@@ -138,7 +143,8 @@ def main():
         mib = 1 / 1048576
         rows.append(
             f"{method} on {where}: state {state * mib:.0f} MiB, budget {budget * mib:.0f} MiB, "
-            f"stated overhead {overhead * mib:.0f} MiB, cgroup limit {limit * mib:.0f} MiB; "
+            f"stated overhead {overhead * mib:.0f} MiB, simulated devices' caps "
+            f"{device_memory * mib:.0f} MiB, cgroup limit {limit * mib:.0f} MiB; "
             f"exit {code}, cgroup peak {peak * mib:.0f} MiB (page cache included), limit hit "
             f"{failcnt} times, process peak RSS {end.get('host_peak_bytes', 0) * mib:.0f} MiB, "
             f"arena peak {end.get('host_arena_peak_bytes', 0) * mib:.0f} MiB")
