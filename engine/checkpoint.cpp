@@ -485,17 +485,24 @@ nlohmann::json read_checkpoint(const std::string& dir, offload::LayerStore& stor
   // Wherever the store keeps it: the trained streaming copies a layer at a time, the masters and
   // moments a chunk at a time (each chunk opened once, as its first piece comes: owned tensors
   // are in layer and chunk order). Every owned trained tensor is in the file, so both are
-  // overwritten whole.
+  // overwritten whole; streaming copies on NVMe are written a weight piece at a time.
   std::optional<offload::LayerAccess> open, chunk;
+  std::optional<offload::PieceWriter> pieces;
   std::size_t chunk_layer = 0, chunk_no = 0;
   for (std::size_t k = 0; k < owned.size(); ++k) {
     const std::size_t layer = owned[k].layer;
-    if (!open || (k > 0 && owned[k - 1].layer != layer)) {
+    if (k == 0 || owned[k - 1].layer != layer) {
       chunk.reset();
       open.reset();
-      open = store.access(layer, offload::kStreamPart, offload::AccessMode::kOverwrite);
+      if (pieces) pieces->finish();
+      pieces.reset();
+      if (store.tier(layer, offload::kStreamPart) == offload::Tier::kNvme)
+        pieces.emplace(store, layer, offload::kStreamPart);
+      else
+        open = store.access(layer, offload::kStreamPart, offload::AccessMode::kOverwrite);
     }
-    const offload::TensorState& t = (*open)[owned[k].index];
+    const offload::TensorState& t =
+        open ? (*open)[owned[k].index] : store.layer(layer)[owned[k].index];
     const Source& s = sources[k];
     const std::vector<MomentEntry> moments = moment_entries(store.moments(layer));
     for (const auto& [c, p] : store.tensor_pieces(layer, owned[k].index)) {
@@ -516,14 +523,29 @@ nlohmann::json read_checkpoint(const std::string& dir, offload::LayerStore& stor
       for (std::size_t e = 0; e < moments.size(); ++e)
         fill(moments[e].what, *s.moments[e]);
     }
-    if (s.stream != nullptr)
-      std::memcpy(t.stream, s.stream->data, s.stream->bytes);
-    else  // the rounding Optimizer::publish_layer and the AdamW kernel apply
+    if (s.stream != nullptr) {
+      if (pieces)
+        pieces->put(t.stream_offset, s.stream->data, s.stream->bytes);
+      else
+        std::memcpy(t.stream, s.stream->data, s.stream->bytes);
+    } else if (!pieces) {  // the rounding Optimizer::publish_layer and the AdamW kernel apply
       kernels::cast_from_f32(reinterpret_cast<const float*>(s.master->data), t.stream,
                              store.stream_dtype(), t.numel);
+    } else {  // the same, a slice at a time
+      const std::size_t ss = kernels::dtype_size(store.stream_dtype());
+      const std::size_t slice = std::max<std::size_t>(store.piece_bytes() / ss, 1);
+      std::vector<std::uint8_t> rounded(std::min(slice, t.numel) * ss);
+      for (std::size_t b = 0; b < t.numel; b += slice) {
+        const std::size_t n = std::min(slice, t.numel - b);
+        kernels::cast_from_f32(reinterpret_cast<const float*>(s.master->data) + b, rounded.data(),
+                               store.stream_dtype(), n);
+        pieces->put(t.stream_offset + b * ss, rounded.data(), n * ss);
+      }
+    }
   }
   chunk.reset();
   open.reset();
+  if (pieces) pieces->finish();
   store.flush();
   for (std::size_t l = 0; l < store.layers(); ++l) {
     const offload::ByteRange grads = store.grad_bytes(l);

@@ -240,6 +240,13 @@ HostUsage HostArena::usage() const {
   return state_->usage;
 }
 
+void HostArena::reset_peaks() {
+  std::lock_guard lock(state_->mutex);
+  state_->usage.peak = state_->usage.bytes;
+  for (PurposeUsage& u : state_->usage.by_purpose)
+    u.peak = u.bytes;
+}
+
 int HostArena::numa_node_near(const std::string& pci_bus_id) const {
   hwloc_obj_t pci = hwloc_get_pcidev_by_busidstring(state_->topology, pci_bus_id.c_str());
   if (pci == nullptr) return -1;

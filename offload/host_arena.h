@@ -115,6 +115,9 @@ class HostArena {
   HostBuffer allocate(std::uint64_t bytes, Purpose purpose, int numa_node = kDefaultNode);
 
   HostUsage usage() const;
+  // Starts the peaks (overall and by purpose) again from what is in use now: for measuring one
+  // phase of a run (an export, a step).
+  void reset_peaks();
   bool pins() const;       // are new buffers page-locked?
   int numa_nodes() const;  // NUMA nodes hwloc sees (1 on most desktops)
   // The NUMA node closest to a PCI device ("0000:01:00.0"), for placing a GPU's staging buffers;

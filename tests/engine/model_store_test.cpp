@@ -1,8 +1,9 @@
-// engine::load_weights from a model file (Note [Loading in slices] in engine/model_store.cpp): a
-// tensor stored in the streaming dtype goes into the store a slice at a time — a weight piece of
-// a frozen tensor, an optimizer piece of a trained one — and the reader drops each slice's file
-// pages as it is in, so loading a large embedding onto the NVMe tier maps about a piece of the
-// file at a time. The store ends holding the file's values either way.
+// engine::load_weights from a model file, and the merged export back out of the store. Loading
+// (Note [Loading in slices] in engine/model_store.cpp): a tensor stored in the streaming dtype goes
+// into the store a slice at a time — a weight piece of a frozen tensor, an optimizer piece of a
+// trained one — and the reader drops each slice's file pages as it is in, so loading a large
+// embedding onto the NVMe tier maps about a piece of the file at a time. The store ends holding the
+// file's values either way.
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 #include <unistd.h>
@@ -13,7 +14,9 @@
 #include <map>
 #include <string>
 
+#include "engine/export.h"
 #include "engine/model_store.h"
+#include "models/safetensors.h"
 #include "models/weight_reader.h"
 #include "offload/nvme_store.h"
 #include "tests/support/tiny_model_folder.h"
@@ -109,6 +112,54 @@ TEST(LoadWeights, TensorsGoInASliceAtATimeAndTheirPagesAreDropped) {
         reader.release(p.name);
       }
     }
+  }
+  fs::remove_all(dir);
+}
+
+// The merged export reads the store a chunk (masters) or a weight piece (a frozen part on NVMe)
+// at a time, never staging a layer's part whole in the arena: from the NVMe tier, in pieces of
+// 1 MiB, it writes the file's own tensors (nothing trained), as from host memory.
+TEST(ExportMerged, FromTheNvmeTierInPiecesWritesWhatWasLoaded) {
+  const fs::path dir =
+      fs::temp_directory_path() / ("rondo-export-merged-test-" + std::to_string(::getpid()));
+  test::write_model_folder((dir / "model").string(), 5,
+                           {.layers = 2, .hidden = 64, .intermediate = 128, .vocab = 20000});
+  const models::WeightReader reader((dir / "model").string());
+  const std::vector<models::LayerSpec>& specs = reader.layers();
+  const std::uint64_t chunk = 1ull << 20;
+  // Norms and the head trained, the rest frozen.
+  auto trained = [](const models::ParamSpec& p) {
+    return p.name.find("norm") != std::string::npos || p.name == "lm_head.weight";
+  };
+  for (const bool nvme_tier : {false, true}) {
+    SCOPED_TRACE(nvme_tier ? "NVMe" : "host");
+    std::vector<offload::LayerDesc> d = layer_descs(specs, trained);
+    if (nvme_tier)
+      for (offload::LayerDesc& l : d)
+        l.base = l.weights = l.optimizer = offload::Tier::kNvme;
+    offload::HostArena arena({.pinning = offload::Pinning::kOff});
+    std::unique_ptr<offload::NvmeStore> nvme;
+    if (nvme_tier)
+      nvme = std::make_unique<offload::NvmeStore>(
+          offload::NvmeStoreOptions{.dir = (dir / "nvme").string()},
+          offload::LayerStore::nvme_bytes(d, kernels::FloatDType::kF32, chunk));
+    offload::LayerStore store(arena, d, kernels::FloatDType::kF32, kernels::FloatDType::kF32,
+                              nvme.get(), chunk);
+    load_weights(store, specs, reader, {}, nullptr);
+    store.flush();
+    arena.reset_peaks();
+    const fs::path out = dir / (nvme_tier ? "merged-nvme" : "merged-host");
+    export_merged(out.string(), store, specs, (dir / "model").string(), models::DType::kF32);
+    // Staging while exporting: a chunk and a piece read ahead, not the 4.9 MiB embedding.
+    EXPECT_LE(arena.usage()[offload::Purpose::kStaging].peak, 3 * store.piece_bytes());
+    const models::WeightReader merged(out.string());
+    for (const models::LayerSpec& l : specs)
+      for (const models::ParamSpec& p : l.params) {
+        if (p.tied) continue;
+        EXPECT_TRUE(at::equal(merged.read(p.name, models::DType::kF32),
+                              reader.read(p.name, models::DType::kF32)))
+            << p.name;
+      }
   }
   fs::remove_all(dir);
 }

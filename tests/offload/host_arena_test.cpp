@@ -52,6 +52,17 @@ TEST(HostArena, AccountsByPurpose) {
   EXPECT_EQ(u[Purpose::kOptimizerState].peak, 4022u);
   EXPECT_EQ(u.peak, 5322u);
   EXPECT_EQ(u.bytes, 1322u);
+  // Peaks measured again from here: what is in use now, then what comes.
+  arena.reset_peaks();
+  u = arena.usage();
+  EXPECT_EQ(u.peak, 1322u);
+  EXPECT_EQ(u[Purpose::kOptimizerState].peak, 22u);
+  HostBuffer s = arena.allocate(500, Purpose::kStaging);
+  s.reset();
+  u = arena.usage();
+  EXPECT_EQ(u.peak, 1822u);
+  EXPECT_EQ(u[Purpose::kStaging].peak, 500u);
+  EXPECT_EQ(u[Purpose::kWeights].peak, 1000u);
 }
 
 TEST(HostArena, MovingABufferKeepsOneOwner) {
