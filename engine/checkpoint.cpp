@@ -549,7 +549,7 @@ nlohmann::json read_checkpoint(const std::string& dir, offload::LayerStore& stor
   store.flush();
   for (std::size_t l = 0; l < store.layers(); ++l) {
     const offload::ByteRange grads = store.grad_bytes(l);
-    if (grads.bytes != 0) std::memset(grads.data, 0, grads.bytes);
+    if (grads.data != nullptr) std::memset(grads.data, 0, grads.bytes);
   }
   return state.at("meta");
 }

@@ -44,7 +44,11 @@ JobGradients job_gradients(const EngineParts& parts, DeviceContext& dc, LayerRan
     // since this job's weights waited for the optimizer's pass over these layers (Note [Engine
     // synchronisation], 3, in board.cpp), and are written before it reads them (done_down).
     std::uint8_t* gdata = gr.data;
-    if (!parts.shares_trained()) {
+    if (gr.data == nullptr) {  // on NVMe: a buffer the gradient writer reads after the job
+      auto b = std::make_shared<kernels::DeviceBuffer>(dc.dev->allocate(gr.bytes, dc.compute));
+      gdata = static_cast<std::uint8_t*>(b->data());
+      g.keep[l] = std::move(b);
+    } else if (!parts.shares_trained()) {
       buffers.push_back(dc.dev->allocate(gr.bytes, dc.compute));
       gdata = static_cast<std::uint8_t*>(buffers.back().data());
     }
@@ -65,7 +69,7 @@ JobGradients job_gradients(const EngineParts& parts, DeviceContext& dc, LayerRan
         g.out[l].emplace_back();
         continue;
       }
-      const std::size_t off = static_cast<const std::uint8_t*>(t.grad) - gr.data;
+      const std::size_t off = t.grad_offset;
       const auto& shape = parts.specs[static_cast<std::size_t>(l)].params[i].shape;
       g.acc[l].push_back(
           tensor_view(accp + off / gs * (g.convert ? 4 : gs), shape, at::kFloat, dc.torch));

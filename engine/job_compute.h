@@ -9,6 +9,7 @@
 
 #include <cstdint>
 #include <map>
+#include <memory>
 #include <utility>
 #include <vector>
 
@@ -27,13 +28,17 @@ struct JobGradients {
   std::map<int, std::vector<at::Tensor>> acc;  // per layer, per tensor: f32 (undefined: frozen)
   std::map<int, std::vector<at::Tensor>> out;  // the same in the store's dtype (the download's)
   std::vector<std::pair<int, void*>> layers;   // layer, its gradient in the store's layout
-  bool convert = false;                        // acc and out differ (gradients not f32)
+  // Layers whose gradients the store keeps on NVMe: the device buffer, held until the gradient
+  // writer has brought it down (offload::Transfers::download_gradients' `keep`).
+  std::map<int, std::shared_ptr<kernels::DeviceBuffer>> keep;
+  bool convert = false;  // acc and out differ (gradients not f32)
   std::vector<int> layer_ids() const;
 };
 
 // Sets up the gradients of `range`'s trained layers on device `dc`: device buffers (appended to
-// `buffers`, which must outlive the job's work) or, where the device computes in host memory and
-// EngineParts::shares_trained(), the store's own gradient regions. Accumulators that the first
+// `buffers`, which must outlive the job's work; those of NVMe-resident gradients in `keep`) or,
+// where the device computes in host memory and EngineParts::shares_trained(), the store's own
+// gradient regions (in host memory). Accumulators that the first
 // microbatch does not overwrite (the embedding's) are zero-filled on the compute stream.
 JobGradients job_gradients(const EngineParts& parts, DeviceContext& dc, LayerRange range,
                            std::vector<kernels::DeviceBuffer>& buffers);
@@ -45,9 +50,9 @@ struct MicrobatchWork {
   const JobSpec* job = nullptr;
   const StepData* step = nullptr;
   const MicrobatchInputs* inputs = nullptr;
-  int m = 0;                  // the microbatch
-  at::Tensor in;              // the previous job's output (undefined where the job embeds tokens)
-  at::Tensor out;             // this job's output (undefined when it has none)
+  int m = 0;       // the microbatch
+  at::Tensor in;   // the previous job's output (undefined where the job embeds tokens)
+  at::Tensor out;  // this job's output (undefined when it has none)
   std::map<int, at::Tensor> saved;  // backward: checkpointed block inputs, by layer
   std::map<int, at::Tensor> ckpt;   // forward: where the checkpointed block inputs go, by layer
   const std::map<int, std::vector<at::Tensor>>* weights = nullptr;  // by layer, spec order

@@ -64,6 +64,8 @@ bool Optimizer::has_ties(std::size_t layer, std::size_t index) const {
 }
 
 double Optimizer::partial_sum_squares(std::size_t layer) const {
+  RONDO_ASSERT_MSG(store_.grad_tier(layer) == offload::Tier::kHost,
+                   "partial_sum_squares of gradients on NVMe: the gradient writer sums them");
   double sum = 0;
   const auto& tensors = store_.layer(layer);
   for (std::size_t i = 0; i < tensors.size(); ++i) {
@@ -172,15 +174,20 @@ void Optimizer::update_layer(std::size_t layer, bool write_stream) {
   const std::size_t chunks = store_.optimizer_chunks(layer);
   for (std::size_t k = 0; k < chunks; ++k) {
     if (k + 1 < chunks)
-      store_.prefetch_chunk(layer, k + 1);
+      store_.prefetch_chunk(layer, k + 1, /*grads=*/true);
     else if (layer + 1 < store_.layers() && store_.optimizer_chunks(layer + 1) > 0)
-      store_.prefetch_chunk(layer + 1, 0);
-    const offload::LayerAccess opt = store_.access_chunk(layer, k, offload::AccessMode::kReadWrite);
+      store_.prefetch_chunk(layer + 1, 0, /*grads=*/true);
+    const offload::LayerAccess opt =
+        store_.access_chunk(layer, k, offload::AccessMode::kReadWrite, /*grads=*/true);
     for (std::size_t i = 0; i < opt.size(); ++i) {
       const offload::OptimizerPiece& piece = opt.piece(i);
-      kernels::FloatDType dtype;
-      const auto* g = static_cast<const std::uint8_t*>(gradient(layer, piece.tensor, dtype)) +
-                      piece.begin * kernels::dtype_size(dtype);
+      // The piece's gradient as the chunk access has it (in host memory or read from NVMe), or,
+      // for an owner of tied copies, their sum.
+      kernels::FloatDType dtype = store_.grad_dtype();
+      const void* g = opt[i].grad;
+      if (tied_sums_.count({layer, piece.tensor}))
+        g = static_cast<const std::uint8_t*>(gradient(layer, piece.tensor, dtype)) +
+            piece.begin * kernels::dtype_size(dtype);
       adamw_update(opt[i], g, dtype, out ? out->target(opt, i) : nullptr, store_.stream_dtype(), p);
       if (out) out->done();
     }
@@ -189,7 +196,7 @@ void Optimizer::update_layer(std::size_t layer, bool write_stream) {
   // The layer's gradients (tied copies included) start the next step at zero. A tied copy in a
   // later layer is zeroed when that layer is updated, after its owner has read it.
   const offload::ByteRange grads = store_.grad_bytes(layer);
-  if (zero_grads_ && grads.bytes) std::memset(grads.data, 0, grads.bytes);
+  if (zero_grads_ && grads.data) std::memset(grads.data, 0, grads.bytes);
 }
 
 void adamw_update(const offload::TensorState& t, const void* grad, kernels::FloatDType grad_dtype,
@@ -224,7 +231,7 @@ void Optimizer::discard_step() {
   --step_;
   for (std::size_t l = 0; l < store_.layers(); ++l) {
     const offload::ByteRange grads = store_.grad_bytes(l);
-    if (grads.bytes) std::memset(grads.data, 0, grads.bytes);
+    if (grads.data) std::memset(grads.data, 0, grads.bytes);
   }
 }
 

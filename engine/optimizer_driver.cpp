@@ -88,9 +88,15 @@ StepResult OptimizerDriver::step(std::int64_t s) {
     r->done_down->synchronize();
     if (board_.failed()) throw Aborted{};
     const JobSpec& js = jobs_[static_cast<std::size_t>(j)];
-    for (int l = js.range.begin; l < js.range.end; ++l)
-      partial[static_cast<std::size_t>(l)] =
-          optimizer_.partial_sum_squares(static_cast<std::size_t>(l));
+    // Gradients on NVMe: summed by the gradient writer as they went to the drive (Note
+    // [Gradients on NVMe] in offload/transfer.cpp), bit for bit this sum.
+    for (int l = js.range.begin; l < js.range.end; ++l) {
+      const auto ul = static_cast<std::size_t>(l);
+      if (store.grad_bytes(ul).bytes == 0) continue;
+      partial[ul] = store.grad_tier(ul) == offload::Tier::kNvme
+                        ? parts_.transfers->gradients_written(l)
+                        : optimizer_.partial_sum_squares(ul);
+    }
     board_.consumed(s * J + j);
   }
   // Every job of the step has been enqueued, so its data is on the board until drop_step.

@@ -49,8 +49,7 @@ std::vector<int> Pipeline::checkpointed_in(LayerRange range) const {
 
 void Pipeline::release(std::int64_t g) {
   // A job of a step that will not run (stopping) is freed at the end of the segment.
-  std::shared_ptr<JobRun> r =
-      board_.wait_enqueued(g, g / static_cast<std::int64_t>(jobs_.size()));
+  std::shared_ptr<JobRun> r = board_.wait_enqueued(g, g / static_cast<std::int64_t>(jobs_.size()));
   // (A device fault surfaces here, in the job it hit: a failed copy's stream reports it through
   // the events recorded after it.)
   for (auto* e :
@@ -177,9 +176,9 @@ void Pipeline::send(DeviceContext& dc, JobRun& r, HandoffKind kind, HandoffKey k
   std::shared_ptr<Handoff> h = board_.handoff(kind, key);
   auto ev = dc.dev->create_event();
   dc.compute->record(*ev);
-  h->route = keep                                                  ? HandoffRoute::kKeep
+  h->route = keep                                                     ? HandoffRoute::kKeep
              : kind == HandoffKind::kCheckpoint && transfers.spills() ? HandoffRoute::kSpill
-                                                                   : HandoffRoute::kDownload;
+                                                                      : HandoffRoute::kDownload;
   if (h->route == HandoffRoute::kKeep) {
     h->device = dc.dev;
     h->event = std::move(ev);
@@ -308,9 +307,9 @@ void Pipeline::run_job(int d, std::int64_t g) {
         // f32 accumulators to the gradient dtype, for the download.
         if (last && backward) round_gradients(tensors->grads);
         if (probe)
-          probe->computed(d, work.job->range, forward_only(work.job->kind), tokens,
-                          std::chrono::duration<double>(std::chrono::steady_clock::now() - t0)
-                              .count());
+          probe->computed(
+              d, work.job->range, forward_only(work.job->kind), tokens,
+              std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
       });
     };
     r->timing.emplace_back(dc.dev->create_event(kernels::EventTiming::kOn),
@@ -338,8 +337,11 @@ void Pipeline::run_job(int d, std::int64_t g) {
     auto ev = dc.dev->create_event();
     dc.compute->record(*ev);
     if (backward)
-      for (auto& [l, data] : tensors->grads.layers)
-        transfers.download_gradients(d, l, data, *ev);
+      for (auto& [l, data] : tensors->grads.layers) {
+        auto keep = tensors->grads.keep.find(l);
+        transfers.download_gradients(
+            d, l, data, *ev, keep == tensors->grads.keep.end() ? nullptr : std::move(keep->second));
+      }
     if (loss_dev) transfers.download_value(d, step->loss->data(), loss_dev, sizeof(float), *ev);
   }
   r->done_compute = dc.dev->create_event();

@@ -244,6 +244,7 @@ struct LayerStore::Regions {
   // Per layer, by part index; the optimizer part's is unused (see chunk).
   std::vector<std::array<Region, 3>> region;
   std::vector<std::vector<Region>> chunk;  // per layer: NVMe optimizer state, a record per chunk
+  std::vector<std::vector<Region>> grad_chunk;  // per layer: NVMe gradients, a record per chunk
   std::mutex mutex;
   // Layer, part, chunk (0 for the streaming parts): a unit of staging and I/O.
   using Key = std::tuple<std::size_t, unsigned, std::size_t>;
@@ -358,7 +359,8 @@ LayerStore::LayerStore(HostArena& arena, const std::vector<LayerDesc>& layers,
   for (std::size_t l = 0; l < layers.size(); ++l) {
     lay.push_back(layout_of(layers[l], l, stream_dtype, grad_dtype));
     const std::array<Tier, 3> t = tiers_of(layers[l]);
-    const bool on_nvme = std::count(t.begin(), t.end(), Tier::kNvme) > 0;
+    const bool on_nvme =
+        std::count(t.begin(), t.end(), Tier::kNvme) > 0 || layers[l].grads == Tier::kNvme;
     if (on_nvme && nvme == nullptr)
       throw Error("layer " + std::to_string(l) +
                   " is placed on the NVMe tier but the store has no NVMe store; set "
@@ -372,7 +374,7 @@ LayerStore::LayerStore(HostArena& arena, const std::vector<LayerDesc>& layers,
       if (t[p] == Tier::kHost) total[p] += lay[l].bytes[p];
     }
     grad_base[l] = grad_total;
-    grad_total += lay[l].grad;
+    if (layers[l].grads == Tier::kHost) grad_total += lay[l].grad;
   }
   // Frozen and trained streaming copies share one weights buffer: base parts first.
   weights_ = arena.allocate(total[0] + total[1], Purpose::kWeights);
@@ -382,6 +384,7 @@ LayerStore::LayerStore(HostArena& arena, const std::vector<LayerDesc>& layers,
   regions_ = std::make_unique<Regions>();
   regions_->region.resize(layers.size());
   regions_->chunk.resize(layers.size());
+  regions_->grad_chunk.resize(layers.size());
 
   // Second pass: views. Fresh mmap'd memory is already zero; NVMe parts are written at load.
   auto* wbase = weights_.as<std::uint8_t>();
@@ -392,6 +395,8 @@ LayerStore::LayerStore(HostArena& arena, const std::vector<LayerDesc>& layers,
     const LayerLayout& o = lay[l];
     const std::array<Tier, 3> tier = tiers_of(layers[l]);
     tiers_.push_back(tier);
+    grad_tiers_.push_back(layers[l].grads);
+    const bool host_grads = layers[l].grads == Tier::kHost && gbase != nullptr;
     opt_elems_.push_back(o.opt_elems);
     opt_blocks_.push_back(o.opt_blocks);
     moments_.push_back(layers[l].moments);
@@ -443,12 +448,15 @@ LayerStore::LayerStore(HostArena& arena, const std::vector<LayerDesc>& layers,
           bind_optimizer(s, part_host[2], layers[l].moments, o.opt_elems, o.opt_blocks,
                          o.opt_off[i], o.block_off[i]);
       }
-      if (t.trainable) s.grad = gbase + grad_base[l] + o.grad_off[i];
+      if (t.trainable) {
+        s.grad_offset = o.grad_off[i];
+        if (host_grads) s.grad = gbase + grad_base[l] + o.grad_off[i];
+      }
       layers_[l].push_back(s);
     }
     base_ranges_.push_back({part_host[0], o.bytes[0]});
     stream_ranges_.push_back({part_host[1], o.bytes[1]});
-    grad_ranges_.push_back({gbase ? gbase + grad_base[l] : nullptr, o.grad});
+    grad_ranges_.push_back({host_grads ? gbase + grad_base[l] : nullptr, o.grad});
     static const char* kWhat[2] = {"frozen weights", "trained weights"};
     for (int p = 0; p < 2; ++p)
       if (tier[p] == Tier::kNvme && o.bytes[p] > 0)
@@ -463,6 +471,11 @@ LayerStore::LayerStore(HostArena& arena, const std::vector<LayerDesc>& layers,
             align_up(bytes, kNvmeAlign), "layer " + std::to_string(l) + " optimizer state, chunk " +
                                              std::to_string(k + 1) + " of " +
                                              std::to_string(chunks_[l].size())));
+      if (layers[l].grads == Tier::kNvme)
+        regions_->grad_chunk[l].push_back(
+            nvme_->reserve(align_up(grad_record_bytes(l, k), kNvmeAlign),
+                           "layer " + std::to_string(l) + " gradients, chunk " +
+                               std::to_string(k + 1) + " of " + std::to_string(chunks_[l].size())));
     }
   }
 }
@@ -484,9 +497,16 @@ std::uint64_t LayerStore::nvme_bytes(const std::vector<LayerDesc>& layers,
     const std::array<Tier, 3> t = tiers_of(layers[l]);
     for (int p = 0; p < 2; ++p)
       if (t[p] == Tier::kNvme) total += align_up(o.bytes[p], kNvmeAlign);
-    if (t[2] == Tier::kNvme)
-      for (const auto& chunk : chunks_of(layers[l], chunk_bytes))
+    for (const auto& chunk : chunks_of(layers[l], chunk_bytes)) {
+      if (t[2] == Tier::kNvme)
         total += align_up(chunk_record_bytes(chunk, layers[l].moments), kNvmeAlign);
+      if (layers[l].grads == Tier::kNvme) {  // f32 gradients: the most any grad dtype takes
+        std::uint64_t grads = 0;
+        for (const OptimizerPiece& p : chunk)
+          grads += p.numel * sizeof(float);
+        total += align_up(grads, kNvmeAlign);
+      }
+    }
   }
   return total;
 }
@@ -511,7 +531,7 @@ LayerStore::HostBytes LayerStore::host_bytes(const std::vector<LayerDesc>& layer
       b.optimizer += o.bytes[2];
       b.masters += o.opt_elems * sizeof(float);
     }
-    b.gradients += o.grad;
+    if (layers[l].grads == Tier::kHost) b.gradients += o.grad;
   }
   return b;
 }
@@ -548,6 +568,7 @@ LayerAccess& LayerAccess::operator=(LayerAccess&& other) noexcept {
     stream_ = other.stream_;
     for (int p = 0; p < 3; ++p)
       staged_[p] = std::move(other.staged_[p]);
+    grads_ = std::move(other.grads_);
   }
   return *this;
 }
@@ -562,6 +583,7 @@ void LayerAccess::finish() noexcept {
   store_ = nullptr;
   for (HostBuffer& b : staged_)
     b.reset();
+  grads_.reset();
 }
 
 HostBuffer LayerStore::Regions::stage(NvmeStore* nvme, HostArena& arena, const Key& key,
@@ -576,7 +598,7 @@ HostBuffer LayerStore::Regions::stage(NvmeStore* nvme, HostArena& arena, const K
     // Pieces of a streaming part written since (the optimizer writes the trained part so) are
     // on the drive before the part is read whole or overwritten.
     std::vector<std::pair<Key, Io>> pieces;
-    if (std::get<1>(key) != kOptimizerPart) {
+    if (std::get<1>(key) == kBasePart || std::get<1>(key) == kStreamPart) {
       std::unique_lock<std::mutex> lock(mutex);
       take_piece_writes(key, pieces);
     }
@@ -700,7 +722,9 @@ void LayerStore::Regions::submit_write(NvmeStore* nvme, const Key& key, const Re
   auto stale_read = [&] {
     auto it = reads.find(key);
     // A piece's write drops its own prefetch; a whole part's, any of its pieces'.
-    if (it != reads.end() || std::get<1>(key) == kOptimizerPart || std::get<2>(key) != 0) return it;
+    if (it != reads.end() || std::get<1>(key) == kOptimizerPart || std::get<1>(key) == kGradPart ||
+        std::get<2>(key) != 0)
+      return it;
     it = reads.lower_bound({std::get<0>(key), std::get<1>(key), 1});
     return it != reads.end() && std::get<0>(it->first) == std::get<0>(key) &&
                    std::get<1>(it->first) == std::get<1>(key)
@@ -910,7 +934,8 @@ LayerAccess LayerStore::access(std::size_t layer, unsigned parts, AccessMode mod
   return a;
 }
 
-LayerAccess LayerStore::access_chunk(std::size_t layer, std::size_t chunk, AccessMode mode) {
+LayerAccess LayerStore::access_chunk(std::size_t layer, std::size_t chunk, AccessMode mode,
+                                     bool with_grads) {
   RONDO_ASSERT(layer < layers_.size() && chunk < chunks_[layer].size());
   rethrow_write_error();
   LayerAccess a;
@@ -927,14 +952,66 @@ LayerAccess LayerStore::access_chunk(std::size_t layer, std::size_t chunk, Acces
     record = a.staged_[2].as<std::uint8_t>();
   }
   a.tensors_ = chunk_views(layer, chunk, record);
+  // The pieces' gradients: in place in host memory, or the chunk's record read from NVMe.
+  if (!with_grads) return a;
+  const std::size_t gs = kernels::dtype_size(grad_dtype_);
+  std::uint8_t* grads = nullptr;
+  if (grad_tiers_[layer] == Tier::kNvme) {
+    Regions& r = *regions_;
+    a.grads_ = r.stage(nvme_, arena_, {layer, kGradPart, chunk}, r.grad_chunk[layer][chunk],
+                       AccessMode::kRead);
+    grads = a.grads_.as<std::uint8_t>();
+  }
+  for (std::size_t i = 0; i < a.tensors_.size(); ++i) {
+    const OptimizerPiece& p = a.pieces_[i];
+    if (grads) {
+      a.tensors_[i].grad = grads;
+      grads += p.numel * gs;
+    } else if (void* g = layers_[layer][p.tensor].grad) {
+      a.tensors_[i].grad = static_cast<std::uint8_t*>(g) + p.begin * gs;
+    }
+  }
   return a;
 }
 
-void LayerStore::prefetch_chunk(std::size_t layer, std::size_t chunk) {
-  RONDO_ASSERT(layer < layers_.size() && chunk < chunks_[layer].size());
-  if (tiers_[layer][2] != Tier::kNvme) return;
+std::uint64_t LayerStore::grad_record_bytes(std::size_t layer, std::size_t chunk) const {
+  std::uint64_t bytes = 0;
+  for (const OptimizerPiece& p : chunks_.at(layer).at(chunk))
+    bytes += p.numel * kernels::dtype_size(grad_dtype_);
+  return bytes;
+}
+
+HostBuffer LayerStore::grad_record(std::size_t layer, std::size_t chunk) {
+  RONDO_ASSERT(grad_tiers_.at(layer) == Tier::kNvme);
+  return arena_.allocate(regions_->grad_chunk[layer].at(chunk).bytes, Purpose::kStaging);
+}
+
+void LayerStore::write_grad_record(std::size_t layer, std::size_t chunk, HostBuffer record) {
+  RONDO_ASSERT(grad_tiers_.at(layer) == Tier::kNvme);
+  rethrow_write_error();
   Regions& r = *regions_;
-  r.prefetch(nvme_, arena_, {layer, kOptimizerPart, chunk}, r.chunk[layer][chunk]);
+  const Region& region = r.grad_chunk[layer].at(chunk);
+  RONDO_ASSERT(record.bytes() >= region.bytes);
+  std::vector<std::pair<Regions::Key, Regions::Io>> evicted;
+  // The record's last write (a step ago) ends first: the drive may reorder writes in flight.
+  {
+    std::unique_lock<std::mutex> lock(r.mutex);
+    r.settle(lock, {layer, kGradPart, chunk});
+    r.take_write({layer, kGradPart, chunk}, evicted);
+  }
+  if (std::exception_ptr e = r.complete(nvme_, evicted)) std::rethrow_exception(e);
+  evicted.clear();
+  r.submit_write(nvme_, {layer, kGradPart, chunk}, region, std::move(record), evicted);
+  if (std::exception_ptr e = r.complete(nvme_, evicted)) std::rethrow_exception(e);
+}
+
+void LayerStore::prefetch_chunk(std::size_t layer, std::size_t chunk, bool grads) {
+  RONDO_ASSERT(layer < layers_.size() && chunk < chunks_[layer].size());
+  Regions& r = *regions_;
+  if (tiers_[layer][2] == Tier::kNvme)
+    r.prefetch(nvme_, arena_, {layer, kOptimizerPart, chunk}, r.chunk[layer][chunk]);
+  if (grads && grad_tiers_[layer] == Tier::kNvme)
+    r.prefetch(nvme_, arena_, {layer, kGradPart, chunk}, r.grad_chunk[layer][chunk]);
 }
 
 void LayerStore::prefetch(std::size_t layer, unsigned parts) {

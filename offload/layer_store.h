@@ -76,6 +76,9 @@ struct LayerDesc {
   Tier base = Tier::kHost;       // streaming copies of the frozen tensors
   Tier weights = Tier::kHost;    // streaming copies of the trainable tensors
   Tier optimizer = Tier::kHost;  // masters and moments of its trainable tensors
+  // Gradients of its trainable tensors: in host memory, or on NVMe as a record per optimizer
+  // chunk, written as they come down and read once by the optimizer (Note [Gradients on NVMe]).
+  Tier grads = Tier::kHost;
   MomentFormat moments = MomentFormat::kF32;
 };
 
@@ -91,9 +94,10 @@ struct TensorState {
   kernels::QuantFormat quant;     // kNone: stored in the streaming dtype
   std::int64_t rows = 0, cols = 0;
   // Host pointers; null where the state lives on NVMe (use LayerStore::access).
-  void* stream = nullptr;   // (stream_bytes) streaming dtype, or the quantised blob
-  void* grad = nullptr;     // (numel) gradient dtype, trainable only: what devices download
-  float* master = nullptr;  // (numel) f32, trainable only
+  void* stream = nullptr;       // (stream_bytes) streaming dtype, or the quantised blob
+  void* grad = nullptr;         // (numel) gradient dtype, trainable only: what devices download
+  std::size_t grad_offset = 0;  // trainable: offset of its gradient in the layer's gradient layout
+  float* master = nullptr;      // (numel) f32, trainable only
   // The AdamW moments, trainable only: f32 (m, v), or 8-bit (the codes, numel each, and their
   // absmax, kernels::adamw8bit_blocks(numel) each), as the layer's MomentFormat says; the other
   // pointers are null.
@@ -126,6 +130,8 @@ inline constexpr std::uint64_t kDefaultChunkBytes = 256ull << 20;
 // the trainable tensors' streaming copies, their masters and moments.
 inline constexpr unsigned kBasePart = 1, kStreamPart = 2, kOptimizerPart = 4;
 inline constexpr unsigned kAllParts = kBasePart | kStreamPart | kOptimizerPart;
+// Gradients are not a part access() opens: on NVMe they are chunk records (grad_record).
+inline constexpr unsigned kGradPart = 8;
 // The part of a tensor's streaming copy.
 inline unsigned stream_part(const TensorState& t) {
   return t.trainable ? kStreamPart : kBasePart;
@@ -154,8 +160,8 @@ class LayerAccess {
 
   std::size_t size() const { return tensors_.size(); }
   // A layer access: the layer's tensors. A chunk access (LayerStore::access_chunk): the chunk's
-  // pieces, each a TensorState whose numel, master and moments are the piece's own (the name
-  // and flags the tensor's; stream and grad null), piece(i) saying where it lies.
+  // pieces, each a TensorState whose numel, master, moments and gradient are the piece's own
+  // (the name and flags the tensor's; stream null), piece(i) saying where it lies.
   const TensorState& operator[](std::size_t i) const { return tensors_.at(i); }
   const OptimizerPiece& piece(std::size_t i) const { return pieces_.at(i); }
   const std::vector<TensorState>& tensors() const { return tensors_; }
@@ -174,6 +180,7 @@ class LayerAccess {
   std::vector<OptimizerPiece> pieces_;
   ByteRange base_, stream_;
   HostBuffer staged_[3];  // NVMe parts, by part index (base, stream, optimizer)
+  HostBuffer grads_;      // a chunk's gradient record read from NVMe (never written back)
 };
 
 class LayerStore {
@@ -231,7 +238,9 @@ class LayerStore {
   ByteRange stream_bytes(std::size_t layer, unsigned part) const {
     return part == kBasePart ? base_ranges_.at(layer) : stream_ranges_.at(layer);
   }
+  // (data null where they live on NVMe; bytes: the layer's gradient layout either way).
   ByteRange grad_bytes(std::size_t layer) const { return grad_ranges_.at(layer); }
+  Tier grad_tier(std::size_t layer) const { return grad_tiers_.at(layer); }
   // Bytes of the layer's streaming copies once on a device: dequantised ones in the streaming
   // dtype (their quantised blobs come on top while the upload lands).
   std::size_t device_bytes(std::size_t layer) const { return device_bytes_.at(layer); }
@@ -256,9 +265,13 @@ class LayerStore {
   // Host views of one optimizer chunk's masters and moments (see LayerAccess), as access() for
   // the optimizer part: in place where the layer's optimizer state is in host memory, else staged
   // (only this chunk) and written back when the access ends unless `mode` only reads.
-  LayerAccess access_chunk(std::size_t layer, std::size_t chunk, AccessMode mode);
-  // Starts reading an NVMe-resident chunk ahead of its access_chunk(); no-op otherwise.
-  void prefetch_chunk(std::size_t layer, std::size_t chunk);
+  // With `grads`, the pieces' gradients too (the optimizer's update): in place, or the chunk's
+  // gradient record read from NVMe (it must have been written: grad_record).
+  LayerAccess access_chunk(std::size_t layer, std::size_t chunk, AccessMode mode,
+                           bool grads = false);
+  // Starts reading an NVMe-resident chunk (with `grads`, its gradient record too) ahead of its
+  // access_chunk(); no-op otherwise.
+  void prefetch_chunk(std::size_t layer, std::size_t chunk, bool grads = false);
   // Where tensor `index` of the layer lies in its chunks: (chunk, piece) pairs in element order.
   std::vector<std::pair<std::size_t, std::size_t>> tensor_pieces(std::size_t layer,
                                                                  std::size_t index) const;
@@ -286,6 +299,13 @@ class LayerStore {
   void write_piece(std::size_t layer, unsigned part, std::size_t index, HostBuffer data);
   // Host staging of `bytes` from the store's arena (counted as staging against the budget).
   HostBuffer piece_staging(std::size_t bytes) { return arena_.allocate(bytes, Purpose::kStaging); }
+  // Gradients on NVMe (Note [Gradients on NVMe] in layer_store.cpp), one record per optimizer
+  // chunk: its pieces' gradients back to back in the gradient dtype, grad_record_bytes() in all.
+  // grad_record() is zeroed staging for one, write_grad_record() its write (in the background,
+  // bounded like write-backs). access_chunk() reads the record for the chunk's views.
+  std::uint64_t grad_record_bytes(std::size_t layer, std::size_t chunk) const;
+  HostBuffer grad_record(std::size_t layer, std::size_t chunk);
+  void write_grad_record(std::size_t layer, std::size_t chunk, HostBuffer record);
   // The largest chunk record of any layer (what one staged chunk takes).
   std::uint64_t max_chunk_bytes() const { return max_chunk_bytes_; }
   // Waits for every write-back; throws the first I/O error one met.
@@ -309,6 +329,7 @@ class LayerStore {
   NvmeStore* nvme_ = nullptr;
   std::vector<std::vector<TensorState>> layers_;
   std::vector<std::array<Tier, 3>> tiers_;  // per layer, by part index
+  std::vector<Tier> grad_tiers_;            // per layer
   std::vector<ByteRange> base_ranges_, stream_ranges_, grad_ranges_;
   std::vector<std::size_t> device_bytes_;
   std::vector<std::size_t> opt_elems_;   // per layer: elements of each of master, m, v

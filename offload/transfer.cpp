@@ -1,10 +1,14 @@
 #include "offload/transfer.h"
 
 #include <algorithm>
+#include <condition_variable>
 #include <deque>
 #include <exception>
+#include <optional>
 #include <string>
+#include <thread>
 
+#include "kernels/cpu/adamw.h"
 #include "kernels/error.h"
 
 namespace rondo::offload {
@@ -64,9 +68,153 @@ Transfers::Transfers(LayerStore& store, HostArena& arena, std::vector<kernels::D
     l.down = &dev->create_stream("download");
     devs_.push_back(l);
   }
+  for (std::size_t l = 0; l < store_.layers(); ++l)
+    if (store_.grad_tier(l) == Tier::kNvme) {
+      // A download stream of its own, so that the writer's copies never queue behind another
+      // job's (and the work that job waits for).
+      for (DeviceLinks& dl : devs_)
+        dl.grad_down = &dl.dev->create_stream("gradient-download");
+      grads_ = std::make_unique<GradientWriter>(store_, devs_, mutex_, stats_);
+      break;
+    }
 }
 
-Transfers::~Transfers() = default;  // spill_ goes first (declared last): its writer recycles
+// Note [Gradients on NVMe]
+// When gradients do not fit host memory, the planner puts some layers' on the NVMe tier
+// (LayerDesc::grads). A job still accumulates a layer's gradient on its device over the step's
+// microbatches, so each layer's gradient comes down once per step; for an NVMe-resident one the
+// gradient writer (a thread of Transfers) takes it from there: once the job's compute is done it
+// downloads the gradient a chunk record at a time (the layer's optimizer chunks, Note [Optimizer
+// chunks] in layer_store.cpp) into staging of the record's size, writes the record to the drive
+// in the background, and folds each piece into the layer's sum of squares (kernels::
+// SumSquaresStream: bit for bit the sum of the gradient in memory, so the global-norm clip, and
+// every update, is exact). The optimizer waits for that sum (gradients_written) where it would
+// have read the gradient, and reads each record once, with its chunk (LayerStore::access_chunk).
+// So a step writes and reads every NVMe gradient byte once, and host staging holds a record being
+// filled, the writes in flight and the optimizer's records, never a layer's gradient. The device
+// memory of the gradient stays held (by the job's `keep`) until the writer has brought it down.
+class Transfers::GradientWriter {
+ public:
+  GradientWriter(LayerStore& store, std::vector<DeviceLinks>& devs, std::mutex& stats_mutex,
+                 TransferStats& stats)
+      : store_(store), devs_(devs), stats_mutex_(stats_mutex), stats_(stats) {
+    thread_ = std::thread([this] { serve(); });
+  }
+  ~GradientWriter() {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      stop_ = true;
+    }
+    cv_.notify_all();
+    thread_.join();
+  }
+  void add(int d, int layer, const void* src, std::shared_ptr<kernels::Event> ready,
+           std::shared_ptr<void> keep) {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      queue_.push_back({d, layer, src, std::move(ready), std::move(keep)});
+    }
+    cv_.notify_all();
+  }
+  double written(int layer) {
+    std::unique_lock<std::mutex> lock(mutex_);
+    cv_.wait(lock, [&] { return !results_[layer].empty(); });
+    Result r = std::move(results_[layer].front());
+    results_[layer].pop_front();
+    if (r.error) std::rethrow_exception(r.error);
+    return r.sum;
+  }
+
+ private:
+  struct Job {
+    int d, layer;
+    const void* src;
+    std::shared_ptr<kernels::Event> ready;
+    std::shared_ptr<void> keep;
+  };
+  struct Result {
+    double sum = 0;
+    std::exception_ptr error;
+  };
+  void serve() {
+    for (;;) {
+      Job job;
+      {
+        std::unique_lock<std::mutex> lock(mutex_);
+        cv_.wait(lock, [&] { return stop_ || !queue_.empty(); });
+        if (queue_.empty()) return;  // stopping, nothing left
+        job = std::move(queue_.front());
+        queue_.pop_front();
+      }
+      Result r;
+      try {
+        r.sum = write(job);
+      } catch (...) {
+        r.error = std::current_exception();
+      }
+      job.keep.reset();  // the device memory goes back (in its stream's order)
+      {
+        std::lock_guard<std::mutex> lock(mutex_);
+        results_[job.layer].push_back(std::move(r));
+      }
+      cv_.notify_all();
+    }
+  }
+  double write(const Job& job) {
+    const auto l = static_cast<std::size_t>(job.layer);
+    const DeviceLinks& dl = devs_.at(static_cast<std::size_t>(job.d));
+    const std::vector<TensorState>& ts = store_.layer(l);
+    const std::size_t gs = kernels::dtype_size(store_.grad_dtype());
+    const auto* src = static_cast<const std::uint8_t*>(job.src);
+    job.ready->synchronize();  // the job's compute is done: its gradients are final
+    double layer_sum = 0;
+    std::optional<kernels::SumSquaresStream> tensor_sum;
+    std::size_t tensor = SIZE_MAX;
+    std::uint64_t bytes = 0;
+    for (std::size_t k = 0; k < store_.optimizer_chunks(l); ++k) {
+      const std::vector<OptimizerPiece>& chunk = store_.optimizer_chunk(l, k);
+      HostBuffer record = store_.grad_record(l, k);
+      std::size_t at = 0;
+      for (const OptimizerPiece& p : chunk) {
+        dl.grad_down->download(record.as<std::uint8_t>() + at,
+                               src + ts[p.tensor].grad_offset + p.begin * gs, p.numel * gs);
+        at += p.numel * gs;
+      }
+      auto landed = dl.dev->create_event();
+      dl.grad_down->record(*landed);
+      landed->synchronize();
+      bytes += at;
+      at = 0;
+      for (const OptimizerPiece& p : chunk) {
+        if (p.tensor != tensor) {
+          if (tensor_sum) layer_sum += tensor_sum->total();
+          tensor = p.tensor;
+          tensor_sum.emplace(store_.grad_dtype(), ts[p.tensor].numel);
+        }
+        tensor_sum->add(record.as<std::uint8_t>() + at, p.numel);
+        at += p.numel * gs;
+      }
+      store_.write_grad_record(l, k, std::move(record));
+    }
+    if (tensor_sum) layer_sum += tensor_sum->total();
+    std::lock_guard<std::mutex> lock(stats_mutex_);
+    stats_.gradients_down += bytes;
+    return layer_sum;
+  }
+
+  LayerStore& store_;
+  std::vector<DeviceLinks>& devs_;
+  std::mutex& stats_mutex_;
+  TransferStats& stats_;
+  std::mutex mutex_;
+  std::condition_variable cv_;
+  std::deque<Job> queue_;
+  std::map<int, std::deque<Result>> results_;
+  bool stop_ = false;
+  std::thread thread_;
+};
+
+Transfers::~Transfers() = default;  // grads_, then spill_ go first (declared last)
 
 namespace {
 unsigned nvme_parts(const LayerStore& store, std::size_t layer, bool frozen_only) {
@@ -278,8 +426,8 @@ Uploaded Transfers::upload(int d, const Staged& staged, std::size_t bytes) {
   return u;
 }
 
-Uploaded Transfers::upload_for(int d, kernels::Stream& consumer, const void* src,
-                               std::size_t bytes, Cargo cargo, kernels::Event* after) {
+Uploaded Transfers::upload_for(int d, kernels::Stream& consumer, const void* src, std::size_t bytes,
+                               Cargo cargo, kernels::Event* after) {
   const DeviceLinks& dl = devs_.at(d);
   RONDO_ASSERT(&consumer.device() == dl.dev);
   Uploaded u;
@@ -329,8 +477,20 @@ std::unique_ptr<kernels::Event> Transfers::enqueue_download(int d, void* dst, co
 }
 
 std::unique_ptr<kernels::Event> Transfers::download_gradients(int d, int layer, const void* src,
-                                                              kernels::Event& after) {
+                                                              kernels::Event& after,
+                                                              std::shared_ptr<void> keep) {
   const ByteRange gr = store_.grad_bytes(static_cast<std::size_t>(layer));
+  if (store_.grad_tier(static_cast<std::size_t>(layer)) == Tier::kNvme) {
+    // To the gradient writer (Note [Gradients on NVMe]), once the compute is done.
+    const DeviceLinks& dl = devs_.at(d);
+    dl.grad_down->wait(after);
+    std::shared_ptr<kernels::Event> ready = dl.dev->create_event();
+    dl.grad_down->record(*ready);
+    grads_->add(d, layer, src, ready, std::move(keep));
+    auto ev = dl.dev->create_event();
+    dl.down->record(*ev);
+    return ev;
+  }
   // Accumulated where the store keeps them (the CPU device, engine::EngineOptions::
   // share_trained_state): nothing to move, the event still orders the reader behind the compute.
   const std::size_t bytes = src == gr.data ? 0 : gr.bytes;
@@ -341,8 +501,8 @@ std::unique_ptr<kernels::Event> Transfers::download_gradients(int d, int layer, 
 }
 
 std::unique_ptr<kernels::Event> Transfers::download_value(int d, void* dst, const void* src,
-                                                          std::size_t bytes,
-                                                          kernels::Event& after, Cargo cargo) {
+                                                          std::size_t bytes, kernels::Event& after,
+                                                          Cargo cargo) {
   auto ev = enqueue_download(d, dst, src, bytes, after);
   std::lock_guard<std::mutex> lock(mutex_);
   count(cargo, /*up=*/false, bytes);
@@ -376,6 +536,11 @@ Staged Transfers::unspill(Spilled& spilled) {
   Staged s;
   s.host = spill_->read(spilled);
   return s;
+}
+
+double Transfers::gradients_written(int layer) {
+  RONDO_ASSERT(grads_ && store_.grad_tier(static_cast<std::size_t>(layer)) == Tier::kNvme);
+  return grads_->written(layer);
 }
 
 TransferStats Transfers::stats() const {

@@ -193,9 +193,19 @@ class Transfers {
   // Layer `layer`'s gradients, laid out as the store's gradient region, from `src` on device d
   // into the store, after `after`; returns the event behind the copy. `src` may be the store's own
   // gradient region (a device computing in host memory accumulated them there): then nothing is
-  // copied.
+  // copied. Where the store keeps the layer's gradients on NVMe (Note [Gradients on NVMe] in
+  // transfer.cpp) the gradient writer brings them down a chunk record at a time and writes each
+  // to the drive, summing their squares as they land; `keep` holds the device memory at `src`
+  // until it is done, and gradients_written() waits for it (the event returned then orders
+  // nothing of it).
   std::unique_ptr<kernels::Event> download_gradients(int d, int layer, const void* src,
-                                                     kernels::Event& after);
+                                                     kernels::Event& after,
+                                                     std::shared_ptr<void> keep = nullptr);
+  // NVMe-resident gradients: waits until the writer has put the layer's oldest gradients handed
+  // to download_gradients on their way to the drive, and returns their sum of squares — what
+  // engine::Optimizer::partial_sum_squares computes from host memory, bit for bit. Rethrows the
+  // writer's error for them (IoError, HostOutOfMemory).
+  double gradients_written(int layer);
   // The same for any device memory (the tail's loss, logits, new KV-cache positions) into
   // caller-owned host memory, counted as `cargo`.
   std::unique_ptr<kernels::Event> download_value(int d, void* dst, const void* src,
@@ -208,6 +218,7 @@ class Transfers {
   struct DeviceLinks {
     kernels::Device* dev = nullptr;
     kernels::Stream *act_up = nullptr, *weight_up = nullptr, *down = nullptr;
+    kernels::Stream* grad_down = nullptr;  // the gradient writer's (gradients on NVMe only)
   };
   std::unique_ptr<kernels::Event> enqueue_download(int d, void* dst, const void* src,
                                                    std::size_t bytes, kernels::Event& after);
@@ -222,7 +233,9 @@ class Transfers {
   TransferStats stats_;
   std::uint64_t spill_staged_ = 0;          // spilled checkpoints in host staging now, under mutex_
   void count_spill_staged(int change);      // +1 onto the tier's staging, -1 off it
-  std::unique_ptr<ActivationSpill> spill_;  // last: its writer thread recycles into free_
+  std::unique_ptr<ActivationSpill> spill_;  // its writer thread recycles into free_
+  class GradientWriter;                     // transfer.cpp
+  std::unique_ptr<GradientWriter> grads_;   // last: its thread uses the streams and the store
 };
 
 }  // namespace rondo::offload

@@ -195,6 +195,43 @@ double grad_sum_squares(const void* grad, FloatDType dtype, std::size_t n, SimdP
   return total;
 }
 
+SumSquaresStream::SumSquaresStream(FloatDType dtype, std::size_t n, SimdPath path)
+    : dtype_(dtype), n_(n), path_(path) {
+  if (!valid_dtype(dtype)) throw Error("SumSquaresStream: dtype is not F32, F16 or BF16");
+}
+
+void SumSquaresStream::add(const void* grad, std::size_t count) {
+  if (seen_ + count > n_)
+    throw InternalError("SumSquaresStream: " + std::to_string(seen_ + count) + " elements of " +
+                        std::to_string(n_));
+  const std::size_t es = dtype_size(dtype_);
+  const auto* p = static_cast<const std::uint8_t*>(grad);
+  while (count > 0) {
+    // The tile of element seen_: [start, end), as grad_sum_squares cuts the whole.
+    const std::size_t start = seen_ / kTile * kTile, end = std::min(n_, start + kTile);
+    const std::size_t take = std::min(count, end - seen_);
+    if (seen_ == start && take == end - start) {
+      total_ += grad_sum_squares(p, dtype_, take, path_);  // one tile: 0 + its partial sum
+    } else {
+      carry_.insert(carry_.end(), p, p + take * es);
+      if (seen_ + take == end) {
+        total_ += grad_sum_squares(carry_.data(), dtype_, end - start, path_);
+        carry_.clear();
+      }
+    }
+    seen_ += take;
+    p += take * es;
+    count -= take;
+  }
+}
+
+double SumSquaresStream::total() const {
+  if (seen_ != n_)
+    throw InternalError("SumSquaresStream: total() after " + std::to_string(seen_) + " of " +
+                        std::to_string(n_) + " elements");
+  return total_;
+}
+
 void grad_accumulate(float* sum, const void* grad, FloatDType dtype, std::size_t n, bool first) {
   if (!valid_dtype(dtype)) throw Error("grad_accumulate: dtype is not F32, F16 or BF16");
   if (n > 0 && (sum == nullptr || grad == nullptr))

@@ -17,6 +17,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <vector>
 
 #include "kernels/cpu/simd.h"
 
@@ -73,6 +74,31 @@ void adamw_step(const AdamWTensor& tensor, const AdamWParams& params,
 // which is how fp16 loss scaling detects overflow.
 double grad_sum_squares(const void* grad, FloatDType dtype, std::size_t n,
                         SimdPath path = SimdPath::kAuto);
+
+// grad_sum_squares of a gradient that arrives in consecutive ranges (elements [0, n) in pieces
+// of any size, as they come down a chunk at a time), bit for bit the value grad_sum_squares gives
+// for the whole: the tile partial sums are the same (a tile cut by a range's end is completed in
+// a carry buffer of at most one tile) and are added in the same order. Single-threaded.
+//
+//   SumSquaresStream s(FloatDType::kF32, n);
+//   s.add(piece0, 300); s.add(piece1, n - 300);
+//   double sum = s.total();  // == grad_sum_squares(whole, kF32, n)
+class SumSquaresStream {
+ public:
+  SumSquaresStream(FloatDType dtype, std::size_t n, SimdPath path = SimdPath::kAuto);
+  // The next `count` elements of the gradient.
+  void add(const void* grad, std::size_t count);
+  std::size_t seen() const { return seen_; }
+  // The sum once all n elements came (InternalError before).
+  double total() const;
+
+ private:
+  FloatDType dtype_;
+  std::size_t n_, seen_ = 0;
+  SimdPath path_;
+  double total_ = 0;
+  std::vector<std::uint8_t> carry_;  // the elements of a tile cut by a range's end
+};
 
 // sum[i] = 0 + float(grad[i]) (first) or sum[i] + float(grad[i]): a tied tensor's gradients summed
 // in f32 before the update (0 + x turns a -0 into +0, as torch's accumulation does). Spread over

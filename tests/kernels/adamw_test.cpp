@@ -398,6 +398,35 @@ TEST_P(AdamWPath, GradSumSquaresIsAccurateInEveryDtype) {
       << "a NaN gradient must reach the norm, so that the step is skipped";
 }
 
+// Gradients on NVMe are summed as they come down a chunk at a time: in ranges cut anywhere (the
+// chunks cut at multiples of 256 elements, tiles are 8192), the stream gives the sum of the whole
+// bit for bit, so the clip coefficient, and every update, is the same as in memory.
+TEST_P(AdamWPath, GradSumSquaresInRangesIsTheWholesBitForBit) {
+  std::mt19937_64 rng = rng_for_test();
+  for (FloatDType dtype : kDtypes)
+    for (std::size_t n : {std::size_t{1}, std::size_t{8191}, std::size_t{8192}, std::size_t{8193},
+                          std::size_t{3 * 8192 + 17}, kLarge}) {
+      Storage g(dtype, n);
+      for (std::size_t i = 0; i < n; ++i)
+        g.put(i, static_cast<float>(symmetric(rng)));
+      const double whole = grad_sum_squares(g.data(), dtype, n, GetParam());
+      for (std::size_t cut : {std::size_t{256}, std::size_t{8192}, std::size_t{5000}, n}) {
+        SumSquaresStream stream(dtype, n, GetParam());
+        const auto* p = static_cast<const std::uint8_t*>(g.data());
+        for (std::size_t at = 0; at < n;) {
+          // Ranges around `cut` elements, some shorter: a carried tile may take several.
+          const std::size_t count =
+              std::min(n - at, std::max<std::size_t>(1, cut - (rng() % 2) * (cut / 3)));
+          stream.add(p + at * dtype_size(dtype), count);
+          at += count;
+        }
+        EXPECT_EQ(stream.total(), whole) << to_string(dtype) << " n=" << n << " cut " << cut;
+      }
+    }
+  SumSquaresStream early(FloatDType::kF32, 10);
+  EXPECT_THROW((void)early.total(), InternalError);
+}
+
 INSTANTIATE_TEST_SUITE_P(AllPaths, AdamWPath, ::testing::ValuesIn(kPaths), path_name);
 
 // A tied tensor's gradients summed for the optimizer: 0 + a, then + b, in f32 from the stored

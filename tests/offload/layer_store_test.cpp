@@ -433,6 +433,69 @@ TEST_F(LayerStoreNvme, OptimizerChunksCutTensorsAndRoundTrip) {
   }
 }
 
+// Gradients on NVMe (Note [Gradients on NVMe] in transfer.cpp): no host memory, a record per
+// optimizer chunk holding the chunk's pieces' gradients back to back; written record by record,
+// read back with their chunk by the optimizer's access (and only then), in place where the layer
+// keeps its gradients in host memory.
+TEST_F(LayerStoreNvme, GradientRecordsFollowTheChunks) {
+  for (FloatDType gd : {FloatDType::kF32, FloatDType::kBF16}) {
+    SCOPED_TRACE(kernels::to_string(gd));
+    const std::size_t gs = kernels::dtype_size(gd);
+    std::vector<LayerDesc> desc(2);
+    for (LayerDesc& d : desc)
+      d.tensors = {{"a", 2000, true, -1}, {"frozen", 100, false, -1}, {"b", 500, true, -1}};
+    desc[1].grads = Tier::kNvme;
+    const std::uint64_t chunk_bytes = 12 * 800;  // the chunks of OptimizerChunksCutTensors...
+    HostArena arena({.pinning = Pinning::kOff});
+    NvmeStore nvme(options(), LayerStore::nvme_bytes(desc, FloatDType::kF32, chunk_bytes));
+    LayerStore store(arena, desc, FloatDType::kF32, gd, &nvme, chunk_bytes);
+    EXPECT_EQ(LayerStore::host_bytes(desc, FloatDType::kF32, gd).gradients,
+              store.grad_bytes(0).bytes);
+    EXPECT_EQ(store.grad_tier(1), Tier::kNvme);
+    EXPECT_EQ(store.grad_bytes(1).data, nullptr);
+    EXPECT_EQ(store.grad_bytes(1).bytes, store.grad_bytes(0).bytes);
+    EXPECT_EQ(store.layer(1)[0].grad, nullptr);
+    EXPECT_EQ(store.layer(1)[2].grad_offset, store.layer(0)[2].grad_offset);
+    ASSERT_EQ(store.optimizer_chunks(1), 4u);
+    // Each element's gradient: a function of tensor and index.
+    auto value = [&](std::size_t tensor, std::size_t i) {
+      return static_cast<std::uint8_t>((tensor * 37 + i * 11) % 251);
+    };
+    for (std::size_t k = 0; k < 4; ++k) {
+      std::uint64_t want = 0;
+      for (const OptimizerPiece& p : store.optimizer_chunk(1, k))
+        want += p.numel * gs;
+      EXPECT_EQ(store.grad_record_bytes(1, k), want);
+      HostBuffer r = store.grad_record(1, k);
+      std::size_t at = 0;
+      for (const OptimizerPiece& p : store.optimizer_chunk(1, k))
+        for (std::size_t i = 0; i < p.numel * gs; ++i)
+          r.as<std::uint8_t>()[at++] = value(p.tensor, p.begin * gs + i);
+      store.write_grad_record(1, k, std::move(r));
+    }
+    // Host layer 0: the chunk views point into the layer's gradient region.
+    {
+      const LayerAccess a = store.access_chunk(0, 2, AccessMode::kRead, /*grads=*/true);
+      EXPECT_EQ(a[1].grad, static_cast<std::uint8_t*>(store.layer(0)[2].grad));
+      EXPECT_EQ(store.access_chunk(0, 2, AccessMode::kRead)[1].grad, nullptr);
+    }
+    for (int pass = 0; pass < 2; ++pass) {  // while the writes are in flight, then from the drive
+      for (std::size_t k = 0; k < 4; ++k) {
+        if (k + 1 < 4) store.prefetch_chunk(1, k + 1, /*grads=*/true);
+        const LayerAccess a = store.access_chunk(1, k, AccessMode::kReadWrite, /*grads=*/true);
+        for (std::size_t i = 0; i < a.size(); ++i) {
+          const auto* g = static_cast<const std::uint8_t*>(a[i].grad);
+          ASSERT_NE(g, nullptr);
+          for (std::size_t j = 0; j < a[i].numel * gs; ++j)
+            ASSERT_EQ(g[j], value(a.piece(i).tensor, a.piece(i).begin * gs + j))
+                << "chunk " << k << " piece " << i << " byte " << j;
+        }
+      }
+      store.flush();
+    }
+  }
+}
+
 // Weight pieces (Note [Weight pieces]): a streaming part on NVMe loaded piece by piece reads back
 // piece by piece as written, whatever the piece's size against the part's; a piece read ahead of
 // a rewrite of the part is dropped, and the read after it sees the new bytes.
