@@ -13,14 +13,15 @@
 //      against bf16: step time ratio next to the ratio of weight bytes each step uploads (the
 //      best a link-bound run can do; dequantising on the device costs the rest).
 //
-//  (d) full fine-tuning with the optimizer state on NVMe in chunks — link-bound on 2 simulated
-//      devices, a vocabulary of 8,192 (embedding and head 3x a block): every layer's trained
-//      weights, masters and moments on the NVMe tier, masters and moments in 1 MiB chunks and
-//      weights read in 1 MiB pieces, against the same run in host memory. Step time ratio (aim
+//  (d) full fine-tuning with the optimizer state and gradients on NVMe in chunks — link-bound on
+//      2 simulated devices, a vocabulary of 8,192 (embedding and head 3x a block): every layer's
+//      trained weights, masters, moments and gradients on the NVMe tier, masters, moments and
+//      gradients in 1 MiB chunks and weights read in 1 MiB pieces, against the same run in host
+//      memory. Step time ratio (aim
 //      <= 1.15), and the NVMe run's host staging beyond the in-memory run's against the
 //      planner's bound for it (windows of weight pieces, the trained weights rewritten a piece at
 //      a time, two chunks, four write-backs: nvme_staging() in engine/estimate.cpp, recomputed
-//      here from the store). Gradients stay in host memory (not tiered yet).
+//      here from the store, with the gradient records: the writer's and the optimizer's two).
 //
 //   offload_bench [--dir D]... [--bytes 1GiB] [--steps 6] [--only a|b|c|d] [--link 50MB]
 #include <ATen/ATen.h>
@@ -184,7 +185,7 @@ FullResult run_full(bool nvme_tier, const std::string& dir, int steps, double li
       engine::layer_descs(specs, [](const models::ParamSpec&) { return true; });
   if (nvme_tier)
     for (offload::LayerDesc& l : d)
-      l.weights = l.optimizer = offload::Tier::kNvme;
+      l.weights = l.optimizer = l.grads = offload::Tier::kNvme;
   std::unique_ptr<offload::NvmeStore> nvme;
   if (nvme_tier)
     nvme = std::make_unique<offload::NvmeStore>(
@@ -199,7 +200,7 @@ FullResult run_full(bool nvme_tier, const std::string& dir, int steps, double li
       c, specs, store, arena, steps, link_bps, [](const models::LayerSpec&) { return 1.0; }, plan);
   out.staging_peak = arena.usage()[offload::Purpose::kStaging].peak;
   // The planner's bound, from the store's own sizes.
-  std::uint64_t read = 0, trained = 0, rounded = 0;
+  std::uint64_t read = 0, trained = 0, rounded = 0, grads = 0;
   for (std::size_t l = 0; l < store.layers(); ++l) {
     for (unsigned part : {offload::kBasePart, offload::kStreamPart})
       if (store.tier(l, part) == offload::Tier::kNvme)
@@ -209,15 +210,20 @@ FullResult run_full(bool nvme_tier, const std::string& dir, int steps, double li
     trained = std::max<std::uint64_t>(
         trained, std::min<std::uint64_t>(store.stream_bytes(l, offload::kStreamPart).bytes,
                                          store.piece_bytes()));
-    for (std::size_t k = 0; k < store.optimizer_chunks(l); ++k)
+    for (std::size_t k = 0; k < store.optimizer_chunks(l); ++k) {
       for (const offload::OptimizerPiece& p : store.optimizer_chunk(l, k))
         rounded =
             std::max<std::uint64_t>(rounded, p.numel * kernels::dtype_size(store.stream_dtype()));
+      if (store.grad_tier(l) == offload::Tier::kNvme)
+        grads = std::max<std::uint64_t>(grads, store.grad_record_bytes(l, k));
+    }
   }
   const std::uint64_t C = nvme_tier ? store.max_chunk_bytes() : 0;
   const std::uint64_t devices = 2;
   out.bound = 2 * 2 * devices * read +
-              (trained + C > 0 ? trained + rounded + 2 * C + 4 * std::max(trained, C) : 0);
+              (trained + C + grads > 0
+                   ? trained + rounded + 2 * C + 3 * grads + 4 * std::max({trained, C, grads})
+                   : 0);
   return out;
 }
 
@@ -318,8 +324,8 @@ int main(int argc, char** argv) {
           static_cast<double>(nv.staging_peak) - static_cast<double>(host.staging_peak);
       std::printf(
           "(d) link-bound full fine-tuning step (2 simulated devices, %.0f MB/s links): trained "
-          "weights, masters and moments on NVMe (%s), masters and moments in 1 MiB chunks, "
-          "against host memory\n",
+          "weights, masters, moments and gradients on NVMe (%s), in 1 MiB chunks, against "
+          "host memory\n",
           link_bps / 1e6, nvme_dir.c_str());
       std::printf(
           "| state in | step s | ratio | host staging peak | NVMe staging (beyond host run) | "

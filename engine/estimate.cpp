@@ -150,9 +150,11 @@ std::uint64_t host_fixed_overhead() {
 
 namespace {
 
-constexpr int kBase = 0, kTrained = 1, kOptimizer = 2;  // LayerDesc parts, in this order
-constexpr int kActivations = 3;  // not a layer's part: activation checkpoints (Placement)
-const char* const kPartNames[3] = {"frozen weights", "trained weights", "optimizer state"};
+// Classes of a layer's state: LayerDesc's parts in this order, then its gradients.
+constexpr int kBase = 0, kTrained = 1, kOptimizer = 2, kGrads = 3;
+constexpr int kActivations = 4;  // not a layer's: activation checkpoints (Placement)
+const char* const kPartNames[4] = {"frozen weights", "trained weights", "optimizer state",
+                                   "gradients"};
 
 // The GGUF block types Rondo streams as stored (and dequantises on the device).
 std::optional<kernels::QuantType> gguf_kept_type(const std::string& name) {
@@ -177,12 +179,12 @@ bool is_projection(const std::string& name) {
   return models::parse_expert_name(name, &expert, &projection);
 }
 
-// Tier of part p of a layer.
+// Tier of class p of a layer's state.
 offload::Tier& tier_of(offload::LayerDesc& d, int p) {
-  return p == kBase ? d.base : p == kTrained ? d.weights : d.optimizer;
+  return p == kBase ? d.base : p == kTrained ? d.weights : p == kOptimizer ? d.optimizer : d.grads;
 }
 offload::Tier tier_of(const offload::LayerDesc& d, int p) {
-  return p == kBase ? d.base : p == kTrained ? d.weights : d.optimizer;
+  return p == kBase ? d.base : p == kTrained ? d.weights : p == kOptimizer ? d.optimizer : d.grads;
 }
 
 bool layer_has_ties(const std::vector<offload::LayerDesc>& layers, std::size_t l) {
@@ -217,15 +219,18 @@ std::string percent_mix(const std::map<std::string, std::uint64_t>& bytes) {
 //    (Note [Optimizer chunks] in offload/layer_store.cpp), the chunk's streaming copies rounded
 //    into staging and the piece of the trained weights they go to (Note [Streaming copies a
 //    chunk at a time] in optimizer.cpp), and up to 4 write-backs in flight, each a chunk or a
-//    piece.
+//    piece;
+//  - gradients on NVMe (Note [Gradients on NVMe] in offload/transfer.cpp): the record the
+//    gradient writer fills, and the optimizer's record and the next read ahead (their writes
+//    count among the write-backs: a record is smaller than its chunk's masters and moments).
 // Loading and checkpoints stage less: a layer's weights and a chunk or two.
 std::uint64_t nvme_staging(const std::vector<offload::LayerDesc>& layers,
-                           const std::vector<std::array<std::uint64_t, 3>>& parts,
+                           const std::vector<std::array<std::uint64_t, 4>>& parts,
                            std::uint64_t chunk_bytes, std::uint64_t devices,
                            std::uint64_t stream_bytes) {
   const std::uint64_t piece =
       offload::LayerStore::piece_bytes_for(chunk_bytes, offload::NvmeStoreOptions{}.block_bytes);
-  std::uint64_t read = 0, trained = 0, rounded = 0, chunk = 0;
+  std::uint64_t read = 0, trained = 0, rounded = 0, chunk = 0, grads = 0;
   for (std::size_t l = 0; l < layers.size(); ++l) {
     for (int p : {kBase, kTrained})
       if (tier_of(layers[l], p) == offload::Tier::kNvme)
@@ -233,8 +238,15 @@ std::uint64_t nvme_staging(const std::vector<offload::LayerDesc>& layers,
     const bool stream_on_nvme = tier_of(layers[l], kTrained) == offload::Tier::kNvme;
     if (stream_on_nvme) trained = std::max(trained, std::min(parts[l][kTrained], piece));
     const bool opt_on_nvme = tier_of(layers[l], kOptimizer) == offload::Tier::kNvme;
-    if (!stream_on_nvme && !opt_on_nvme) continue;
+    const bool grads_on_nvme = tier_of(layers[l], kGrads) == offload::Tier::kNvme;
+    if (!stream_on_nvme && !opt_on_nvme && !grads_on_nvme) continue;
     for (const auto& c : offload::LayerStore::chunks_of(layers[l], chunk_bytes)) {
+      if (grads_on_nvme) {  // f32 gradients
+        std::uint64_t record = 0;
+        for (const offload::OptimizerPiece& p : c)
+          record += p.numel * 4;
+        grads = std::max(grads, record);
+      }
       if (opt_on_nvme)
         chunk = std::max(chunk, offload::LayerStore::chunk_record_bytes(c, layers[l].moments));
       if (stream_on_nvme)  // staging of one chunk piece's copies, the largest
@@ -242,15 +254,16 @@ std::uint64_t nvme_staging(const std::vector<offload::LayerDesc>& layers,
           rounded = std::max<std::uint64_t>(rounded, p.numel * stream_bytes);
     }
   }
-  const std::uint64_t update = trained + rounded + 2 * chunk + 4 * std::max(trained, chunk);
-  return 2 * 2 * devices * read + (trained + chunk > 0 ? update : 0);
+  const std::uint64_t update =
+      trained + rounded + 2 * chunk + 3 * grads + 4 * std::max({trained, chunk, grads});
+  return 2 * 2 * devices * read + (trained + chunk + grads > 0 ? update : 0);
 }
 
 }  // namespace
 
 std::string Placement::lines() const {
   std::string out;
-  for (int p = 0; p < 3; ++p) {
+  for (int p = 0; p < 4; ++p) {
     if (host_part[p] + nvme_part[p] == 0) continue;
     out += fmt::format("  {:<16} {}", kPartNames[p],
                        nvme_part[p] == 0 ? fmt::format("host {}", format_bytes(host_part[p]))
@@ -265,6 +278,7 @@ std::string Placement::lines() const {
     if (p == kOptimizer && nvme_part[p] > 0)
       out += fmt::format(", staged in chunks of {} at most (hardware.offload_chunk)",
                          format_bytes(chunk_bytes));
+    if (p == kGrads && nvme_part[p] > 0) out += ", written as they come down, read once";
     out += "\n";
   }
   if (host_activations > 0)
@@ -409,9 +423,10 @@ RunEstimate estimate_run(const TrainConfig& config, const models::ModelSummary& 
   // --- Costs and the plan (speed 1 = 1 TFLOP/s) -----------------------------------------------
   const double ref = 1e12;
   const int M = config.training.grad_accum;
-  std::vector<std::array<std::uint64_t, 3>> parts;
+  std::vector<std::array<std::uint64_t, 4>> parts;  // by class, f32 gradients last
   for (std::size_t l = 0; l < specs.size(); ++l) {
-    parts.push_back(offload::LayerStore::part_bytes(pl.layers, l, sd));
+    const std::array<std::uint64_t, 3> p = offload::LayerStore::part_bytes(pl.layers, l, sd);
+    parts.push_back({p[0], p[1], p[2], 0});
     const double f = specs[l].flops_forward_per_token(config.data.seq_len) / ref;
     // The backward of a frozen weight computes only the input gradient: about one forward.
     const double b =
@@ -445,6 +460,7 @@ RunEstimate estimate_run(const TrainConfig& config, const models::ModelSummary& 
                     : kernels::quant_bytes(t.quant, t.rows, t.cols);
       if (t.trainable) trained += n;
     }
+    parts.back()[kGrads] = trained * 4;
     e.inputs.layers.push_back(
         {.forward_s_per_token = f,
          .backward_s_per_token = b,
@@ -613,12 +629,13 @@ RunEstimate estimate_run(const TrainConfig& config, const models::ModelSummary& 
   const std::uint64_t target = e.host_available / 100 * 85;
   if (e.host.total() > target && !offload_dir.empty()) {
     // Move state to NVMe, the cheapest per byte first: optimizer state (touched once per step),
-    // then the frozen base (read by two jobs per step), then activation checkpoints (written and
-    // read once per step, but on the backward's path: read one microbatch ahead of it), then
-    // trained weights (written and read every step); the last layers first (the first stage's
-    // layers are needed first after an update). Layers with tied tensors stay (their owner and the
-    // tying layer share a copy).
-    for (int p : {kOptimizer, kBase, kActivations, kTrained}) {
+    // then gradients (written once as they come down, read once by the optimizer), then the
+    // frozen base (read by two jobs per step), then activation checkpoints (written and read once
+    // per step, but on the backward's path: read one microbatch ahead of it), then trained
+    // weights (written and read every step); the last layers first (the first stage's layers are
+    // needed first after an update). Layers with tied tensors stay (their owner and the tying
+    // layer share a copy).
+    for (int p : {kOptimizer, kGrads, kBase, kActivations, kTrained}) {
       if (p == kActivations) {
         if (e.host.total() > target && spill_window < pl.host_activations) {
           pl.activations = offload::Tier::kNvme;
@@ -636,7 +653,7 @@ RunEstimate estimate_run(const TrainConfig& config, const models::ModelSummary& 
     // The checkpoints move all at once, and may free more than was missing: layers moved before
     // them come back while the host keeps its headroom (the last moved first).
     if (pl.activations == offload::Tier::kNvme)
-      for (int p : {kBase, kOptimizer})
+      for (int p : {kBase, kGrads, kOptimizer})
         for (std::size_t l = 0; l < pl.layers.size(); ++l) {
           if (tier_of(pl.layers[l], p) != offload::Tier::kNvme) continue;
           tier_of(pl.layers[l], p) = offload::Tier::kHost;
@@ -649,7 +666,7 @@ RunEstimate estimate_run(const TrainConfig& config, const models::ModelSummary& 
         }
   }
   for (std::size_t l = 0; l < pl.layers.size(); ++l)
-    for (int p = 0; p < 3; ++p) {
+    for (int p = 0; p < 4; ++p) {
       if (tier_of(pl.layers[l], p) == offload::Tier::kNvme) {
         pl.nvme_part[p] += parts[l][p];
         ++pl.nvme_layers[p];
@@ -672,7 +689,7 @@ RunEstimate estimate_run(const TrainConfig& config, const models::ModelSummary& 
       c.nvme_update_bytes = 0;
       for (int p : {kBase, kTrained})
         if (tier_of(pl.layers[l], p) == offload::Tier::kNvme) c.nvme_read_bytes += parts[l][p];
-      for (int p : {kTrained, kOptimizer})
+      for (int p : {kTrained, kOptimizer, kGrads})
         if (tier_of(pl.layers[l], p) == offload::Tier::kNvme) c.nvme_update_bytes += parts[l][p];
     }
     e.inputs.nvme_bytes_per_s = pl.disk_bytes_per_s;
@@ -762,7 +779,7 @@ RunEstimate estimate_run(const TrainConfig& config, const models::ModelSummary& 
   // budget]). What it computes on beyond the store: weights copied from the NVMe tier (those in
   // host memory are read in place, EngineOptions::share_frozen_weights; quantised ones are
   // dequantised, counted as planned), gradient accumulators unless they are the store's own
-  // (share_trained_state, exact training), and activations.
+  // (share_trained_state, exact training, gradients in host memory), and activations.
   if (planned && devices.mode == DeviceMode::kCpu) {
     PlanInputs cpu = e.inputs;
     for (std::size_t l = 0; l < cpu.layers.size(); ++l) {
@@ -772,7 +789,8 @@ RunEstimate estimate_run(const TrainConfig& config, const models::ModelSummary& 
         for (int p : {kBase, kTrained})
           if (tier_of(pl.layers[l], p) == offload::Tier::kNvme) c.param_bytes += parts[l][p];
       }
-      if (!config.training.one_step_stale) c.grad_bytes = 0;
+      if (!config.training.one_step_stale && tier_of(pl.layers[l], kGrads) == offload::Tier::kHost)
+        c.grad_bytes = 0;
     }
     const PlanPrediction on_cpu = predict(e.plan, cpu);
     if (!on_cpu.peak_bytes.empty()) e.host.cpu_device = on_cpu.peak_bytes[0];
@@ -806,7 +824,8 @@ RunEstimate estimate_run(const TrainConfig& config, const models::ModelSummary& 
                            : "model.quantize = nf4 (the frozen base in about 0.56 bytes per "
                              "parameter)");
     if (lora && config.model.dtype == "fp32") fixes.push_back("model.dtype = bf16");
-    if (!lora && !eight_bit)
+    // (8-bit moments take host memory only where the moments are there.)
+    if (!lora && !eight_bit && (offload_dir.empty() || pl.host_part[kOptimizer] > 0))
       fixes.push_back(
           "training.optimizer = adamw_8bit (AdamW moments in 2 bytes per parameter, not 8)");
     if (!lora) fixes.push_back("training.method = lora (no masters or moments for the base)");
@@ -1000,6 +1019,10 @@ std::string RunEstimate::json() const {
                          {{"host_bytes", placement.host_part[2]},
                           {"nvme_bytes", placement.nvme_part[2]},
                           {"nvme_layers", placement.nvme_layers[2]}}},
+                        {"gradients",
+                         {{"host_bytes", placement.host_part[3]},
+                          {"nvme_bytes", placement.nvme_part[3]},
+                          {"nvme_layers", placement.nvme_layers[3]}}},
                         {"activation_checkpoints",
                          {{"tier", offload::to_string(placement.activations)},
                           {"host_bytes", placement.host_activations},

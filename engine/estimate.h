@@ -28,7 +28,7 @@ struct HostNeeds {
                               // at their quantised size)
   std::uint64_t masters = 0;  // fp32 masters of the trained parameters kept in host memory
   std::uint64_t moments = 0;  // AdamW m and v kept in host memory (f32, or 8-bit with absmax)
-  std::uint64_t grads = 0;    // fp32 gradients of the trained parameters (always host memory)
+  std::uint64_t grads = 0;    // fp32 gradients of the trained parameters kept in host memory
   std::uint64_t loading = 0;  // the largest tensor converted while loading (one at a time)
   std::uint64_t staging = 0;  // stage outputs and step inputs in flight
   // Activation checkpoints kept for the backward, two steps' worth; on the NVMe tier, those read
@@ -55,9 +55,10 @@ struct Placement {
   // hardware.offload_chunk: the most optimizer state of one chunk (offload::LayerStore)
   std::uint64_t chunk_bytes = offload::kDefaultChunkBytes;
   std::uint64_t offload_free = 0;  // hardware.disk_space, or the free space in offload_dir
-  // Bytes of each class in host memory and on NVMe: frozen base, trained weights, optimizer.
-  std::uint64_t host_part[3] = {0, 0, 0}, nvme_part[3] = {0, 0, 0};
-  int nvme_layers[3] = {0, 0, 0};  // layers with that part on NVMe
+  // Bytes of each class in host memory and on NVMe: frozen base, trained weights, optimizer,
+  // gradients (f32).
+  std::uint64_t host_part[4] = {0, 0, 0, 0}, nvme_part[4] = {0, 0, 0, 0};
+  int nvme_layers[4] = {0, 0, 0, 0};  // layers with that class on NVMe
   // Activation checkpoints (docs/training.md, "Bigger than host memory"): where they live, what
   // two steps of them take in host memory, one microbatch's checkpoint, and the NVMe space set
   // aside for them (checkpoint_spill_bytes) when there.

@@ -83,10 +83,10 @@ Transfers::Transfers(LayerStore& store, HostArena& arena, std::vector<kernels::D
 // When gradients do not fit host memory, the planner puts some layers' on the NVMe tier
 // (LayerDesc::grads). A job still accumulates a layer's gradient on its device over the step's
 // microbatches, so each layer's gradient comes down once per step; for an NVMe-resident one the
-// gradient writer (a thread of Transfers) takes it from there: once the job's compute is done it
-// downloads the gradient a chunk record at a time (the layer's optimizer chunks, Note [Optimizer
-// chunks] in layer_store.cpp) into staging of the record's size, writes the record to the drive
-// in the background, and folds each piece into the layer's sum of squares (kernels::
+// gradient writer (a thread of Transfers per device) takes it from there: once the job's compute is
+// done it downloads the gradient a chunk record at a time (the layer's optimizer chunks, Note
+// [Optimizer chunks] in layer_store.cpp) into staging of the record's size, writes the record to
+// the drive in the background, and folds each piece into the layer's sum of squares (kernels::
 // SumSquaresStream: bit for bit the sum of the gradient in memory, so the global-norm clip, and
 // every update, is exact). The optimizer waits for that sum (gradients_written) where it would
 // have read the gradient, and reads each record once, with its chunk (LayerStore::access_chunk).
@@ -95,10 +95,12 @@ Transfers::Transfers(LayerStore& store, HostArena& arena, std::vector<kernels::D
 // memory of the gradient stays held (by the job's `keep`) until the writer has brought it down.
 class Transfers::GradientWriter {
  public:
+  // A thread per device, so that the devices' gradients come down their links side by side.
   GradientWriter(LayerStore& store, std::vector<DeviceLinks>& devs, std::mutex& stats_mutex,
                  TransferStats& stats)
-      : store_(store), devs_(devs), stats_mutex_(stats_mutex), stats_(stats) {
-    thread_ = std::thread([this] { serve(); });
+      : store_(store), devs_(devs), stats_mutex_(stats_mutex), stats_(stats), queues_(devs.size()) {
+    for (std::size_t d = 0; d < devs.size(); ++d)
+      threads_.emplace_back([this, d] { serve(d); });
   }
   ~GradientWriter() {
     {
@@ -106,13 +108,15 @@ class Transfers::GradientWriter {
       stop_ = true;
     }
     cv_.notify_all();
-    thread_.join();
+    for (std::thread& t : threads_)
+      t.join();
   }
   void add(int d, int layer, const void* src, std::shared_ptr<kernels::Event> ready,
            std::shared_ptr<void> keep) {
     {
       std::lock_guard<std::mutex> lock(mutex_);
-      queue_.push_back({d, layer, src, std::move(ready), std::move(keep)});
+      queues_.at(static_cast<std::size_t>(d))
+          .push_back({d, layer, src, std::move(ready), std::move(keep)});
     }
     cv_.notify_all();
   }
@@ -136,15 +140,16 @@ class Transfers::GradientWriter {
     double sum = 0;
     std::exception_ptr error;
   };
-  void serve() {
+  void serve(std::size_t d) {
+    std::deque<Job>& queue = queues_[d];
     for (;;) {
       Job job;
       {
         std::unique_lock<std::mutex> lock(mutex_);
-        cv_.wait(lock, [&] { return stop_ || !queue_.empty(); });
-        if (queue_.empty()) return;  // stopping, nothing left
-        job = std::move(queue_.front());
-        queue_.pop_front();
+        cv_.wait(lock, [&] { return stop_ || !queue.empty(); });
+        if (queue.empty()) return;  // stopping, nothing left
+        job = std::move(queue.front());
+        queue.pop_front();
       }
       Result r;
       try {
@@ -208,10 +213,10 @@ class Transfers::GradientWriter {
   TransferStats& stats_;
   std::mutex mutex_;
   std::condition_variable cv_;
-  std::deque<Job> queue_;
+  std::vector<std::deque<Job>> queues_;  // per device
   std::map<int, std::deque<Result>> results_;
   bool stop_ = false;
-  std::thread thread_;
+  std::vector<std::thread> threads_;
 };
 
 Transfers::~Transfers() = default;  // grads_, then spill_ go first (declared last)

@@ -530,7 +530,7 @@ TEST_F(Offload, PlansLlama3_8BFullFineTuningOn64GB) {
   EXPECT_GE(small["tokens_per_s"].get<double>(), 0.8 * large["tokens_per_s"].get<double>());
   const json eight_bit =
       plan(" --set hardware.host_memory=128GB --set training.optimizer=adamw_8bit" + nvme);
-  for (const char* part : {"frozen_weights", "trained_weights", "optimizer_state"})
+  for (const char* part : {"frozen_weights", "trained_weights", "optimizer_state", "gradients"})
     EXPECT_EQ(eight_bit["placement"][part]["nvme_bytes"].get<double>(), 0) << part;
   EXPECT_EQ(eight_bit["placement"]["activation_checkpoints"]["tier"], "host");
 }
