@@ -608,8 +608,32 @@ RunEstimate estimate_run(const TrainConfig& config, const models::ModelSummary& 
     pl.disk_speed_source =
         "assumed; `rondo devices --disk DIR` measures the drive and plans remember it";
   }
+  // On the CPU device the device's memory is host memory: the budget holds it too (Note [Host
+  // budget]). What it computes on beyond the store: weights copied from the NVMe tier (those in
+  // host memory are read in place, EngineOptions::share_frozen_weights; quantised ones are
+  // dequantised, counted as planned), gradient accumulators unless they are the store's own
+  // (share_trained_state, exact training, gradients in host memory), and activations: the plan's
+  // peak for those.
+  const bool cpu_device = devices.mode == DeviceMode::kCpu;
+  auto cpu_device_peak = [&](const std::vector<offload::LayerDesc>& layers) -> std::uint64_t {
+    if (!planned || !cpu_device) return 0;
+    PlanInputs cpu = e.inputs;
+    for (std::size_t l = 0; l < cpu.layers.size(); ++l) {
+      LayerCosts& c = cpu.layers[l];
+      if (c.device_param_bytes == 0) {
+        c.param_bytes = 0;
+        for (int p : {kBase, kTrained})
+          if (tier_of(layers[l], p) == offload::Tier::kNvme) c.param_bytes += parts[l][p];
+      }
+      if (!config.training.one_step_stale && tier_of(layers[l], kGrads) == offload::Tier::kHost)
+        c.grad_bytes = 0;
+    }
+    const PlanPrediction on_cpu = predict(e.plan, cpu);
+    return on_cpu.peak_bytes.empty() ? 0 : on_cpu.peak_bytes[0];
+  };
   auto needs = [&](const std::vector<offload::LayerDesc>& layers) {
     HostNeeds h = e.host;
+    h.cpu_device = cpu_device_peak(layers);
     h.checkpoints = pl.activations == offload::Tier::kNvme
                         ? std::min(spill_window, pl.host_activations)
                         : pl.host_activations;
@@ -730,6 +754,33 @@ RunEstimate estimate_run(const TrainConfig& config, const models::ModelSummary& 
           format_bytes(pl.nvme_bytes), format_bytes(free_now), offload_dir));
   }
 
+  // The CPU device and the arena share the budget: when together they pass it, plan again with
+  // the device capped at what the arena leaves of the budget's 85% (smaller stages hold fewer
+  // layers' copies and gradients at once), and the CPU device opens with that cap.
+  if (planned && cpu_device && e.host.total() > target && !e.inputs.devices.empty()) {
+    const std::uint64_t arena = e.host.total() - e.host.cpu_device;
+    if (target > arena) {
+      PlanInputs capped = e.inputs;
+      capped.devices[0].memory_cap = std::min<std::uint64_t>(
+          capped.devices[0].memory_cap ? capped.devices[0].memory_cap : target - arena,
+          target - arena);
+      try {
+        e.plan = plan_ours(capped);
+        e.inputs = capped;
+        e.devices.devices[0].bytes_cap = capped.devices[0].memory_cap;
+        size_checkpoints();
+        if (pl.activations == offload::Tier::kNvme) {
+          pl.nvme_bytes -= pl.spill_bytes;
+          pl.spill_bytes = checkpoint_spill_bytes(e.plan, pl.activation_checkpoint_bytes);
+          pl.nvme_bytes += pl.spill_bytes;
+        }
+        e.host = needs(pl.layers);
+      } catch (const Error&) {
+        // No plan fits the device under it: the host memory problem below says what to change.
+      }
+    }
+  }
+
   if (planned) {
     e.prediction = predict(e.plan, e.inputs);
     e.tokens_per_s = tokens_per_step / std::max(e.prediction.step_time_s, 1e-12);
@@ -775,26 +826,6 @@ RunEstimate estimate_run(const TrainConfig& config, const models::ModelSummary& 
     }
   }
 
-  // On the CPU device the device's memory is host memory: the budget holds it too (Note [Host
-  // budget]). What it computes on beyond the store: weights copied from the NVMe tier (those in
-  // host memory are read in place, EngineOptions::share_frozen_weights; quantised ones are
-  // dequantised, counted as planned), gradient accumulators unless they are the store's own
-  // (share_trained_state, exact training, gradients in host memory), and activations.
-  if (planned && devices.mode == DeviceMode::kCpu) {
-    PlanInputs cpu = e.inputs;
-    for (std::size_t l = 0; l < cpu.layers.size(); ++l) {
-      LayerCosts& c = cpu.layers[l];
-      if (c.device_param_bytes == 0) {
-        c.param_bytes = 0;
-        for (int p : {kBase, kTrained})
-          if (tier_of(pl.layers[l], p) == offload::Tier::kNvme) c.param_bytes += parts[l][p];
-      }
-      if (!config.training.one_step_stale && tier_of(pl.layers[l], kGrads) == offload::Tier::kHost)
-        c.grad_bytes = 0;
-    }
-    const PlanPrediction on_cpu = predict(e.plan, cpu);
-    if (!on_cpu.peak_bytes.empty()) e.host.cpu_device = on_cpu.peak_bytes[0];
-  }
   const std::uint64_t need = e.host.total();
   const std::string breakdown = fmt::format(
       "weights {}, masters {}, moments {}, gradients {}, loading {}, staging {}, activation "
@@ -803,7 +834,8 @@ RunEstimate estimate_run(const TrainConfig& config, const models::ModelSummary& 
       format_bytes(e.host.grads), format_bytes(e.host.loading), format_bytes(e.host.staging),
       format_bytes(e.host.checkpoints),
       e.host.nvme_staging ? ", NVMe staging " + format_bytes(e.host.nvme_staging) : "",
-      e.host.cpu_device ? ", the CPU device's computing " + format_bytes(e.host.cpu_device) : "");
+      e.host.cpu_device ? ", what the CPU device computes on " + format_bytes(e.host.cpu_device)
+                        : "");
   if (need > e.host_available) {
     // What would make it fit, only what applies to this run.
     std::vector<std::string> fixes;
@@ -915,9 +947,12 @@ std::string RunEstimate::text() const {
                        format_bytes(prediction.peak_bytes[d]),
                        format_bytes(devices.devices[d].bytes_cap));
   }
-  o << fmt::format("Host memory {} needed, {} available (plus {} for the process itself)\n",
-                   format_bytes(host.total()), format_bytes(host_available),
-                   format_bytes(host_overhead));
+  o << fmt::format("Host memory {} needed{}, {} available (plus {} for the process itself)\n",
+                   format_bytes(host.total()),
+                   host.cpu_device ? fmt::format(" ({} of it what the CPU device computes on)",
+                                                 format_bytes(host.cpu_device))
+                                   : "",
+                   format_bytes(host_available), format_bytes(host_overhead));
   o << placement.lines();
   if (placement.nvme_bytes > 0)
     o << fmt::format("NVMe tier   {} in the offload folder ({} to use), read at {} ({})\n",

@@ -643,7 +643,8 @@ struct Session::Impl {
       log(fmt::format("Resuming from {} (step {} of {})", path, state.steps_done, steps));
     }
 
-    std::vector<std::unique_ptr<kernels::Device>> devs = open_devices(devices);
+    // As planned: the CPU device capped where the plan made it share the budget with the arena.
+    std::vector<std::unique_ptr<kernels::Device>> devs = open_devices(est.devices);
     std::vector<kernels::Device*> raw;
     for (auto& d : devs)
       raw.push_back(d.get());

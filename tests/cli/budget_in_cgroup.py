@@ -36,9 +36,13 @@ def cgroup_usable():
             probe.rmdir()
 
 
-def model_folder(work):
-    """A Llama-shaped fp32 model with SmolLM2's tokenizer (49,152 tokens): hidden 512, 6 blocks of
-    2.9 M parameters, embedding and head 25.2 M each (8.7x a block), untied: 67.8 M in all."""
+def model_folder(work, blocks):
+    """A Llama-shaped fp32 model with SmolLM2's tokenizer (49,152 tokens): hidden 512, `blocks`
+    blocks of 2.9 M parameters, embedding and head 25.2 M each (8.7x a block), untied; with 30
+    blocks 137 M in all, about SmolLM2-135M's shape. So many blocks because on the CPU device the
+    budget must also hold what the device computes the head with (full fine-tuning: its weights,
+    its gradient twice and logits, about 300 MiB; LoRA: its weights and logits, about 150 MiB),
+    next to the arena, while the state is 3x the budget."""
     import torch  # noqa: PLC0415
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM  # noqa: PLC0415
 
@@ -46,11 +50,11 @@ def model_folder(work):
                                                                    work / "bundled"))
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=512, intermediate_size=1376,
-                         num_hidden_layers=6, num_attention_heads=8, num_key_value_heads=4,
+                         num_hidden_layers=blocks, num_attention_heads=8, num_key_value_heads=4,
                          max_position_embeddings=2048, tie_word_embeddings=False,
                          bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
     model = LlamaForCausalLM(config).to(torch.float32)
-    out = work / "model"
+    out = work / f"model-{blocks}"
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     params = sum(p.numel() for p in model.parameters())
@@ -101,16 +105,22 @@ def main():
         print(f"skipped: no writable cgroup v1 memory controller at {CGROUP_ROOT} (run as root "
               "where one is mounted)")
         sys.exit(77)
-    folder, params = model_folder(work)
     data = work / "train.jsonl"
     data.write_text("".join(json.dumps({"text": t}) + "\n" for t in peer_bench.documents(64)))
     offload = work / "offload"
     failures, rows = [], []
     # Training state independently of Rondo: fp32 weights 4 B per parameter; a trained one also
     # 4 B of gradient, 4 of master and 8 of moments.
-    cases = [("full", "", params * 20), ("full", "sim_devices = 2\nmemory_cap = \"1GB\"\n",
-                                          params * 20), ("lora", "", params * 4)]
-    for method, devices, state in cases:
+    # Full fine-tuning of the 30-block model; LoRA of a 60-block one (its frozen base is 4 B a
+    # parameter: 3x the budget takes more of them).
+    cases = [("full", "", 30), ("full", "sim_devices = 2\nmemory_cap = \"1GB\"\n", 30),
+             ("lora", "", 60)]
+    models = {}
+    for method, devices, blocks in cases:
+        if blocks not in models:
+            models[blocks] = model_folder(work, blocks)
+        folder, params = models[blocks]
+        state = params * (20 if method == "full" else 4)
         where = "2 simulated GPUs" if devices else "the CPU"
         name = f"{method}-{'sim2' if devices else 'cpu'}"
         budget = state // 3

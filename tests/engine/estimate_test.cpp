@@ -170,7 +170,6 @@ TEST(Estimate, CountsTheMasksTheDeviceBuilds) {
   fs::remove_all(dir);
 }
 
-
 // A drive measured by `rondo devices --disk` is remembered (engine/disk_speeds.h) and planned
 // with; and when the drive sets the step time, the estimate says so with the tokens per step that
 // would hide it: the same step with a drive 100 times faster is about as fast as compute alone.
@@ -225,6 +224,66 @@ TEST(Estimate, ARememberedDriveIsPlannedWithAndASlowOneIsNamed) {
     ::setenv("RONDO_SPEED_CACHE", saved.c_str(), 1);
   else
     ::unsetenv("RONDO_SPEED_CACHE");
+  fs::remove_all(dir);
+}
+
+// On the CPU device the device's memory is host memory, and the plan counts it in the budget:
+// what the device computes on beyond what it reads in place. With the state in host memory that
+// is less than the plan's device peak (weights read, gradients accumulated, in place); with the
+// trained weights and gradients on NVMe, the device holds copies of a stage's weights and its
+// gradients, so at least the largest layer's (the embedding's) at once. Where device and arena
+// together pass the budget, the plan is made again with the device capped at what the arena
+// leaves (smaller stages), and the device opens with that cap.
+TEST(Estimate, TheCpuDevicesMemoryIsInTheHostBudget) {
+  const fs::path dir = fs::path(::testing::TempDir()) / "estimate_cpu_device";
+  fs::remove_all(dir);
+  fs::create_directories(dir / "offload");
+  const DevicePlan devices = plan_devices({});
+  ASSERT_EQ(devices.mode, DeviceMode::kCpu);
+  auto config = [&](const std::string& model) {
+    TrainConfig c;
+    c.model.path = (dir / model).string();
+    c.model.dtype = "fp32";
+    c.data.seq_len = 64;
+    c.training.method = "full";
+    c.training.grad_accum = 1;
+    c.hardware.offload_chunk = "1MB";
+    return c;
+  };
+  auto plan = [&](const TrainConfig& c) {
+    return estimate_run(c, models::inspect_model(c.model.path, 64), devices, 10, 2 * 64,
+                        /*host_free=*/1ull << 40, /*disk_free=*/1ull << 40);
+  };
+  // A third of the state as the budget, with an NVMe tier.
+  auto third = [&](TrainConfig c, const RunEstimate& roomy) {
+    c.hardware.offload_dir = (dir / "offload").string();
+    c.hardware.host_memory = std::to_string(static_cast<std::uint64_t>(roomy.params) * 20 / 3);
+    return plan(c);
+  };
+  {
+    const std::int64_t V = 8000, C = 128;
+    test::write_model_folder((dir / "wide").string(), 1,
+                             {.layers = 12, .hidden = 128, .intermediate = 256, .vocab = V});
+    const RunEstimate roomy = plan(config("wide"));
+    ASSERT_FALSE(roomy.prediction.peak_bytes.empty());
+    EXPECT_GT(roomy.host.cpu_device, 0u);
+    EXPECT_LT(roomy.host.cpu_device, roomy.prediction.peak_bytes[0]) << roomy.text();
+    const RunEstimate e = third(config("wide"), roomy);
+    ASSERT_GT(e.placement.nvme_part[1], 0u) << e.text();  // trained weights
+    EXPECT_GE(e.host.cpu_device, 2 * static_cast<std::uint64_t>(V * C) * 4) << e.text();
+  }
+  {
+    // Many blocks, a small vocabulary: a stage of all of them would not fit next to the arena.
+    test::write_model_folder((dir / "deep").string(), 1,
+                             {.layers = 48, .hidden = 128, .intermediate = 256, .vocab = 2000});
+    const RunEstimate roomy = plan(config("deep"));
+    const RunEstimate e = third(config("deep"), roomy);
+    EXPECT_NE(e.verdict, "does not fit") << e.text();
+    EXPECT_LE(e.host.total(), e.host_available) << e.text();
+    ASSERT_FALSE(e.prediction.peak_bytes.empty());
+    EXPECT_LE(e.prediction.peak_bytes[0], e.devices.devices[0].bytes_cap) << e.text();
+    EXPECT_NE(e.text().find("the CPU device"), std::string::npos) << e.text();
+  }
   fs::remove_all(dir);
 }
 
