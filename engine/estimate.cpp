@@ -647,6 +647,17 @@ RunEstimate estimate_run(const TrainConfig& config, const models::ModelSummary& 
     return h;
   };
   e.host = needs(pl.layers);
+  // After e.plan changed: the plan that runs may save other checkpoints (what they take, here and
+  // on the tier), and the CPU device holds other stages.
+  auto needs_for_plan = [&] {
+    size_checkpoints();
+    if (pl.activations == offload::Tier::kNvme) {
+      pl.nvme_bytes -= pl.spill_bytes;
+      pl.spill_bytes = checkpoint_spill_bytes(e.plan, pl.activation_checkpoint_bytes);
+      pl.nvme_bytes += pl.spill_bytes;
+    }
+    e.host = needs(pl.layers);
+  };
   const std::string& offload_dir = config.hardware.offload_dir;
   // With an NVMe tier, state moves there until the host keeps 15% headroom (a run at the edge of
   // its budget fails on the first allocation the plan did not foresee; "tight" starts there).
@@ -723,14 +734,7 @@ RunEstimate estimate_run(const TrainConfig& config, const models::ModelSummary& 
       } catch (const Error&) {
         // Unchanged device memory: the earlier plan stands.
       }
-      // The plan that runs may save other checkpoints: what they take, here and on the tier.
-      size_checkpoints();
-      if (pl.activations == offload::Tier::kNvme) {
-        pl.nvme_bytes -= pl.spill_bytes;
-        pl.spill_bytes = checkpoint_spill_bytes(e.plan, pl.activation_checkpoint_bytes);
-        pl.nvme_bytes += pl.spill_bytes;
-      }
-      e.host = needs(pl.layers);
+      needs_for_plan();
     }
     // hardware.disk_space, when given, is the space the run may use there (a cap on a shared
     // drive, or the drive a plan is for); what is free now is checked against the same need.
@@ -768,13 +772,7 @@ RunEstimate estimate_run(const TrainConfig& config, const models::ModelSummary& 
         e.plan = plan_ours(capped);
         e.inputs = capped;
         e.devices.devices[0].bytes_cap = capped.devices[0].memory_cap;
-        size_checkpoints();
-        if (pl.activations == offload::Tier::kNvme) {
-          pl.nvme_bytes -= pl.spill_bytes;
-          pl.spill_bytes = checkpoint_spill_bytes(e.plan, pl.activation_checkpoint_bytes);
-          pl.nvme_bytes += pl.spill_bytes;
-        }
-        e.host = needs(pl.layers);
+        needs_for_plan();
       } catch (const Error&) {
         // No plan fits the device under it: the host memory problem below says what to change.
       }
