@@ -7,7 +7,9 @@
 //    every optimizer step); a stage's weights upload as two copies per layer at most. A frozen
 //    tensor may be kept quantised (GGUF blocks, NF4, INT8: kernels/quant.h) and is dequantised
 //    on the device;
-//  - one gradient region per layer, laid out like its trainable tensors (always in host memory);
+//  - one gradient region per layer, laid out like its trainable tensors, in host memory, or on the
+//    NVMe tier as a record per optimizer chunk (LayerDesc::grads; Note [Gradients on NVMe] in
+//    transfer.cpp);
 //  - master, m and v per layer, each contiguous: m and v in f32, or (MomentFormat::kBlockwise8)
 //    as bitsandbytes' blockwise 8-bit codes with an f32 absmax per block of 256 elements of a
 //    tensor (kernels/cpu/adamw8bit.h).
@@ -234,11 +236,10 @@ class LayerStore {
   MomentFormat moments(std::size_t layer) const { return moments_.at(layer); }
   // The layer's streaming copies of one part (kBasePart or kStreamPart) as stored (tied ones
   // excluded: their owner uploads them); data is null when they live on NVMe. And its gradients
-  // (always host).
+  // (data null where they live on NVMe; bytes: the layer's gradient layout either way).
   ByteRange stream_bytes(std::size_t layer, unsigned part) const {
     return part == kBasePart ? base_ranges_.at(layer) : stream_ranges_.at(layer);
   }
-  // (data null where they live on NVMe; bytes: the layer's gradient layout either way).
   ByteRange grad_bytes(std::size_t layer) const { return grad_ranges_.at(layer); }
   Tier grad_tier(std::size_t layer) const { return grad_tiers_.at(layer); }
   // Bytes of the layer's streaming copies once on a device: dequantised ones in the streaming
