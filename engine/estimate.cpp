@@ -700,24 +700,28 @@ RunEstimate estimate_run(const TrainConfig& config, const models::ModelSummary& 
           e.host = back;
         }
   }
-  for (std::size_t l = 0; l < pl.layers.size(); ++l)
+  // Bytes by class and tier, the tier's size, and its traffic in the plan's inputs (reads before
+  // uploads, and the optimizer's read-modify-writes), for the placement as it stands.
+  auto account = [&] {
     for (int p = 0; p < 4; ++p) {
-      if (tier_of(pl.layers[l], p) == offload::Tier::kNvme) {
-        pl.nvme_part[p] += parts[l][p];
-        ++pl.nvme_layers[p];
-      } else {
-        pl.host_part[p] += parts[l][p];
-      }
+      pl.host_part[p] = pl.nvme_part[p] = 0;
+      pl.nvme_layers[p] = 0;
     }
-  pl.nvme_bytes = offload::LayerStore::nvme_bytes(pl.layers, sd, pl.chunk_bytes);
-  if (pl.activations == offload::Tier::kNvme) {
-    pl.spill_bytes = checkpoint_spill_bytes(e.plan, pl.activation_checkpoint_bytes);
-    pl.nvme_bytes += pl.spill_bytes;
-    e.inputs.checkpoints_on_nvme = true;
-  }
-  if (pl.nvme_bytes > 0) {
-    // The NVMe tier's traffic in the plan: reads before uploads, and the optimizer's
-    // read-modify-writes; then plan again with it.
+    for (std::size_t l = 0; l < pl.layers.size(); ++l)
+      for (int p = 0; p < 4; ++p) {
+        if (tier_of(pl.layers[l], p) == offload::Tier::kNvme) {
+          pl.nvme_part[p] += parts[l][p];
+          ++pl.nvme_layers[p];
+        } else {
+          pl.host_part[p] += parts[l][p];
+        }
+      }
+    pl.nvme_bytes = offload::LayerStore::nvme_bytes(pl.layers, sd, pl.chunk_bytes);
+    if (pl.activations == offload::Tier::kNvme) {
+      pl.spill_bytes = checkpoint_spill_bytes(e.plan, pl.activation_checkpoint_bytes);
+      pl.nvme_bytes += pl.spill_bytes;
+      e.inputs.checkpoints_on_nvme = true;
+    }
     for (std::size_t l = 0; l < pl.layers.size(); ++l) {
       LayerCosts& c = e.inputs.layers[l];
       c.nvme_read_bytes = 0;
@@ -727,6 +731,10 @@ RunEstimate estimate_run(const TrainConfig& config, const models::ModelSummary& 
       for (int p : {kTrained, kOptimizer, kGrads})
         if (tier_of(pl.layers[l], p) == offload::Tier::kNvme) c.nvme_update_bytes += parts[l][p];
     }
+  };
+  account();
+  if (pl.nvme_bytes > 0) {
+    // Plan again with the tier's traffic.
     e.inputs.nvme_bytes_per_s = pl.disk_bytes_per_s;
     if (planned) {
       try {
@@ -735,6 +743,27 @@ RunEstimate estimate_run(const TrainConfig& config, const models::ModelSummary& 
         // Unchanged device memory: the earlier plan stands.
       }
       needs_for_plan();
+      // On the CPU device the placement judged the device under the first plan, whose stages
+      // (larger, with no NVMe traffic to hide) held more copies than this one's: state comes back
+      // from the tier while the host keeps its headroom, the most costly on the drive first
+      // (trained weights, then the frozen base, gradients, optimizer state), the first layers
+      // first, and the plan stands (its stages only get cheaper).
+      if (cpu_device) {
+        bool back = false;
+        for (int p : {kTrained, kBase, kGrads, kOptimizer})
+          for (std::size_t l = 0; l < pl.layers.size(); ++l) {
+            if (tier_of(pl.layers[l], p) != offload::Tier::kNvme) continue;
+            tier_of(pl.layers[l], p) = offload::Tier::kHost;
+            const HostNeeds h = needs(pl.layers);
+            if (h.total() > target) {
+              tier_of(pl.layers[l], p) = offload::Tier::kNvme;
+              break;
+            }
+            e.host = h;
+            back = true;
+          }
+        if (back) account();
+      }
     }
     // hardware.disk_space, when given, is the space the run may use there (a cap on a shared
     // drive, or the drive a plan is for); what is free now is checked against the same need.
