@@ -11,6 +11,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <initializer_list>
 #include <map>
 #include <nlohmann/json.hpp>
 #include <optional>
@@ -662,6 +663,24 @@ RunEstimate estimate_run(const TrainConfig& config, const models::ModelSummary& 
   // With an NVMe tier, state moves there until the host keeps 15% headroom (a run at the edge of
   // its budget fails on the first allocation the plan did not foresee; "tight" starts there).
   const std::uint64_t target = e.host_available / 100 * 85;
+  // State of these classes back from the tier, class by class in this order and the first layers
+  // first, while the host keeps that headroom; whether any came back.
+  auto bring_back = [&](std::initializer_list<int> classes) {
+    bool any = false;
+    for (int p : classes)
+      for (std::size_t l = 0; l < pl.layers.size(); ++l) {
+        if (tier_of(pl.layers[l], p) != offload::Tier::kNvme) continue;
+        tier_of(pl.layers[l], p) = offload::Tier::kHost;
+        const HostNeeds back = needs(pl.layers);
+        if (back.total() > target) {
+          tier_of(pl.layers[l], p) = offload::Tier::kNvme;
+          break;
+        }
+        e.host = back;
+        any = true;
+      }
+    return any;
+  };
   if (e.host.total() > target && !offload_dir.empty()) {
     // Move state to NVMe, the cheapest per byte first: optimizer state (touched once per step),
     // then gradients (written once as they come down, read once by the optimizer), then the
@@ -687,18 +706,7 @@ RunEstimate estimate_run(const TrainConfig& config, const models::ModelSummary& 
     }
     // The checkpoints move all at once, and may free more than was missing: layers moved before
     // them come back while the host keeps its headroom (the last moved first).
-    if (pl.activations == offload::Tier::kNvme)
-      for (int p : {kBase, kGrads, kOptimizer})
-        for (std::size_t l = 0; l < pl.layers.size(); ++l) {
-          if (tier_of(pl.layers[l], p) != offload::Tier::kNvme) continue;
-          tier_of(pl.layers[l], p) = offload::Tier::kHost;
-          const HostNeeds back = needs(pl.layers);
-          if (back.total() > target) {
-            tier_of(pl.layers[l], p) = offload::Tier::kNvme;
-            break;
-          }
-          e.host = back;
-        }
+    if (pl.activations == offload::Tier::kNvme) bring_back({kBase, kGrads, kOptimizer});
   }
   // Bytes by class and tier, the tier's size, and its traffic in the plan's inputs (reads before
   // uploads, and the optimizer's read-modify-writes), for the placement as it stands.
@@ -748,22 +756,7 @@ RunEstimate estimate_run(const TrainConfig& config, const models::ModelSummary& 
       // from the tier while the host keeps its headroom, the most costly on the drive first
       // (trained weights, then the frozen base, gradients, optimizer state), the first layers
       // first, and the plan stands (its stages only get cheaper).
-      if (cpu_device) {
-        bool back = false;
-        for (int p : {kTrained, kBase, kGrads, kOptimizer})
-          for (std::size_t l = 0; l < pl.layers.size(); ++l) {
-            if (tier_of(pl.layers[l], p) != offload::Tier::kNvme) continue;
-            tier_of(pl.layers[l], p) = offload::Tier::kHost;
-            const HostNeeds h = needs(pl.layers);
-            if (h.total() > target) {
-              tier_of(pl.layers[l], p) = offload::Tier::kNvme;
-              break;
-            }
-            e.host = h;
-            back = true;
-          }
-        if (back) account();
-      }
+      if (cpu_device && bring_back({kTrained, kBase, kGrads, kOptimizer})) account();
     }
     // hardware.disk_space, when given, is the space the run may use there (a cap on a shared
     // drive, or the drive a plan is for); what is free now is checked against the same need.
