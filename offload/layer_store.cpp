@@ -1,19 +1,17 @@
 #include "offload/layer_store.h"
 
 #include <algorithm>
-#include <condition_variable>
 #include <cstdio>
 #include <cstring>
-#include <deque>
 #include <exception>
 #include <map>
 #include <optional>
-#include <set>
 #include <tuple>
 #include <utility>
 
 #include "kernels/cpu/adamw8bit.h"
 #include "kernels/error.h"
+#include "offload/layer_store_regions.h"
 #include "offload/nvme_store.h"
 
 namespace rondo::offload {
@@ -23,10 +21,6 @@ std::size_t align_up(std::size_t n, std::size_t a = kAlign) {
   return (n + a - 1) / a * a;
 }
 constexpr std::size_t kNvmeAlign = 4096;  // O_DIRECT: offsets, sizes and buffers
-
-// Write-backs kept in flight at most; older ones are waited for (and their staging freed) as new
-// ones start, so that staging memory stays bounded (a few layers) whatever the model's size.
-constexpr std::size_t kMaxPendingWrites = 4;
 
 constexpr unsigned kParts[3] = {kBasePart, kStreamPart, kOptimizerPart};
 int part_index(unsigned part) {
@@ -238,114 +232,6 @@ const char* to_string(Tier tier) {
 const char* to_string(MomentFormat format) {
   return format == MomentFormat::kF32 ? "f32" : "8-bit";
 }
-
-// NVMe regions of each layer and the I/O in flight on them.
-struct LayerStore::Regions {
-  // Per layer, by part index; the optimizer part's is unused (see chunk).
-  std::vector<std::array<Region, 3>> region;
-  std::vector<std::vector<Region>> chunk;  // per layer: NVMe optimizer state, a record per chunk
-  std::vector<std::vector<Region>> grad_chunk;  // per layer: NVMe gradients, a record per chunk
-  std::mutex mutex;
-  // Layer, part, chunk (0 for the streaming parts): a unit of staging and I/O.
-  using Key = std::tuple<std::size_t, unsigned, std::size_t>;
-  struct Io {
-    IoTicket ticket;
-    HostBuffer buffer;
-  };
-  std::map<Key, Io> writes, reads;  // write-backs and prefetches in flight
-  std::deque<Key> write_order;      // oldest first
-  std::exception_ptr write_error;   // the first failed write-back not yet reported
-  // Parts whose write-back some thread has taken out of `writes` and is waiting for: nobody reads
-  // them from the drive (or prefetches them) until it is done (a read may not overtake a write).
-  std::set<Key> completing;
-  std::map<Key, int> reading;  // reads of a part in flight that are not in `reads`
-  // Parts a write-back is waiting to submit (for their reads to end): new reads of them wait, so
-  // that a stream of readers cannot starve the writer.
-  std::map<Key, int> writing;
-  std::condition_variable done;
-
-  // A unit's data in a staging buffer of region.bytes (read, taken from a prefetch or a
-  // write-back in flight, or zeros for kOverwrite).
-  HostBuffer stage(NvmeStore* nvme, HostArena& arena, const Key& key, const Region& region,
-                   AccessMode mode);
-  // Starts reading a unit ahead (no-op when a read or a write-back of it is in flight).
-  void prefetch(NvmeStore* nvme, HostArena& arena, const Key& key, const Region& region);
-  // A piece (`key`, bytes at `offset` of the region) of a streaming part (`whole`): read, or
-  // taken from a prefetch; a write-back of the whole part in flight is waited for first.
-  HostBuffer read_piece(NvmeStore* nvme, HostArena& arena, const Key& whole, const Key& key,
-                        const Region& region, std::uint64_t offset, std::uint64_t bytes);
-  void prefetch_piece(NvmeStore* nvme, HostArena& arena, const Key& whole, const Key& key,
-                      const Region& region, std::uint64_t offset, std::uint64_t bytes);
-  // Ends the count of a read of `key` in `reading` (and wakes a write-back waiting for it).
-  struct ReadDone {
-    Regions& r;
-    const Key& key;
-    bool counted;
-    ~ReadDone() {
-      if (!counted) return;
-      {
-        std::lock_guard<std::mutex> lock(r.mutex);
-        if (--r.reading[key] == 0) r.reading.erase(key);
-      }
-      r.done.notify_all();
-    }
-  };
-  // Starts writing `buf` to the unit; write-backs beyond kMaxPendingWrites are taken out into
-  // `evicted` for the caller to wait for (complete()).
-  // (`bytes` at `offset` of the region: a piece of a streaming part being loaded; else the whole
-  // region.)
-  void submit_write(NvmeStore* nvme, const Key& key, const Region& region, HostBuffer buf,
-                    std::vector<std::pair<Key, Io>>& evicted, std::uint64_t offset = 0,
-                    std::uint64_t bytes = 0);
-
-  // Under the lock: moves `key`'s write-back in flight from `writes` into `into` (its key in
-  // `completing` until complete()); false when there is none.
-  bool take_write(const Key& key, std::vector<std::pair<Key, Io>>& into) {
-    auto it = writes.find(key);
-    if (it == writes.end()) return false;
-    into.emplace_back(key, std::move(it->second));
-    writes.erase(it);
-    write_order.erase(std::find(write_order.begin(), write_order.end(), key));
-    completing.insert(key);
-    return true;
-  }
-  // Under the lock: moves the write-backs in flight of pieces of the streaming part `whole`
-  // (keys (layer, part, 1...)) into `into`, as take_write.
-  void take_piece_writes(const Key& whole, std::vector<std::pair<Key, Io>>& into) {
-    const auto [layer, part, zero] = whole;
-    std::vector<Key> keys;
-    for (auto it = writes.lower_bound({layer, part, 1});
-         it != writes.end() && std::get<0>(it->first) == layer && std::get<1>(it->first) == part;
-         ++it)
-      keys.push_back(it->first);
-    for (const Key& k : keys)
-      take_write(k, into);
-  }
-  // Under `lock`: waits until no thread is completing, or waiting to submit, a write-back of `key`.
-  void settle(std::unique_lock<std::mutex>& lock, const Key& key) {
-    done.wait(lock, [&] { return completing.count(key) == 0 && writing.count(key) == 0; });
-  }
-  // Waits for write-backs taken out of `writes` (their keys in `completing`), then releases the
-  // keys. Returns the first error.
-  std::exception_ptr complete(NvmeStore* nvme, std::vector<std::pair<Key, Io>>& ios) {
-    std::exception_ptr error;
-    if (ios.empty()) return error;
-    for (auto& [key, io] : ios) {
-      try {
-        nvme->wait(io.ticket);
-      } catch (...) {
-        if (!error) error = std::current_exception();
-      }
-    }
-    {
-      std::lock_guard<std::mutex> lock(mutex);
-      for (auto& [key, io] : ios)
-        completing.erase(key);
-    }
-    done.notify_all();
-    return error;
-  }
-};
 
 LayerStore::LayerStore(HostArena& arena, const std::vector<LayerDesc>& layers,
                        kernels::FloatDType stream_dtype, kernels::FloatDType grad_dtype,
@@ -584,179 +470,6 @@ void LayerAccess::finish() noexcept {
   for (HostBuffer& b : staged_)
     b.reset();
   grads_.reset();
-}
-
-HostBuffer LayerStore::Regions::stage(NvmeStore* nvme, HostArena& arena, const Key& key,
-                                      const Region& region, AccessMode mode) {
-  // A unit's staging buffer: its write-back still in flight (the data is that), a prefetch, or
-  // a fresh read.
-  std::optional<Io> prefetched;
-  std::vector<std::pair<Key, Io>> pending;
-  const bool fresh_read_needed = mode != AccessMode::kOverwrite;
-  bool counted = false;  // counted in `reading` while our read is in flight
-  {
-    // Pieces of a streaming part written since (the optimizer writes the trained part so) are
-    // on the drive before the part is read whole or overwritten.
-    std::vector<std::pair<Key, Io>> pieces;
-    if (std::get<1>(key) == kBasePart || std::get<1>(key) == kStreamPart) {
-      std::unique_lock<std::mutex> lock(mutex);
-      take_piece_writes(key, pieces);
-    }
-    if (std::exception_ptr e = complete(nvme, pieces)) std::rethrow_exception(e);
-  }
-  {
-    std::unique_lock<std::mutex> lock(mutex);
-    settle(lock, key);
-    if (take_write(key, pending)) {
-      // The data is that write's buffer (below).
-    } else if (auto it = reads.find(key); it != reads.end()) {
-      prefetched = std::move(it->second);
-      reads.erase(it);
-      counted = true;
-    } else {
-      counted = fresh_read_needed;
-    }
-    if (counted) ++reading[key];
-  }
-  // A write-back of this unit waits until our read has ended (a write may not overtake a read:
-  // the drive would hand back a mix, and the checksum would be the new one's).
-  const ReadDone read_done{*this, key, counted};
-  HostBuffer buf;
-  if (!pending.empty()) {
-    // The data is the buffer being written: wait for the write (the buffer must not change
-    // while it is written, and other readers wait for the drive to hold it), then use it.
-    if (std::exception_ptr e = complete(nvme, pending)) std::rethrow_exception(e);
-    buf = std::move(pending.front().second.buffer);
-  } else if (prefetched) {
-    nvme->wait(prefetched->ticket);
-    buf = std::move(prefetched->buffer);
-  } else {
-    buf = arena.allocate(region.bytes, Purpose::kStaging);  // fresh pages: zeros
-    if (fresh_read_needed) {
-      IoTicket t = nvme->read(region, 0, buf.data(), region.bytes);
-      nvme->wait(t);
-    }
-    return buf;
-  }
-  if (mode == AccessMode::kOverwrite) std::memset(buf.data(), 0, buf.bytes());
-  return buf;
-}
-
-void LayerStore::Regions::prefetch(NvmeStore* nvme, HostArena& arena, const Key& key,
-                                   const Region& region) {
-  std::unique_lock<std::mutex> lock(mutex);
-  settle(lock, key);
-  // A write-back in flight already holds the data; a prefetch is already under way.
-  if (writes.count(key) || reads.count(key)) return;
-  Io io;
-  io.buffer = arena.allocate(region.bytes, Purpose::kStaging);
-  io.ticket = nvme->read(region, 0, io.buffer.data(), region.bytes);
-  reads.emplace(key, std::move(io));
-}
-
-HostBuffer LayerStore::Regions::read_piece(NvmeStore* nvme, HostArena& arena, const Key& whole,
-                                           const Key& key, const Region& region,
-                                           std::uint64_t offset, std::uint64_t bytes) {
-  std::optional<Io> prefetched;
-  std::vector<std::pair<Key, Io>> pending;
-  {
-    std::unique_lock<std::mutex> lock(mutex);
-    settle(lock, whole);
-    settle(lock, key);
-    // A write-back of the whole part must be on the drive before we read (and then no piece of
-    // it was read ahead: the write-back dropped those). A write of this piece in flight (the
-    // optimizer writes the trained part in pieces) holds the data: we take its buffer once the
-    // drive has it.
-    const bool wait_for_write = take_write(whole, pending);
-    const bool piece_written = !wait_for_write && take_write(key, pending);
-    if (auto it = reads.find(key); !wait_for_write && !piece_written && it != reads.end()) {
-      prefetched = std::move(it->second);
-      reads.erase(it);
-    }
-    ++reading[whole];  // a write-back of the part waits for this read
-  }
-  const ReadDone read_done{*this, whole, true};
-  if (!pending.empty()) {
-    if (std::exception_ptr e = complete(nvme, pending)) std::rethrow_exception(e);
-    if (std::get<2>(pending.front().first) != 0) return std::move(pending.front().second.buffer);
-  }
-  if (prefetched) {
-    nvme->wait(prefetched->ticket);
-    return std::move(prefetched->buffer);
-  }
-  HostBuffer buf = arena.allocate(bytes, Purpose::kStaging);
-  IoTicket t = nvme->read(region, offset, buf.data(), bytes);
-  nvme->wait(t);
-  return buf;
-}
-
-void LayerStore::Regions::prefetch_piece(NvmeStore* nvme, HostArena& arena, const Key& whole,
-                                         const Key& key, const Region& region, std::uint64_t offset,
-                                         std::uint64_t bytes) {
-  std::unique_lock<std::mutex> lock(mutex);
-  settle(lock, whole);
-  settle(lock, key);
-  if (writes.count(whole) || writes.count(key) || reads.count(key)) return;
-  Io io;
-  io.buffer = arena.allocate(bytes, Purpose::kStaging);
-  io.ticket = nvme->read(region, offset, io.buffer.data(), bytes);
-  reads.emplace(key, std::move(io));
-}
-
-void LayerStore::Regions::submit_write(NvmeStore* nvme, const Key& key, const Region& region,
-                                       HostBuffer buf, std::vector<std::pair<Key, Io>>& evicted,
-                                       std::uint64_t offset, std::uint64_t bytes) {
-  std::unique_lock<std::mutex> lock(mutex);
-  // No read of the unit may be in flight when its write starts (see stage()): hold new readers
-  // back, wait for those in flight, and drop a prefetch (it read the old data).
-  ++writing[key];
-  struct Submitted {  // lets new readers go on (under the lock), however this scope ends
-    Regions& r;
-    const Key& key;
-    ~Submitted() {
-      if (--r.writing[key] == 0) r.writing.erase(key);
-      r.done.notify_all();
-    }
-  } submitted{*this, key};
-  // A prefetch of the unit, or of a piece of a streaming part (Note [Weight pieces]).
-  auto stale_read = [&] {
-    auto it = reads.find(key);
-    // A piece's write drops its own prefetch; a whole part's, any of its pieces'.
-    if (it != reads.end() || std::get<1>(key) == kOptimizerPart || std::get<1>(key) == kGradPart ||
-        std::get<2>(key) != 0)
-      return it;
-    it = reads.lower_bound({std::get<0>(key), std::get<1>(key), 1});
-    return it != reads.end() && std::get<0>(it->first) == std::get<0>(key) &&
-                   std::get<1>(it->first) == std::get<1>(key)
-               ? it
-               : reads.end();
-  };
-  for (;;) {
-    done.wait(lock, [&] { return reading.count(key) == 0 && completing.count(key) == 0; });
-    auto it = stale_read();
-    if (it == reads.end()) break;
-    std::vector<std::pair<Key, Io>> stale;
-    const Key stale_key = it->first;
-    stale.emplace_back(stale_key, std::move(it->second));
-    reads.erase(it);
-    completing.insert(stale_key);
-    lock.unlock();
-    complete(nvme, stale);  // its data is stale; an error of it does not matter now
-    lock.lock();
-  }
-  Io io;
-  io.ticket = nvme->write(region, offset, buf.data(), bytes ? bytes : region.bytes);  // not waited
-  io.buffer = std::move(buf);
-  writes.emplace(key, std::move(io));
-  write_order.push_back(key);
-  while (write_order.size() > kMaxPendingWrites) {
-    const Key old = write_order.front();
-    auto it = writes.find(old);
-    evicted.emplace_back(old, std::move(it->second));
-    writes.erase(it);
-    write_order.pop_front();
-    completing.insert(old);
-  }
 }
 
 std::vector<TensorState> LayerStore::chunk_views(std::size_t layer, std::size_t chunk,
