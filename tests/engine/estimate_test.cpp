@@ -288,6 +288,52 @@ TEST(Estimate, TheCpuDevicesMemoryIsInTheHostBudget) {
   fs::remove_all(dir);
 }
 
+// Where the CPU device's stages and the arena together pass the budget, the plan is made again
+// with the device capped at what the arena leaves, and the device opens with that cap. A LoRA of
+// a 60-block model (hidden 512, an untied vocabulary of 49,152: 224M parameters, 0.9 GB fp32)
+// with its base on NVMe at 400 MB: planned freely, one stage holds 56 blocks' weights copied
+// from the tier (1.45 GiB); capped, many small stages. (The roomy plan is the same model without
+// a budget: its base in host memory, read in place.)
+TEST(Estimate, OnTheCpuTheDeviceIsCappedAtWhatTheArenaLeaves) {
+  const fs::path dir = fs::path(::testing::TempDir()) / "estimate_cpu_capped";
+  fs::remove_all(dir);
+  fs::create_directories(dir / "model");
+  fs::create_directories(dir / "offload");
+  std::ofstream(dir / "model" / "config.json")
+      << R"({"architectures":["LlamaForCausalLM"],"model_type":"llama","hidden_size":512,
+             "intermediate_size":1376,"num_hidden_layers":60,"num_attention_heads":8,
+             "num_key_value_heads":4,"vocab_size":49152,"max_position_embeddings":2048,
+             "rms_norm_eps":1e-5,"rope_theta":10000.0,"tie_word_embeddings":false,
+             "torch_dtype":"float32"})";
+  const DevicePlan devices = plan_devices({});
+  ASSERT_EQ(devices.mode, DeviceMode::kCpu);
+  TrainConfig c;
+  c.model.path = (dir / "model").string();
+  c.model.dtype = "fp32";
+  c.data.seq_len = 128;
+  c.training.method = "lora";
+  c.training.batch_rows = 2;
+  c.hardware.offload_dir = (dir / "offload").string();
+  auto plan = [&](const TrainConfig& cfg) {
+    return estimate_run(cfg, models::inspect_model(cfg.model.path, 128), devices, 3, 2 * 128,
+                        /*host_free=*/1ull << 40, /*disk_free=*/1ull << 40);
+  };
+  const RunEstimate roomy = plan(c);
+  c.hardware.host_memory = "400MB";
+  const RunEstimate e = plan(c);
+  ASSERT_FALSE(roomy.devices.devices.empty());
+  ASSERT_FALSE(e.prediction.peak_bytes.empty());
+  EXPECT_NE(e.verdict, "does not fit") << e.text();
+  EXPECT_GT(e.placement.nvme_part[0], 0u) << e.text();  // the frozen base
+  EXPECT_LE(e.host.total(), e.host_available) << e.text();
+  EXPECT_LT(e.devices.devices[0].bytes_cap, roomy.devices.devices[0].bytes_cap) << e.text();
+  EXPECT_EQ(e.inputs.devices[0].memory_cap, e.devices.devices[0].bytes_cap);
+  EXPECT_LE(e.prediction.peak_bytes[0], e.devices.devices[0].bytes_cap) << e.text();
+  // Planned freely, the stages are larger: fewer jobs.
+  EXPECT_GT(e.plan.jobs(), roomy.plan.jobs()) << roomy.text();
+  fs::remove_all(dir);
+}
+
 // The placement on the CPU device judges the device under the plan made before the NVMe tier's
 // traffic is known (larger stages); after the plan made with it, what the host has room for comes
 // back. A 120M-parameter full fine-tuning (40 blocks, vocabulary 4,000) at 1.7 GB: its optimizer
