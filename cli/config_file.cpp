@@ -9,6 +9,7 @@
 
 #include "kernels/error.h"
 #include "models/mapped_file.h"
+#include "models/unicode.h"
 
 namespace rondo::cli {
 namespace {
@@ -282,6 +283,18 @@ ConfigFile read_config_text(const std::string& text, const std::string& source,
     }
   };
   if (!text.empty()) {
+    // TOML is UTF-8 throughout; toml++ checks strings and keys, not comments.
+    if (const std::size_t bad = models::unicode::find_invalid(text); bad != std::string::npos) {
+      const std::size_t line_start = text.rfind('\n', bad == 0 ? 0 : bad - 1);
+      const std::size_t column =
+          line_start == std::string::npos || bad == 0 ? bad + 1 : bad - line_start;
+      throw Error(fmt::format(
+          "{}:{}:{}: not UTF-8 (byte 0x{:02x}): a TOML file is UTF-8 text, comments included; "
+          "save it as UTF-8",
+          source,
+          std::count(text.begin(), text.begin() + static_cast<std::ptrdiff_t>(bad), '\n') + 1,
+          column, static_cast<unsigned char>(text[bad])));
+    }
     toml::table root;
     try {
       root = toml::parse(text, source);

@@ -40,17 +40,22 @@ namespace fs = std::filesystem;
 namespace rondo::cli {
 namespace {
 
-// ---- Ctrl-C ----
+// ---- Ctrl-C, SIGTERM ----
 // The handler only writes a byte to a pipe (async-signal-safe); a thread reads it and asks the
-// session to stop. The second Ctrl-C exits at once.
+// session to stop (the first signal), or writes the run's end and exits at once (the second). A
+// third exits from the handler itself, should that thread be stuck. The exit code is 128 + the
+// first signal's number (130 for Ctrl-C, 143 for SIGTERM).
 int g_pipe[2] = {-1, -1};
 std::atomic<int> g_interrupts{0};
+std::atomic<int> g_signal{SIGINT};
 
-extern "C" void on_sigint(int) {
+extern "C" void on_signal(int sig) {
   const int saved = errno;
-  if (g_interrupts.fetch_add(1) >= 1) _exit(130);
-  const char b = 1;
-  [[maybe_unused]] ssize_t n = ::write(g_pipe[1], &b, 1);
+  const int n = g_interrupts.fetch_add(1);
+  if (n == 0) g_signal.store(sig);
+  if (n >= 2) _exit(128 + g_signal.load());
+  const char b = n == 0 ? 1 : 2;
+  [[maybe_unused]] ssize_t w = ::write(g_pipe[1], &b, 1);
   errno = saved;
 }
 
@@ -65,7 +70,17 @@ class InterruptWatch {
       for (;;) {
         const ssize_t n = ::read(g_pipe[0], &b, 1);
         if (n < 0 && errno == EINTR) continue;
-        if (n != 1 || b != 1) return;
+        if (n != 1 || b == 0) return;
+        if (b == 2) {
+          std::fputs(
+              "\nrondo: exiting at once; what was trained since the last checkpoint is lost\n",
+              stderr);
+          {
+            std::lock_guard<std::mutex> lock(mu_);
+            if (session_) session_->end_interrupted();
+          }
+          _exit(128 + g_signal.load());
+        }
         std::fputs(
             "\nrondo: stopping after the steps under way, then writing a checkpoint "
             "(Ctrl-C again to exit at once)\n",
@@ -76,7 +91,7 @@ class InterruptWatch {
       }
     });
     struct sigaction sa {};
-    sa.sa_handler = on_sigint;
+    sa.sa_handler = on_signal;
     sa.sa_flags = SA_RESTART;
     sigemptyset(&sa.sa_mask);
     if (::sigaction(SIGINT, &sa, &old_) != 0 || ::sigaction(SIGTERM, &sa, &old_term_) != 0) {
@@ -99,6 +114,8 @@ class InterruptWatch {
     std::lock_guard<std::mutex> lock(mu_);
     return requested_;
   }
+  // The exit code of a run the signal stopped: 128 + its number.
+  static int exit_code() { return 128 + g_signal.load(); }
 
  private:
   void stop_thread() {
@@ -234,7 +251,7 @@ int train_with(const engine::TrainConfig& config, const std::string& config_toml
   }
   if (watch.requested()) {
     progress.log("Stopped before training started; nothing was written");
-    return 130;
+    return InterruptWatch::exit_code();
   }
   watch.attach(&session);
   engine::SessionResult r;
@@ -247,7 +264,7 @@ int train_with(const engine::TrainConfig& config, const std::string& config_toml
   }
   watch.attach(nullptr);
   progress.done();
-  if (r.status == "stopped") return 130;
+  if (r.status == "stopped") return InterruptWatch::exit_code();
   progress.log(fmt::format("Done: {} steps, last loss {:.4f}; run folder {}{}", r.steps,
                            r.last_loss, config.output.run_dir,
                            r.export_path.empty() ? "" : "; exported " + r.export_path));

@@ -3,12 +3,14 @@
 #include <ATen/ATen.h>
 #include <fmt/format.h>
 #include <sys/statvfs.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <array>
 #include <chrono>
 #include <cmath>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <initializer_list>
@@ -71,6 +73,21 @@ std::uint64_t disk_space_free(const std::string& path) {
   struct statvfs s {};
   if (::statvfs(p.c_str(), &s) != 0) return 0;
   return static_cast<std::uint64_t>(s.f_bavail) * s.f_frsize;
+}
+
+std::string why_unwritable(const std::string& path) {
+  fs::path p = fs::absolute(path.empty() ? fs::path(".") : fs::path(path));
+  std::error_code ec;
+  while (!p.empty() && !fs::exists(p, ec) && p != p.parent_path())
+    p = p.parent_path();
+  if (!fs::is_directory(p, ec)) return p.string() + " is not a folder";
+  struct statvfs s {};
+  if (::statvfs(p.c_str(), &s) != 0) return p.string() + ": " + std::strerror(errno);
+  if (s.f_flag & ST_RDONLY) return p.string() + " is on a read-only file system";
+  // proc, sysfs and their kind have no blocks: nothing written there is stored.
+  if (s.f_blocks == 0) return p.string() + " is on a virtual file system (no disk behind it)";
+  if (::access(p.c_str(), W_OK) != 0) return p.string() + ": " + std::strerror(errno);
+  return "";
 }
 
 double device_flops(const kernels::DeviceInfo& device, DeviceMode mode, const std::string& dtype) {
@@ -912,7 +929,12 @@ RunEstimate estimate_run(const TrainConfig& config, const models::ModelSummary& 
   for (const std::string& x : config.output.exports)
     e.disk_needed += x == "adapter" ? TP * 4 : P * wb;
   e.disk_free = disk_free ? disk_free : disk_space_free(config.output.run_dir);
-  if (e.disk_needed > e.disk_free) {
+  if (const std::string why = why_unwritable(config.output.run_dir); !why.empty()) {
+    e.problems.push_back(fmt::format(
+        "output.run_dir: cannot write the run folder {} ({}); choose a folder on a disk you can "
+        "write to",
+        config.output.run_dir, why));
+  } else if (e.disk_needed > e.disk_free) {
     if (resume)
       e.problems.push_back(fmt::format(
           "disk: what is left of this run ({} more checkpoint{} and the exports) needs about {} "

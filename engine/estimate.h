@@ -132,8 +132,11 @@ std::uint64_t host_memory_available();  // MemAvailable, bytes
 // a baseline. See Note [Host budget] in estimate.cpp.
 std::uint64_t host_fixed_overhead();
 std::uint64_t disk_space_free(const std::string& path);  // nearest existing parent
-std::string format_bytes(std::uint64_t bytes);           // "1.50 GiB"
-std::string format_count(std::int64_t n);                // "812", "135.0 M", "7.24 B"
+// Why nothing can be written at or under `path` (its nearest existing parent is a file, on a
+// read-only or virtual file system such as /proc, or not writable by this user); "" when it can.
+std::string why_unwritable(const std::string& path);
+std::string format_bytes(std::uint64_t bytes);  // "1.50 GiB"
+std::string format_count(std::int64_t n);       // "812", "135.0 M", "7.24 B"
 
 // Measured steps against the plan's prediction: once a run has timed kStepsToJudge steps after its
 // first (which pays for warm-up), a message when their median is off the predicted step time by

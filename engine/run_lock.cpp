@@ -33,16 +33,21 @@ bool alive(pid_t pid) {
   return ::kill(pid, 0) == 0 || errno == EPERM;
 }
 
-// "process N (rondo train)" from what the holder wrote into the lock file; "another process" when
-// it has not written yet.
+// "process N (rondo train)" from what the holder wrote into the lock file. The holder writes it
+// right after it locks: a process that lost the race by an instant waits up to half a second for
+// it; "" when it did not come.
 std::string holder_of(int fd) {
-  char buf[256];
-  const ssize_t n = ::pread(fd, buf, sizeof buf - 1, 0);
   std::string holder;
-  if (n > 0) holder.assign(buf, static_cast<std::size_t>(n));
+  for (int tries = 0; tries < 50; ++tries) {
+    char buf[256];
+    const ssize_t n = ::pread(fd, buf, sizeof buf - 1, 0);
+    holder.assign(buf, n > 0 ? static_cast<std::size_t>(n) : 0);
+    if (holder.ends_with('\n')) break;  // written whole
+    ::usleep(10'000);
+  }
   while (!holder.empty() && (holder.back() == '\n' || holder.back() == ' '))
     holder.pop_back();
-  if (holder.empty()) return "another process";
+  if (holder.empty()) return "";
   const std::size_t space = holder.find(' ');
   return "process " + holder.substr(0, space) +
          (space == std::string::npos ? "" : " (" + holder.substr(space + 1) + ")");
@@ -74,7 +79,10 @@ RunLock::RunLock(const std::string& run_dir, const std::string& what, bool reade
     if (err != EWOULDBLOCK)
       throw Error("cannot lock the run folder " + run_dir + " (" + path +
                   "): " + std::strerror(err));
-    throw Error(run_dir + " is in use by " + who +
+    throw Error(run_dir + " is in use by " +
+                (who.empty() ? "another process (it holds " + path +
+                                   " but its PID, written there once it locks, could not be read)"
+                             : who) +
                 ": one process at a time trains or exports a run; wait for it to end, or stop it "
                 "(Ctrl-C in its terminal) and run this again");
   }
@@ -96,7 +104,11 @@ std::string RunLock::holder(const std::string& run_dir) {
   do {
     rc = ::flock(fd, LOCK_SH | LOCK_NB);
   } while (rc != 0 && errno == EINTR);
-  const std::string who = rc != 0 && errno == EWOULDBLOCK ? holder_of(fd) : "";
+  std::string who;
+  if (rc != 0 && errno == EWOULDBLOCK) {
+    who = holder_of(fd);
+    if (who.empty()) who = "another process";
+  }
   ::close(fd);  // releases the shared lock at once
   return who;
 }

@@ -202,7 +202,13 @@ struct Session::Impl {
   std::string from_checkpoint;               // resuming: the checkpoint it continues from
   std::int64_t resumed_from = 0;             // its step
   std::vector<std::string> resume_warnings;  // newer checkpoints skipped (emitted at the start)
-  std::int64_t steps_done = 0;       // the last step trained (run_end reports it, even on failure)
+  // The last step trained (run_end reports it, even on failure); read by end_interrupted().
+  std::atomic<std::int64_t> steps_done{0};
+  // run_end, written once: by run(), or by end_interrupted() while `live_sink` is run()'s sink.
+  std::mutex end_mu;
+  EventSink* live_sink = nullptr;
+  bool ended = false;
+  std::chrono::steady_clock::time_point run_t0;
   std::uint64_t arena_peak = 0;      // the most the host arena held (set when it closes)
   offload::NvmeStoreInfo nvme_info;  // the NVMe tier's, when it closes
 
@@ -481,33 +487,64 @@ struct Session::Impl {
                              .resumed_from = resumed_from});
     for (const std::string& w : resume_warnings)
       sink->warning(w);
-    const auto t0 = std::chrono::steady_clock::now();
+    run_t0 = std::chrono::steady_clock::now();
+    {
+      std::lock_guard<std::mutex> lock(end_mu);
+      live_sink = sink.get();
+    }
+    struct Detach {
+      Impl* impl;
+      ~Detach() {
+        std::lock_guard<std::mutex> lock(impl->end_mu);
+        impl->live_sink = nullptr;
+      }
+    } detach{this};
+    auto emit_end = [&](const RunEndEvent& e) {
+      std::lock_guard<std::mutex> lock(end_mu);
+      if (!ended) sink->emit(e);
+      ended = true;
+    };
     // The run's end, with what it used of the host and the NVMe tier.
     auto end_event = [&](std::string status) {
-      return RunEndEvent{
-          .status = std::move(status),
-          .steps = steps_done,
-          .seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(),
-          .host_peak_bytes = host_peak_bytes(),
-          .host_budget_bytes = est.host_available,
-          .host_arena_peak_bytes = arena_peak,
-          .host_overhead_bytes = est.host_overhead,
-          .nvme_backend = nvme_info.backend,
-          .nvme_read_bytes = nvme_info.bytes_read,
-          .nvme_written_bytes = nvme_info.bytes_written};
+      return RunEndEvent{.status = std::move(status),
+                         .steps = steps_done,
+                         .seconds = seconds_running(),
+                         .host_peak_bytes = host_peak_bytes(),
+                         .host_budget_bytes = est.host_available,
+                         .host_arena_peak_bytes = arena_peak,
+                         .host_overhead_bytes = est.host_overhead,
+                         .nvme_backend = nvme_info.backend,
+                         .nvme_read_bytes = nvme_info.bytes_read,
+                         .nvme_written_bytes = nvme_info.bytes_written};
     };
     try {
       SessionResult r = train_loop(*sink);
       RunEndEvent end = end_event(r.status);
       end.steps = r.steps;
       end.export_path = r.export_path;
-      sink->emit(end);
+      emit_end(end);
       return r;
     } catch (const std::exception& e) {
       sink->error(e.what());
-      sink->emit(end_event("failed"));
+      emit_end(end_event("failed"));
       throw;
     }
+  }
+
+  double seconds_running() const {
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - run_t0).count();
+  }
+
+  void end_interrupted() {
+    std::lock_guard<std::mutex> lock(end_mu);
+    if (!live_sink || ended) return;
+    live_sink->emit(RunEndEvent{.status = "interrupted",
+                                .steps = steps_done,
+                                .seconds = seconds_running(),
+                                .host_peak_bytes = host_peak_bytes(),
+                                .host_budget_bytes = est.host_available,
+                                .host_overhead_bytes = est.host_overhead});
+    ended = true;
   }
 
   // The plan event's `placement`: where each class of state lives, as what, and the NVMe tier's
@@ -862,6 +899,10 @@ std::int64_t Session::steps_total() const {
 
 SessionResult Session::run() {
   return impl_->run();
+}
+
+void Session::end_interrupted() {
+  impl_->end_interrupted();
 }
 
 void Session::request_stop() {

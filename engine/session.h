@@ -88,6 +88,10 @@ class Session {
   SessionResult run();
   // Thread-safe: finish the steps under way, checkpoint, return. Not from a signal handler.
   void request_stop();
+  // Thread-safe, for a process about to exit at once (a second Ctrl-C): while run() trains and
+  // has not written its end, writes `run_end` with status "interrupted" and the last step done.
+  // Not from a signal handler.
+  void end_interrupted();
 
  private:
   struct Impl;

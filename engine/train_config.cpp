@@ -109,7 +109,12 @@ std::vector<std::string> TrainConfig::validate(bool planning) const {
     add("training.beta1", "must be in [0, 1) (got " + str(training.beta1) + ")");
   if (!(training.beta2 >= 0 && training.beta2 < 1))
     add("training.beta2", "must be in [0, 1) (got " + str(training.beta2) + ")");
-  if (!(training.eps >= 0)) add("training.eps", "must be >= 0 (got " + str(training.eps) + ")");
+  // AdamW divides by sqrt(v) + eps: with eps 0 a weight whose gradient is 0 (LoRA's A at the first
+  // step, where B is 0) becomes 0/0 = NaN a step later.
+  if (!(training.eps > 0 && training.eps <= 1))
+    add("training.eps", "must be in (0, 1] (got " + str(training.eps) +
+                            "): AdamW divides by sqrt(v) + eps, so with 0 a weight whose gradient "
+                            "is 0 becomes NaN; 1e-8 is the usual value");
   if (!std::isfinite(training.max_grad_norm))
     add("training.max_grad_norm", "must be a number (<= 0 turns clipping off)");
 

@@ -1,5 +1,5 @@
-// UTF-8 and Unicode normalisation helpers for the tokenizer and chat templates (internal to
-// rondo_models). Normalisation carries a tag per code point (the tokenizer's original byte
+// UTF-8 and Unicode normalisation helpers for the tokenizer and chat templates (and the config
+// reader's UTF-8 check). Normalisation carries a tag per code point (the tokenizer's original byte
 // offset) so that a composed character keeps the tag of its first part.
 #pragma once
 

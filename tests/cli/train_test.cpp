@@ -76,9 +76,12 @@ TEST_F(TrainCli, ConfigProblemsAreListedAllAtOnceWithFileAndLine) {
   write(cfg, "[model]\npath = \"" + model.string() +
                  "\"\n[data]\ntrain = \"x.jsonl\"\n[training]\nlr = -1.0\nschedule = "
                  "\"cosin\"\n[lora]\nrank = 0\n");
-  r = run_rondo("train " + cfg.string() + " --set training.grad_accum=0");
+  r = run_rondo("train " + cfg.string() + " --set training.grad_accum=0 --set training.eps=0");
   EXPECT_EQ(r.code, 1) << r.out;
-  EXPECT_TRUE(contains(r.out, "4 problems")) << r.out;
+  EXPECT_TRUE(contains(r.out, "5 problems")) << r.out;
+  // eps 0 was taken, and the run failed at step 2 with a NaN gradient norm.
+  EXPECT_TRUE(contains(r.out, "--set training.eps=0: training.eps: must be in (0, 1] (got 0)"))
+      << r.out;
   EXPECT_TRUE(contains(r.out, cfg.string() + ":6: training.lr: must be in (0, 1)")) << r.out;
   EXPECT_TRUE(contains(r.out, cfg.string() + ":7: training.schedule: must be constant, linear "
                                              "or cosine (got 'cosin')"))
@@ -95,6 +98,11 @@ TEST_F(TrainCli, TomlSyntaxErrorNamesLineAndColumn) {
   Result r = run_rondo("train " + cfg.string());
   EXPECT_EQ(r.code, 1) << r.out;
   EXPECT_TRUE(contains(r.out, cfg.string() + ":3:")) << r.out;
+  // Invalid UTF-8 in a comment (toml++ checks strings only): named with its line and column.
+  write(cfg, "[model]\n# caf\xe9 au lait\npath = \"m\"\n");
+  r = run_rondo("train " + cfg.string());
+  EXPECT_EQ(r.code, 1) << r.out;
+  EXPECT_TRUE(contains(r.out, cfg.string() + ":2:6: not UTF-8 (byte 0xe9)")) << r.out;
   r = run_rondo("train " + (dir / "missing.toml").string());
   EXPECT_EQ(r.code, 1) << r.out;
   EXPECT_TRUE(
@@ -446,8 +454,8 @@ TEST_F(TrainCli, EightBitAdamWRunsResumeBitIdentically) {
     write(dir / "b.toml", config(b_dir));
     std::vector<std::string> args = {"train", (dir / "b.toml").string()};
     args.insert(args.end(), sets.begin(), sets.end());
-    pid_t pid = spawn(args, dir / "b.log",
-                      {{"RONDO_FAULT_KILL_AFTER_STEP", std::to_string(kill_at)}});
+    pid_t pid =
+        spawn(args, dir / "b.log", {{"RONDO_FAULT_KILL_AFTER_STEP", std::to_string(kill_at)}});
     ASSERT_EQ(wait_for(pid), 128 + SIGKILL) << slurp(dir / "b.log");
     r = run_rondo("train --resume " + (dir / b_dir).string());
     ASSERT_EQ(r.code, 0) << r.out;
@@ -541,10 +549,35 @@ TEST_F(TrainCli, ASecondCtrlCExitsAtOnce) {
     std::this_thread::sleep_for(std::chrono::milliseconds(1));
   ::kill(pid, SIGINT);
   ASSERT_EQ(wait_for(pid), 130) << slurp(dir / "log");
-  // It did not wait to finish the step and write the run's end.
+  // It did not wait to finish the step and checkpoint; it wrote the run's end, "interrupted" at
+  // the last step done (before, there was no run_end at all).
   std::vector<json> ev = events(dir / "run" / "events.jsonl");
   ASSERT_FALSE(ev.empty());
-  EXPECT_NE(ev.back()["type"], "run_end") << slurp(dir / "log");
+  EXPECT_EQ(ev.back()["type"], "run_end") << slurp(dir / "log");
+  EXPECT_EQ(ev.back()["status"], "interrupted") << slurp(dir / "log");
+  const std::map<std::int64_t, double> losses = step_losses(dir / "run" / "events.jsonl");
+  ASSERT_FALSE(losses.empty());
+  EXPECT_EQ(ev.back()["steps"], losses.rbegin()->first);
+  EXPECT_TRUE(contains(slurp(dir / "log"), "exiting at once")) << slurp(dir / "log");
+}
+
+// SIGTERM (a service manager, `kill`) stops like Ctrl-C, with the convention's exit code: 128 + 15.
+TEST_F(TrainCli, SigtermStopsAfterACheckpointWithExitCode143) {
+  write(dir / "c.toml", config("run"));
+  pid_t pid =
+      spawn({"train", (dir / "c.toml").string(), "--set", "training.steps=400"}, dir / "log");
+  const auto t0 = std::chrono::steady_clock::now();
+  while (step_losses(dir / "run" / "events.jsonl").empty() &&
+         std::chrono::steady_clock::now() - t0 < std::chrono::seconds(60))
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  ::kill(pid, SIGTERM);
+  ASSERT_EQ(wait_for(pid), 128 + SIGTERM) << slurp(dir / "log");
+  std::vector<json> ev = events(dir / "run" / "events.jsonl");
+  ASSERT_FALSE(ev.empty());
+  EXPECT_EQ(ev.back()["type"], "run_end");
+  EXPECT_EQ(ev.back()["status"], "stopped");
+  const std::int64_t stopped_at = ev.back()["steps"];
+  EXPECT_TRUE(fs::exists(dir / "run" / "checkpoints" / ("step-" + std::to_string(stopped_at))));
 }
 
 TEST_F(TrainCli, ResumeAndExportNameWhatIsMissing) {

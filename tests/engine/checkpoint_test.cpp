@@ -6,20 +6,24 @@
 #include "engine/checkpoint.h"
 
 #include <ATen/ATen.h>
+#include <fcntl.h>
 #include <gtest/gtest.h>
+#include <sys/file.h>
 #include <unistd.h>
 
+#include <chrono>
 #include <filesystem>
 #include <fstream>
 #include <functional>
 #include <map>
 #include <memory>
 #include <string>
+#include <thread>
 
 #include <nlohmann/json.hpp>
 
-#include "engine/run_lock.h"
 #include "engine/model_store.h"
+#include "engine/run_lock.h"
 #include "kernels/checksum.h"
 #include "kernels/error.h"
 #include "models/lora.h"
@@ -68,8 +72,7 @@ bool mlp_and_norms(const std::string& n) {
 struct TestStore {
   TestStore(const Model& m, const Trainable& trainable, FloatDType stream_dtype,
             offload::MomentFormat moments = offload::MomentFormat::kF32)
-      : specs(m.specs),
-        store(arena, descs(m, trainable, moments), stream_dtype, FloatDType::kF32) {
+      : specs(m.specs), store(arena, descs(m, trainable, moments), stream_dtype, FloatDType::kF32) {
     load_weights(store, specs, [&](const std::string& n) { return m.weights.at(n); });
   }
   static std::vector<offload::LayerDesc> descs(const Model& m, const Trainable& trainable,
@@ -603,6 +606,45 @@ TEST(RunLockHolder, NamesTheHolderWhileItHoldsTheLock) {
   }
   EXPECT_EQ(RunLock::holder(dir), "");
   RunLock again(dir, "rondo train --resume");  // the probe left no lock behind
+  std::filesystem::remove_all(dir);
+}
+
+// Two processes locking at the same instant: the loser may look before the winner has written
+// its PID into the lock file. It waits a moment for it and names it; where it never comes, it says
+// so (before, both cases read "in use by another process").
+TEST(RunLockHolder, TheLoserOfARaceNamesTheWinner) {
+  const std::string dir = ::testing::TempDir() + "rondo-runlock-race-" + std::to_string(::getpid());
+  std::filesystem::create_directories(dir);
+  const std::string path = dir + "/" + RunLock::kFile;
+  const int fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+  ASSERT_GE(fd, 0);
+  ASSERT_EQ(::flock(fd, LOCK_EX), 0);  // another open file description: as another process
+  auto message = [&] {
+    try {
+      RunLock lock(dir, "rondo train --resume");
+    } catch (const Error& e) {
+      return std::string(e.what());
+    }
+    return std::string("locked");
+  };
+  // The PID written 100 ms after the lock was taken.
+  std::thread winner([&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    const std::string text = "4242 rondo train --resume\n";
+    ASSERT_EQ(::pwrite(fd, text.data(), text.size(), 0), static_cast<ssize_t>(text.size()));
+  });
+  const std::string named = message();
+  winner.join();
+  EXPECT_NE(named.find("in use by process 4242 (rondo train --resume)"), std::string::npos)
+      << named;
+  // Never written.
+  ASSERT_EQ(::ftruncate(fd, 0), 0);
+  const std::string unnamed = message();
+  EXPECT_NE(unnamed.find("its PID, written there once it locks, could not be read"),
+            std::string::npos)
+      << unnamed;
+  EXPECT_EQ(RunLock::holder(dir), "another process");
+  ::close(fd);
   std::filesystem::remove_all(dir);
 }
 

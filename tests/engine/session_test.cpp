@@ -57,6 +57,21 @@ TEST_F(SessionChecks, NotEnoughDiskNamesTheFolderAndWhatToChange) {
   EXPECT_EQ(error_of({.disk_free = 1ull << 40}), "");
 }
 
+// A run folder nothing can be written to is named as such, not as a full disk ("0 B is free ...
+// lower checkpoint.keep" before): under /proc (a virtual file system), or under a file.
+TEST_F(SessionChecks, ARunFolderThatCannotBeWrittenIsNamed) {
+  c.output.run_dir = "/proc/rondo-run";
+  std::string e = error_of({});
+  EXPECT_NE(e.find("output.run_dir: cannot write the run folder /proc/rondo-run (/proc is on a "
+                   "virtual file system"),
+            std::string::npos)
+      << e;
+  EXPECT_EQ(e.find("checkpoint.keep"), std::string::npos) << e;
+  c.output.run_dir = (dir / "d.jsonl" / "run").string();
+  e = error_of({.disk_free = 1ull << 40});
+  EXPECT_NE(e.find((dir / "d.jsonl").string() + " is not a folder"), std::string::npos) << e;
+}
+
 TEST_F(SessionChecks, NotEnoughHostMemorySaysWhatToChangeForFullFineTuning) {
   c.training.method = "full";
   c.output.exports = {"merged"};
@@ -137,12 +152,12 @@ TEST(SessionAdvice, EngineErrorsGetTheSettingsThatChangeThem) {
       "step 3, job T (layers 4-7) on sim0: out of GPU memory in torch's allocations",
       DeviceMemoryError::Whose::kTorch)));
   EXPECT_EQ(torch.find("step 3, job T (layers 4-7) on sim0: out of GPU memory"), 0u) << torch;
-  for (const char* key : {"training.batch_rows", "training.grad_accum", "data.seq_len",
-                          "hardware.memory_cap"})
+  for (const char* key :
+       {"training.batch_rows", "training.grad_accum", "data.seq_len", "hardware.memory_cap"})
     EXPECT_NE(torch.find(key), std::string::npos) << key << ": " << torch;
-  const std::string ours = message_of(std::make_exception_ptr(DeviceMemoryError(
-      "step 1, job F0 (layers 0-1) on sim1: out of memory on sim1",
-      DeviceMemoryError::Whose::kEngineBuffers)));
+  const std::string ours = message_of(std::make_exception_ptr(
+      DeviceMemoryError("step 1, job F0 (layers 0-1) on sim1: out of memory on sim1",
+                        DeviceMemoryError::Whose::kEngineBuffers)));
   EXPECT_NE(ours.find("training.grad_accum"), std::string::npos) << ours;
   EXPECT_NE(ours.find("hardware.memory_cap"), std::string::npos) << ours;
   const std::string exact = message_of(std::make_exception_ptr(
