@@ -372,9 +372,13 @@ int run_train(const TrainOptions& o) {
     if (!fs::exists(path)) {
       if (!fs::is_directory(o.resume))
         throw Error(o.resume + ": not a run folder (no such folder); nothing to resume");
-      // Stopped while being created (no config.toml, no checkpoint): there is nothing to continue,
-      // and `rondo train` takes such a folder over.
-      if (engine::list_checkpoints(o.resume).empty())
+      // Stopped while being created (Rondo's lock file or its config.toml.tmp, nothing else of
+      // anyone's, no config.toml, no checkpoint): there is nothing to continue, and `rondo train`
+      // takes such a folder over. Any other folder (a model's, $HOME, an empty one) is not a run.
+      const fs::path folder(o.resume);
+      if ((fs::exists(folder / engine::RunLock::kFile) || fs::exists(folder / "config.toml.tmp")) &&
+          engine::RunLock::foreign_entries(o.resume).empty() &&
+          engine::list_checkpoints(o.resume).empty())
         throw Error(
             o.resume +
             ": this run never started (it was stopped before its config.toml was written, "

@@ -5,6 +5,7 @@
 #include <sys/file.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <charconv>
 #include <cstring>
@@ -27,6 +28,12 @@ pid_t writer_of(const std::string& name) {
   auto [end, err] = std::from_chars(digits.data(), digits.data() + digits.size(), pid);
   if (err != std::errc() || end != digits.data() + digits.size() || pid <= 0) return 0;
   return static_cast<pid_t>(pid);
+}
+
+// The folders exports write into a run folder (train_config.h's export formats, `rondo export`).
+bool is_export_folder(const std::string& name) {
+  return name == "adapter" || name == "merged" || name == "gguf" || name == "gguf-adapter" ||
+         name.starts_with("export-");
 }
 
 bool alive(pid_t pid) {
@@ -127,6 +134,31 @@ RunLock::~RunLock() {
   ::close(fd_);
 }
 
+std::vector<std::string> RunLock::foreign_entries(const std::string& run_dir) {
+  std::vector<std::string> foreign;
+  std::error_code ec;
+  for (fs::directory_iterator it(run_dir, ec), end; !ec && it != end; it.increment(ec)) {
+    const std::string name = it->path().filename().string();
+    std::error_code ignored;
+    const bool dir = it->is_directory(ignored) && !it->is_symlink(ignored);
+    const bool ours = name == kFile || name == "config.toml" || name == "config.toml.tmp" ||
+                      name == "events.jsonl" ||
+                      (dir && (name == "checkpoints" || is_export_folder(name)));
+    if (!ours) foreign.push_back(name);
+  }
+  std::sort(foreign.begin(), foreign.end());
+  return foreign;
+}
+
+std::string RunLock::list_some(const std::vector<std::string>& names) {
+  std::string out;
+  const std::size_t shown = std::min<std::size_t>(names.size(), 3);
+  for (std::size_t i = 0; i < shown; ++i)
+    out += (i == 0 ? "" : i + 1 == names.size() ? " and " : ", ") + names[i];
+  if (names.size() > shown) out += " and " + std::to_string(names.size() - shown) + " more";
+  return out;
+}
+
 std::vector<std::string> RunLock::remove_stale_temporaries() const {
   std::vector<std::string> removed;
   if (read_only_) return removed;
@@ -150,9 +182,7 @@ std::vector<std::string> RunLock::remove_stale_temporaries() const {
   for (fs::directory_iterator it(dir_, ec), end; !ec && it != end; it.increment(ec)) {
     std::error_code ignored;
     const std::string name = it->path().filename().string();
-    const bool export_folder = name == "adapter" || name == "merged" || name == "gguf" ||
-                               name == "gguf-adapter" || name.starts_with("export-");
-    if (export_folder && it->is_directory(ignored) && !it->is_symlink(ignored))
+    if (is_export_folder(name) && it->is_directory(ignored) && !it->is_symlink(ignored))
       sweep(it->path(), false);
   }
   return removed;

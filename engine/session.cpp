@@ -455,6 +455,14 @@ struct Session::Impl {
         log("No complete checkpoint in " + (dir / "checkpoints").string() +
             " (the run stopped before its first one): starting again from step 0");
     } else {
+      // A run folder is Rondo's: a new run never writes beside files it did not make (a model
+      // folder, $HOME), where it would mix its checkpoints and exports with them.
+      if (const std::vector<std::string> foreign = RunLock::foreign_entries(dir.string());
+          !foreign.empty())
+        throw Error(dir.string() + ": holds files Rondo did not make (" +
+                    RunLock::list_some(foreign) +
+                    "); a new run goes into a new or empty folder: choose another output.run_dir "
+                    "(--run-dir)");
       fs::create_directories(dir, ec);
       if (ec) throw Error(dir.string() + ": cannot create the run folder: " + ec.message());
       lock.emplace(dir.string(), "rondo train");

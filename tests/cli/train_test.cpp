@@ -596,6 +596,42 @@ TEST_F(TrainCli, ResumeAndExportNameWhatIsMissing) {
   EXPECT_TRUE(contains(r.out, "no checkpoint step-99 (it has: step-3, step-4)")) << r.out;
 }
 
+// Only a folder Rondo made is a run. A model folder (or $HOME, or an empty folder) given to
+// --resume is "not a run folder"; before, the advice was to start a run there, and following it
+// wrote checkpoints, an adapter and events beside model.safetensors. A new run into a folder
+// holding files Rondo did not make is refused and leaves it as it was.
+TEST_F(TrainCli, OnlyAFolderRondoMadeIsARun) {
+  const fs::path other = dir / "models-folder";
+  fs::create_directories(other);
+  write(other / "model.safetensors", "weights");
+  write(other / "notes.txt", "mine");
+  Result r = run_rondo("train --resume " + other.string());
+  EXPECT_EQ(r.code, 1) << r.out;
+  EXPECT_TRUE(contains(r.out, other.string() + ": not a run folder")) << r.out;
+  EXPECT_FALSE(contains(r.out, "never started")) << r.out;
+  write(dir / "c.toml", config("run"));
+  r = run_rondo("train " + (dir / "c.toml").string() + " --run-dir " + other.string());
+  EXPECT_EQ(r.code, 1) << r.out;
+  EXPECT_TRUE(contains(r.out, other.string() +
+                                  ": holds files Rondo did not make (model.safetensors and "
+                                  "notes.txt)"))
+      << r.out;
+  std::vector<std::string> left;
+  for (const auto& e : fs::directory_iterator(other))
+    left.push_back(e.path().filename().string());
+  std::sort(left.begin(), left.end());
+  EXPECT_EQ(left, (std::vector<std::string>{"model.safetensors", "notes.txt"}));
+  // An empty folder: not a run to resume (nothing says Rondo made it), but a new run may use it.
+  const fs::path empty = dir / "empty";
+  fs::create_directories(empty);
+  r = run_rondo("train --resume " + empty.string());
+  EXPECT_EQ(r.code, 1) << r.out;
+  EXPECT_TRUE(contains(r.out, empty.string() + ": not a run folder")) << r.out;
+  r = run_rondo("train " + (dir / "c.toml").string() + " --run-dir " + empty.string() +
+                " --set training.steps=2");
+  EXPECT_EQ(r.code, 0) << r.out;
+}
+
 // `rondo export` from the last checkpoint equals the run's own exports, byte for byte, in each
 // dtype (the merged base is the one the run streamed).
 TEST_F(TrainCli, ExportOfTheLastCheckpointIsTheRunsAdapter) {
