@@ -377,7 +377,8 @@ int run_chat(const ChatOptions& o) {
     const engine::TrainConfig& c = f.config;
     model_path = c.model.path;
     if (chat_format.empty()) chat_format = c.data.chat_format;
-    const ChosenCheckpoint chosen = checkpoint_for(o.target, o.checkpoint, "to chat with");
+    const ChosenCheckpoint chosen =
+        checkpoint_for(o.target, o.checkpoint, "to chat with", /*fall_back=*/true);
     const models::SafetensorsFile state((fs::path(chosen.path) / "state.safetensors").string());
     const models::LoraConfig lora = c.lora_config();
     // A run still training holds the GPUs' memory under its own plan: chat beside it on the CPU.

@@ -409,8 +409,27 @@ int run_plan(const TrainOptions& o) {
 }
 
 ChosenCheckpoint checkpoint_for(const std::string& run, const std::string& name,
-                                const std::string& purpose) {
+                                const std::string& purpose, bool fall_back) {
   const engine::CheckpointChoice choice = engine::choose_checkpoint(run, name);
+  // An export is the run's result: an older checkpoint in place of the newest is chosen by name,
+  // never silently (it lacks what was trained after it).
+  if (!fall_back && !choice.skipped.empty()) {
+    std::vector<std::string> problems;
+    for (const engine::SkippedCheckpoint& k : choice.skipped)
+      for (const std::string& p : k.problems)
+        problems.push_back(fs::path(k.path).filename().string() + ": " + p);
+    const std::string newest = fs::path(choice.skipped.front().path).filename().string();
+    throw Error(join_problems(
+        run + ": the newest checkpoint, " + newest + ", fails its checks" +
+            (choice.chosen
+                 ? "; the newest that passes is step-" + std::to_string(choice.chosen->step) +
+                       ", without the steps trained after it. To use it anyway: add --checkpoint "
+                       "step-" +
+                       std::to_string(choice.chosen->step) + " (`rondo train --resume " + run +
+                       "` moves the damaged ones aside and trains those steps again)"
+                 : "; no checkpoint passes its checks: nothing " + purpose),
+        problems));
+  }
   for (const engine::SkippedCheckpoint& k : choice.skipped)
     std::fprintf(
         stderr, "%s\n",
@@ -437,7 +456,7 @@ int run_export(const ExportOptions& o) {
   for (const std::string& t : lock.remove_stale_temporaries())
     std::fprintf(stderr, "rondo: removed %s, left by a process that was stopped while writing it\n",
                  t.c_str());
-  const auto [ckpt, step] = checkpoint_for(o.run, o.checkpoint, "to export");
+  const auto [ckpt, step] = checkpoint_for(o.run, o.checkpoint, "to export", /*fall_back=*/false);
   const bool lora = c.training.method == "lora";
   const bool gguf_base = models::model_format(c.model.path) == models::ModelFormat::kGguf;
   if ((o.format == "adapter" || o.format == "gguf-adapter") && !lora)

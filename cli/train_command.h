@@ -53,14 +53,16 @@ int run_plan(const TrainOptions& options);
 int run_export(const ExportOptions& options);
 
 // The checkpoint of run folder `run` that `rondo export` or `rondo chat` reads: the one `name`
-// names, else the newest that passes its checks, each newer one that fails named on stderr.
-// Throws Error when there is none (`purpose`: "to export", "to chat with").
+// names, else the newest that passes its checks, each newer one that fails named on stderr, when
+// `fall_back` (chat); without it (export), a newer one that fails is an error that names it and
+// the --checkpoint that would take the older one. Throws Error when there is none (`purpose`:
+// "to export", "to chat with").
 struct ChosenCheckpoint {
   std::string path;
   std::int64_t step = 0;
 };
 ChosenCheckpoint checkpoint_for(const std::string& run, const std::string& name,
-                                const std::string& purpose);
+                                const std::string& purpose, bool fall_back);
 int run_demo(const DemoOptions& options);
 
 }  // namespace rondo::cli

@@ -618,6 +618,28 @@ CheckpointChoice choose_checkpoint(const std::string& run_dir, const std::string
     }
     out.skipped.push_back({k->path, std::move(bad), damaged});
   }
+  // A step-N folder without state.json is not listed (prune_checkpoints removes that file first,
+  // so a crash while pruning leaves such folders, all older than what is kept). One newer than
+  // the chosen checkpoint is a checkpoint lost, though: skipped like a damaged one, with a word.
+  std::error_code ec;
+  const fs::path folder = fs::path(run_dir) / "checkpoints";
+  for (fs::directory_iterator it(folder, ec), end; !ec && it != end; it.increment(ec)) {
+    const std::optional<std::int64_t> step = step_of_folder(it->path().filename().string());
+    std::error_code e2;
+    if (!step || (out.chosen && *step <= out.chosen->step) || !it->is_directory(e2) ||
+        fs::exists(it->path() / kStateFile, e2))
+      continue;
+    out.skipped.push_back(
+        {it->path().string(),
+         {std::string(kStateFile) + " is missing: not a complete checkpoint (a copy or a removal "
+                                    "cut short?)"},
+         /*damaged=*/true});
+  }
+  std::sort(out.skipped.begin(), out.skipped.end(),
+            [](const SkippedCheckpoint& a, const SkippedCheckpoint& b) {
+              return step_of_folder(fs::path(a.path).filename().string()).value_or(0) >
+                     step_of_folder(fs::path(b.path).filename().string()).value_or(0);
+            });
   return out;
 }
 

@@ -179,18 +179,43 @@ TEST_F(Integrity, CheckpointChoosesWhereAResumeContinues) {
   EXPECT_TRUE(contains(r.out, "use it with --resume")) << r.out;
 }
 
-// Export checks what it reads too: it skips a damaged newest checkpoint, refuses a named one.
-TEST_F(Integrity, ExportSkipsADamagedCheckpoint) {
+// Export checks what it reads too. A damaged newest checkpoint is not replaced by an older one
+// silently (before: step-6 exported, exit 0, a warning): it fails, naming the damage and the
+// --checkpoint that takes the older one; chosen so, step-6 is exported; a damaged one named is
+// refused.
+TEST_F(Integrity, ExportOfADamagedNewestCheckpointFailsUnlessAnOlderOneIsChosen) {
   reference_and_killed("b");
   flip(checkpoint("b", 9) / "state.safetensors", 200, 1);
   Result r = run_rondo("export " + (dir / "b").string() + " --out " + (dir / "x").string());
+  EXPECT_EQ(r.code, 1) << r.out;
+  EXPECT_TRUE(contains(r.out, "the newest checkpoint, step-9, fails its checks")) << r.out;
+  EXPECT_TRUE(contains(r.out, "add --checkpoint step-6")) << r.out;
+  EXPECT_FALSE(fs::exists(dir / "x"));
+  r = run_rondo("export " + (dir / "b").string() + " --checkpoint step-6 --out " +
+                (dir / "x").string());
   ASSERT_EQ(r.code, 0) << r.out;
-  EXPECT_TRUE(contains(r.out, "step-9 fails its checks")) << r.out;
   EXPECT_TRUE(contains(r.out, "(step 6)")) << r.out;
   r = run_rondo("export " + (dir / "b").string() + " --checkpoint step-9 --out " +
                 (dir / "y").string());
   EXPECT_EQ(r.code, 1) << r.out;
   EXPECT_FALSE(fs::exists(dir / "y"));
+}
+
+// A checkpoint folder newer than the last good one but without state.json (a copy or a removal
+// cut short) is named, not passed over in silence: a resume moves it aside with a warning, like a
+// damaged one.
+TEST_F(Integrity, ACheckpointWithoutStateJsonIsNamedAndMovedAside) {
+  reference_and_killed("b");
+  fs::remove(checkpoint("b", 9) / "state.json");
+  Result r = run_rondo("export " + (dir / "b").string() + " --out " + (dir / "x").string());
+  EXPECT_EQ(r.code, 1) << r.out;
+  EXPECT_TRUE(contains(r.out, "step-9: state.json is missing")) << r.out;
+  r = run_rondo("train --resume " + (dir / "b").string());
+  ASSERT_EQ(r.code, 0) << r.out;
+  EXPECT_TRUE(contains(r.out, "state.json is missing")) << r.out;
+  EXPECT_TRUE(contains(r.out, "moved to " + checkpoint("b", 9).string() + ".damaged")) << r.out;
+  EXPECT_TRUE(fs::exists(checkpoint("b", 9).string() + ".damaged"));
+  expect_same_run(dir / "a", dir / "b");
 }
 
 // Garbage in state.json is a damaged checkpoint, said so — not "not a Rondo checkpoint".
