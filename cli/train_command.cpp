@@ -216,7 +216,8 @@ ConfigFile resolve(const TrainOptions& o, bool planning = false) {
 }
 
 int train_with(const engine::TrainConfig& config, const std::string& config_toml, bool resume,
-               const std::string& events, bool dry_run, const std::string& checkpoint = "") {
+               const std::string& events, bool dry_run, const std::string& checkpoint = "",
+               bool resume_settings_changed = false) {
   Progress progress(events == "-");
   // A dry run prints the resolved config on stdout, everything else as TOML comments, so that
   // `rondo train c.toml --dry-run > resolved.toml` is a config (with the plan in it to read).
@@ -235,6 +236,7 @@ int train_with(const engine::TrainConfig& config, const std::string& config_toml
   engine::SessionOptions so{.config_toml = config_toml,
                             .resume = resume,
                             .checkpoint = checkpoint,
+                            .resume_settings_changed = resume_settings_changed,
                             .events = events,
                             .log = log,
                             .on_step = [&](const engine::StepEvent& e) { progress.step(e); },
@@ -365,9 +367,28 @@ int run_train(const TrainOptions& o) {
     return 0;
   }
   if (!o.resume.empty()) {
-    if (!o.config.empty() || !overrides_of(o).empty())
-      throw Error("--resume continues a run with the config it was started with (" + o.resume +
-                  "/config.toml); leave out the config file and overrides");
+    // Settings that do not change what is trained may change on a resume: where state lives,
+    // budgets, devices, I/O, how many checkpoints are kept (an error's advice may be to change
+    // one of them). Anything else would make the run another one.
+    const std::vector<std::string> overrides = overrides_of(o);
+    std::vector<std::string> refused;
+    for (const std::string& ov : overrides) {
+      std::string key = ov.substr(0, ov.find('='));
+      while (!key.empty() && key.back() == ' ')
+        key.pop_back();
+      if (!key.starts_with("hardware.") && key != "checkpoint.keep") refused.push_back(key);
+    }
+    if (!o.config.empty() || !refused.empty())
+      throw Error(
+          "--resume continues a run with the config it was started with (" + o.resume +
+          "/config.toml)" +
+          (o.config.empty()
+               ? "; " + engine::RunLock::list_some(refused) +
+                     (refused.size() == 1 ? " changes" : " change") + " the training: leave " +
+                     (refused.size() == 1 ? "it" : "them") + " out"
+               : ": leave out the config file") +
+          ". Settings that do not change the training may be given with --set on a resume: "
+          "hardware.* (where state lives, memory budgets, devices, I/O) and checkpoint.keep");
     const std::string path = (fs::path(o.resume) / "config.toml").string();
     if (!fs::exists(path)) {
       if (!fs::is_directory(o.resume))
@@ -386,10 +407,11 @@ int run_train(const TrainOptions& o) {
             o.resume + "`, which reuses the folder");
       throw Error(o.resume + ": not a run folder (no config.toml); nothing to resume");
     }
-    ConfigFile f = read_config(path, {});
+    ConfigFile f = read_config(path, overrides);
     f.check();
     f.config.output.run_dir = o.resume;  // the folder may have moved
-    return train_with(f.config, to_toml(f.config), true, o.events, o.dry_run, o.checkpoint);
+    return train_with(f.config, to_toml(f.config), true, o.events, o.dry_run, o.checkpoint,
+                      !overrides.empty());
   }
   if (!o.checkpoint.empty())
     throw Error("--checkpoint chooses where a resume continues from: use it with --resume RUN");

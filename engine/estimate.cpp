@@ -926,8 +926,24 @@ RunEstimate estimate_run(const TrainConfig& config, const models::ModelSummary& 
           : on_disk + to_write;
   e.disk_needed = e.checkpoint_bytes * static_cast<std::uint64_t>(std::max<std::int64_t>(
                                            peak - on_disk, to_write > 0 ? 1 : 0));
+  // Exports: their tensors, rounded up (headers, adapter_config.json; 1 MiB each), and for a
+  // merged one the model folder's other files it copies (config, tokenizer).
+  std::uint64_t side_files = 0;
+  std::error_code ec;
+  if (fs::is_directory(config.model.path, ec))
+    for (fs::directory_iterator it(config.model.path, ec), end; !ec && it != end;
+         it.increment(ec)) {
+      const std::string ext = it->path().extension().string();
+      std::error_code e2;
+      if (it->is_regular_file(e2) && ext != ".safetensors" && ext != ".bin" && ext != ".gguf" &&
+          ext != ".pt" && ext != ".pth") {
+        const std::uintmax_t n = it->file_size(e2);
+        if (!e2) side_files += n;
+      }
+    }
   for (const std::string& x : config.output.exports)
-    e.disk_needed += x == "adapter" ? TP * 4 : P * wb;
+    e.disk_needed +=
+        (x == "adapter" ? TP * 4 : P * wb) + (x == "merged" ? side_files : 0) + (1u << 20);
   e.disk_free = disk_free ? disk_free : disk_space_free(config.output.run_dir);
   if (const std::string why = why_unwritable(config.output.run_dir); !why.empty()) {
     e.problems.push_back(fmt::format(

@@ -90,6 +90,18 @@ auto naming_io_errors(const std::string& doing, F&& body, const std::string& the
   }
 }
 
+// Runs `body`, which writes a checkpoint or an export; any error from it (a full disk, an NVMe
+// tier fault) gets `doing` in front and `then` after it: what is safe, and the command that
+// continues once the cause is gone.
+template <typename F>
+auto naming_write_errors(const std::string& doing, F&& body, const std::string& then) {
+  try {
+    return body();
+  } catch (const Error& e) {
+    throw Error(doing + ": " + e.what() + then);
+  }
+}
+
 // The process's peak resident size so far (VmHWM), 0 when /proc says nothing.
 std::uint64_t host_peak_bytes() {
   std::ifstream f("/proc/self/status");
@@ -484,7 +496,8 @@ struct Session::Impl {
     steps_done = resumed_from;
     fs::create_directories(dir / "checkpoints", ec);
     if (ec) throw Error(dir.string() + ": cannot create the run folder: " + ec.message());
-    if (!o.resume) models::write_file_durably((dir / "config.toml").string(), o.config_toml);
+    if (!o.resume || o.resume_settings_changed)
+      models::write_file_durably((dir / "config.toml").string(), o.config_toml);
     std::unique_ptr<EventSink> sink =
         EventSink::open(o.events.empty() ? (dir / "events.jsonl").string() : o.events);
     sink->emit(RunStartEvent{.run_dir = dir.string(),
@@ -754,12 +767,23 @@ struct Session::Impl {
       };
       const std::string path =
           (run_dir() / "checkpoints" / ("step-" + std::to_string(step))).string();
-      const std::uint64_t bytes =
-          naming_io_errors("saving the checkpoint of step " + std::to_string(step), [&] {
+      // What a failed write leaves: the last checkpoint (this run's, or the one it resumed from).
+      const std::string last = !result.checkpoint.empty() ? result.checkpoint : from_checkpoint;
+      const std::string resume = "`rondo train --resume " + run_dir().string() + "`";
+      const std::uint64_t bytes = naming_write_errors(
+          "saving the checkpoint of step " + std::to_string(step),
+          [&] {
             return write_checkpoint(path, store, specs, meta, c.training.one_step_stale, [&] {
               if (o.on_fault_point) o.on_fault_point(FaultPoint::kInCheckpoint, step);
             });
-          });
+          },
+          last.empty() ? ". No checkpoint was written before it: once there is room (or the "
+                         "fault is fixed), " +
+                             resume + " starts the run again from step 0"
+                       : ". The last checkpoint, " + last +
+                             ", is intact: once there is room (or "
+                             "the fault is fixed), " +
+                             resume + " continues from it");
       prune_checkpoints(run_dir().string(), c.checkpoint.keep, step);
       sink.emit(CheckpointEvent{.step = step, .path = path, .bytes = bytes});
       log(fmt::format("Checkpoint {} ({})", path, format_bytes(bytes)));
@@ -850,7 +874,7 @@ struct Session::Impl {
       const std::string path = (run_dir() / x).string();
       std::string written = path;
       // The run's last checkpoint holds what the export would have: `rondo export` writes it.
-      naming_io_errors(
+      naming_write_errors(
           "exporting " + x + " to " + path,
           [&] {
             if (x == "adapter") {
@@ -871,7 +895,7 @@ struct Session::Impl {
           result.checkpoint.empty()
               ? std::string()
               : ". The training is complete and saved in " + result.checkpoint +
-                    ": `rondo export " + run_dir().string() + " --format " + x +
+                    ": once there is room, `rondo export " + run_dir().string() + " --format " + x +
                     "` writes it from there");
       log("Exported " + written);
       if (result.export_path.empty()) result.export_path = written;

@@ -40,6 +40,10 @@ struct SessionOptions {
   bool resume = false;      // continue from the newest checkpoint of output.run_dir that passes
                             // its checks (engine::checkpoint_problems)
   std::string checkpoint;   // resuming: this one instead ("step-N" or its path)
+  // Resuming with settings that do not change the training changed (where state lives, budgets,
+  // devices, checkpoint.keep): config_toml replaces the run's config.toml once the run holds its
+  // lock, so that later resumes keep them.
+  bool resume_settings_changed = false;
   std::string events;       // "" = <run_dir>/events.jsonl, "-" = stdout
   std::function<void(const std::string&)> log;    // progress lines for a person
   std::function<void(const StepEvent&)> on_step;  // after each step (status line)
