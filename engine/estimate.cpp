@@ -528,6 +528,7 @@ RunEstimate estimate_run(const TrainConfig& config, const models::ModelSummary& 
   if (e.trained_params > 0)
     e.inputs.optimizer_s_per_grad_byte =
         1.0 / (4.0 * cpu_optimizer_params_per_s(config.model.dtype, eight_bit));
+  e.speed_probe_busy = speed_probe_caveat();
   e.inputs.tokens_per_step = tokens_per_step;
   // Per token of a step, on each device (the engine uploads a step's inputs once per device):
   // token id, target, position, document id (int64 each), the rotary cos and sin rows (the

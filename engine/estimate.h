@@ -90,6 +90,9 @@ struct RunEstimate {
   std::int64_t steps = 0, tokens_per_step = 0;
   std::int64_t steps_per_epoch = 0;      // optimizer steps in one pass over the data (0: no data)
   double tokens_per_s = 0, seconds = 0;  // predicted (compute speeds are estimates)
+  // When a CPU speed it used was measured while other programs kept the cores busy: the share of
+  // the cores' time they took (speed_probe_caveat); 0 otherwise.
+  double speed_probe_busy = 0;
   // With an NVMe tier: the step's time were the drive free; when the drive makes the step over
   // 10% longer than that, the tokens per step (and training.grad_accum, at the same rows per
   // microbatch) that would hide it behind compute (0 otherwise).

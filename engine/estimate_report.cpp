@@ -92,6 +92,11 @@ std::string RunEstimate::text() const {
           "tokens per step\n",
           tokens_per_s, tokens_per_step);
   }
+  if (speed_probe_busy > 0)
+    o << fmt::format(
+        "            measured while other programs kept {:.0f}% of the CPU busy: the speed may be "
+        "low; plan again when the machine is quiet (runs correct it)\n",
+        100 * speed_probe_busy);
   o << fmt::format("Verdict     {}\n", verdict);
   for (const std::string& p : problems)
     o << "  - " << p << "\n";
@@ -178,6 +183,7 @@ std::string RunEstimate::json() const {
                       {"steps_per_epoch", steps_per_epoch},
                       {"tokens_per_step", tokens_per_step},
                       {"tokens_per_s", tokens_per_s},
+                      {"speed_probe_busy", speed_probe_busy},
                       {"seconds", seconds}};
   return j.dump(2);
 }

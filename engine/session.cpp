@@ -26,6 +26,7 @@
 #include "engine/lr_schedule.h"
 #include "engine/model_store.h"
 #include "engine/run_lock.h"
+#include "engine/speed.h"
 #include "engine/torch_device.h"
 #include "kernels/checksum.h"
 #include "kernels/error.h"
@@ -820,8 +821,14 @@ struct Session::Impl {
       if (timed > 0 && static_cast<int>(judged.size()) < kStepsToJudge) {
         judged.push_back(r.seconds);
         if (static_cast<int>(judged.size()) == kStepsToJudge)
-          if (const std::string w = step_time_warning(predicted_step_s, judged, steps);
-              !w.empty()) {
+          if (std::string w = step_time_warning(predicted_step_s, judged, steps); !w.empty()) {
+            // On the CPU (simulated GPUs compute on it too) the plan's speeds are this machine's
+            // cached figures: wrong by this much, they are measured again by the next plan
+            // (Note [A probe on a busy machine] in speed.cpp).
+            if ((devices.mode == DeviceMode::kCpu || devices.mode == DeviceMode::kSim) &&
+                forget_cpu_speeds() > 0)
+              w += "; this machine's cached speed figures are forgotten, so that the next plan "
+                   "measures them again";
             log("Warning: " + w);
             sink.warning(w);
           }

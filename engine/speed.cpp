@@ -5,17 +5,22 @@
 #include <ATen/Parallel.h>
 #include <c10/core/GradMode.h>
 
+#include <time.h>
 #include <unistd.h>
 
 #include <fmt/format.h>
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <mutex>
 #include <nlohmann/json.hpp>
+#include <set>
+#include <thread>
 #include <vector>
 
 #include "engine/engine.h"
@@ -40,7 +45,7 @@ constexpr int kRuns = 5;
 constexpr double kMinMeasuredSeconds = 0.4;
 constexpr int kMaxRuns = 400;
 // Part of every cache key: figures measured another way are measured again.
-constexpr const char* kMethod = "median-0.4s";
+constexpr const char* kMethod = "median-0.4s-busy";  // "busy": Note [A probe on a busy machine]
 
 // The median time of `pass`, run kRuns times at least and for kMinMeasuredSeconds at least.
 double median_seconds(const std::function<void()>& pass) {
@@ -176,19 +181,111 @@ std::string speed_cache_dir() {
 
 namespace {
 
-// `measure()`'s result for `key`, from the cache when it holds one (see speed.h).
+// Note [A probe on a busy machine]
+// A speed measured while other programs kept the cores busy is slow, and cached it would be
+// remembered for every later plan (a plan made while both cores of this project's machine were
+// busy said 35 s a step for a run that took 1.3 s). So a probe watches the machine: the CPU time
+// all processes used while it measured (/proc/stat, steal included), less its own (the process's
+// CPU clock), is what others took, as a share of the cores' time. Above kBusyShare the probe is
+// repeated once after a pause and the less disturbed of the two kept; a result still disturbed is
+// cached marked with that share, and a later probe of the same key measures again when the machine
+// is quiet then (a tenth of a second of /proc/stat says so), keeping the cached figure otherwise
+// (so that a machine busy for good does not pay a probe per plan). Plans say when they used a
+// disturbed figure (speed_probe_caveat). What runs measure corrects the rest: a run on the CPU
+// whose steps are far from the plan's forgets this machine's figures (forget_cpu_speeds), and the
+// next plan measures them again.
+constexpr double kBusyShare = 0.25;
+
+// The CPU time (seconds) all processes have used, and this process, now.
+struct CpuClock {
+  double all = 0, own = 0;
+  std::chrono::steady_clock::time_point at;
+};
+
+CpuClock cpu_clock() {
+  CpuClock c;
+  c.at = std::chrono::steady_clock::now();
+  std::ifstream f("/proc/stat");
+  std::string name;
+  unsigned long long user = 0, nice = 0, system = 0, idle = 0, iowait = 0, irq = 0, softirq = 0,
+                     steal = 0;
+  f >> name >> user >> nice >> system >> idle >> iowait >> irq >> softirq >> steal;
+  const double hz = static_cast<double>(std::max<long>(::sysconf(_SC_CLK_TCK), 1));
+  c.all = static_cast<double>(user + nice + system + irq + softirq + steal) / hz;
+  timespec ts{};
+  ::clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
+  c.own = static_cast<double>(ts.tv_sec) + 1e-9 * static_cast<double>(ts.tv_nsec);
+  return c;
+}
+
+// The share of the cores' time between `a` and `b` that other processes used (0 when unknown).
+double others_share(const CpuClock& a, const CpuClock& b) {
+  const double wall = std::chrono::duration<double>(b.at - a.at).count();
+  const double capacity =
+      wall * static_cast<double>(std::max<long>(::sysconf(_SC_NPROCESSORS_ONLN), 1));
+  if (!(capacity > 0) || b.all <= a.all) return 0;
+  return std::clamp((b.all - a.all - (b.own - a.own)) / capacity, 0.0, 1.0);
+}
+
+// The most disturbed figure this process's plans used (for speed_probe_caveat).
+std::atomic<double> g_busiest{0};
+
+void note_disturbed(double share) {
+  double seen = g_busiest.load();
+  while (share > seen && !g_busiest.compare_exchange_weak(seen, share)) {
+  }
+}
+
+// The cache files this process's plans read or wrote (forget_cpu_speeds removes them: the thread
+// count, part of the key, may have changed since).
+std::mutex g_used_mu;
+std::set<fs::path> g_used;
+
+// `measure()`'s result for `key`, from the cache when it holds one (see speed.h and Note [A probe
+// on a busy machine]).
 double cached(const std::string& key, const std::function<double()>& measure) {
   const std::string dir = speed_cache_dir();
   const fs::path file =
       dir.empty() ? fs::path()
                   : fs::path(dir) / fmt::format("{:016x}.json", std::hash<std::string>{}(key));
   if (!file.empty()) {
+    std::lock_guard<std::mutex> lock(g_used_mu);
+    g_used.insert(file);
+  }
+  double kept = 0, kept_busy = 1;
+  if (!file.empty()) {
     std::ifstream in(file);
     const auto j = nlohmann::json::parse(in, nullptr, /*allow_exceptions=*/false);
-    if (j.is_object() && j.value("key", "") == key && j.value("value", 0.0) > 0)
-      return j.value("value", 0.0);
+    if (j.is_object() && j.value("key", "") == key && j.value("value", 0.0) > 0) {
+      kept = j.value("value", 0.0);
+      kept_busy = j.value("busy", 0.0);
+      if (kept_busy <= kBusyShare) return kept;
+      // Measured on a busy machine: again if it is quiet now.
+      const CpuClock a = cpu_clock();
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+      if (others_share(a, cpu_clock()) > kBusyShare) {
+        note_disturbed(kept_busy);
+        return kept;
+      }
+    }
   }
-  const double value = measure();
+  double value = 0, busy = 1;
+  for (int attempt = 0; attempt < 2 && busy > kBusyShare; ++attempt) {
+    if (attempt > 0) std::this_thread::sleep_for(std::chrono::milliseconds(300));
+    const CpuClock a = cpu_clock();
+    const double v = measure();
+    const double share = others_share(a, cpu_clock());
+    if (share < busy) {
+      busy = share;
+      value = v;
+    }
+  }
+  // A figure from a quieter moment than this one's stays.
+  if (kept > 0 && kept_busy < busy) {
+    note_disturbed(kept_busy);
+    return kept;
+  }
+  if (busy > kBusyShare) note_disturbed(busy);
   if (!file.empty()) {
     // Written whole under a temporary name, then renamed: concurrent runs never read half a file.
     std::error_code ec;
@@ -196,7 +293,7 @@ double cached(const std::string& key, const std::function<double()>& measure) {
     const fs::path tmp = file.string() + fmt::format(".{}.tmp", static_cast<long>(::getpid()));
     {
       std::ofstream out(tmp);
-      out << nlohmann::json{{"key", key}, {"value", value}}.dump() << "\n";
+      out << nlohmann::json{{"key", key}, {"value", value}, {"busy", busy}}.dump() << "\n";
     }
     fs::rename(tmp, file, ec);
     if (ec) fs::remove(tmp, ec);
@@ -204,7 +301,41 @@ double cached(const std::string& key, const std::function<double()>& measure) {
   return value;
 }
 
+// What this machine's figures are keyed on: the CPU and torch's thread count.
+std::string machine_key() {
+  return fmt::format("|cpu={}|threads={}|", cpu_model(), at::get_num_threads());
+}
+
 }  // namespace
+
+double speed_probe_caveat() {
+  return g_busiest.load();
+}
+
+int forget_cpu_speeds() {
+  const std::string dir = speed_cache_dir();
+  if (dir.empty()) return 0;
+  const std::string machine = machine_key();
+  std::set<fs::path> doomed;
+  {
+    std::lock_guard<std::mutex> lock(g_used_mu);
+    doomed.swap(g_used);
+  }
+  std::error_code ec;
+  for (fs::directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec)) {
+    if (it->path().extension() != ".json") continue;
+    std::ifstream in(it->path());
+    const auto j = nlohmann::json::parse(in, nullptr, /*allow_exceptions=*/false);
+    if (j.is_object() && j.value("key", "").find(machine) != std::string::npos)
+      doomed.insert(it->path());
+  }
+  int forgotten = 0;
+  for (const fs::path& f : doomed) {
+    std::error_code e2;
+    if (f.parent_path() == fs::path(dir) && fs::remove(f, e2)) ++forgotten;
+  }
+  return forgotten;
+}
 
 double cpu_optimizer_params_per_s(const std::string& stream_dtype, bool eight_bit_moments) {
   // 20 bytes a parameter (gradient, master, m, v, an f32 streaming copy at most).

@@ -11,7 +11,8 @@
 // large to run quickly are measured at a narrower width with the same head size. The result is
 // cached per machine (CPU model, torch's thread count) and shape in $RONDO_SPEED_CACHE (default
 // $XDG_CACHE_HOME/rondo/speed, else ~/.cache/rondo/speed), so repeated `rondo plan` calls agree; an
-// unwritable cache only costs the measurement.
+// unwritable cache only costs the measurement. A probe disturbed by other programs is repeated,
+// marked, and measured again later (Note [A probe on a busy machine] in speed.cpp).
 //
 //   double flops = engine::cpu_flops(config, seq_len, batch_rows, "bf16", /*frozen_weights=*/true);
 #pragma once
@@ -54,5 +55,15 @@ double cpu_optimizer_params_per_s(const std::string& stream_dtype, bool eight_bi
 
 // Where the cache lives (for tests and messages).
 std::string speed_cache_dir();
+
+// The share of the cores' time other programs took while the most disturbed figure this process
+// used was measured, when above the probe's threshold; 0 when every figure came from a quiet
+// machine (Note [A probe on a busy machine] in speed.cpp). A plan that used one says so.
+double speed_probe_caveat();
+
+// Forgets the figures this process's plans used and every other one cached for this machine (its
+// CPU and thread count), so that the next plan measures again: what a run on the CPU does when its
+// steps are far from the plan's. Returns how many were forgotten.
+int forget_cpu_speeds();
 
 }  // namespace rondo::engine

@@ -667,6 +667,43 @@ TEST_F(TrainCli, AResumeTakesSettingsThatDoNotChangeTheTraining) {
   EXPECT_TRUE(contains(kept, "offload_dir = \"" + (dir / "offload").string() + "\"")) << kept;
 }
 
+// What runs measure corrects the speed cache: a figure cached from a bad moment (here: every
+// figure made 1000 times slower, as a probe while other jobs kept the cores busy might leave it)
+// made the plan far off; the run says so and forgets this machine's figures, and the next plan
+// measures them again (before, the bad figures stayed for every later plan).
+TEST_F(TrainCli, ARunFarFromItsPlanMakesTheNextPlanMeasureAgain) {
+  const fs::path cache = dir / "speed-cache";
+  const std::string env = "RONDO_SPEED_CACHE=" + cache.string();
+  write(dir / "c.toml", config("run"));
+  Result r = run_rondo("plan " + (dir / "c.toml").string() + " --json", false, env);
+  ASSERT_EQ(r.code, 0) << r.out;
+  const double planned = json::parse(r.out)["step_seconds"];
+  int poisoned = 0;
+  for (const auto& e : fs::directory_iterator(cache)) {
+    if (e.path().extension() != ".json") continue;
+    json j = json::parse(slurp(e.path()));
+    j["value"] = j["value"].get<double>() / 1000;
+    j["busy"] = 0;
+    write(e.path(), j.dump());
+    ++poisoned;
+  }
+  ASSERT_GE(poisoned, 2);
+  r = run_rondo("plan " + (dir / "c.toml").string() + " --json", false, env);
+  ASSERT_EQ(r.code, 0) << r.out;
+  EXPECT_GT(json::parse(r.out)["step_seconds"].get<double>(), 100 * planned);
+  r = run_rondo("train " + (dir / "c.toml").string(), true, env);
+  ASSERT_EQ(r.code, 0) << r.out;
+  EXPECT_TRUE(contains(r.out, "faster); the ETA follows the measured steps")) << r.out;
+  EXPECT_TRUE(contains(r.out, "cached speed figures are forgotten")) << r.out;
+  int left = 0;
+  for (const auto& e : fs::directory_iterator(cache))
+    left += e.path().extension() == ".json";
+  EXPECT_EQ(left, 0);
+  r = run_rondo("plan " + (dir / "c.toml").string() + " --json", false, env);
+  ASSERT_EQ(r.code, 0) << r.out;
+  EXPECT_LT(json::parse(r.out)["step_seconds"].get<double>(), 10 * planned);
+}
+
 // A write that fails at the end of a run says what is safe and what continues: the training is
 // complete and saved in its last checkpoint, and `rondo export` writes the export from there
 // (before: only "cannot write ...model.safetensors.tmp.N: File too large"). The failure is a
