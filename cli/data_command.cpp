@@ -47,29 +47,55 @@ int run_data(const DataOptions& o) {
     throw Error(
         fmt::format("--example {}: {} has {} examples", o.example, o.file, d.examples.size()));
   const engine::Example& e = d.examples[static_cast<std::size_t>(o.example)];
-  // Runs of tokens with the same mask, as text.
+  // Runs of tokens with the same mask, as text, up to kShownBytes of it (an example of a 200 MB
+  // line would flood the terminal or the wizard's preview): decoded a few tokens at a time, so a
+  // long example is not decoded whole either.
+  constexpr std::size_t kShownBytes = 8192;
   nlohmann::json pieces = nlohmann::json::array();
-  for (std::size_t i = 0; i < e.ids.size();) {
+  std::size_t shown_bytes = 0, shown_tokens = 0;
+  bool truncated = false;
+  for (std::size_t i = 0; i < e.ids.size() && shown_bytes < kShownBytes;) {
     std::size_t j = i;
     while (j < e.ids.size() && e.loss_mask[j] == e.loss_mask[i])
       ++j;
-    pieces.push_back({{"text", tok.decode({e.ids.begin() + i, e.ids.begin() + j})},
-                      {"trained", e.loss_mask[i] == 1},
-                      {"tokens", j - i}});
-    i = j;
+    // The run's first n tokens, n doubling until they make enough text (decoded from the run's
+    // start each time: a decoder treats a sequence's first token apart).
+    std::string text;
+    std::size_t k = i;
+    for (std::size_t n = 64;; n *= 2) {
+      k = std::min(j, i + n);
+      text = tok.decode({e.ids.begin() + static_cast<std::ptrdiff_t>(i),
+                         e.ids.begin() + static_cast<std::ptrdiff_t>(k)});
+      if (k == j || shown_bytes + text.size() >= kShownBytes) break;
+    }
+    if (shown_bytes + text.size() > kShownBytes) {
+      // Cut at a character's start.
+      std::size_t at = kShownBytes - shown_bytes;
+      while (at > 0 && (static_cast<unsigned char>(text[at]) & 0xC0) == 0x80)
+        --at;
+      text.resize(at);
+      truncated = true;
+    }
+    shown_bytes += text.size();
+    shown_tokens += k - i;
+    pieces.push_back({{"text", text}, {"trained", e.loss_mask[i] == 1}, {"tokens", k - i}});
+    i = k;
   }
+  const bool cut = truncated || shown_tokens < e.ids.size();
   if (o.json) {
-    nlohmann::json j = {{"path", d.path},
-                        {"format", engine::to_string(d.format)},
-                        {"examples", d.examples.size()},
-                        {"lines", d.lines},
-                        {"skipped", d.skipped},
-                        {"skipped_reasons", d.skipped_reasons},
-                        {"tokens", d.tokens()},
-                        {"trained_tokens", d.trained_tokens()},
-                        {"stats", d.stats_text()},
-                        {"partial", d.partial},
-                        {"example", {{"index", o.example}, {"pieces", pieces}}}};
+    nlohmann::json j = {
+        {"path", d.path},
+        {"format", engine::to_string(d.format)},
+        {"examples", d.examples.size()},
+        {"lines", d.lines},
+        {"skipped", d.skipped},
+        {"skipped_reasons", d.skipped_reasons},
+        {"tokens", d.tokens()},
+        {"trained_tokens", d.trained_tokens()},
+        {"stats", d.stats_text()},
+        {"partial", d.partial},
+        {"example",
+         {{"index", o.example}, {"pieces", pieces}, {"tokens", e.ids.size()}, {"cut", cut}}}};
     fmt::print("{}\n", j.dump(2));
     return 0;
   }
@@ -86,6 +112,9 @@ int run_data(const DataOptions& o) {
       fmt::print("[[{}]]", text);
   }
   fmt::print("\n");
+  if (cut)
+    fmt::print("... (cut: the example has {} tokens; its first {} KiB of text are shown)\n",
+               e.ids.size(), kShownBytes / 1024);
   return 0;
 }
 

@@ -877,6 +877,22 @@ TEST_F(TrainCli, DataShowsWhatTrainingSees) {
   for (const json& p : j["example"]["pieces"])
     if (p["trained"]) trained += p["text"].get<std::string>();
   EXPECT_EQ(trained, "hello there<|im_end|>");
+  EXPECT_EQ(j["example"]["cut"], false);
+  // A long example is cut, saying so (before: printed whole, 16 MB for a long line).
+  std::string words;
+  for (int k = 0; k < 4000; ++k)
+    words += "word" + std::to_string(k) + " ";
+  write(dir / "long.jsonl", json{{"text", words}}.dump() + "\n");
+  r = run_rondo("data " + (dir / "long.jsonl").string() + " --model " + model.string() +
+                " --format text");
+  ASSERT_EQ(r.code, 0) << r.out;
+  EXPECT_LT(r.out.size(), 12000u);
+  EXPECT_TRUE(contains(r.out, "... (cut: the example has ")) << r.out;
+  EXPECT_TRUE(contains(r.out, "its first 8 KiB of text are shown")) << r.out;
+  r = run_rondo("data " + (dir / "long.jsonl").string() + " --model " + model.string() +
+                " --format text --json");
+  ASSERT_EQ(r.code, 0) << r.out;
+  EXPECT_EQ(json::parse(r.out)["example"]["cut"], true);
   r = run_rondo("data " + data.string() + " --model " + model.string() + " --example 12");
   EXPECT_EQ(r.code, 1) << r.out;
   EXPECT_TRUE(contains(r.out, "--example 12: " + data.string() + " has 12 examples")) << r.out;
