@@ -103,6 +103,27 @@ auto naming_write_errors(const std::string& doing, F&& body, const std::string& 
   }
 }
 
+// `slot` = `value` under `mu` for the scope's life, nullptr again after: what another thread
+// reaches through it while run() works (request_stop, end_interrupted).
+template <typename T>
+class Published {
+ public:
+  Published(std::mutex& mu, T*& slot, T* value) : mu_(mu), slot_(slot) {
+    std::lock_guard<std::mutex> lock(mu_);
+    slot_ = value;
+  }
+  ~Published() {
+    std::lock_guard<std::mutex> lock(mu_);
+    slot_ = nullptr;
+  }
+  Published(const Published&) = delete;
+  Published& operator=(const Published&) = delete;
+
+ private:
+  std::mutex& mu_;
+  T*& slot_;
+};
+
 // The process's peak resident size so far (VmHWM), 0 when /proc says nothing.
 std::uint64_t host_peak_bytes() {
   std::ifstream f("/proc/self/status");
@@ -510,17 +531,7 @@ struct Session::Impl {
     for (const std::string& w : resume_warnings)
       sink->warning(w);
     run_t0 = std::chrono::steady_clock::now();
-    {
-      std::lock_guard<std::mutex> lock(end_mu);
-      live_sink = sink.get();
-    }
-    struct Detach {
-      Impl* impl;
-      ~Detach() {
-        std::lock_guard<std::mutex> lock(impl->end_mu);
-        impl->live_sink = nullptr;
-      }
-    } detach{this};
+    const Published<EventSink> published_sink(end_mu, live_sink, sink.get());
     auto emit_end = [&](const RunEndEvent& e) {
       std::lock_guard<std::mutex> lock(end_mu);
       if (!ended) sink->emit(e);
@@ -732,17 +743,7 @@ struct Session::Impl {
     eo.share_frozen_weights = eo.share_trained_state = devices.mode == DeviceMode::kCpu;
     Engine eng(summary.config, specs, store, arena, raw, resume_plan ? *resume_plan : est.plan, eo);
     if (!from_checkpoint.empty()) eng.restore(state);
-    {
-      std::lock_guard<std::mutex> lock(engine_mu);
-      engine = &eng;
-    }
-    struct Detach {
-      Impl* self;
-      ~Detach() {
-        std::lock_guard<std::mutex> lock(self->engine_mu);
-        self->engine = nullptr;
-      }
-    } detach{this};
+    const Published<Engine> published_engine(engine_mu, engine, &eng);
     if (stop) eng.request_stop();
 
     auto checkpoint = [&](std::int64_t step) {

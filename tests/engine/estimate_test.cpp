@@ -288,6 +288,30 @@ TEST(Estimate, TheCpuDevicesMemoryIsInTheHostBudget) {
   fs::remove_all(dir);
 }
 
+// A config.json-only Llama shape (hidden 512, 8 heads of which 4 for K and V, fp32, untied) in
+// `dir`/model, with an offload folder beside it, and a run of it on the CPU: `method`, two rows
+// of 128 tokens.
+TrainConfig llama_on_the_cpu(const fs::path& dir, int blocks, int vocab,
+                             const std::string& method) {
+  fs::remove_all(dir);
+  fs::create_directories(dir / "model");
+  fs::create_directories(dir / "offload");
+  std::ofstream(dir / "model" / "config.json")
+      << R"({"architectures":["LlamaForCausalLM"],"model_type":"llama","hidden_size":512,
+             "intermediate_size":1376,"num_hidden_layers":)"
+      << blocks << R"(,"num_attention_heads":8,"num_key_value_heads":4,"vocab_size":)" << vocab
+      << R"(,"max_position_embeddings":2048,"rms_norm_eps":1e-5,"rope_theta":10000.0,
+             "tie_word_embeddings":false,"torch_dtype":"float32"})";
+  TrainConfig c;
+  c.model.path = (dir / "model").string();
+  c.model.dtype = "fp32";
+  c.data.seq_len = 128;
+  c.training.method = method;
+  c.training.batch_rows = 2;
+  c.hardware.offload_dir = (dir / "offload").string();
+  return c;
+}
+
 // Where the CPU device's stages and the arena together pass the budget, the plan is made again
 // with the device capped at what the arena leaves, and the device opens with that cap. A LoRA of
 // a 60-block model (hidden 512, an untied vocabulary of 49,152: 224M parameters, 0.9 GB fp32)
@@ -296,24 +320,9 @@ TEST(Estimate, TheCpuDevicesMemoryIsInTheHostBudget) {
 // a budget: its base in host memory, read in place.)
 TEST(Estimate, OnTheCpuTheDeviceIsCappedAtWhatTheArenaLeaves) {
   const fs::path dir = fs::path(::testing::TempDir()) / "estimate_cpu_capped";
-  fs::remove_all(dir);
-  fs::create_directories(dir / "model");
-  fs::create_directories(dir / "offload");
-  std::ofstream(dir / "model" / "config.json")
-      << R"({"architectures":["LlamaForCausalLM"],"model_type":"llama","hidden_size":512,
-             "intermediate_size":1376,"num_hidden_layers":60,"num_attention_heads":8,
-             "num_key_value_heads":4,"vocab_size":49152,"max_position_embeddings":2048,
-             "rms_norm_eps":1e-5,"rope_theta":10000.0,"tie_word_embeddings":false,
-             "torch_dtype":"float32"})";
+  TrainConfig c = llama_on_the_cpu(dir, 60, 49152, "lora");
   const DevicePlan devices = plan_devices({});
   ASSERT_EQ(devices.mode, DeviceMode::kCpu);
-  TrainConfig c;
-  c.model.path = (dir / "model").string();
-  c.model.dtype = "fp32";
-  c.data.seq_len = 128;
-  c.training.method = "lora";
-  c.training.batch_rows = 2;
-  c.hardware.offload_dir = (dir / "offload").string();
   auto plan = [&](const TrainConfig& cfg) {
     return estimate_run(cfg, models::inspect_model(cfg.model.path, 128), devices, 3, 2 * 128,
                         /*host_free=*/1ull << 40, /*disk_free=*/1ull << 40);
@@ -342,24 +351,9 @@ TEST(Estimate, OnTheCpuTheDeviceIsCappedAtWhatTheArenaLeaves) {
 // went to the tier: 2.24 GiB.)
 TEST(Estimate, OnTheCpuWhatFitsComesBackFromTheTier) {
   const fs::path dir = fs::path(::testing::TempDir()) / "estimate_cpu_comeback";
-  fs::remove_all(dir);
-  fs::create_directories(dir / "model");
-  fs::create_directories(dir / "offload");
-  std::ofstream(dir / "model" / "config.json")
-      << R"({"architectures":["LlamaForCausalLM"],"model_type":"llama","hidden_size":512,
-             "intermediate_size":1376,"num_hidden_layers":40,"num_attention_heads":8,
-             "num_key_value_heads":4,"vocab_size":4000,"max_position_embeddings":2048,
-             "rms_norm_eps":1e-5,"rope_theta":10000.0,"tie_word_embeddings":false,
-             "torch_dtype":"float32"})";
+  TrainConfig c = llama_on_the_cpu(dir, 40, 4000, "full");
   const DevicePlan devices = plan_devices({});
   ASSERT_EQ(devices.mode, DeviceMode::kCpu);
-  TrainConfig c;
-  c.model.path = (dir / "model").string();
-  c.model.dtype = "fp32";
-  c.data.seq_len = 128;
-  c.training.method = "full";
-  c.training.batch_rows = 2;
-  c.hardware.offload_dir = (dir / "offload").string();
   c.hardware.host_memory = "1700MB";
   const RunEstimate e = estimate_run(c, models::inspect_model(c.model.path, 128), devices, 3,
                                      2 * 128, /*host_free=*/1ull << 40, /*disk_free=*/1ull << 40);
