@@ -36,6 +36,9 @@
 namespace rondo::gui {
 namespace {
 
+const char* const kStopTip =
+    "Finish the steps under way, write a checkpoint, then end; click again to end at once";
+
 QString num(double v, int prec = 4) {
   return std::isfinite(v) ? QString::number(v, 'g', prec) : QStringLiteral("–");
 }
@@ -140,7 +143,8 @@ MonitorWidget::MonitorWidget(QWidget* parent) : QWidget(parent) {
   m_banner->setStyleSheet("background:#fde7e9; color:#8a0012; padding:6px");
   m_banner->hide();
   m_stop = new QPushButton("Stop");
-  m_stop->setToolTip("End the run now, without a checkpoint");
+  m_stop->setObjectName("stopButton");
+  m_stop->setToolTip(kStopTip);
   m_stopSave = new QPushButton("Stop and save");
   m_stopSave->setToolTip(
       "Finish the steps under way, write a checkpoint, then end (resumable from the File menu)");
@@ -281,6 +285,9 @@ bool MonitorWidget::launch(const QString& configPath, const QString& runDir, QSt
     if (error) *error = "cannot start " + RondoCli::program() + ": " + m_child->errorString();
     return false;
   }
+  m_stopAsked = false;
+  m_stop->setText("Stop");
+  m_stop->setToolTip(kStopTip);
   m_stop->setEnabled(true);
   m_stopSave->setEnabled(true);
   m_openTimer->start();
@@ -304,15 +311,32 @@ void MonitorWidget::tryOpenEvents() {
   }
 }
 
+// A stop is the CLI's own (SIGINT): the steps under way finish, a checkpoint is written and the
+// run ends "stopped". Asked again, the CLI ends at once ("interrupted", no checkpoint): never a
+// SIGKILL, which would leave no run_end and read as a crash.
 void MonitorWidget::stop() {
-  if (childRunning()) m_child->kill();
+  if (!childRunning()) return;
+  if (m_stopAsked) {
+    ::kill(static_cast<pid_t>(m_child->processId()), SIGINT);
+    m_stop->setEnabled(false);
+    m_state->log()->appendLine(
+        "Ending at once: what was trained since the last checkpoint is lost.");
+    return;
+  }
+  stopAndSave();
 }
 
 void MonitorWidget::stopAndSave() {
-  if (childRunning()) {
+  if (childRunning() && !m_stopAsked) {
     ::kill(static_cast<pid_t>(m_child->processId()), SIGINT);
+    m_stopAsked = true;
     m_stopSave->setEnabled(false);
-    m_state->log()->appendLine("Stopping after the step under way; a checkpoint follows.");
+    m_stop->setText("Stop now");
+    m_stop->setToolTip(
+        "End at once, without a checkpoint: what was trained since the last one "
+        "is lost");
+    m_state->log()->appendLine(
+        "Stopping after the steps under way; a checkpoint follows (Stop now ends at once).");
   }
 }
 
@@ -331,9 +355,10 @@ void MonitorWidget::onChildFinished(int code, QProcess::ExitStatus status) {
   m_stop->setEnabled(false);
   m_stopSave->setEnabled(false);
   const QString s = m_state->status();
-  const bool ended = s == "completed" || s == "stopped" || s == "failed";
+  const bool ended = s == "completed" || s == "stopped" || s == "interrupted" || s == "failed";
   if (!ended) m_state->markInterrupted();
-  m_childFailed = status != QProcess::NormalExit || (code != 0 && code != 130);
+  // 128 + SIGINT or SIGTERM: a stop, not a failure.
+  m_childFailed = status != QProcess::NormalExit || (code != 0 && code != 130 && code != 143);
   if (m_childFailed) {
     QString why = m_state->errorMessage();
     if (why.isEmpty()) why = QString("rondo train exited with status %1").arg(code);

@@ -50,7 +50,7 @@ class MonitorWidget : public QWidget {
   void refresh();  // charts and labels now (normally at most every 250 ms)
 
  public slots:
-  void stop();         // the child at once (no checkpoint)
+  void stop();         // as stopAndSave; a second time, the CLI ends at once (no checkpoint)
   void stopAndSave();  // SIGINT: the CLI finishes the steps under way, checkpoints and exits
   void exportRun();    // the export dialog, for a run that is not training
 
@@ -66,6 +66,7 @@ class MonitorWidget : public QWidget {
   EventTail* m_tail;
   QString m_runDir, m_eventsPath;
   bool m_childFailed = false;  // the child exited with an error (maybe before any event)
+  bool m_stopAsked = false;    // SIGINT sent once: the next Stop ends the child at once
   QProcess* m_child = nullptr;
   QTimer* m_openTimer;
   QTimer* m_refreshTimer;

@@ -289,6 +289,67 @@ class Screens : public QObject {
              qPrintable(error));
   }
 
+  // A config for a LoRA run of the fixture's model, long enough to stop (`steps` steps of `rows`
+  // rows of `seq` tokens, a checkpoint every 100), in `run`.
+  QString longRun(const QString& run, int steps, int rows, int seq) {
+    QFile cfg(m_dir + "/" + run + ".toml");
+    if (!cfg.open(QIODevice::WriteOnly)) return QString();
+    cfg.write(QString("[model]\npath = \"%1/model\"\ndtype = \"fp32\"\n[data]\ntrain = "
+                      "\"%1/chat.jsonl\"\nseq_len = %2\n[lora]\nrank = 4\n[training]\n"
+                      "steps = %3\nbatch_rows = %4\nwarmup_steps = 0\n[checkpoint]\nevery = "
+                      "100\n[output]\nrun_dir = \"%1/%5\"\n")
+                  .arg(m_dir)
+                  .arg(seq)
+                  .arg(steps)
+                  .arg(rows)
+                  .arg(run)
+                  .toUtf8());
+    return cfg.fileName();
+  }
+
+  // Stop is the CLI's own stop: the steps under way finish, a checkpoint is written, the run reads
+  // "stopped" and no failure banner shows (before: SIGKILL, "The run failed: rondo train exited
+  // with status 9").
+  void stopIsAStopNotACrash() {
+    MonitorWidget m;
+    m.resize(900, 700);
+    QString error;
+    const QString cfg = longRun("stop-run", 400, 2, 64);
+    QVERIFY(!cfg.isEmpty());
+    QVERIFY2(m.launch(cfg, m_dir + "/stop-run", &error), qPrintable(error));
+    QTRY_VERIFY_WITH_TIMEOUT(m.state()->lastStep() >= 1, 60000);
+    m.findChild<QPushButton*>("stopButton")->click();
+    QTRY_VERIFY_WITH_TIMEOUT(!m.childRunning(), 120000);
+    m.refresh();
+    QCOMPARE(m.state()->status(), QString("stopped"));
+    QVERIFY2(m.statusText().startsWith("stopped"), qPrintable(m.statusText()));
+    QVERIFY(m.findChild<QLabel*>("errorBanner")->isHidden());
+    QVERIFY(QDir(m_dir + "/stop-run/checkpoints/step-" + QString::number(m.state()->lastStep()))
+                .exists());
+  }
+
+  // Asked twice, Stop ends the run at once, without a checkpoint: "interrupted", still no
+  // failure banner. Long steps, so that the second click lands inside the step the first lets
+  // finish.
+  void stopTwiceEndsAtOnce() {
+    MonitorWidget m;
+    m.resize(900, 700);
+    QString error;
+    const QString cfg = longRun("stop-now-run", 100000, 128, 512);
+    QVERIFY(!cfg.isEmpty());
+    QVERIFY2(m.launch(cfg, m_dir + "/stop-now-run", &error), qPrintable(error));
+    QTRY_VERIFY_WITH_TIMEOUT(m.state()->lastStep() >= 1, 120000);
+    QPushButton* stop = m.findChild<QPushButton*>("stopButton");
+    stop->click();
+    QCOMPARE(stop->text(), QString("Stop now"));
+    QTest::qWait(100);  // the CLI has taken the first signal (two at once would merge)
+    stop->click();
+    QTRY_VERIFY_WITH_TIMEOUT(!m.childRunning(), 60000);
+    m.refresh();
+    QCOMPARE(m.state()->status(), QString("interrupted"));
+    QVERIFY(m.findChild<QLabel*>("errorBanner")->isHidden());
+  }
+
   void aFailedChildShowsItsErrorAndLastLines() {
     QFile cfg(m_dir + "/broken.toml");
     QVERIFY(cfg.open(QIODevice::WriteOnly));
