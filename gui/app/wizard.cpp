@@ -36,6 +36,16 @@ namespace {
 
 constexpr int kPreviewLines = 2000;  // lines of a data file the data page reads
 
+// The first runs/run-N under the current folder that holds nothing yet (no folder or an empty
+// one, and no run-N.toml beside it): a fresh wizard never proposes a folder holding a run.
+QString freeRunFolder() {
+  for (int n = 1;; ++n) {
+    const QString dir = QDir::current().filePath(QString("runs/run-%1").arg(n));
+    const QDir d(dir);
+    if ((!d.exists() || d.isEmpty()) && !QFileInfo::exists(dir + ".toml")) return dir;
+  }
+}
+
 // A page whose completeness and initialisation are the wizard's to decide.
 class HookPage : public QWizardPage {
  public:
@@ -375,7 +385,7 @@ SetupWizard::SetupWizard(QWidget* parent) : QWizard(parent) {
   m_prompts->setObjectName("prompts");
   m_prompts->setPlaceholderText("One prompt per line, for sample generations");
   m_prompts->setMaximumHeight(70);
-  m_runDir = new QLineEdit(QDir::current().filePath("runs/run-1"));
+  m_runDir = new QLineEdit(freeRunFolder());
   m_runDir->setObjectName("runDir");
   {
     auto* form = new QFormLayout(tr);
@@ -638,7 +648,11 @@ void SetupWizard::refreshReview() {
     m_speed->clear();
     return;
   }
-  const QString verdict = m_plan["verdict"].toString();
+  // A new run goes into a new or empty folder (the CLI refuses one holding a run or other files):
+  // Start stays off, and the note says what to do.
+  const QString runDir = config().runDir;
+  const bool folderTaken = QDir(runDir).exists() && !QDir(runDir).isEmpty();
+  const QString verdict = folderTaken ? QString("folder in use") : m_plan["verdict"].toString();
   m_verdict->setText(verdict);
   m_verdict->setStyleSheet(verdict == "fits"    ? "color:#1b7f3b"
                            : verdict == "tight" ? "color:#b26a00"
@@ -674,6 +688,10 @@ void SetupWizard::refreshReview() {
                bytesText(host["needed_bytes"].toDouble()),
                bytesText(host["available_bytes"].toDouble()), m_plan["plan"].toString()));
   QStringList notes;
+  if (folderTaken)
+    notes << "• " + runDir +
+                 " already holds a run or other files: choose another Run folder (Training "
+                 "page), or open that run from the File menu to resume it";
   for (const QJsonValue& v : m_plan["problems"].toArray())
     notes << "• " + inWizardWords(v.toString());
   for (const QJsonValue& v : m_plan["warnings"].toArray())

@@ -15,6 +15,7 @@
 #include <QProcess>
 #include <QProgressBar>
 #include <QPushButton>
+#include <QScopeGuard>
 #include <QSignalSpy>
 #include <QSpinBox>
 #include <QStandardItemModel>
@@ -287,6 +288,40 @@ class Screens : public QObject {
     QVERIFY(!m.attach(m_dir + "/model", &error));
     QVERIFY2(error.contains(m_dir + "/model") && error.contains("not a Rondo run"),
              qPrintable(error));
+  }
+
+  // A fresh wizard proposes runs/run-N that holds nothing (before: always runs/run-1, holding a
+  // finished run, with Review saying "fits" and Start on); a folder that holds a run, typed in,
+  // keeps Start off on Review with a note saying what to do.
+  void aFreshWizardNeverProposesAFolderHoldingARun() {
+    const QString cwd = QDir::currentPath();
+    QVERIFY(QDir::setCurrent(m_dir));
+    const auto back = qScopeGuard([&] { QDir::setCurrent(cwd); });
+    QVERIFY(QDir().mkpath("runs/run-1/checkpoints"));
+    QFile(m_dir + "/runs/run-1/config.toml").open(QIODevice::WriteOnly);
+    QFile(m_dir + "/runs/run-2.toml").open(QIODevice::WriteOnly);  // a config for run-2
+    QVERIFY(QDir().mkpath("runs/run-3"));                          // empty: free
+    SetupWizard w;
+    w.resize(900, 720);
+    w.show();
+    QVERIFY(QTest::qWaitForWindowExposed(&w));
+    QCOMPARE(w.findChild<QLineEdit*>("runDir")->text(), m_dir + "/runs/run-3");
+    w.findChild<QLineEdit*>("modelPath")->setText(m_dir + "/model");
+    w.refreshModel();
+    w.next();
+    w.findChild<QLineEdit*>("dataPath")->setText(m_dir + "/chat.jsonl");
+    w.refreshData();
+    w.next();
+    w.next();
+    w.next();
+    w.findChild<QSpinBox*>("seqLen")->setValue(64);
+    w.findChild<QLineEdit*>("runDir")->setText(m_dir + "/runs/run-1");
+    w.next();
+    QCOMPARE(w.currentId(), static_cast<int>(SetupWizard::ReviewPage));
+    QCOMPARE(w.findChild<QLabel*>("planVerdict")->text(), QString("folder in use"));
+    QVERIFY(!w.currentPage()->isComplete());
+    const QString notes = w.findChild<QLabel*>("planProblems")->text();
+    QVERIFY2(notes.contains("runs/run-1 already holds a run"), qPrintable(notes));
   }
 
   // A config for a LoRA run of the fixture's model, long enough to stop (`steps` steps of `rows`
