@@ -324,11 +324,12 @@ class Screens : public QObject {
     QVERIFY2(notes.contains("runs/run-1 already holds a run"), qPrintable(notes));
   }
 
-  // A config for a LoRA run of the fixture's model, long enough to stop (`steps` steps of `rows`
-  // rows of `seq` tokens, a checkpoint every 100), in `run`.
-  QString longRun(const QString& run, int steps, int rows, int seq) {
+  // Starts in `m` a LoRA run of the fixture's model long enough to stop (`steps` steps of `rows`
+  // rows of `seq` tokens, a checkpoint every 100) in `run`, and waits for its first step; "" when
+  // it got there, else what went wrong.
+  QString startLongRun(MonitorWidget& m, const QString& run, int steps, int rows, int seq) {
     QFile cfg(m_dir + "/" + run + ".toml");
-    if (!cfg.open(QIODevice::WriteOnly)) return QString();
+    if (!cfg.open(QIODevice::WriteOnly)) return "cannot write " + cfg.fileName();
     cfg.write(QString("[model]\npath = \"%1/model\"\ndtype = \"fp32\"\n[data]\ntrain = "
                       "\"%1/chat.jsonl\"\nseq_len = %2\n[lora]\nrank = 4\n[training]\n"
                       "steps = %3\nbatch_rows = %4\nwarmup_steps = 0\n[checkpoint]\nevery = "
@@ -339,7 +340,13 @@ class Screens : public QObject {
                   .arg(rows)
                   .arg(run)
                   .toUtf8());
-    return cfg.fileName();
+    cfg.close();
+    m.resize(900, 700);
+    QString error;
+    if (!m.launch(cfg.fileName(), m_dir + "/" + run, &error)) return error;
+    if (!QTest::qWaitFor([&] { return m.state()->lastStep() >= 1; }, 120000))
+      return "no step in 120 s";
+    return "";
   }
 
   // Stop is the CLI's own stop: the steps under way finish, a checkpoint is written, the run reads
@@ -347,12 +354,8 @@ class Screens : public QObject {
   // with status 9").
   void stopIsAStopNotACrash() {
     MonitorWidget m;
-    m.resize(900, 700);
-    QString error;
-    const QString cfg = longRun("stop-run", 400, 2, 64);
-    QVERIFY(!cfg.isEmpty());
-    QVERIFY2(m.launch(cfg, m_dir + "/stop-run", &error), qPrintable(error));
-    QTRY_VERIFY_WITH_TIMEOUT(m.state()->lastStep() >= 1, 60000);
+    const QString error = startLongRun(m, "stop-run", 400, 2, 64);
+    QVERIFY2(error.isEmpty(), qPrintable(error));
     m.findChild<QPushButton*>("stopButton")->click();
     QTRY_VERIFY_WITH_TIMEOUT(!m.childRunning(), 120000);
     m.refresh();
@@ -368,12 +371,8 @@ class Screens : public QObject {
   // finish.
   void stopTwiceEndsAtOnce() {
     MonitorWidget m;
-    m.resize(900, 700);
-    QString error;
-    const QString cfg = longRun("stop-now-run", 100000, 128, 512);
-    QVERIFY(!cfg.isEmpty());
-    QVERIFY2(m.launch(cfg, m_dir + "/stop-now-run", &error), qPrintable(error));
-    QTRY_VERIFY_WITH_TIMEOUT(m.state()->lastStep() >= 1, 120000);
+    const QString error = startLongRun(m, "stop-now-run", 100000, 128, 512);
+    QVERIFY2(error.isEmpty(), qPrintable(error));
     QPushButton* stop = m.findChild<QPushButton*>("stopButton");
     stop->click();
     QCOMPARE(stop->text(), QString("Stop now"));
