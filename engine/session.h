@@ -44,7 +44,7 @@ struct SessionOptions {
   // devices, checkpoint.keep): config_toml replaces the run's config.toml once the run holds its
   // lock, so that later resumes keep them.
   bool resume_settings_changed = false;
-  std::string events;       // "" = <run_dir>/events.jsonl, "-" = stdout
+  std::string events;                             // "" = <run_dir>/events.jsonl, "-" = stdout
   std::function<void(const std::string&)> log;    // progress lines for a person
   std::function<void(const StepEvent&)> on_step;  // after each step (status line)
   // `rondo plan`: a run that does not fit is reported by describe() and fits(), not thrown.
