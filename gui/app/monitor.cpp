@@ -226,7 +226,8 @@ MonitorWidget::~MonitorWidget() {
   if (m_child && m_child->state() != QProcess::NotRunning) {
     m_child->disconnect(this);
     // Let it finish its step and checkpoint, however long that takes: ~QProcess would kill it.
-    ::kill(static_cast<pid_t>(m_child->processId()), SIGINT);
+    // Once asked (Stop, or the window's close), a second SIGINT would end it at once instead.
+    if (!m_stopAsked) ::kill(static_cast<pid_t>(m_child->processId()), SIGINT);
     m_child->waitForFinished(-1);
   }
 }

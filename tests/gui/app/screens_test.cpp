@@ -6,6 +6,8 @@
 #include <QCheckBox>
 #include <QComboBox>
 #include <QDoubleSpinBox>
+#include <QJsonDocument>
+#include <QJsonObject>
 #include <QLabel>
 #include <QLineEdit>
 #include <QLineSeries>
@@ -382,6 +384,26 @@ class Screens : public QObject {
     m.refresh();
     QCOMPARE(m.state()->status(), QString("interrupted"));
     QVERIFY(m.findChild<QLabel*>("errorBanner")->isHidden());
+  }
+
+  // Closing the window after Stop and save (MainWindow's close asks for it, then the monitor is
+  // destroyed): the monitor waits for the checkpoint. Before, its destructor sent a second SIGINT,
+  // which ends the CLI at once, without the checkpoint the user had just asked for.
+  void closingAfterStopAndSaveKeepsTheCheckpoint() {
+    {
+      MonitorWidget m;
+      const QString error = startLongRun(m, "close-run", 400, 2, 64);
+      QVERIFY2(error.isEmpty(), qPrintable(error));
+      m.stopAndSave();
+    }  // ~MonitorWidget waits for the child
+    QFile events(m_dir + "/close-run/events.jsonl");
+    QVERIFY(events.open(QIODevice::ReadOnly));
+    const QList<QByteArray> lines = events.readAll().trimmed().split('\n');
+    const QJsonObject end = QJsonDocument::fromJson(lines.last()).object();
+    QCOMPARE(end["type"].toString(), QString("run_end"));
+    QCOMPARE(end["status"].toString(), QString("stopped"));
+    QVERIFY(QDir(m_dir + "/close-run/checkpoints/step-" + QString::number(end["steps"].toInteger()))
+                .exists());
   }
 
   void aFailedChildShowsItsErrorAndLastLines() {
