@@ -106,6 +106,12 @@ std::string RunEstimate::text() const {
 }
 
 std::string RunEstimate::json() const {
+  // Where one class of state lives (Placement's index: frozen, trained, optimizer, gradients).
+  auto part = [&](int i) {
+    return nlohmann::json{{"host_bytes", placement.host_part[i]},
+                          {"nvme_bytes", placement.nvme_part[i]},
+                          {"nvme_layers", placement.nvme_layers[i]}};
+  };
   nlohmann::json devs = nlohmann::json::array();
   for (std::size_t d = 0; d < devices.devices.size(); ++d)
     devs.push_back(
@@ -143,22 +149,10 @@ std::string RunEstimate::json() const {
                         {"offload_free_bytes", placement.offload_free},
                         {"disk_bytes_per_s", placement.disk_bytes_per_s},
                         {"disk_speed_source", placement.disk_speed_source},
-                        {"frozen_weights",
-                         {{"host_bytes", placement.host_part[0]},
-                          {"nvme_bytes", placement.nvme_part[0]},
-                          {"nvme_layers", placement.nvme_layers[0]}}},
-                        {"trained_weights",
-                         {{"host_bytes", placement.host_part[1]},
-                          {"nvme_bytes", placement.nvme_part[1]},
-                          {"nvme_layers", placement.nvme_layers[1]}}},
-                        {"optimizer_state",
-                         {{"host_bytes", placement.host_part[2]},
-                          {"nvme_bytes", placement.nvme_part[2]},
-                          {"nvme_layers", placement.nvme_layers[2]}}},
-                        {"gradients",
-                         {{"host_bytes", placement.host_part[3]},
-                          {"nvme_bytes", placement.nvme_part[3]},
-                          {"nvme_layers", placement.nvme_layers[3]}}},
+                        {"frozen_weights", part(0)},
+                        {"trained_weights", part(1)},
+                        {"optimizer_state", part(2)},
+                        {"gradients", part(3)},
                         {"activation_checkpoints",
                          {{"tier", offload::to_string(placement.activations)},
                           {"host_bytes", placement.host_activations},
