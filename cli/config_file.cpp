@@ -4,6 +4,7 @@
 
 #include <toml++/toml.h>
 #include <algorithm>
+#include <nlohmann/json.hpp>
 #include <sstream>
 #include <variant>
 
@@ -390,6 +391,27 @@ std::string config_reference() {
     out += fmt::format("  {:<28} {:<18} default {:<14} {}\n", f.key, type_name(f.ptr),
                        value_toml(f.ptr), f.help);
   return out;
+}
+
+std::string config_reference_json() {
+  engine::TrainConfig c;
+  nlohmann::json keys = nlohmann::json::array();
+  for (const Field& f : fields(c)) {
+    nlohmann::json key = {{"key", f.key}, {"help", f.help}};
+    std::visit(
+        [&](auto* v) {
+          using T = std::remove_pointer_t<decltype(v)>;
+          key["type"] = std::is_same_v<T, std::string>                ? "string"
+                        : std::is_same_v<T, bool>                     ? "bool"
+                        : std::is_same_v<T, double>                   ? "number"
+                        : std::is_same_v<T, std::vector<std::string>> ? "list"
+                                                                      : "integer";
+          key["default"] = *v;
+        },
+        f.ptr);
+    keys.push_back(std::move(key));
+  }
+  return nlohmann::json{{"keys", keys}}.dump(2) + "\n";
 }
 
 }  // namespace rondo::cli

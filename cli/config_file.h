@@ -38,5 +38,8 @@ std::string to_toml(const engine::TrainConfig& config);
 
 // Every key with its type and default, for `rondo train --help-config`.
 std::string config_reference();
+// The same as JSON, {"keys": [{"key", "type" (string, bool, integer, number, list), "default",
+// "help"}]}: `rondo train --help-config --json`, from which the GUI's Advanced page is built.
+std::string config_reference_json();
 
 }  // namespace rondo::cli

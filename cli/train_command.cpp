@@ -320,6 +320,7 @@ void add_train_options(CLI::App& cmd, TrainOptions& o) {
                  "(default: <run>/events.jsonl)");
   cmd.add_flag("--dry-run", o.dry_run, "Print the resolved config and the plan, then exit");
   cmd.add_flag("--help-config", o.help_config, "List every config key with its default");
+  cmd.add_flag("--json", o.json, "With --help-config: the list as JSON");
 }
 
 void add_plan_options(CLI::App& cmd, TrainOptions& o) {
@@ -359,6 +360,12 @@ void add_demo_options(CLI::App& cmd, DemoOptions& o) {
 }
 
 int run_train(const TrainOptions& o) {
+  if (o.json && !o.help_config)
+    throw Error("--json goes with --help-config (`rondo train --help-config --json`)");
+  if (o.help_config && o.json) {
+    std::fputs(config_reference_json().c_str(), stdout);
+    return 0;
+  }
   if (o.help_config) {
     std::fputs(("Config keys (TOML sections and keys; override any with --set key=value):\n" +
                 config_reference())

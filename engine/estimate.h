@@ -69,6 +69,13 @@ struct Placement {
   std::string lines() const;      // one line per class for `rondo plan`
 };
 
+// One change of settings that makes a run fit: the keys to set (as `--set key=value` spells
+// them) and why it helps. find_fixes() checks each by planning the run with it.
+struct Fix {
+  std::vector<std::pair<std::string, std::string>> set;
+  std::string why;
+};
+
 struct RunEstimate {
   std::int64_t params = 0, trained_params = 0;
   // A mixture of experts: the parameters a token uses (its experts count top-k / E) and the
@@ -102,6 +109,9 @@ struct RunEstimate {
   std::string verdict;                // "fits", "tight", "does not fit"
   std::vector<std::string> problems;  // why it does not fit, each with what to change
   std::vector<std::string> warnings;  // why it is tight
+  // Changes that make a run that does not fit fit, each planned, the least change to the training
+  // first (find_fixes; empty until it is called).
+  std::vector<Fix> fixes;
 
   std::string text() const;  // the report `rondo plan` prints
   std::string json() const;  // the same as one JSON object (`rondo plan --json`, the GUI)
@@ -125,6 +135,15 @@ RunEstimate estimate_run(const TrainConfig& config, const models::ModelSummary& 
                          std::int64_t tokens_per_step, std::uint64_t host_free = 0,
                          std::uint64_t disk_free = 0,
                          const std::optional<ResumePoint>& resume = std::nullopt);
+
+// Fills `e.fixes` for a run that does not fit: each candidate change that applies to it (a
+// quantised frozen base, bf16, 8-bit moments, an NVMe folder `offload_dir` next to the run, half
+// the rows per microbatch with twice the microbatches, LoRA for a full run, half the sequence)
+// planned again with the same arguments, kept when it fits or is tight; at most `most`.
+void find_fixes(RunEstimate& e, const TrainConfig& config, const models::ModelSummary& model,
+                const DevicePlan& devices, std::int64_t steps, std::uint64_t host_free,
+                std::uint64_t disk_free, const std::optional<ResumePoint>& resume,
+                const std::string& offload_dir, std::size_t most = 3);
 
 // The NVMe space activation checkpoints of `plan` take on the tier: two steps' worth (every
 // microbatch's, of `checkpoint_bytes` each at most), in the store's default 1 MiB blocks.

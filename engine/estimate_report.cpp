@@ -102,6 +102,12 @@ std::string RunEstimate::text() const {
     o << "  - " << p << "\n";
   for (const std::string& w : warnings)
     o << "  - " << w << "\n";
+  for (const Fix& f : fixes) {  // each planned: it fits with this change
+    std::string set;
+    for (const auto& [key, value] : f.set)
+      set += (set.empty() ? "" : " ") + fmt::format("--set {}={}", key, value);
+    o << fmt::format("To fit      {} ({})\n", set, f.why);
+  }
   return o.str();
 }
 
@@ -118,7 +124,15 @@ std::string RunEstimate::json() const {
         {{"name", devices.devices[d].name},
          {"cap_bytes", devices.devices[d].bytes_cap},
          {"peak_bytes", d < prediction.peak_bytes.size() ? prediction.peak_bytes[d] : 0}});
+  nlohmann::json fix_list = nlohmann::json::array();
+  for (const Fix& f : fixes) {
+    nlohmann::json set = nlohmann::json::object();
+    for (const auto& [key, value] : f.set)
+      set[key] = value;
+    fix_list.push_back({{"set", set}, {"why", f.why}});
+  }
   nlohmann::json j = {{"verdict", verdict},
+                      {"fixes", fix_list},
                       {"problems", problems},
                       {"warnings", warnings},
                       {"params", params},

@@ -328,6 +328,11 @@ struct Session::Impl {
     est = estimate_run(c, summary, devices, steps, tokens_per_step, o.host_free, o.disk_free,
                        resume_point);
     if (batcher) est.steps_per_epoch = batcher->steps_per_epoch();
+    // A plan that does not fit says what would, each change planned (an NVMe folder proposed
+    // beside the run folder, on its drive).
+    if (o.plan_only)
+      find_fixes(est, c, summary, devices, steps, o.host_free, o.disk_free, resume_point,
+                 c.output.run_dir.empty() ? "" : c.output.run_dir + "-offload");
     if (!est.problems.empty() && !o.plan_only)
       throw Error(join_problems("This run does not fit:", est.problems));
   }

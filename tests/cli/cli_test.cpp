@@ -36,6 +36,38 @@ TEST(Cli, HelpListsTheSubcommands) {
   EXPECT_TRUE(contains(r.out, "devices")) << r.out;
 }
 
+// The GUI builds its Advanced page from the JSON form: the same keys, in the same order, as the
+// text a user reads, each with a type the GUI knows and a default of that type.
+TEST(Cli, TheConfigReferenceAsJsonHasEveryKeyOfTheText) {
+  const Result text = run("train --help-config");
+  const Result as_json = run("train --help-config --json");
+  ASSERT_EQ(text.code, 0) << text.out;
+  ASSERT_EQ(as_json.code, 0) << as_json.out;
+  const nlohmann::json keys = nlohmann::json::parse(as_json.out)["keys"];
+  std::vector<std::string> listed;  // the text's keys: each line's first word after the title
+  for (std::size_t at = text.out.find("\n  "); at != std::string::npos;
+       at = text.out.find("\n  ", at + 1))
+    listed.push_back(text.out.substr(at + 3, text.out.find(' ', at + 3) - at - 3));
+  ASSERT_EQ(keys.size(), listed.size()) << as_json.out;
+  ASSERT_GT(keys.size(), 40u);
+  for (std::size_t i = 0; i < keys.size(); ++i) {
+    const nlohmann::json& k = keys[i];
+    EXPECT_EQ(k["key"], listed[i]);
+    const std::string type = k["type"];
+    const nlohmann::json& d = k["default"];
+    EXPECT_TRUE((type == "string" && d.is_string()) || (type == "bool" && d.is_boolean()) ||
+                (type == "integer" && d.is_number_integer()) ||
+                (type == "number" && d.is_number()) || (type == "list" && d.is_array()))
+        << k;
+    EXPECT_FALSE(k["help"].get<std::string>().empty()) << k;
+  }
+  EXPECT_EQ(keys[0]["key"], "model.path");
+  // --json alone is a mistake, said as one.
+  const Result alone = run("train --json");
+  EXPECT_NE(alone.code, 0);
+  EXPECT_TRUE(contains(alone.out, "--json goes with --help-config")) << alone.out;
+}
+
 TEST(Cli, DevicesSaysWhatItWillUse) {
   rondo::kernels::CudaProbe probe = rondo::kernels::probe_cuda();
   Result r = run("devices");
@@ -97,8 +129,8 @@ TEST(Cli, DevicesMeasuresAnOffloadFolder) {
   const std::string cache = dir + "-cache";
   std::filesystem::create_directories(dir);
   const std::string env = "RONDO_SPEED_CACHE=" + cache;
-  Result r = rondo::test::run_rondo("devices --json --disk " + dir + " --disk-bytes 64MiB", true,
-                                    env);
+  Result r =
+      rondo::test::run_rondo("devices --json --disk " + dir + " --disk-bytes 64MiB", true, env);
   ASSERT_EQ(r.code, 0) << r.out;
   auto j = nlohmann::json::parse(r.out);
   EXPECT_GT(j["disk"]["read_bytes_per_s"].get<double>(), 0) << r.out;

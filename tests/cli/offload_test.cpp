@@ -541,6 +541,37 @@ TEST_F(Offload, PlansLlama3_8BFullFineTuningOn64GB) {
   EXPECT_EQ(eight_bit["placement"]["activation_checkpoints"]["tier"], "host");
 }
 
+// A plan that does not fit names the changes that would make it fit, each one planned: applied
+// through --set, the plan fits. The least change to the training comes first (for LoRA on an
+// unquantised base: NF4), and a change that does not help (bf16 is the dtype already) is not named.
+TEST_F(Offload, APlanThatDoesNotFitSaysWhatWould) {
+  const fs::path llama = write_llama3_config(dir / "Llama-3-8B", 4096, 14336, 32, 32, 8192);
+  const std::string base = "plan --json --set model.path=" + llama.string() +
+                           " --set model.dtype=bf16 --set model.quantize=none"
+                           " --set hardware.gpu='RTX 4090' --set training.steps=100"
+                           " --set data.seq_len=2048 --set training.batch_rows=2"
+                           " --set hardware.host_memory=14GB";
+  Result r = run_rondo(base, false);
+  const json plan = json::parse(r.out);
+  ASSERT_EQ(plan["verdict"], "does not fit") << r.out;
+  ASSERT_FALSE(plan["fixes"].empty()) << r.out;
+  EXPECT_EQ(plan["fixes"][0]["set"], json({{"model.quantize", "nf4"}})) << r.out;
+  for (const json& fix : plan["fixes"]) {
+    EXPECT_FALSE(fix["set"].contains("model.dtype")) << fix;
+    std::string set;
+    for (const auto& [key, value] : fix["set"].items())
+      set += " --set " + key + "=" + value.get<std::string>();
+    r = run_rondo(base + set, false);
+    EXPECT_NE(json::parse(r.out)["verdict"], "does not fit") << set << "\n" << r.out;
+  }
+  // The report says it in the same words as a command line.
+  r = run_rondo(base.substr(0, base.find(" --json")) + base.substr(base.find(" --json") + 7));
+  EXPECT_TRUE(contains(r.out, "To fit      --set model.quantize=nf4 (")) << r.out;
+  // A plan that fits has none.
+  r = run_rondo(base + " --set model.quantize=nf4", false);
+  EXPECT_TRUE(json::parse(r.out)["fixes"].empty()) << r.out;
+}
+
 // The same question for a mixture of experts, Qwen3-30B-A3B (its published config.json). Its
 // model card says 30.5B parameters in total and 3.3B activated: the plan reports both.
 TEST_F(Offload, PlansAQwen3MoeFromItsConfigAlone) {
