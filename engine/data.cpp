@@ -14,6 +14,21 @@
 namespace rondo::engine {
 namespace {
 
+// nlohmann's parse error in a reader's words: "[json.exception.parse_error.101] parse error at
+// line 1, column 13: syntax error while parsing object - unexpected end of input; expected '}'"
+// becomes "at column 13: unexpected end of input; expected '}'" (a JSONL example is one line).
+std::string plain_json_error(std::string what) {
+  if (what.starts_with("[json.exception.")) what.erase(0, what.find("] ") + 2);
+  if (what.starts_with("parse error ")) what.erase(0, 12);
+  if (what.starts_with("at line 1, column")) what.erase(3, 8);
+  if (const std::size_t syntax = what.find("syntax error while parsing ");
+      syntax != std::string::npos) {
+    const std::size_t dash = what.find(" - ", syntax);
+    if (dash != std::string::npos) what.erase(syntax, dash + 3 - syntax);
+  }
+  return what;
+}
+
 using nlohmann::json;
 
 // The examples of a data file, each at most `max` bytes held, one at a time: the lines of a JSONL
@@ -440,7 +455,7 @@ Dataset load_data(const std::string& path, const models::Tokenizer& tokenizer,
       try {
         j = json::parse(text);
       } catch (const json::exception& e) {
-        throw Error(std::string("not valid JSON (") + e.what() + ")");
+        throw Error("not valid JSON: " + plain_json_error(e.what()));
       }
       // A long example is let go once parsed (its text lives on in `j`); short ones keep the
       // buffer.

@@ -79,7 +79,12 @@ TEST(Data, EachFormatIsDetectedAndMaskedAsItSays) {
 
 TEST(Data, BadLinesNameTheFileAndLine) {
   const std::string bad = write("bad.jsonl", "{\"text\": \"ok\"}\n{\"text\": \n");
-  EXPECT_NE(error_of(bad).find(bad + ":2: not valid JSON"), std::string::npos) << error_of(bad);
+  // Where in the line and what the parser expected, in words: not nlohmann's exception name.
+  EXPECT_NE(error_of(bad).find(bad + ":2: not valid JSON: at column 10: unexpected end of input"),
+            std::string::npos)
+      << error_of(bad);
+  EXPECT_EQ(error_of(bad).find("json.exception"), std::string::npos) << error_of(bad);
+  EXPECT_EQ(error_of(bad).find("syntax error while parsing"), std::string::npos) << error_of(bad);
   const std::string missing = write(
       "missing.jsonl", "{\"instruction\": \"a\", \"output\": \"b\"}\n{\"instruction\": \"x\"}\n");
   EXPECT_NE(error_of(missing).find(missing + ":2: no 'output' field"), std::string::npos)
