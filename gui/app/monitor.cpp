@@ -4,6 +4,7 @@
 #include <QChartView>
 #include <QDir>
 #include <QFileInfo>
+#include <QFontMetricsF>
 #include <QGridLayout>
 #include <QHBoxLayout>
 #include <QHeaderView>
@@ -13,6 +14,7 @@
 #include <QLocale>
 #include <QProgressBar>
 #include <QPushButton>
+#include <QScrollArea>
 #include <QSplitter>
 #include <QTabWidget>
 #include <QTableWidget>
@@ -28,6 +30,7 @@
 #include "gui/app/format.h"
 #include "gui/app/rondo_cli.h"
 #include "gui/app/timeline_view.h"
+#include "gui/model/axis_ticks.h"
 #include "gui/model/event_tail.h"
 #include "gui/model/run_folder.h"
 #include "gui/model/run_state.h"
@@ -58,11 +61,15 @@ QChart* makeChart(const QString& title, std::initializer_list<QLineSeries*> seri
   // (they were elided to "...").
   chart->legend()->setAlignment(Qt::AlignRight);
   chart->setMargins(QMargins(4, 4, 4, 4));
+  // Ticks at the multiples of an interval fill() chooses (axis_ticks.h), not a fixed count: five
+  // ticks over steps 0..3 labelled "%d" read "0 0 1 2 3".
   auto* x = new QValueAxis;
   x->setTitleText("step");
-  x->setLabelFormat("%d");
   auto* y = new QValueAxis;
-  y->setLabelFormat("%g");
+  for (QValueAxis* a : {x, y}) {
+    a->setTickType(QValueAxis::TicksDynamic);
+    a->setTickAnchor(0);
+  }
   chart->addAxis(x, Qt::AlignBottom);
   chart->addAxis(y, Qt::AlignLeft);
   for (QLineSeries* s : series) {
@@ -73,14 +80,101 @@ QChart* makeChart(const QString& title, std::initializer_list<QLineSeries*> seri
   return chart;
 }
 
-// Fills `line` from `series`, decimated to about the chart's width, and fits the axes to all of
-// `all` (series of one chart share axes).
-void fill(QChart* chart, std::initializer_list<std::pair<QLineSeries*, const Series*>> all) {
+QValueAxis* valueAxis(QChart* chart, Qt::Orientation o) {
+  const QList<QAbstractAxis*> axes = chart->axes(o);
+  return axes.isEmpty() ? nullptr : qobject_cast<QValueAxis*>(axes.first());
+}
+
+// The pixels along `a` its labels have: the plot's width or height (a guess before the chart is
+// first laid out).
+double axisLength(QChart* chart, const QValueAxis* a) {
+  const QRectF plot = chart->plotArea();
+  if (a->orientation() == Qt::Horizontal) return plot.width() >= 40 ? plot.width() : 400;
+  return plot.height() >= 40 ? plot.height() : 120;
+}
+
+// Whether the labels of `t` fit `length` pixels along `a` with `gap` pixels between them (the
+// step axis elides a label wider than its share of the axis to "...").
+bool fits(const QValueAxis* a, const AxisTicks& t, double length, double gap) {
+  const QFontMetricsF fm(a->labelsFont());
+  const QStringList labels = tickLabels(t);
+  double extent = 0;
+  for (const QString& l : labels)
+    extent = std::max(extent,
+                      a->orientation() == Qt::Horizontal ? fm.horizontalAdvance(l) : fm.height());
+  return labels.size() * (extent + gap) <= length;
+}
+
+// A comfortable gap between labels: two digits across, half a label's height up the value axis.
+double comfortableGap(const QValueAxis* a) {
+  const QFontMetricsF fm(a->labelsFont());
+  return a->orientation() == Qt::Horizontal ? 2 * fm.horizontalAdvance('0') : fm.height() / 2;
+}
+
+// The most ticks over [lo, hi] whose labels fit `a` comfortably: at most 8 steps, 6 values.
+AxisTicks fitted(QChart* chart, const QValueAxis* a, double lo, double hi) {
+  const bool steps = a->orientation() == Qt::Horizontal;
+  const double length = axisLength(chart, a), gap = comfortableGap(a);
+  AxisTicks t;
+  for (int n = steps ? 8 : 6; n >= 2; --n) {
+    t = steps ? stepTicks(lo, hi, n) : valueTicks(lo, hi, n);
+    if (fits(a, t, length, gap)) break;
+  }
+  return t;
+}
+
+AxisTicks current(const QValueAxis* a) {
+  AxisTicks t;
+  t.min = a->min();
+  t.max = a->max();
+  t.interval = a->tickInterval();
+  t.format = a->labelFormat();
+  return t;
+}
+
+// Range, interval and label format together, every time: what the axis draws is t's labels and
+// no others. The coarser interval goes first, so that no moment pairs a wide range with a fine
+// interval (a run of 100000 steps after one of 10: 100000 tick labels, briefly).
+void apply(QValueAxis* a, const AxisTicks& t) {
+  const bool coarser = t.interval >= a->tickInterval();
+  if (coarser) a->setTickInterval(t.interval);
+  a->setRange(t.min, t.max);
+  if (!coarser) a->setTickInterval(t.interval);
+  a->setLabelFormat(t.format);
+}
+
+// After the plot area changed (the window resized, the first layout): new ticks when the labels
+// would now collide, or twice as many fit. Not for every pixel: the ticks move the plot area in
+// turn (the value axis's labels take its width), and must not see-saw.
+void refitTicks(QChart* chart) {
+  for (Qt::Orientation o : {Qt::Horizontal, Qt::Vertical}) {
+    QValueAxis* a = valueAxis(chart, o);
+    if (!a) continue;
+    const AxisTicks now = current(a);
+    const AxisTicks want = fitted(chart, a, now.min, now.max);
+    if (want.interval == now.interval && want.format == now.format) continue;
+    const bool crowded = !fits(a, now, axisLength(chart, a), 2);
+    if (crowded || tickValues(want).size() >= 2 * tickValues(now).size()) apply(a, want);
+  }
+}
+
+// One line of a chart: its points from `series`, drawn as dots too when `dots` (or when there is
+// a single point, which a line alone does not show).
+struct Line {
+  QLineSeries* line;
+  const Series* series;
+  bool dots = false;
+};
+
+// Fills each line from its series, decimated to about the chart's width, and fits the axes to all
+// of them (the lines of one chart share axes).
+void fill(QChart* chart, std::initializer_list<Line> all) {
   double x0 = INFINITY, x1 = -INFINITY, y0 = INFINITY, y1 = -INFINITY;
   const int width = std::max(200, static_cast<int>(chart->plotArea().width()));
-  for (auto [line, s] : all) {
+  for (const Line& l : all) {
+    const Series* s = l.series;
     if (s->isEmpty()) {
-      line->clear();
+      l.line->clear();
       continue;
     }
     x0 = std::min(x0, s->minX());
@@ -88,20 +182,17 @@ void fill(QChart* chart, std::initializer_list<std::pair<QLineSeries*, const Ser
     y0 = std::min(y0, s->minY());
     y1 = std::max(y1, s->maxY());
   }
-  if (!std::isfinite(x0)) return;
-  for (auto [line, s] : all)
-    if (!s->isEmpty()) line->replace(s->decimated(x0, x1, width));
-  auto axes = chart->axes();
-  for (QAbstractAxis* a : axes) {
-    auto* v = qobject_cast<QValueAxis*>(a);
-    if (!v) continue;
-    if (a->orientation() == Qt::Horizontal)
-      v->setRange(x0, x1 > x0 ? x1 : x0 + 1);
-    else if (std::isfinite(y0)) {
-      v->setRange(y0, y1 > y0 ? y1 + 0.05 * (y1 - y0) : y0 + 1);
-      v->applyNiceNumbers();  // ticks on round values (15000, 20000, ...), not 14238.7
-    }
+  for (const Line& l : all) {
+    if (l.series->isEmpty()) continue;
+    const QList<QPointF> shown = l.series->decimated(x0, x1, width);
+    l.line->setPointsVisible(l.dots || shown.size() == 1);
+    l.line->replace(shown);
   }
+  // Nothing yet (a run just opened): 0..1, not the axes of the run shown before.
+  const auto [xLo, xHi] = std::isfinite(x0) ? stepRange(x0, x1) : std::pair(0.0, 1.0);
+  const auto [yLo, yHi] = std::isfinite(y0) ? valueRange(y0, y1) : std::pair(0.0, 1.0);
+  if (QValueAxis* x = valueAxis(chart, Qt::Horizontal)) apply(x, fitted(chart, x, xLo, xHi));
+  if (QValueAxis* y = valueAxis(chart, Qt::Vertical)) apply(y, fitted(chart, y, yLo, yHi));
 }
 
 }  // namespace
@@ -164,7 +255,6 @@ MonitorWidget::MonitorWidget(QWidget* parent) : QWidget(parent) {
   m_loss->setName("training loss");
   m_eval = new QLineSeries;
   m_eval->setName("validation loss");
-  m_eval->setPointsVisible(true);
   m_lr = new QLineSeries;
   m_norm = new QLineSeries;
   m_speed = new QLineSeries;
@@ -172,13 +262,18 @@ MonitorWidget::MonitorWidget(QWidget* parent) : QWidget(parent) {
   m_lrChart = makeChart("Learning rate", {m_lr});
   m_normChart = makeChart("Gradient norm (before clipping)", {m_norm});
   m_speedChart = makeChart("Tokens/s", {m_speed});
-  auto* charts = new QGridLayout;
+  auto* chartsPane = new QWidget;
+  auto* charts = new QGridLayout(chartsPane);
+  charts->setContentsMargins(0, 0, 0, 0);
   int i = 0;
   for (QChart* c : {m_lossChart, m_lrChart, m_normChart, m_speedChart}) {
     auto* view = new QChartView(c);
     view->setRenderHint(QPainter::Antialiasing);
-    view->setMinimumHeight(170);
+    // Room for the chart's title, a plot with three value labels, the step axis and its title.
+    view->setMinimumSize(240, 170);
     charts->addWidget(view, i / 2, i % 2);
+    connect(
+        c, &QChart::plotAreaChanged, this, [c] { refitTicks(c); }, Qt::QueuedConnection);
     ++i;
   }
 
@@ -213,13 +308,35 @@ MonitorWidget::MonitorWidget(QWidget* parent) : QWidget(parent) {
   top->addWidget(m_export);
   top->addWidget(m_stopSave);
   top->addWidget(m_stop);
+  // A splitter, not a box layout: the Chat tab's wrapped status line asks for its height for the
+  // width (height-for-width), which a box layout grants even below the other widgets' minimum
+  // heights; the charts' rows then overlapped and their step titles were cut off. A splitter
+  // keeps every pane at its minimum, and the user can trade chart height for the tabs'.
+  auto* panes = new QSplitter(Qt::Vertical);
+  panes->setObjectName("monitorPanes");
+  panes->setChildrenCollapsible(false);
+  panes->addWidget(chartsPane);
+  panes->addWidget(m_devices);
+  panes->addWidget(m_timeline);
+  panes->addWidget(tabs);
+  panes->setStretchFactor(0, 3);
+  panes->setStretchFactor(1, 0);
+  panes->setStretchFactor(2, 1);
+  panes->setStretchFactor(3, 1);
+  // Below the title and the buttons, the panes scroll when the window is smaller than their
+  // minimum (a 1024x700 screen, an error banner): the buttons stay in view.
+  auto* body = new QWidget;
+  auto* column = new QVBoxLayout(body);
+  column->setContentsMargins(0, 0, 0, 0);
+  column->addWidget(m_banner);
+  column->addWidget(panes, 1);
+  auto* scroll = new QScrollArea;
+  scroll->setWidgetResizable(true);
+  scroll->setFrameShape(QFrame::NoFrame);
+  scroll->setWidget(body);
   auto* layout = new QVBoxLayout(this);
   layout->addLayout(top);
-  layout->addWidget(m_banner);
-  layout->addLayout(charts, 3);
-  layout->addWidget(m_devices);
-  layout->addWidget(m_timeline, 1);
-  layout->addWidget(tabs, 1);
+  layout->addWidget(scroll, 1);
 }
 
 MonitorWidget::~MonitorWidget() {
@@ -430,7 +547,7 @@ void MonitorWidget::refresh() {
     m_banner->setText("<b>The run failed:</b> " + s.errorMessage().toHtmlEscaped());
     m_banner->show();
   }
-  fill(m_lossChart, {{m_loss, &s.loss()}, {m_eval, &s.evalLoss()}});
+  fill(m_lossChart, {{m_loss, &s.loss()}, {m_eval, &s.evalLoss(), true}});
   fill(m_lrChart, {{m_lr, &s.lr()}});
   fill(m_normChart, {{m_norm, &s.gradNorm()}});
   fill(m_speedChart, {{m_speed, &s.throughput()}});
