@@ -1,4 +1,5 @@
-// Figures as the GUI writes them: bytes ("1.50 GiB") and durations ("3 min"), as the CLI does.
+// Figures as the GUI writes them: bytes ("1.50 GiB") and durations ("3 min"), as the CLI does;
+// strings as TOML spells them.
 #pragma once
 
 #include <QString>
@@ -12,7 +13,24 @@ inline QString bytesText(double b) {
   return QString::number(b / 1024.0, 'f', 1) + " KiB";
 }
 
+// A TOML basic string: quoted, with its quotes, backslashes and control characters escaped.
+inline QString tomlString(const QString& s) {
+  QString o = "\"";
+  for (QChar c : s) {
+    if (c == '"' || c == '\\')
+      o += '\\', o += c;
+    else if (c == '\n')
+      o += "\\n";
+    else if (c == '\t')
+      o += "\\t";
+    else
+      o += c;
+  }
+  return o + "\"";
+}
+
 inline QString durationText(double s) {
+  if (s < 1) return QString::number(s, 'g', 2) + " s";  // a step of a small model: "0.021 s"
   if (s < 90) return QString::number(s, 'f', 0) + " s";
   if (s < 5400) return QString::number(s / 60, 'f', 0) + " min";
   return QString::number(s / 3600, 'f', 1) + " h";

@@ -65,19 +65,36 @@ bool MainWindow::openRun(const QString& dir, QString* error) {
 
 void MainWindow::closeEvent(QCloseEvent* event) {
   if (m_monitor->childRunning()) {
-    const auto answer = QMessageBox::question(
-        this, "A run is going",
-        "Stop the run and save a checkpoint before closing? (It can be resumed later from the "
-        "File menu or with rondo train --resume.)",
-        QMessageBox::Yes | QMessageBox::Cancel, QMessageBox::Yes);
-    if (answer != QMessageBox::Yes) {
-      event->ignore();
+    event->ignore();
+    if (m_closing) {  // closed again while the checkpoint is being written
+      const auto answer = QMessageBox::question(
+          this, "Writing a checkpoint",
+          "The run is finishing its step and writing a checkpoint; the window closes when it is "
+          "done. Stop it now instead? (The steps since the last checkpoint are lost.)",
+          QMessageBox::Yes | QMessageBox::No, QMessageBox::No);
+      if (answer == QMessageBox::Yes) m_monitor->stop();  // the second request: it ends at once
       return;
     }
-    statusBar()->showMessage("Stopping: finishing the steps under way and writing a checkpoint…");
-    m_monitor->stopAndSave();  // the monitor waits for it to end when it is destroyed
+    const auto answer = QMessageBox::question(
+        this, "A run is going",
+        "Stop the run and save a checkpoint before closing? It can be resumed later from the "
+        "File menu (Resume a stopped run).",
+        QMessageBox::Yes | QMessageBox::Cancel, QMessageBox::Yes);
+    if (answer == QMessageBox::Yes) closeAfterStopping();
+    return;
   }
   event->accept();
+}
+
+void MainWindow::closeAfterStopping() {
+  if (m_closing || !m_monitor->childRunning()) return;
+  m_closing = true;
+  m_stack->setCurrentWidget(m_monitor);
+  statusBar()->showMessage(
+      "Stopping: finishing the steps under way and writing a checkpoint; the window closes when "
+      "it is saved");
+  connect(m_monitor, &MonitorWidget::finished, this, &QWidget::close);
+  m_monitor->stopAndSave();
 }
 
 void MainWindow::showWizard() {

@@ -20,6 +20,10 @@ class MainWindow : public QMainWindow {
   MonitorWidget* monitor() const { return m_monitor; }
   bool openRun(const QString& dir, QString* error = nullptr);
   void showWizard();
+  // Closing while a run goes, once the user said yes: asks the run to stop and save, and closes
+  // the window when it has ended (the window stays, saying so, until then).
+  void closeAfterStopping();
+  bool closing() const { return m_closing; }
 
  protected:
   void closeEvent(QCloseEvent* event) override;
@@ -28,6 +32,7 @@ class MainWindow : public QMainWindow {
   QStackedWidget* m_stack;
   SetupWizard* m_wizard;
   MonitorWidget* m_monitor;
+  bool m_closing = false;
 };
 
 }  // namespace rondo::gui

@@ -21,6 +21,7 @@
 #include <QRegularExpression>
 #include <QSaveFile>
 #include <QScopeGuard>
+#include <QScrollArea>
 #include <QSpinBox>
 #include <QTableWidget>
 #include <QTemporaryDir>
@@ -28,6 +29,7 @@
 #include <QVBoxLayout>
 #include <functional>
 
+#include "gui/app/advanced_settings.h"
 #include "gui/app/format.h"
 #include "gui/app/rondo_cli.h"
 
@@ -58,6 +60,25 @@ class HookPage : public QWizardPage {
   void changed() { emit completeChanged(); }
 };
 
+// The form of a page, in a frame that scrolls: a page never makes the window taller or wider than
+// a small screen (1024x700) allows.
+QFormLayout* scrolledForm(QWizardPage* page) {
+  auto* area = new QScrollArea;
+  area->setWidgetResizable(true);
+  area->setFrameShape(QFrame::NoFrame);
+  auto* body = new QWidget;
+  area->setWidget(body);
+  auto* outer = new QVBoxLayout(page);
+  outer->setContentsMargins(0, 0, 0, 0);
+  outer->addWidget(area);
+  // The rows at the top, the room left below them (not spread between them).
+  auto* column = new QVBoxLayout(body);
+  auto* form = new QFormLayout;
+  column->addLayout(form);
+  column->addStretch(1);
+  return form;
+}
+
 // A message from the CLI in the wizard's words: the temporary config it planned from is not
 // named, and each config key becomes the field that sets it, with its page.
 QString inWizardWords(QString text) {
@@ -66,6 +87,8 @@ QString inWizardWords(QString text) {
   static const std::pair<const char*, const char*> kFields[] = {
       {"model.path", "Model (Model page)"},
       {"model.dtype", "Train in (Model page)"},
+      {"model.quantize", "Frozen base (Method page)"},
+      {"data.skip_bad_lines", "Skip bad lines (Data page)"},
       {"data.train_on_everything", "Train on prompts too (Data page)"},
       {"data.validation_split", "Validation share (Data page)"},
       {"data.train", "Training file (Data page)"},
@@ -100,25 +123,10 @@ QString inWizardWords(QString text) {
   return text;
 }
 
-QString quoted(const QString& s) {
-  QString o = "\"";
-  for (QChar c : s) {
-    if (c == '"' || c == '\\')
-      o += '\\', o += c;
-    else if (c == '\n')
-      o += "\\n";
-    else if (c == '\t')
-      o += "\\t";
-    else
-      o += c;
-  }
-  return o + "\"";
-}
-
 QString list(const QStringList& items) {
   QStringList q;
   for (const QString& s : items)
-    q << quoted(s);
+    q << tomlString(s);
   return "[" + q.join(", ") + "]";
 }
 
@@ -139,28 +147,45 @@ QSpinBox* spin(const char* name, int lo, int hi, int value) {
 }  // namespace
 
 QString WizardConfig::toToml() const {
+  const QString exportFormat = method == "lora" ? "adapter" : "merged";
+  // The sections in the CLI's order, the pages' keys first, then the Advanced page's changes.
+  QList<QPair<QString, QStringList>> sections = {
+      {"model",
+       {"path = " + tomlString(modelPath), "dtype = " + tomlString(modelDtype),
+        "quantize = " + tomlString(quantize)}},
+      {"data",
+       {"train = " + tomlString(dataPath), "format = " + tomlString(dataFormat),
+        QString("train_on_everything = ") + (trainOnEverything ? "true" : "false"),
+        QString("skip_bad_lines = ") + (skipBadLines ? "true" : "false"),
+        "validation_split = " + fmtNumber(validationSplit),
+        "seq_len = " + QString::number(seqLen)}},
+      {"lora",
+       {"rank = " + QString::number(loraRank), "alpha = " + fmtNumber(loraAlpha),
+        "targets = " + list(loraTargets), "dropout = " + fmtNumber(loraDropout),
+        QString("rslora = ") + (rslora ? "true" : "false")}},
+      {"training",
+       {"method = " + tomlString(method), "steps = " + QString::number(steps),
+        "epochs = " + fmtNumber(epochs), "batch_rows = " + QString::number(batchRows),
+        "grad_accum = " + QString::number(gradAccum), "lr = " + fmtNumber(lr),
+        "schedule = " + tomlString(schedule), "warmup_steps = " + QString::number(warmupSteps)}},
+      {"checkpoint", {"every = " + QString::number(checkpointEvery)}},
+      {"eval",
+       {"every = " + QString::number(evalEvery), "sample_every = " + QString::number(sampleEvery),
+        "prompts = " + list(prompts)}},
+      {"hardware",
+       {"sim_devices = " + QString::number(simDevices), "memory_cap = " + tomlString(memoryCap),
+        "host_memory = " + tomlString(hostMemory), "offload_dir = " + tomlString(offloadDir)}},
+      {"output", {"run_dir = " + tomlString(runDir)}}};
+  bool exports = false;
+  for (const auto& [key, value] : advanced) {
+    for (auto& [section, lines] : sections)
+      if (key.section('.', 0, 0) == section) lines << key.section('.', 1) + " = " + value;
+    exports = exports || key == "output.exports";
+  }
+  if (!exports) sections.back().second << "exports = " + list({exportFormat});
   QString t = "# Written by rondo-gui; run it with `rondo train <this file>`.\n";
-  t += "\n[model]\npath = " + quoted(modelPath) + "\ndtype = " + quoted(modelDtype) + "\n";
-  t += "\n[data]\ntrain = " + quoted(dataPath) + "\nformat = " + quoted(dataFormat) +
-       "\ntrain_on_everything = " + (trainOnEverything ? "true" : "false") +
-       "\nvalidation_split = " + fmtNumber(validationSplit) +
-       "\nseq_len = " + QString::number(seqLen) + "\n";
-  t += "\n[lora]\nrank = " + QString::number(loraRank) + "\nalpha = " + fmtNumber(loraAlpha) +
-       "\ntargets = " + list(loraTargets) + "\ndropout = " + fmtNumber(loraDropout) +
-       "\nrslora = " + (rslora ? "true" : "false") + "\n";
-  t += "\n[training]\nmethod = " + quoted(method) + "\nsteps = " + QString::number(steps) +
-       "\nepochs = " + fmtNumber(epochs) + "\nbatch_rows = " + QString::number(batchRows) +
-       "\ngrad_accum = " + QString::number(gradAccum) + "\nlr = " + fmtNumber(lr) +
-       "\nschedule = " + quoted(schedule) + "\nwarmup_steps = " + QString::number(warmupSteps) +
-       "\n";
-  t += "\n[checkpoint]\nevery = " + QString::number(checkpointEvery) + "\n";
-  t += "\n[eval]\nevery = " + QString::number(evalEvery) +
-       "\nsample_every = " + QString::number(sampleEvery) + "\nprompts = " + list(prompts) + "\n";
-  t += "\n[hardware]\nsim_devices = " + QString::number(simDevices) +
-       "\nmemory_cap = " + quoted(memoryCap) + "\nhost_memory = " + quoted(hostMemory) + "\n";
-  t += "\n[output]\nrun_dir = " + quoted(runDir) +
-       "\nexports = " + list(method == "lora" ? QStringList{"adapter"} : QStringList{"merged"}) +
-       "\n";
+  for (const auto& [section, lines] : sections)
+    t += "\n[" + section + "]\n" + lines.join("\n") + "\n";
   return t;
 }
 
@@ -170,11 +195,10 @@ SetupWizard::SetupWizard(QWidget* parent) : QWizard(parent) {
   setWizardStyle(QWizard::ClassicStyle);
   setOption(QWizard::NoBackButtonOnStartPage);
   setButtonText(QWizard::FinishButton, "Start");
-  setMinimumSize(760, 560);
 
   // ---- Model ----
   auto* model = new HookPage;
-  model->setTitle("Model");
+  model->setTitle("Step 1 of 7: Model");
   model->setSubTitle("A Hugging Face folder or a GGUF file on this machine.");
   m_modelPath = new QLineEdit;
   m_modelPath->setObjectName("modelPath");
@@ -183,6 +207,9 @@ SetupWizard::SetupWizard(QWidget* parent) : QWizard(parent) {
   m_dtype = new QComboBox;
   m_dtype->setObjectName("modelDtype");
   m_dtype->addItems({"bf16", "fp16", "fp32"});
+  m_dtype->setToolTip(
+      "The precision the weights are streamed and computed in; the trained copies and the "
+      "optimizer stay in fp32. bf16 halves the traffic and memory of fp32.");
   m_modelInfo = new QLabel("Pick a model to see its family, size and dtype.");
   m_modelInfo->setObjectName("modelInfo");
   m_modelInfo->setWordWrap(true);
@@ -192,7 +219,7 @@ SetupWizard::SetupWizard(QWidget* parent) : QWizard(parent) {
     row->addWidget(m_modelPath, 1);
     row->addWidget(browseFolder);
     row->addWidget(browseFile);
-    auto* form = new QFormLayout(model);
+    auto* form = scrolledForm(model);
     form->addRow("Model", row);
     form->addRow("Train in", m_dtype);
     form->addRow(m_modelInfo);
@@ -211,7 +238,7 @@ SetupWizard::SetupWizard(QWidget* parent) : QWizard(parent) {
 
   // ---- Data ----
   auto* data = new HookPage;
-  data->setTitle("Data");
+  data->setTitle("Step 2 of 7: Data");
   data->setSubTitle(
       "JSONL or a JSON list: text, alpaca (instruction/input/output), chat (messages) or "
       "ShareGPT (conversations).");
@@ -222,6 +249,10 @@ SetupWizard::SetupWizard(QWidget* parent) : QWizard(parent) {
   m_dataFormat->setObjectName("dataFormat");
   m_dataFormat->addItems({"auto", "text", "alpaca", "chat", "sharegpt"});
   m_trainOnEverything = new QCheckBox("Train on prompts too, not only on the replies");
+  m_skipBadLines = new QCheckBox("Skip bad lines (and count them) instead of stopping");
+  m_skipBadLines->setObjectName("skipBadLines");
+  m_skipBadLines->setToolTip(
+      "A line that is not valid JSON or lacks the format's fields stops the run unless checked");
   m_validationSplit = new QDoubleSpinBox;
   m_validationSplit->setObjectName("validationSplit");
   m_validationSplit->setRange(0, 0.5);
@@ -232,14 +263,16 @@ SetupWizard::SetupWizard(QWidget* parent) : QWizard(parent) {
   m_dataPreview = new QTextEdit;
   m_dataPreview->setObjectName("dataPreview");
   m_dataPreview->setReadOnly(true);
+  m_dataPreview->setMinimumHeight(120);
   {
     auto* row = new QHBoxLayout;
     row->addWidget(m_dataPath, 1);
     row->addWidget(browseData);
-    auto* form = new QFormLayout(data);
+    auto* form = scrolledForm(data);
     form->addRow("Training file", row);
     form->addRow("Format", m_dataFormat);
     form->addRow("", m_trainOnEverything);
+    form->addRow("", m_skipBadLines);
     form->addRow("Validation share", m_validationSplit);
     form->addRow(m_dataStats);
     form->addRow(new QLabel("First example — trained text in green, masked text in grey:"));
@@ -261,7 +294,7 @@ SetupWizard::SetupWizard(QWidget* parent) : QWizard(parent) {
 
   // ---- Method ----
   auto* method = new HookPage;
-  method->setTitle("Method");
+  method->setTitle("Step 3 of 7: Method");
   method->setSubTitle("LoRA adapters on a frozen base, or every weight.");
   m_lora = new QRadioButton("LoRA");
   m_lora->setObjectName("methodLora");
@@ -269,10 +302,25 @@ SetupWizard::SetupWizard(QWidget* parent) : QWizard(parent) {
   m_full = new QRadioButton("Full fine-tuning");
   m_full->setObjectName("methodFull");
   m_rank = spin("loraRank", 1, 4096, 16);
+  m_rank->setToolTip(
+      "The adapters' inner size: more rank, more capacity and memory (8 to 64 is usual)");
   m_alpha = new QDoubleSpinBox;
   m_alpha->setObjectName("loraAlpha");
   m_alpha->setRange(0.01, 1e6);
   m_alpha->setValue(32);
+  m_alpha->setToolTip(
+      "The adapters' output is scaled by alpha / rank: twice the rank is a common choice");
+  m_quantize = new QComboBox;
+  m_quantize->setObjectName("quantize");
+  for (const auto& [value, text] : std::initializer_list<std::pair<const char*, const char*>>{
+           {"auto", "as stored, quantised only where host memory needs it"},
+           {"none", "not quantised (the training dtype)"},
+           {"nf4", "NF4, 4 bits (QLoRA)"},
+           {"int8", "int8"}})
+    m_quantize->addItem(text, value);
+  m_quantize->setToolTip(
+      "How the frozen base is kept and streamed to the GPUs: 4 bits take about a quarter of the "
+      "memory and link traffic of bf16, at a small cost in accuracy");
   m_loraDropout = new QDoubleSpinBox;
   m_loraDropout->setObjectName("loraDropout");
   m_loraDropout->setRange(0, 0.9);
@@ -297,9 +345,10 @@ SetupWizard::SetupWizard(QWidget* parent) : QWizard(parent) {
     m_targets << c;
   }
   {
-    auto* form = new QFormLayout(method);
+    auto* form = scrolledForm(method);
     form->addRow(m_lora);
     form->addRow(m_full);
+    form->addRow("Frozen base", m_quantize);
     form->addRow("Rank", m_rank);
     form->addRow("Alpha", m_alpha);
     form->addRow("LoRA dropout", m_loraDropout);
@@ -307,7 +356,8 @@ SetupWizard::SetupWizard(QWidget* parent) : QWizard(parent) {
     form->addRow("Targets", targets);
   }
   auto loraOn = [this] {
-    for (QWidget* w : std::initializer_list<QWidget*>{m_rank, m_alpha, m_loraDropout, m_rslora})
+    for (QWidget* w :
+         std::initializer_list<QWidget*>{m_rank, m_alpha, m_loraDropout, m_rslora, m_quantize})
       w->setEnabled(m_lora->isChecked());
     for (QCheckBox* c : m_targets)
       c->setEnabled(m_lora->isChecked());
@@ -325,10 +375,11 @@ SetupWizard::SetupWizard(QWidget* parent) : QWizard(parent) {
 
   // ---- Hardware ----
   auto* hw = new HookPage;
-  hw->setTitle("Hardware");
+  hw->setTitle("Step 4 of 7: Hardware");
   hw->setSubTitle("The devices Rondo found, and how much of them a run may use.");
   m_devices = new QListWidget;
   m_devices->setObjectName("devices");
+  m_devices->setMaximumHeight(110);
   m_simDevices = spin("simDevices", 0, 64, 0);
   m_simDevices->setToolTip("Simulated GPUs on the CPU, to try a multi-GPU schedule without GPUs");
   m_memoryCap = new QLineEdit;
@@ -339,16 +390,26 @@ SetupWizard::SetupWizard(QWidget* parent) : QWizard(parent) {
   m_hostMemory->setPlaceholderText("what the OS reports free, or e.g. 64GB");
   m_nvmeDir = new QLineEdit;
   m_nvmeDir->setObjectName("nvmeDir");
-  m_nvmeDir->setEnabled(false);
-  m_nvmeDir->setPlaceholderText("not available yet: training state stays in host memory");
+  m_nvmeDir->setPlaceholderText("none: all training state in host memory");
+  m_nvmeDir->setToolTip(
+      "A folder on a fast drive for what the host memory budget cannot hold (frozen weights, "
+      "optimizer state, activation checkpoints); the plan says how much goes there");
+  auto* browseNvme = new QPushButton("Folder…");
   {
-    auto* form = new QFormLayout(hw);
+    auto* form = scrolledForm(hw);
     form->addRow("Devices", m_devices);
     form->addRow("Simulated GPUs", m_simDevices);
     form->addRow("GPU memory cap", m_memoryCap);
     form->addRow("Host memory budget", m_hostMemory);
-    form->addRow("NVMe folder", m_nvmeDir);
+    auto* row = new QHBoxLayout;
+    row->addWidget(m_nvmeDir, 1);
+    row->addWidget(browseNvme);
+    form->addRow("NVMe folder", row);
   }
+  connect(browseNvme, &QPushButton::clicked, this, [this] {
+    const QString d = QFileDialog::getExistingDirectory(this, "NVMe folder");
+    if (!d.isEmpty()) m_nvmeDir->setText(d);
+  });
   hw->init = [this] { refreshDevices(); };
   // The list shows what a run would use: the simulated devices when there are some.
   connect(m_simDevices, &QSpinBox::valueChanged, this, &SetupWizard::refreshDevices);
@@ -356,7 +417,7 @@ SetupWizard::SetupWizard(QWidget* parent) : QWizard(parent) {
 
   // ---- Training ----
   auto* tr = new HookPage;
-  tr->setTitle("Training");
+  tr->setTitle("Step 5 of 7: Training");
   tr->setSubTitle("How long, how fast, and where the run folder goes.");
   m_steps = spin("steps", 0, 10000000, 0);
   m_steps->setToolTip("0: from the number of epochs");
@@ -366,11 +427,17 @@ SetupWizard::SetupWizard(QWidget* parent) : QWizard(parent) {
   m_epochs->setValue(1);
   m_lr = new QLineEdit("2e-4");
   m_lr->setObjectName("lr");
+  m_lr->setToolTip(
+      "The peak step size: 1e-4 to 3e-4 is usual for LoRA, about a tenth of that for full "
+      "fine-tuning");
   m_schedule = new QComboBox;
   m_schedule->setObjectName("schedule");
   m_schedule->addItems({"cosine", "linear", "constant"});
   m_warmup = spin("warmupSteps", 0, 10000000, 0);
   m_seqLen = spin("seqLen", 2, 1 << 20, 1024);
+  m_seqLen->setToolTip(
+      "Tokens per row: longer examples are cut there, shorter ones packed together; device "
+      "memory grows with it");
   m_batchRows = spin("batchRows", 1, 65536, 1);
   m_batchRows->setToolTip("Sequences a device processes at once (training.batch_rows)");
   m_gradAccum = spin("gradAccum", 1, 65536, 1);
@@ -388,7 +455,7 @@ SetupWizard::SetupWizard(QWidget* parent) : QWizard(parent) {
   m_runDir = new QLineEdit(freeRunFolder());
   m_runDir->setObjectName("runDir");
   {
-    auto* form = new QFormLayout(tr);
+    auto* form = scrolledForm(tr);
     form->addRow("Steps", m_steps);
     form->addRow("Epochs (when steps is 0)", m_epochs);
     form->addRow("Learning rate", m_lr);
@@ -422,9 +489,46 @@ SetupWizard::SetupWizard(QWidget* parent) : QWizard(parent) {
   connect(m_runDir, &QLineEdit::textChanged, tr, &HookPage::changed);
   setPage(TrainingPage, tr);
 
+  // ---- Advanced ----
+  auto* adv = new HookPage;
+  adv->setTitle("Step 6 of 7: Every other setting");
+  adv->setSubTitle("Optimizer, evaluation, checkpoints, drives, exports: the defaults are sound.");
+  m_advanced = new AdvancedSettings({"model.path",           "model.dtype",
+                                     "model.quantize",       "data.train",
+                                     "data.format",          "data.train_on_everything",
+                                     "data.skip_bad_lines",  "data.validation_split",
+                                     "data.seq_len",         "lora.rank",
+                                     "lora.alpha",           "lora.targets",
+                                     "lora.dropout",         "lora.rslora",
+                                     "training.method",      "training.steps",
+                                     "training.epochs",      "training.batch_rows",
+                                     "training.grad_accum",  "training.lr",
+                                     "training.schedule",    "training.warmup_steps",
+                                     "checkpoint.every",     "eval.every",
+                                     "eval.sample_every",    "eval.prompts",
+                                     "hardware.sim_devices", "hardware.memory_cap",
+                                     "hardware.host_memory", "hardware.offload_dir",
+                                     "output.run_dir"});
+  {
+    auto* area = new QScrollArea;
+    area->setWidgetResizable(true);
+    area->setFrameShape(QFrame::NoFrame);
+    area->setWidget(m_advanced);
+    auto* outer = new QVBoxLayout(adv);
+    outer->setContentsMargins(0, 0, 0, 0);
+    outer->addWidget(area);
+  }
+  adv->init = [this] {
+    QString error;
+    if (!m_advanced->load(&error))
+      m_advanced->layout()->addWidget(
+          new QLabel("<span style='color:#b00020'>" + error.toHtmlEscaped() + "</span>"));
+  };
+  setPage(AdvancedPage, adv);
+
   // ---- Review ----
   auto* review = new HookPage;
-  review->setTitle("Review");
+  review->setTitle("Step 7 of 7: Review");
   review->setSubTitle("What the run needs and how long it will take, before anything starts.");
   m_verdict = new QLabel;
   m_verdict->setObjectName("planVerdict");
@@ -432,30 +536,40 @@ SetupWizard::SetupWizard(QWidget* parent) : QWizard(parent) {
   big.setPointSize(big.pointSize() + 4);
   big.setBold(true);
   m_verdict->setFont(big);
+  m_verdict->setSizePolicy(QSizePolicy::Maximum, QSizePolicy::Fixed);
   m_planDevices = new QTableWidget(0, 4);
   m_planDevices->setObjectName("planDevices");
-  m_planDevices->setHorizontalHeaderLabels({"Device", "Peak", "Capacity", "Use"});
-  m_planDevices->horizontalHeader()->setStretchLastSection(true);
+  m_planDevices->setHorizontalHeaderLabels({"", "Needs", "Has", "Use"});
+  m_planDevices->horizontalHeader()->setSectionResizeMode(0, QHeaderView::Stretch);
   m_planDevices->verticalHeader()->hide();
+  m_planDevices->setEditTriggers(QAbstractItemView::NoEditTriggers);
+  m_planDevices->setVerticalScrollBarPolicy(Qt::ScrollBarAlwaysOff);
   m_speed = new QLabel;
   m_speed->setObjectName("planSpeed");
   m_speed->setWordWrap(true);
+  m_fix = new QPushButton;
+  m_fix->setObjectName("applyFix");
+  m_fix->setSizePolicy(QSizePolicy::Maximum, QSizePolicy::Fixed);
+  m_fix->hide();
   m_problems = new QLabel;
   m_problems->setObjectName("planProblems");
   m_problems->setWordWrap(true);
+  m_problems->setTextInteractionFlags(Qt::TextSelectableByMouse);
   m_command = new QLineEdit;
   m_command->setObjectName("cliCommand");
   m_command->setReadOnly(true);
   auto* save = new QPushButton("Save config…");
   {
-    auto* form = new QFormLayout(review);
+    auto* form = scrolledForm(review);
     form->addRow("Verdict", m_verdict);
     form->addRow(m_planDevices);
     form->addRow(m_speed);
+    form->addRow(m_fix);
     form->addRow(m_problems);
     form->addRow("Command", m_command);
     form->addRow(save);
   }
+  connect(m_fix, &QPushButton::clicked, this, &SetupWizard::applyFix);
   connect(save, &QPushButton::clicked, this, [this] {
     const QString f =
         QFileDialog::getSaveFileName(this, "Save config", configPath(), "TOML (*.toml)");
@@ -482,6 +596,8 @@ WizardConfig SetupWizard::config() const {
   WizardConfig c;
   c.modelPath = m_modelPath->text().trimmed();
   c.modelDtype = m_dtype->currentText();
+  c.quantize = m_quantize->currentData().toString();
+  c.skipBadLines = m_skipBadLines->isChecked();
   c.dataPath = m_dataPath->text().trimmed();
   c.dataFormat = m_dataFormat->currentText();
   c.trainOnEverything = m_trainOnEverything->isChecked();
@@ -515,8 +631,48 @@ WizardConfig SetupWizard::config() const {
   c.simDevices = m_simDevices->value();
   c.memoryCap = m_memoryCap->text().trimmed();
   c.hostMemory = m_hostMemory->text().trimmed();
+  c.offloadDir = m_nvmeDir->text().trimmed();
+  c.advanced = m_advanced->changed();
   c.runDir = QDir::cleanPath(m_runDir->text().trimmed());
   return c;
+}
+
+bool SetupWizard::setSetting(const QString& key, const QString& value) {
+  const auto combo = [&](QComboBox* c, int at) {
+    if (at < 0) return false;
+    c->setCurrentIndex(at);
+    return true;
+  };
+  const auto number = [&](QSpinBox* s) {
+    bool ok = false;
+    const int v = value.toInt(&ok);
+    if (ok) s->setValue(v);
+    return ok;
+  };
+  if (key == "model.quantize") return combo(m_quantize, m_quantize->findData(value));
+  if (key == "model.dtype") return combo(m_dtype, m_dtype->findText(value));
+  if (key == "training.method") {
+    (value == "full" ? m_full : m_lora)->setChecked(true);
+    return value == "full" || value == "lora";
+  }
+  if (key == "training.batch_rows") return number(m_batchRows);
+  if (key == "training.grad_accum") return number(m_gradAccum);
+  if (key == "data.seq_len") return number(m_seqLen);
+  for (auto [k, line] : {std::pair{"hardware.offload_dir", m_nvmeDir},
+                         std::pair{"hardware.host_memory", m_hostMemory},
+                         std::pair{"hardware.memory_cap", m_memoryCap}})
+    if (key == k) {
+      line->setText(value);
+      return true;
+    }
+  return m_advanced->load() && m_advanced->setValue(key, value);
+}
+
+void SetupWizard::applyFix() {
+  for (auto it = m_fixSet.begin(); it != m_fixSet.end(); ++it)
+    setSetting(it.key(), it.value().toString());
+  refreshReview();
+  if (auto* p = static_cast<HookPage*>(page(ReviewPage))) p->changed();
 }
 
 QString SetupWizard::configPath() const {
@@ -628,13 +784,27 @@ void SetupWizard::refreshReview() {
   if (m_busy) return;
   m_busy = true;
   const auto done = qScopeGuard([this] { m_busy = false; });
+  // The verdict as a badge, in its colour (grey while planning or when there is none).
+  auto badge = [this](const QString& text, const char* colour) {
+    m_verdict->setText(text);
+    m_verdict->setStyleSheet(
+        QString("QLabel { background:%1; color:white; border-radius:4px; padding:2px 10px; }")
+            .arg(colour));
+  };
   m_command->setText(commandLine());
   m_planDevices->setRowCount(0);
+  m_fix->hide();
+  m_fixSet = {};
+  m_speed->clear();
+  m_speed->setToolTip({});
+  m_problems->clear();
+  badge("planning…", "#6b6b6b");
+  m_verdict->repaint();  // planning takes seconds: say so before it starts
   QTemporaryDir tmp;
   const QString cfg = tmp.filePath("review.toml");
   QFile f(cfg);
   if (!tmp.isValid() || !f.open(QIODevice::WriteOnly)) {
-    m_verdict->setText("cannot write a temporary config");
+    badge("cannot write a temporary config", "#b00020");
     return;
   }
   f.write(config().toToml().toUtf8());
@@ -642,10 +812,9 @@ void SetupWizard::refreshReview() {
   QString error;
   m_plan = RondoCli::runJson({"plan", cfg, "--json"}, &error);
   if (m_plan.isEmpty()) {
-    m_verdict->setText("cannot plan");
+    badge("cannot plan", "#b00020");
     m_problems->setText("<span style='color:#b00020'>" + inWizardWords(error).toHtmlEscaped() +
                         "</span>");
-    m_speed->clear();
     return;
   }
   // A new run goes into a new or empty folder (the CLI refuses one holding a run or other files):
@@ -653,40 +822,84 @@ void SetupWizard::refreshReview() {
   const QString runDir = config().runDir;
   const bool folderTaken = QDir(runDir).exists() && !QDir(runDir).isEmpty();
   const QString verdict = folderTaken ? QString("folder in use") : m_plan["verdict"].toString();
-  m_verdict->setText(verdict);
-  m_verdict->setStyleSheet(verdict == "fits"    ? "color:#1b7f3b"
-                           : verdict == "tight" ? "color:#b26a00"
-                                                : "color:#b00020");
+  badge(verdict, verdict == "fits" ? "#1b7f3b" : verdict == "tight" ? "#b26a00" : "#b00020");
+  // What the run needs against what it has: each device, host memory, the disk for checkpoints
+  // and exports, and the NVMe folder when state goes there. A device the plan could not fit has
+  // no figure ("—"), not 0 bytes.
+  auto row = [this](const QString& what, double needs, double has) {
+    const int r = m_planDevices->rowCount();
+    m_planDevices->insertRow(r);
+    const bool known = needs > 0;
+    const bool over = known && has > 0 && needs > has;
+    const QStringList cells = {
+        what, known ? bytesText(needs) : QString("—"), has > 0 ? bytesText(has) : QString("—"),
+        !known || has <= 0  ? QString("—")
+        : needs < has / 100 ? QString("<1%")
+                            : QString::number(100.0 * needs / has, 'f', 0) + "%"};
+    for (int c = 0; c < cells.size(); ++c) {
+      auto* item = new QTableWidgetItem(cells[c]);
+      if (over) item->setForeground(QColor("#b00020"));
+      m_planDevices->setItem(r, c, item);
+    }
+  };
   for (const QJsonValue& v : m_plan["devices"].toArray()) {
     const QJsonObject d = v.toObject();
-    const double peak = d["peak_bytes"].toDouble(), cap = d["cap_bytes"].toDouble();
-    const int row = m_planDevices->rowCount();
-    m_planDevices->insertRow(row);
-    m_planDevices->setItem(row, 0, new QTableWidgetItem(d["name"].toString()));
-    m_planDevices->setItem(row, 1, new QTableWidgetItem(bytesText(peak)));
-    m_planDevices->setItem(row, 2, new QTableWidgetItem(bytesText(cap)));
-    m_planDevices->setItem(
-        row, 3,
-        new QTableWidgetItem(cap > 0 ? QString::number(100.0 * peak / cap, 'f', 1) + "%" : "?"));
+    row(d["name"].toString(), d["peak_bytes"].toDouble(), d["cap_bytes"].toDouble());
   }
   const QJsonObject host = m_plan["host"].toObject();
+  row("Host memory", host["needed_bytes"].toDouble(), host["available_bytes"].toDouble());
+  const QJsonObject disk = m_plan["disk"].toObject();
+  row("Disk (checkpoints, exports)", disk["needed_bytes"].toDouble(),
+      disk["free_bytes"].toDouble());
+  const QJsonObject placement = m_plan["placement"].toObject();
+  if (placement["nvme_bytes"].toDouble() > 0)
+    row("NVMe folder", placement["nvme_bytes"].toDouble(),
+        placement["offload_free_bytes"].toDouble());
+  m_planDevices->resizeColumnsToContents();
+  // As tall as its rows: the figures, then what to do, without an empty frame between.
+  int height = m_planDevices->horizontalHeader()->height() + 2 * m_planDevices->frameWidth();
+  for (int r = 0; r < m_planDevices->rowCount(); ++r)
+    height += m_planDevices->rowHeight(r);
+  m_planDevices->setFixedHeight(height);
   // Steps and epochs, each in terms of the other: how long a pass over the data is.
   const QLocale locale;
   const qint64 steps = m_plan["steps"].toInteger();
   const qint64 perEpoch = m_plan["steps_per_epoch"].toInteger();
-  const QString epochs =
-      perEpoch > 0 ? QString(" (%1 epochs; one epoch is %2 steps)")
-                         .arg(locale.toString(static_cast<double>(steps) / perEpoch, 'g', 3),
-                              locale.toString(perEpoch))
-                   : QString();
-  m_speed->setText(
-      QString("About %1 tokens/s (estimated); %2 steps%3 of %4 tokens: about %5. "
-              "Host memory %6 of %7 available; plan %8.")
-          .arg(locale.toString(m_plan["tokens_per_s"].toDouble(), 'f', 0), locale.toString(steps),
-               epochs, locale.toString(m_plan["tokens_per_step"].toInteger()))
-          .arg(durationText(m_plan["seconds"].toDouble()),
-               bytesText(host["needed_bytes"].toDouble()),
-               bytesText(host["available_bytes"].toDouble()), m_plan["plan"].toString()));
+  const double epochs = perEpoch > 0 ? static_cast<double>(steps) / perEpoch : 0;
+  const QString epochText = perEpoch > 0 ? QString(" (%1 epoch%2; one epoch is %3 step%4)")
+                                               .arg(locale.toString(epochs, 'g', 3))
+                                               .arg(epochs == 1 ? "" : "s")
+                                               .arg(locale.toString(perEpoch))
+                                               .arg(perEpoch == 1 ? "" : "s")
+                                         : QString();
+  const double tokensPerS = m_plan["tokens_per_s"].toDouble();
+  if (tokensPerS > 0) {
+    m_speed->setText(
+        QString("About %1 tokens/s (estimated), %2 per step; %3 step%4%5 of %6 tokens: about %7.")
+            .arg(locale.toString(tokensPerS, 'f', 0),
+                 durationText(m_plan["step_seconds"].toDouble()), locale.toString(steps),
+                 steps == 1 ? "" : "s", epochText,
+                 locale.toString(m_plan["tokens_per_step"].toInteger()),
+                 durationText(m_plan["seconds"].toDouble())));
+    // The schedule, for those who read it (stages per device and microbatches).
+    m_speed->setToolTip("Schedule: " + m_plan["plan"].toString());
+  } else {
+    m_speed->setText(QString("%1 step%2%3; speed and time: not estimated, since nothing fits the "
+                             "devices.")
+                         .arg(locale.toString(steps), steps == 1 ? "" : "s", epochText));
+  }
+  // The first change the plan found that makes it fit, as a button that applies it.
+  const QJsonArray fixes = m_plan["fixes"].toArray();
+  if (!folderTaken && !fixes.isEmpty()) {
+    const QJsonObject fix = fixes.first().toObject();
+    m_fixSet = fix["set"].toObject();
+    QStringList fields;
+    for (auto it = m_fixSet.begin(); it != m_fixSet.end(); ++it)
+      fields << inWizardWords(it.key()) + " = " + it.value().toString();
+    m_fix->setText("Make it fit: " + fields.join(", "));
+    m_fix->setToolTip(fix["why"].toString() + " (planned: the run fits with it)");
+    m_fix->show();
+  }
   QStringList notes;
   if (folderTaken)
     notes << "• " + runDir +

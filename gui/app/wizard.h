@@ -1,11 +1,16 @@
-// The setup wizard: model, data, method, hardware, training, review. Each page asks the rondo CLI
-// what it needs (`inspect --json`, `data --json`, `devices --json`, `plan --json`); the review page
-// shows the plan's verdict per device, the predicted speed and time, and the equivalent command.
-// Start writes the config next to the run folder and emits startRequested. Widgets that tests fill
-// have object names (modelPath, dataPath, runDir, ...).
+// The setup wizard: model, data, method, hardware, training, every other setting (built from the
+// CLI's own list of keys), review. Each page asks the rondo CLI what it needs (`inspect --json`,
+// `data --json`, `devices --json`, `train --help-config --json`, `plan --json`); the review page
+// shows the plan's verdict as a badge, what the run needs against what each device, host memory
+// and the disk have, the predicted speed and time, a button that applies a change the plan found
+// to make it fit, and the equivalent command. Start writes the config next to the run folder and
+// emits startRequested. Every page scrolls, so the window fits a 1024x700 screen. Widgets that
+// tests fill have object names (modelPath, dataPath, runDir, ...).
 #pragma once
 
 #include <QJsonObject>
+#include <QList>
+#include <QPair>
 #include <QString>
 #include <QStringList>
 #include <QWizard>
@@ -17,6 +22,7 @@ class QLabel;
 class QLineEdit;
 class QListWidget;
 class QPlainTextEdit;
+class QPushButton;
 class QRadioButton;
 class QSpinBox;
 class QTableWidget;
@@ -24,11 +30,13 @@ class QTextEdit;
 
 namespace rondo::gui {
 
+class AdvancedSettings;
+
 // What the wizard sets, as config.toml spells it (docs/training.md).
 struct WizardConfig {
-  QString modelPath, modelDtype = "bf16";
+  QString modelPath, modelDtype = "bf16", quantize = "auto";
   QString dataPath, dataFormat = "auto";
-  bool trainOnEverything = false;
+  bool trainOnEverything = false, skipBadLines = false;
   double validationSplit = 0;
   qint64 seqLen = 1024;
   QString method = "lora";
@@ -47,8 +55,9 @@ struct WizardConfig {
   qint64 checkpointEvery = 0, evalEvery = 0, sampleEvery = 0;
   QStringList prompts;
   int simDevices = 0;
-  QString memoryCap, hostMemory;
+  QString memoryCap, hostMemory, offloadDir;
   QString runDir;
+  QList<QPair<QString, QString>> advanced;  // the Advanced page's changes: key, TOML value
 
   QString toToml() const;
 };
@@ -56,7 +65,15 @@ struct WizardConfig {
 class SetupWizard : public QWizard {
   Q_OBJECT
  public:
-  enum Page { ModelPage, DataPage, MethodPage, HardwarePage, TrainingPage, ReviewPage };
+  enum Page {
+    ModelPage,
+    DataPage,
+    MethodPage,
+    HardwarePage,
+    TrainingPage,
+    AdvancedPage,
+    ReviewPage
+  };
   explicit SetupWizard(QWidget* parent = nullptr);
 
   WizardConfig config() const;
@@ -68,6 +85,11 @@ class SetupWizard : public QWizard {
   bool start(QString* error = nullptr);
   // The last review: `rondo plan --json` (empty before the review page was shown).
   QJsonObject planResult() const { return m_plan; }
+  // Sets a config key (as `--set key=value` spells it) in the field that holds it, on whichever
+  // page; false for a key no field holds.
+  bool setSetting(const QString& key, const QString& value);
+  // Applies the first change the last plan found to make the run fit, and plans again.
+  void applyFix();
 
   // Page refreshes (the pages call them when their fields change; tests call them directly).
   void refreshModel();
@@ -85,12 +107,14 @@ class SetupWizard : public QWizard {
   // Model
   QLineEdit* m_modelPath;
   QComboBox* m_dtype;
+  QComboBox* m_quantize;
   QLabel* m_modelInfo;
   bool m_modelOk = false;
   // Data
   QLineEdit* m_dataPath;
   QComboBox* m_dataFormat;
   QCheckBox* m_trainOnEverything;
+  QCheckBox* m_skipBadLines;
   QDoubleSpinBox* m_validationSplit;
   QLabel* m_dataStats;
   QTextEdit* m_dataPreview;
@@ -124,11 +148,14 @@ class SetupWizard : public QWizard {
   QSpinBox* m_sampleEvery;
   QPlainTextEdit* m_prompts;
   QLineEdit* m_runDir;
+  AdvancedSettings* m_advanced;
   // Review
   QLabel* m_verdict;
   QTableWidget* m_planDevices;
   QLabel* m_speed;
   QLabel* m_problems;
+  QPushButton* m_fix;
+  QJsonObject m_fixSet;  // the change m_fix applies: key -> value
   QLineEdit* m_command;
   QJsonObject m_plan;
   bool m_busy = false;  // a CLI call is running (its event loop may deliver another trigger)

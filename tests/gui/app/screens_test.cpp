@@ -6,6 +6,7 @@
 #include <QCheckBox>
 #include <QComboBox>
 #include <QDoubleSpinBox>
+#include <QJsonArray>
 #include <QJsonDocument>
 #include <QJsonObject>
 #include <QLabel>
@@ -21,6 +22,7 @@
 #include <QSignalSpy>
 #include <QSpinBox>
 #include <QStandardItemModel>
+#include <QStatusBar>
 #include <QTabWidget>
 #include <QTableWidget>
 #include <QTest>
@@ -28,6 +30,7 @@
 
 #include "gui/app/chat_panel.h"
 #include "gui/app/export_dialog.h"
+#include "gui/app/main_window.h"
 #include "gui/app/monitor.h"
 #include "gui/app/rondo_cli.h"
 #include "gui/app/timeline_view.h"
@@ -129,12 +132,45 @@ class Screens : public QObject {
     img = test::screenshot(&w, "wizard_5_training");
     QVERIFY(test::colours(img) > 8);
 
-    // Review: `rondo plan --json`'s verdict per device, speed and time, the command.
+    // Every other setting, from the CLI's own list of keys: none a page sets, each with its
+    // default; a changed one goes into its section of the config, an unchanged one does not.
+    w.next();
+    QCOMPARE(w.currentId(), static_cast<int>(SetupWizard::AdvancedPage));
+    QVERIFY(!w.findChild<QWidget*>("adv_training.lr"));  // on the Training page
+    auto* optimizer = w.findChild<QLineEdit*>("adv_training.optimizer");
+    QVERIFY(optimizer);
+    QCOMPARE(optimizer->text(), QString("adamw"));
+    QVERIFY(w.findChild<QCheckBox*>("adv_data.pack")->isChecked());
+    QVERIFY(!w.config().toToml().contains("weight_decay"));
+    w.findChild<QLineEdit*>("adv_training.weight_decay")->setText("0.01");
+    w.findChild<QCheckBox*>("adv_data.pack")->setChecked(false);
+    const QString toml = w.config().toToml();
+    QVERIFY2(toml.contains("warmup_steps = 0\nweight_decay = 0.01\n"), qPrintable(toml));
+    QVERIFY2(toml.contains("seq_len = 64\npack = false\n"), qPrintable(toml));
+    w.findChild<QLineEdit*>("adv_training.weight_decay")->setText("0");
+    w.findChild<QCheckBox*>("adv_data.pack")->setChecked(true);
+    QVERIFY(!w.config().toToml().contains("weight_decay"));
+    img = test::screenshot(&w, "wizard_6_advanced");
+    QVERIFY(test::colours(img) > 8);
+
+    // Review: the verdict as a badge, what the run needs against what each device, host memory
+    // and the disk have, speed and time, the command.
     w.next();
     QCOMPARE(w.findChild<QLabel*>("planVerdict")->text(), QString("fits"));
-    QCOMPARE(w.findChild<QTableWidget*>("planDevices")->rowCount(), 2);
+    auto* table = w.findChild<QTableWidget*>("planDevices");
+    QCOMPARE(table->rowCount(), 4);  // two simulated GPUs, host memory, disk
+    QCOMPARE(table->item(2, 0)->text(), QString("Host memory"));
+    QCOMPARE(table->item(3, 0)->text(), QString("Disk (checkpoints, exports)"));
+    for (int r = 0; r < 4; ++r)
+      for (int c = 1; c < 4; ++c)
+        QVERIFY2(
+            table->item(r, c)->text() != "—" && !table->item(r, c)->text().startsWith("0"),
+            qPrintable(
+                QString("row %1, column %2: %3").arg(r).arg(c).arg(table->item(r, c)->text())));
+    QVERIFY(w.findChild<QPushButton*>("applyFix")->isHidden());  // it fits: nothing to change
     const QString speed = w.findChild<QLabel*>("planSpeed")->text();
-    QVERIFY2(speed.contains("tokens/s"), qPrintable(speed));
+    QVERIFY2(speed.contains("tokens/s") && speed.contains("per step"), qPrintable(speed));
+    QVERIFY2(!speed.contains("T[") && !speed.contains("M="), qPrintable(speed));  // no jargon
     // Steps in epochs: one epoch of the fixture's data is planResult()'s steps_per_epoch.
     const qint64 perEpoch = w.planResult()["steps_per_epoch"].toInteger();
     QVERIFY(perEpoch > 0);
@@ -148,16 +184,20 @@ class Screens : public QObject {
     QCOMPARE(w.planResult()["steps"].toInt(), 6);
     QVERIFY(w.currentPage()->isComplete());  // it fits: Start is offered
     QVERIFY(w.button(QWizard::FinishButton)->isEnabled());
-    img = test::screenshot(&w, "wizard_6_review");
+    img = test::screenshot(&w, "wizard_7_review");
     QVERIFY(test::colours(img) > 8);
 
     // A run the plan cannot fit says so, with what to change.
     w.back();
     w.back();
+    w.back();
     w.findChild<QLineEdit*>("hostMemory")->setText("64KB");
     w.next();
     w.next();
+    w.next();
     QCOMPARE(w.findChild<QLabel*>("planVerdict")->text(), QString("does not fit"));
+    // The host memory row shows what is short, in red.
+    QVERIFY(table->item(2, 1)->foreground().color() == QColor("#b00020"));
     const QString problems = w.findChild<QLabel*>("planProblems")->text();
     QVERIFY2(problems.contains("host memory: the run needs about"), qPrintable(problems));
     // Start is refused for a run that does not fit.
@@ -165,17 +205,23 @@ class Screens : public QObject {
     QVERIFY(!w.button(QWizard::FinishButton)->isEnabled());
     QVERIFY2(problems.contains("\"Host memory budget (Hardware page)\""), qPrintable(problems));
 
+    test::screenshot(&w, "wizard_7_review_does_not_fit");
+
     // An error names the wizard's field, not the temporary config or its key.
     w.findChild<QLineEdit*>("hostMemory")->setText("");
     w.back();
+    w.back();
     w.findChild<QSpinBox*>("seqLen")->setValue(100000);
     w.next();
+    w.next();
     QCOMPARE(w.findChild<QLabel*>("planVerdict")->text(), QString("cannot plan"));
+    // In red, not in the colour of the verdict before it.
+    QVERIFY2(w.findChild<QLabel*>("planVerdict")->styleSheet().contains("#b00020"),
+             qPrintable(w.findChild<QLabel*>("planVerdict")->styleSheet()));
     const QString error = w.findChild<QLabel*>("planProblems")->text();
     QVERIFY2(error.contains("Sequence length (Training page)"), qPrintable(error));
     QVERIFY2(!error.contains("review.toml") && !error.contains("data.seq_len"), qPrintable(error));
     QVERIFY(!w.button(QWizard::FinishButton)->isEnabled());
-    test::screenshot(&w, "wizard_6_review_does_not_fit");
   }
 
   void monitorOfARecordedRun() {
@@ -284,6 +330,80 @@ class Screens : public QObject {
     QVERIFY2(early.transcript().contains("Error: "), qPrintable(early.transcript()));
   }
 
+  // A run that does not fit: Review offers the change the plan found (planned: it fits with it)
+  // as a button, in the wizard's words; one click sets the field and the run fits.
+  void reviewAppliesTheChangeThatMakesItFit() {
+    SetupWizard w;
+    w.resize(900, 720);
+    w.show();
+    QVERIFY(QTest::qWaitForWindowExposed(&w));
+    w.findChild<QLineEdit*>("modelPath")->setText(m_dir + "/model");
+    w.refreshModel();
+    w.findChild<QComboBox*>("modelDtype")->setCurrentText("fp32");
+    w.next();
+    w.findChild<QLineEdit*>("dataPath")->setText(m_dir + "/chat.jsonl");
+    w.refreshData();
+    w.next();
+    w.next();
+    w.findChild<QLineEdit*>("hostMemory")->setText("1MB");
+    w.next();
+    w.findChild<QSpinBox*>("steps")->setValue(4);
+    w.findChild<QSpinBox*>("seqLen")->setValue(64);
+    w.findChild<QLineEdit*>("runDir")->setText(m_dir + "/fix-run");
+    w.next();
+    w.next();
+    QCOMPARE(w.currentId(), static_cast<int>(SetupWizard::ReviewPage));
+    QCOMPARE(w.findChild<QLabel*>("planVerdict")->text(), QString("does not fit"));
+    auto* fix = w.findChild<QPushButton*>("applyFix");
+    QVERIFY2(!fix->isHidden(), qPrintable(w.findChild<QLabel*>("planProblems")->text()));
+    QVERIFY2(fix->text().startsWith("Make it fit: \"") && fix->text().contains(" page)\" = "),
+             qPrintable(fix->text()));
+    test::screenshot(&w, "wizard_7_review_make_it_fit");
+    const QJsonObject set = w.planResult()["fixes"].toArray().first().toObject()["set"].toObject();
+    QVERIFY(!w.button(QWizard::FinishButton)->isEnabled());
+    fix->click();
+    const QString verdict = w.findChild<QLabel*>("planVerdict")->text();
+    QVERIFY2(verdict == "fits" || verdict == "tight", qPrintable(verdict));
+    QVERIFY(w.button(QWizard::FinishButton)->isEnabled());
+    // The fields hold the change: the config says it.
+    const QString toml = w.config().toToml();
+    for (auto it = set.begin(); it != set.end(); ++it)
+      QVERIFY2(toml.contains(it.key().section('.', 1) + " = " + it.value().toString()) ||
+                   toml.contains(it.key().section('.', 1) + " = \"" + it.value().toString()),
+               qPrintable(it.key() + " in " + toml));
+  }
+
+  // On a 1000-pixel screen the whole window shows: its minimum size, on the wizard's pages and on
+  // the monitor, is at most 1024x700 (before: about 1208x1021, Next and Start off-screen).
+  void theWindowFitsASmallScreen() {
+    MainWindow win;
+    win.show();
+    QVERIFY(QTest::qWaitForWindowExposed(&win));
+    auto fits = [&](const char* where) {
+      const QSize min = win.minimumSizeHint().expandedTo(win.minimumSize());
+      QVERIFY2(min.width() <= 1024 && min.height() <= 700,
+               qPrintable(QString("%1: %2x%3").arg(where).arg(min.width()).arg(min.height())));
+    };
+    SetupWizard* w = win.wizard();
+    w->findChild<QLineEdit*>("modelPath")->setText(m_dir + "/model");
+    w->refreshModel();
+    fits("model page");
+    w->next();
+    w->findChild<QLineEdit*>("dataPath")->setText(m_dir + "/chat.jsonl");
+    w->refreshData();
+    for (const char* page : {"data page", "method page", "hardware page", "training page",
+                             "advanced page", "review page"}) {
+      fits(page);
+      w->next();
+    }
+    win.resize(1024, 700);
+    test::screenshot(&win, "window_1024x700_review");
+    QString error;
+    QVERIFY2(win.openRun(m_dir + "/recorded", &error), qPrintable(error));  // monitorOfARecordedRun
+    fits("monitor");
+    test::screenshot(&win, "window_1024x700_monitor");
+  }
+
   void aFolderThatIsNotARunSaysSo() {
     MonitorWidget m;
     QString error;
@@ -318,6 +438,7 @@ class Screens : public QObject {
     w.next();
     w.findChild<QSpinBox*>("seqLen")->setValue(64);
     w.findChild<QLineEdit*>("runDir")->setText(m_dir + "/runs/run-1");
+    w.next();
     w.next();
     QCOMPARE(w.currentId(), static_cast<int>(SetupWizard::ReviewPage));
     QCOMPARE(w.findChild<QLabel*>("planVerdict")->text(), QString("folder in use"));
@@ -389,13 +510,23 @@ class Screens : public QObject {
   // Closing the window after Stop and save (MainWindow's close asks for it, then the monitor is
   // destroyed): the monitor waits for the checkpoint. Before, its destructor sent a second SIGINT,
   // which ends the CLI at once, without the checkpoint the user had just asked for.
+  // Closing the window with a run going (the user said yes to "stop and save"): the window stays,
+  // saying why, until the checkpoint is written, then closes (before: it vanished at once while
+  // the process ran on unseen for ~45 s).
   void closingAfterStopAndSaveKeepsTheCheckpoint() {
     {
-      MonitorWidget m;
-      const QString error = startLongRun(m, "close-run", 400, 2, 64);
+      MainWindow win;
+      win.show();
+      QVERIFY(QTest::qWaitForWindowExposed(&win));
+      const QString error = startLongRun(*win.monitor(), "close-run", 400, 2, 64);
       QVERIFY2(error.isEmpty(), qPrintable(error));
-      m.stopAndSave();
-    }  // ~MonitorWidget waits for the child
+      win.closeAfterStopping();
+      QVERIFY(win.isVisible());
+      QVERIFY2(win.statusBar()->currentMessage().contains("closes when it is saved"),
+               qPrintable(win.statusBar()->currentMessage()));
+      QTRY_VERIFY_WITH_TIMEOUT(!win.isVisible(), 120000);
+      QVERIFY(!win.monitor()->childRunning());
+    }
     QFile events(m_dir + "/close-run/events.jsonl");
     QVERIFY(events.open(QIODevice::ReadOnly));
     const QList<QByteArray> lines = events.readAll().trimmed().split('\n');
