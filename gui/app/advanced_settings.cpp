@@ -30,9 +30,11 @@ QString shown(const QJsonValue& v) {
 AdvancedSettings::AdvancedSettings(QSet<QString> handled, QWidget* parent)
     : QWidget(parent), m_handled(std::move(handled)) {
   m_form = new QFormLayout(this);
-  m_form->addRow(new QLabel(
+  auto* intro = new QLabel(
       "Every other setting, with its default. Hover over one for what it does; only the ones you "
-      "change go into the config."));
+      "change go into the config.");
+  intro->setWordWrap(true);
+  m_form->addRow(intro);
 }
 
 bool AdvancedSettings::load(QString* error) {

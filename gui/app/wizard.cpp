@@ -8,6 +8,7 @@
 #include <QFileDialog>
 #include <QFileInfo>
 #include <QFormLayout>
+#include <QGridLayout>
 #include <QHBoxLayout>
 #include <QHeaderView>
 #include <QJsonArray>
@@ -329,7 +330,7 @@ SetupWizard::SetupWizard(QWidget* parent) : QWizard(parent) {
   m_rslora = new QCheckBox("rsLoRA: scale by alpha / sqrt(rank) instead of alpha / rank");
   m_rslora->setObjectName("loraRslora");
   m_rslora->setToolTip("Keeps the adapters' effect steady at high ranks");
-  auto* targets = new QHBoxLayout;
+  auto* targets = new QGridLayout;  // five a row: the page fits a narrow window
   for (const char* t : {"all-linear", "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
                         "up_proj", "down_proj", "gate"}) {
     auto* c = new QCheckBox(t);
@@ -341,7 +342,8 @@ SetupWizard::SetupWizard(QWidget* parent) : QWizard(parent) {
       c->setToolTip(
           "Every projection; on GPT-OSS the attention alone (check gate_proj, up_proj "
           "and down_proj for its experts, as PEFT names them)");
-    targets->addWidget(c);
+    targets->addWidget(c, static_cast<int>(m_targets.size()) / 5,
+                       static_cast<int>(m_targets.size()) % 5);
     m_targets << c;
   }
   {

@@ -2,6 +2,7 @@
 // screenshots saved to the build folder, and a check that an image is not blank.
 #pragma once
 
+#include <QCoreApplication>
 #include <QDir>
 #include <QFile>
 #include <QImage>
@@ -37,6 +38,7 @@ inline QString writeFixture(const QString& dir) {
 
 // Saves a PNG of the widget into the test's build folder; returns the image.
 inline QImage screenshot(QWidget* w, const QString& name) {
+  QCoreApplication::processEvents();  // layouts changed since the last event loop settle first
   QImage img = w->grab().toImage();
   const QString out = qEnvironmentVariable("RONDO_GUI_TEST_OUT", QDir::tempPath());
   img.save(out + "/" + name + ".png");
