@@ -505,6 +505,15 @@ int run_export(const ExportOptions& o) {
   // "<name>.exp_avg"...).
   std::map<std::string, at::Tensor> trained = engine::checkpoint_weights(state);
   std::string written = out;
+  // "rondo: writing FILE: N%" at each tenth of a merged model written (the GUI's export dialog
+  // draws its bar from these lines); an adapter is small and written at once.
+  int shown = -1;
+  auto progress = [&](const std::string& file, std::size_t done, std::size_t total) {
+    const int tenth = static_cast<int>(done * 10 / total);
+    if (tenth == shown) return;
+    shown = tenth;
+    std::fprintf(stderr, "rondo: writing %s: %d%%\n", file.c_str(), tenth * 10);
+  };
   if (o.format == "adapter" || o.format == "gguf-adapter") {
     const models::ModelConfig mc = models::inspect_model(c.model.path, 16).config;
     std::vector<models::LayerSpec> specs =
@@ -530,22 +539,24 @@ int run_export(const ExportOptions& o) {
           all[p.name] =
               c.model.dtype == "fp16" ? base.tensor(p.name).to(at::kHalf) : base.tensor(p.name);
     if (o.format == "merged") {
-      models::write_merged(out, specs, all, c.model.path,
-                           c.model.dtype == "fp32" ? models::DType::kF32 : models::DType::kBF16);
+      // One layer merged at a time: asked for layer l, l layers are written.
+      const std::string file = (fs::path(out) / "model.safetensors").string();
+      models::write_merged(
+          out, specs,
+          [&](std::size_t l) {
+            progress(file, l, specs.size());
+            return all;
+          },
+          c.model.path, c.model.dtype == "fp32" ? models::DType::kF32 : models::DType::kBF16);
+      progress(file, specs.size(), specs.size());
     } else {
       const models::GgufExportType type =
           models::parse_gguf_export_type(o.type.empty() ? "q8_0" : o.type);
       make_folder(out);
       written = (fs::path(out) / fmt::format("model-{}.gguf", models::to_string(type))).string();
-      int shown = -1;
       models::write_gguf_merged(
           written, base.config(), specs, [&](std::size_t) { return all; }, c.model.path, type,
-          [&](std::size_t done, std::size_t total) {
-            const int tenth = static_cast<int>(done * 10 / total);
-            if (tenth == shown) return;
-            shown = tenth;
-            std::fprintf(stderr, "rondo: writing %s: %d%%\n", written.c_str(), tenth * 10);
-          });
+          [&](std::size_t done, std::size_t total) { progress(written, done, total); });
     }
   }
   std::fprintf(stderr, "rondo: exported %s (step %lld) to %s\n", ckpt.c_str(),

@@ -4,7 +4,10 @@
 #include <QDialogButtonBox>
 #include <QDir>
 #include <QFile>
+#include <QFileDialog>
+#include <QFileInfo>
 #include <QFormLayout>
+#include <QHBoxLayout>
 #include <QLabel>
 #include <QLineEdit>
 #include <QProgressBar>
@@ -12,6 +15,10 @@
 #include <QRegularExpression>
 #include <QStandardItemModel>
 #include <QVBoxLayout>
+#include <algorithm>
+#include <initializer_list>
+#include <utility>
+#include <vector>
 
 #include "gui/app/rondo_cli.h"
 
@@ -30,6 +37,26 @@ ExportDialog::ExportDialog(const QString& runDir, QWidget* parent)
         QRegularExpression(R"re(^\s*path\s*=\s*"([^"]*)")re", QRegularExpression::MultilineOption)
             .match(text);
     m_ggufBase = path.hasMatch() && path.captured(1).endsWith(".gguf", Qt::CaseInsensitive);
+  }
+
+  // The run's step-N folders, newest first: what exists. Whether one passes its checks is the
+  // CLI's to say (it names the damage and the checkpoints that are there).
+  m_checkpoint = new QComboBox;
+  m_checkpoint->setObjectName("exportCheckpoint");
+  static const QRegularExpression stepName(R"(^step-(\d+)$)");
+  std::vector<std::pair<qint64, QString>> steps;
+  for (const QString& name :
+       QDir(QDir(runDir).filePath("checkpoints")).entryList(QDir::Dirs | QDir::NoDotAndDotDot)) {
+    const QRegularExpressionMatch m = stepName.match(name);
+    if (m.hasMatch()) steps.emplace_back(m.captured(1).toLongLong(), name);
+  }
+  std::sort(steps.rbegin(), steps.rend());
+  for (std::size_t i = 0; i < steps.size(); ++i)
+    m_checkpoint->addItem(QString("step %1%2").arg(steps[i].first).arg(i == 0 ? " (newest)" : ""),
+                          steps[i].second);
+  if (steps.empty()) {  // the CLI says so when asked
+    m_checkpoint->addItem("none yet", QString());
+    m_checkpoint->setEnabled(false);
   }
 
   m_format = new QComboBox;
@@ -59,6 +86,8 @@ ExportDialog::ExportDialog(const QString& runDir, QWidget* parent)
   m_out = new QLineEdit;
   m_out->setObjectName("exportOut");
   m_out->setPlaceholderText("default: a folder export-<format>-step-N in the run folder");
+  m_browse = new QPushButton("Folder…");
+  m_browse->setObjectName("exportBrowse");
   m_progress = new QProgressBar;
   m_progress->setObjectName("exportProgress");
   m_progress->setRange(0, 100);
@@ -70,9 +99,13 @@ ExportDialog::ExportDialog(const QString& runDir, QWidget* parent)
   m_result->setTextInteractionFlags(Qt::TextSelectableByMouse);
 
   auto* form = new QFormLayout;
+  form->addRow("Checkpoint", m_checkpoint);
   form->addRow("Format", m_format);
   form->addRow("GGUF type", m_type);
-  form->addRow("Output folder", m_out);
+  auto* outRow = new QHBoxLayout;
+  outRow->addWidget(m_out, 1);
+  outRow->addWidget(m_browse);
+  form->addRow("Output folder", outRow);
   auto* buttons = new QDialogButtonBox(QDialogButtonBox::Close);
   m_export = buttons->addButton("Export", QDialogButtonBox::AcceptRole);
   m_export->setObjectName("exportStart");
@@ -80,6 +113,8 @@ ExportDialog::ExportDialog(const QString& runDir, QWidget* parent)
   connect(m_export, &QPushButton::clicked, this, &ExportDialog::start);
   connect(buttons, &QDialogButtonBox::rejected, this, &QDialog::reject);
   connect(m_format, &QComboBox::currentIndexChanged, this, &ExportDialog::updateChoices);
+  connect(m_checkpoint, &QComboBox::currentIndexChanged, this, &ExportDialog::updateChoices);
+  connect(m_browse, &QPushButton::clicked, this, &ExportDialog::browse);
   auto* layout = new QVBoxLayout(this);
   layout->addLayout(form);
   layout->addWidget(m_progress);
@@ -114,19 +149,71 @@ QString ExportDialog::resultText() const {
   return m_result->text();
 }
 
-void ExportDialog::updateChoices() {
-  m_type->setEnabled(m_format->currentData().toString() == "gguf" && !running());
+QString ExportDialog::defaultOut() const {
+  const QString step = m_checkpoint->currentData().toString();
+  if (step.isEmpty()) return QString();
+  // As cli/train_command.cpp names it: <run>/export-<format>-step-N.
+  return QDir(m_run).filePath("export-" + m_format->currentData().toString() + "-" + step);
 }
 
-void ExportDialog::start() {
-  if (running()) return;
+void ExportDialog::updateChoices() {
+  m_type->setEnabled(m_format->currentData().toString() == "gguf" && !running());
+  // The folder shown follows the format and checkpoint until one of the user's own is given.
+  const QString out = m_out->text().trimmed();
+  if (out.isEmpty() || out == m_shownDefault) m_out->setText(defaultOut());
+  m_shownDefault = defaultOut();
+}
+
+void ExportDialog::browse() {
+  const QString now = m_out->text().trimmed();
+  const QString dir = QFileDialog::getExistingDirectory(
+      this, "Export into", now.isEmpty() ? m_run : QFileInfo(now).absolutePath());
+  if (dir.isEmpty()) return;
+  // An empty folder (one made in the file dialog) is written into; one that holds files gets the
+  // export's own folder inside it, named as the CLI names it, rather than a refusal.
+  const QString name = QFileInfo(defaultOut()).fileName();
+  const bool empty = QDir(dir).isEmpty(QDir::AllEntries | QDir::NoDotAndDotDot | QDir::Hidden);
+  m_out->setText(empty || name.isEmpty() ? dir : QDir(dir).filePath(name));
+}
+
+void ExportDialog::setBusy(bool busy) {
+  for (QWidget* w : std::initializer_list<QWidget*>{m_export, m_format, m_out, m_browse})
+    w->setEnabled(!busy);
+  m_checkpoint->setEnabled(!busy && !m_checkpoint->currentData().toString().isEmpty());
+  updateChoices();
+  if (busy) m_type->setEnabled(false);
+}
+
+bool ExportDialog::start() {
+  if (running()) return false;
   const QString format = m_format->currentData().toString();
+  const QString step = m_checkpoint->currentData().toString();
+  const QString out = m_out->text().trimmed();
+  // The CLI writes its files into a folder that exists, replacing those of the same name and
+  // leaving the rest: two exports mixed in one folder. Refused here, before anything runs.
+  const QFileInfo target(out.isEmpty() ? defaultOut() : out);
+  if (!target.filePath().isEmpty() && target.exists()) {
+    if (!target.isDir()) {
+      m_result->setText(target.filePath() + " is a file: choose a folder to export into.");
+      return false;
+    }
+    if (!QDir(target.filePath())
+             .isEmpty(QDir::AllEntries | QDir::NoDotAndDotDot | QDir::Hidden | QDir::System)) {
+      m_result->setText(target.filePath() +
+                        " already holds files: choose an empty or new folder (Folder…), or "
+                        "remove what is there.");
+      return false;
+    }
+  }
   QStringList args = {"export", m_run, "--format", format};
+  if (!step.isEmpty()) args << "--checkpoint" << step;
   if (format == "gguf") args << "--type" << m_type->currentData().toString();
-  if (!m_out->text().trimmed().isEmpty()) args << "--out" << m_out->text().trimmed();
+  // Left as the default, the CLI names the folder itself (and says so when it cannot write there).
+  if (!out.isEmpty() && out != defaultOut()) args << "--out" << out;
   delete m_proc;
   m_proc = new QProcess(this);
   m_err.clear();
+  m_parsed = 0;
   m_written.clear();
   connect(m_proc, &QProcess::readyReadStandardError, this, &ExportDialog::readProgress);
   connect(m_proc, &QProcess::finished, this, &ExportDialog::onFinished);
@@ -135,29 +222,34 @@ void ExportDialog::start() {
     m_err = ("cannot start " + RondoCli::program() + ": " + m_proc->errorString()).toUtf8();
     onFinished(-1, QProcess::CrashExit);
   });
-  m_progress->setRange(0, 0);  // busy until a share is known
-  m_result->setText("Exporting…");
-  m_export->setEnabled(false);
-  m_format->setEnabled(false);
-  m_type->setEnabled(false);
+  m_progress->setRange(0, 0);  // busy until a share is known (an adapter: until it is written)
+  m_result->setText(step.isEmpty() ? QString("Exporting…")
+                                   : QString("Exporting %1 as %2…").arg(step, format));
+  setBusy(true);  // before start(): a program that cannot start ends the export within it
   m_proc->start(RondoCli::program(), args);
+  return true;
 }
 
 void ExportDialog::readProgress() {
   m_err += m_proc->readAllStandardError();
-  static const QRegularExpression share(R"(writing .*: (\d+)%)");
-  QRegularExpressionMatchIterator it = share.globalMatch(QString::fromUtf8(m_err));
-  int last = -1;
-  while (it.hasNext())
-    last = it.next().captured(1).toInt();
-  if (last >= 0) {
+  // A merged model: "rondo: writing FILE: N%" at each tenth written (cli/train_command.cpp). Each
+  // whole line once, in order: the bar follows every share printed, however the pipe splits them.
+  static const QRegularExpression share(R"(^rondo: writing (.*): (\d+)%$)");
+  const QString step = m_checkpoint->currentData().toString();
+  for (qsizetype end; (end = m_err.indexOf('\n', m_parsed)) >= 0; m_parsed = end + 1) {
+    const QRegularExpressionMatch m =
+        share.match(QString::fromUtf8(m_err.mid(m_parsed, end - m_parsed)).trimmed());
+    if (!m.hasMatch()) continue;
+    m_result->setText(
+        QString("Writing %1%2: %3%")
+            .arg(m.captured(1), step.isEmpty() ? "" : " from " + step, m.captured(2)));
     m_progress->setRange(0, 100);
-    m_progress->setValue(last);
+    m_progress->setValue(m.captured(2).toInt());  // after the line, which goes with it
   }
 }
 
 void ExportDialog::onFinished(int code, QProcess::ExitStatus status) {
-  m_err += m_proc->readAllStandardError();
+  readProgress();
   QString last;
   for (const QByteArray& l : m_err.split('\n'))
     if (!l.trimmed().isEmpty()) last = QString::fromUtf8(l.trimmed());
@@ -175,9 +267,7 @@ void ExportDialog::onFinished(int code, QProcess::ExitStatus status) {
         "The export failed: " +
         (last.isEmpty() ? QString("rondo export exited with status %1").arg(code) : last));
   }
-  m_export->setEnabled(true);
-  m_format->setEnabled(true);
-  updateChoices();
+  setBusy(false);
   emit done(ok);
 }
 

@@ -8,6 +8,7 @@
 int main(int argc, char** argv) {
   QApplication app(argc, argv);
   QApplication::setApplicationName("rondo-gui");
+  QApplication::setOrganizationName("rondo");  // where QSettings keeps the recent runs
   QCommandLineParser parser;
   parser.setApplicationDescription("Rondo: fine-tune large language models on the GPUs you own.");
   parser.addHelpOption();

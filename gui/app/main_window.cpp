@@ -1,6 +1,7 @@
 #include "gui/app/main_window.h"
 
 #include <QCloseEvent>
+#include <QDir>
 #include <QFileDialog>
 #include <QMenuBar>
 #include <QMessageBox>
@@ -8,6 +9,7 @@
 #include <QStatusBar>
 
 #include "gui/app/monitor.h"
+#include "gui/app/runs_dialog.h"
 #include "gui/app/wizard.h"
 #include "gui/model/run_state.h"
 
@@ -37,8 +39,12 @@ MainWindow::MainWindow(QWidget* parent) : QMainWindow(parent) {
     if (dir.isEmpty()) return;
     m_stack->setCurrentWidget(m_monitor);
     QString error;
-    if (!m_monitor->launch({}, dir, &error)) QMessageBox::critical(this, "Cannot resume", error);
+    if (!m_monitor->launch({}, dir, &error))
+      QMessageBox::critical(this, "Cannot resume", error);
+    else
+      addRecentRun(dir);
   });
+  file->addAction("R&uns…", QKeySequence("Ctrl+R"), this, [this] { showRuns(); });
   file->addSeparator();
   file->addAction("&Quit", this, &QWidget::close);
 
@@ -48,6 +54,8 @@ MainWindow::MainWindow(QWidget* parent) : QMainWindow(parent) {
             QString error;
             if (!m_monitor->launch(config, runDir, &error))
               QMessageBox::critical(this, "Cannot start the run", error);
+            else
+              addRecentRun(runDir);
           });
   connect(m_wizard, &QWizard::rejected, this, [this] {
     if (m_monitor->childRunning() || !m_monitor->state()->runDir().isEmpty())
@@ -59,6 +67,7 @@ MainWindow::MainWindow(QWidget* parent) : QMainWindow(parent) {
 
 bool MainWindow::openRun(const QString& dir, QString* error) {
   if (!m_monitor->attach(dir, error)) return false;
+  addRecentRun(dir);
   m_stack->setCurrentWidget(m_monitor);
   return true;
 }
@@ -95,6 +104,20 @@ void MainWindow::closeAfterStopping() {
       "it is saved");
   connect(m_monitor, &MonitorWidget::finished, this, &QWidget::close);
   m_monitor->stopAndSave();
+}
+
+RunsDialog* MainWindow::showRuns() {
+  auto* runs = new RunsDialog({QDir::current().filePath("runs")}, recentRuns(), this);
+  runs->setAttribute(Qt::WA_DeleteOnClose);
+  connect(runs, &RunsDialog::openRequested, this, [this, runs](const QString& dir) {
+    QString error;
+    if (!openRun(dir, &error))
+      QMessageBox::warning(this, "Cannot open the run", error);
+    else
+      runs->close();
+  });
+  runs->show();
+  return runs;
 }
 
 void MainWindow::showWizard() {

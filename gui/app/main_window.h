@@ -10,6 +10,7 @@ class QStackedWidget;
 namespace rondo::gui {
 
 class MonitorWidget;
+class RunsDialog;
 class SetupWizard;
 
 class MainWindow : public QMainWindow {
@@ -20,6 +21,9 @@ class MainWindow : public QMainWindow {
   MonitorWidget* monitor() const { return m_monitor; }
   bool openRun(const QString& dir, QString* error = nullptr);
   void showWizard();
+  // The Runs window (File ▸ Runs…): the runs under ./runs and those opened lately; opening one
+  // shows it in the monitor.
+  RunsDialog* showRuns();
   // Closing while a run goes, once the user said yes: asks the run to stop and save, and closes
   // the window when it has ended (the window stays, saying so, until then).
   void closeAfterStopping();

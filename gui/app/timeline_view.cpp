@@ -61,7 +61,8 @@ void TimelineView::paintEvent(QPaintEvent*) {
   }
   p.setPen(QColor("#555"));
   p.drawText(QRect(labelW, height() - 16, w, 14), Qt::AlignRight,
-             QString("last %1 s of the run (blue forward, purple tail, orange backward)")
+             QString("the last %1 s of work on each device: blue the forward pass, purple the loss "
+                     "(the model's head), orange the backward pass")
                  .arg(span, 0, 'f', 1));
 }
 

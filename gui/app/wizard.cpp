@@ -38,6 +38,7 @@ namespace rondo::gui {
 namespace {
 
 constexpr int kPreviewLines = 2000;  // lines of a data file the data page reads
+constexpr qint64 kFewSteps = 20;     // fewer optimizer steps than this: Review says it is few
 
 // The first runs/run-N under the current folder that holds nothing yet (no folder or an empty
 // one, and no run-N.toml beside it): a fresh wizard never proposes a folder holding a run.
@@ -909,6 +910,15 @@ void SetupWizard::refreshReview() {
                  "page), or open that run from the File menu to resume it";
   for (const QJsonValue& v : m_plan["problems"].toArray())
     notes << "• " + inWizardWords(v.toString());
+  // A run too short to learn from (the demo data's one epoch is 2 steps): say so, and what
+  // gives more steps.
+  if (steps > 0 && steps < kFewSteps)
+    notes << QString(
+                 "• Only %1 optimizer step%2: too few for the model to learn much. More "
+                 "epochs or steps (Training page), or a smaller gradient accumulation, give "
+                 "more.")
+                 .arg(steps)
+                 .arg(steps == 1 ? "" : "s");
   for (const QJsonValue& v : m_plan["warnings"].toArray())
     notes << "• " + inWizardWords(v.toString());
   m_problems->setText(notes.join("\n"));

@@ -760,7 +760,8 @@ TEST_F(TrainCli, AFailedExportSaysTheTrainingIsSavedAndHowToExportIt) {
 }
 
 // `rondo export` from the last checkpoint equals the run's own exports, byte for byte, in each
-// dtype (the merged base is the one the run streamed).
+// dtype (the merged base is the one the run streamed); a merged one says, a tenth at a time, how
+// much it has written (the GUI's export dialog draws its bar from it).
 TEST_F(TrainCli, ExportOfTheLastCheckpointIsTheRunsAdapter) {
   for (const char* dtype : {"fp32", "bf16", "fp16"}) {
     SCOPED_TRACE(dtype);
@@ -779,6 +780,10 @@ TEST_F(TrainCli, ExportOfTheLastCheckpointIsTheRunsAdapter) {
     const std::string merged = slurp(dir / run / "merged" / "model.safetensors");
     ASSERT_FALSE(merged.empty());
     EXPECT_TRUE(merged == slurp(dir / (run + "-m") / "model.safetensors"));
+    const std::string writing =
+        "rondo: writing " + (dir / (run + "-m") / "model.safetensors").string() + ": ";
+    EXPECT_TRUE(contains(r.out, writing + "0%\n" + writing + "20%\n" + writing + "50%\n")) << r.out;
+    EXPECT_TRUE(contains(r.out, writing + "70%\n" + writing + "100%\nrondo: exported ")) << r.out;
     EXPECT_TRUE(fs::exists(dir / (run + "-m") / "tokenizer.json"));
   }
 }

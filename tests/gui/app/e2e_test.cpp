@@ -29,11 +29,7 @@ class EndToEnd : public QObject {
     win.show();
     QVERIFY(QTest::qWaitForWindowExposed(&win));
     SetupWizard* w = win.wizard();
-    w->findChild<QLineEdit*>("modelPath")->setText(dir + "/model");
-    w->refreshModel();
-    w->next();
-    w->findChild<QLineEdit*>("dataPath")->setText(dir + "/chat.jsonl");
-    w->refreshData();
+    test::pickModelAndData(w, dir);
     w->next();
     w->findChild<QSpinBox*>("loraRank")->setValue(4);
     w->next();

@@ -47,9 +47,7 @@ class Screens : public QObject {
 
  private slots:
   void initTestCase() {
-    QVERIFY(m_tmp.isValid());
-    m_dir = m_tmp.path();
-    const QString error = test::writeFixture(m_dir);
+    const QString error = test::writeFixtureIn(m_tmp, &m_dir);
     QVERIFY2(error.isEmpty(), qPrintable(error));
   }
 
@@ -182,6 +180,10 @@ class Screens : public QObject {
                 ->text()
                 .endsWith("train " + m_dir + "/wizard-run.toml"));
     QCOMPARE(w.planResult()["steps"].toInt(), 6);
+    // Six steps teach a model little: Review says so, and what gives more.
+    const QString notes = w.findChild<QLabel*>("planProblems")->text();
+    QVERIFY2(notes.contains("Only 6 optimizer steps: too few") && notes.contains("More epochs"),
+             qPrintable(notes));
     QVERIFY(w.currentPage()->isComplete());  // it fits: Start is offered
     QVERIFY(w.button(QWizard::FinishButton)->isEnabled());
     img = test::screenshot(&w, "wizard_7_review");
@@ -227,19 +229,13 @@ class Screens : public QObject {
   void monitorOfARecordedRun() {
     // A real run, recorded: 2 simulated devices (spans on both), validation and samples.
     const QString run = m_dir + "/recorded";
-    QFile cfg(m_dir + "/recorded.toml");
-    QVERIFY(cfg.open(QIODevice::WriteOnly));
-    cfg.write(QString("[model]\npath = \"%1/model\"\ndtype = \"fp32\"\n[data]\ntrain = "
-                      "\"%1/chat.jsonl\"\nseq_len = 64\nvalidation_split = 0.2\n[lora]\nrank = "
-                      "4\n[training]\nsteps = 12\nbatch_rows = 2\ngrad_accum = 2\nlr = 0.01\n"
-                      "[eval]\nevery = 4\nsample_every = 6\nprompts = [\"sky?\"]\n"
-                      "sample_tokens = 8\n[hardware]\nsim_devices = 2\n[output]\nrun_dir = "
-                      "\"%2\"\n")
-                  .arg(m_dir, run)
-                  .toUtf8());
-    cfg.close();
-    CliResult r = RondoCli::run({"train", cfg.fileName()});
-    QVERIFY2(r.ok(), qPrintable(r.error));
+    const QString trained = test::trainRun(
+        m_dir, "recorded",
+        {{"data", "validation_split = 0.2"},
+         {"training", "steps = 12\nbatch_rows = 2\ngrad_accum = 2\nlr = 0.01"},
+         {"eval", "every = 4\nsample_every = 6\nprompts = [\"sky?\"]\nsample_tokens = 8"},
+         {"hardware", "sim_devices = 2"}});
+    QVERIFY2(trained.isEmpty(), qPrintable(trained));
 
     MonitorWidget m;
     m.resize(1100, 860);
@@ -337,12 +333,8 @@ class Screens : public QObject {
     w.resize(900, 720);
     w.show();
     QVERIFY(QTest::qWaitForWindowExposed(&w));
-    w.findChild<QLineEdit*>("modelPath")->setText(m_dir + "/model");
-    w.refreshModel();
+    test::pickModelAndData(&w, m_dir);
     w.findChild<QComboBox*>("modelDtype")->setCurrentText("fp32");
-    w.next();
-    w.findChild<QLineEdit*>("dataPath")->setText(m_dir + "/chat.jsonl");
-    w.refreshData();
     w.next();
     w.next();
     w.findChild<QLineEdit*>("hostMemory")->setText("1MB");
@@ -428,11 +420,7 @@ class Screens : public QObject {
     w.show();
     QVERIFY(QTest::qWaitForWindowExposed(&w));
     QCOMPARE(w.findChild<QLineEdit*>("runDir")->text(), m_dir + "/runs/run-3");
-    w.findChild<QLineEdit*>("modelPath")->setText(m_dir + "/model");
-    w.refreshModel();
-    w.next();
-    w.findChild<QLineEdit*>("dataPath")->setText(m_dir + "/chat.jsonl");
-    w.refreshData();
+    test::pickModelAndData(&w, m_dir);
     w.next();
     w.next();
     w.next();
@@ -451,22 +439,16 @@ class Screens : public QObject {
   // rows of `seq` tokens, a checkpoint every 100) in `run`, and waits for its first step; "" when
   // it got there, else what went wrong.
   QString startLongRun(MonitorWidget& m, const QString& run, int steps, int rows, int seq) {
-    QFile cfg(m_dir + "/" + run + ".toml");
-    if (!cfg.open(QIODevice::WriteOnly)) return "cannot write " + cfg.fileName();
-    cfg.write(QString("[model]\npath = \"%1/model\"\ndtype = \"fp32\"\n[data]\ntrain = "
-                      "\"%1/chat.jsonl\"\nseq_len = %2\n[lora]\nrank = 4\n[training]\n"
-                      "steps = %3\nbatch_rows = %4\nwarmup_steps = 0\n[checkpoint]\nevery = "
-                      "100\n[output]\nrun_dir = \"%1/%5\"\n")
-                  .arg(m_dir)
-                  .arg(seq)
-                  .arg(steps)
-                  .arg(rows)
-                  .arg(run)
-                  .toUtf8());
-    cfg.close();
+    const QString config = test::writeRunConfig(
+        m_dir, run,
+        {{"data", QString("seq_len = %1").arg(seq)},
+         {"training",
+          QString("steps = %1\nbatch_rows = %2\nwarmup_steps = 0").arg(steps).arg(rows)},
+         {"checkpoint", "every = 100"}});
+    if (config.isEmpty()) return "cannot write the config of " + run;
     m.resize(900, 700);
     QString error;
-    if (!m.launch(cfg.fileName(), m_dir + "/" + run, &error)) return error;
+    if (!m.launch(config, m_dir + "/" + run, &error)) return error;
     if (!QTest::qWaitFor([&] { return m.state()->lastStep() >= 1; }, 120000))
       return "no step in 120 s";
     return "";
