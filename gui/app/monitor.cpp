@@ -237,6 +237,7 @@ MonitorWidget::MonitorWidget(QWidget* parent) : QWidget(parent) {
   m_stop->setObjectName("stopButton");
   m_stop->setToolTip(kStopTip);
   m_stopSave = new QPushButton("Stop and save");
+  m_stopSave->setObjectName("stopSaveButton");
   m_stopSave->setToolTip(
       "Finish the steps under way, write a checkpoint, then end (resumable from the File menu)");
   m_stop->setEnabled(false);
