@@ -221,9 +221,24 @@ Piece byte_level_map(const Piece& p) {
 template <typename F>
 void apply_pre(const PreStep& step, Piece p, F&& f) {
   if (auto* s = std::get_if<PreSplit>(&step)) {
+    // A piece the pattern leaves whole (Digits on text without digits: most text) moves on
+    // instead of being copied: a long text would otherwise be held twice, its per-byte offsets
+    // (4 bytes a byte) included. Only once the scan is over: a match over the whole text is
+    // reported while the regex still reads it.
+    bool scanning = true;
     for_each_cut(
-        p.text.size(), [&](auto&& g) { s->pattern.for_each(p.text, g); }, s->behavior, s->invert,
-        [&](std::size_t b, std::size_t e) { f(slice(p, b, e)); });
+        p.text.size(),
+        [&](auto&& g) {
+          s->pattern.for_each(p.text, g);
+          scanning = false;
+        },
+        s->behavior, s->invert,
+        [&](std::size_t b, std::size_t e) {
+          if (!scanning && b == 0 && e == p.text.size())
+            f(std::move(p));
+          else
+            f(slice(p, b, e));
+        });
     return;
   }
   if (auto* s = std::get_if<PreByteLevel>(&step)) {
