@@ -39,6 +39,7 @@ namespace {
 
 constexpr int kPreviewLines = 2000;  // lines of a data file the data page reads
 constexpr qint64 kFewSteps = 20;     // fewer optimizer steps than this: Review says it is few
+constexpr qint64 kEnoughSteps = 30;  // and offers to train this long (the demo's 30 steps teach)
 
 // The first runs/run-N under the current folder that holds nothing yet (no folder or an empty
 // one, and no run-N.toml beside it): a fresh wizard never proposes a folder holding a run.
@@ -661,6 +662,13 @@ bool SetupWizard::setSetting(const QString& key, const QString& value) {
   if (key == "training.batch_rows") return number(m_batchRows);
   if (key == "training.grad_accum") return number(m_gradAccum);
   if (key == "data.seq_len") return number(m_seqLen);
+  if (key == "training.steps") return number(m_steps);
+  if (key == "training.epochs") {
+    bool ok = false;
+    const double v = value.toDouble(&ok);
+    if (ok) m_epochs->setValue(v);
+    return ok;
+  }
   for (auto [k, line] : {std::pair{"hardware.offload_dir", m_nvmeDir},
                          std::pair{"hardware.host_memory", m_hostMemory},
                          std::pair{"hardware.memory_cap", m_memoryCap}})
@@ -901,6 +909,19 @@ void SetupWizard::refreshReview() {
       fields << inWizardWords(it.key()) + " = " + it.value().toString();
     m_fix->setText("Make it fit: " + fields.join(", "));
     m_fix->setToolTip(fix["why"].toString() + " (planned: the run fits with it)");
+    m_fix->show();
+  } else if (!folderTaken && steps > 0 && steps < kFewSteps && verdict != "does not fit") {
+    // Too few steps to learn from: longer, in the field the user set it in (more epochs when the
+    // steps come from them).
+    const bool fromEpochs = m_steps->value() == 0 && perEpoch > 0;
+    const qint64 epochsNeeded = fromEpochs ? (kEnoughSteps + perEpoch - 1) / perEpoch : 0;
+    const QString key = fromEpochs ? "training.epochs" : "training.steps";
+    const QString value = QString::number(fromEpochs ? epochsNeeded : kEnoughSteps);
+    m_fixSet = {{key, value}};
+    m_fix->setText("Train longer: " + inWizardWords(key) + " = " + value);
+    m_fix->setToolTip(QString("About %1 optimizer steps instead of %2")
+                          .arg(fromEpochs ? epochsNeeded * perEpoch : kEnoughSteps)
+                          .arg(steps));
     m_fix->show();
   }
   QStringList notes;

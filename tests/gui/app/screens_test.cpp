@@ -165,7 +165,10 @@ class Screens : public QObject {
             table->item(r, c)->text() != "—" && !table->item(r, c)->text().startsWith("0"),
             qPrintable(
                 QString("row %1, column %2: %3").arg(r).arg(c).arg(table->item(r, c)->text())));
-    QVERIFY(w.findChild<QPushButton*>("applyFix")->isHidden());  // it fits: nothing to change
+    // It fits; but six steps teach little, and the button offers a run long enough to learn.
+    auto* longer = w.findChild<QPushButton*>("applyFix");
+    QVERIFY(!longer->isHidden());
+    QCOMPARE(longer->text(), QString("Train longer: \"Steps (Training page)\" = 30"));
     const QString speed = w.findChild<QLabel*>("planSpeed")->text();
     QVERIFY2(speed.contains("tokens/s") && speed.contains("per step"), qPrintable(speed));
     QVERIFY2(!speed.contains("T[") && !speed.contains("M="), qPrintable(speed));  // no jargon
@@ -184,11 +187,15 @@ class Screens : public QObject {
     const QString notes = w.findChild<QLabel*>("planProblems")->text();
     QVERIFY2(notes.contains("Only 6 optimizer steps: too few") && notes.contains("More epochs"),
              qPrintable(notes));
-    QVERIFY(w.currentPage()->isComplete());  // it fits: Start is offered
-    QVERIFY(w.button(QWizard::FinishButton)->isEnabled());
     img = test::screenshot(&w, "wizard_7_review");
     QVERIFY(test::colours(img) > 8);
-
+    longer->click();
+    QCOMPARE(w.findChild<QSpinBox*>("steps")->value(), 30);
+    QCOMPARE(w.planResult()["steps"].toInt(), 30);
+    QVERIFY(longer->isHidden());
+    QVERIFY(!w.findChild<QLabel*>("planProblems")->text().contains("too few"));
+    QVERIFY(w.currentPage()->isComplete());  // it fits: Start is offered
+    QVERIFY(w.button(QWizard::FinishButton)->isEnabled());
     // A run the plan cannot fit says so, with what to change.
     w.back();
     w.back();
