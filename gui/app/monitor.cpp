@@ -280,8 +280,12 @@ MonitorWidget::MonitorWidget(QWidget* parent) : QWidget(parent) {
 
   m_devices = new QTableWidget(0, 6);
   m_devices->setObjectName("deviceTable");
-  m_devices->setHorizontalHeaderLabels(
-      {"Device", "Memory in use", "Peak", "Cap", "Busy", "Link (host→dev / dev→host)"});
+  m_devices->setHorizontalHeaderLabels({"Device", "In use after the step", "Peak (planned)", "Cap",
+                                        "Busy", "Link (host→dev / dev→host)"});
+  m_devices->horizontalHeaderItem(1)->setToolTip(
+      "What the device holds between steps: the memory it works in during a step is freed by then");
+  m_devices->horizontalHeaderItem(2)->setToolTip(
+      "The most the device has held in this run, and the plan's prediction for it");
   m_devices->horizontalHeader()->setStretchLastSection(true);
   m_devices->verticalHeader()->hide();
   m_devices->setMaximumHeight(120);
@@ -553,16 +557,21 @@ void MonitorWidget::refresh() {
   fill(m_normChart, {{m_norm, &s.gradNorm()}});
   fill(m_speedChart, {{m_speed, &s.throughput()}});
   const QList<DeviceStatus> devs = s.devices();
+  const QList<double> planned = s.plannedPeaks();
   m_devices->setRowCount(static_cast<int>(devs.size()));
   for (int r = 0; r < devs.size(); ++r) {
     const DeviceStatus& d = devs[r];
-    const QStringList cells = {QString("%1 %2").arg(d.device).arg(d.name),
-                               bytesText(static_cast<double>(d.bytesInUse)),
-                               bytesText(static_cast<double>(d.bytesPeak)),
-                               bytesText(static_cast<double>(d.bytesCap)),
-                               QString::number(100 * d.busyFraction, 'f', 0) + "%",
-                               bytesText(static_cast<double>(d.bytesH2d)) + " / " +
-                                   bytesText(static_cast<double>(d.bytesD2h))};
+    const QStringList cells = {
+        QString("%1 %2").arg(d.device).arg(d.name),
+        bytesText(static_cast<double>(d.bytesInUse)),
+        bytesText(static_cast<double>(d.bytesPeak)) +
+            (d.device >= 0 && d.device < planned.size() && planned[d.device] > 0
+                 ? " (" + bytesText(planned[d.device]) + ")"
+                 : QString()),
+        bytesText(static_cast<double>(d.bytesCap)),
+        QString::number(100 * d.busyFraction, 'f', 0) + "%",
+        bytesText(static_cast<double>(d.bytesH2d)) + " / " +
+            bytesText(static_cast<double>(d.bytesD2h))};
     for (int c = 0; c < cells.size(); ++c)
       m_devices->setItem(r, c, new QTableWidgetItem(cells[c]));
   }

@@ -182,6 +182,18 @@ std::string_view JsonLine::stringView(std::string_view key) const {
   return s;
 }
 
+QList<double> JsonLine::numbers(std::string_view key) const {
+  const simdjson::dom::element* v = m_impl->find(key);
+  simdjson::dom::array a;
+  QList<double> out;
+  if (!v || v->get_array().get(a) != simdjson::SUCCESS) return out;
+  for (simdjson::dom::element e : a) {
+    double d = 0;
+    out.append(e.get_double().get(d) == simdjson::SUCCESS ? d : kNaN);
+  }
+  return out;
+}
+
 QString JsonLine::string(std::string_view key) const {
   const std::string_view s = stringView(key);
   return QString::fromUtf8(s.data(), static_cast<qsizetype>(s.size()));

@@ -8,6 +8,7 @@
 //   else if (line.isNumeric("loss")) plot(line.number("loss"));
 #pragma once
 
+#include <QList>
 #include <QString>
 #include <cstdint>
 #include <memory>
@@ -45,6 +46,8 @@ class JsonLine {
   // A string member, unescaped; empty when not a string.
   QString string(std::string_view key) const;
   std::string_view stringView(std::string_view key) const;  // the same, as UTF-8 bytes
+  // An array member's numbers (an element that is not a number is NaN); empty when not an array.
+  QList<double> numbers(std::string_view key) const;
 
  private:
   // simdjson.h is 31,000 lines: it stays out of the headers that include this one.

@@ -156,6 +156,7 @@ void RunState::reset() {
   m_method.clear();
   m_configToml.clear();
   m_plan.clear();
+  m_plannedPeaks.clear();
   m_errorMessage.clear();
   m_exportPath.clear();
   m_stepsTotal = m_lastStep = m_resumedFrom = 0;
@@ -363,6 +364,7 @@ void RunState::onRunStart() {
 
 void RunState::onPlan() {
   const QString plan = m_line.string("plan");
+  m_plannedPeaks = m_line.numbers("predicted_peak_bytes");
   if (plan == m_plan) return;
   m_plan = plan;
   const QString partitioner = m_line.string("partitioner");

@@ -46,7 +46,9 @@ class RunState : public QObject {
   QString model() const { return m_model; }
   QString method() const { return m_method; }
   QString configToml() const { return m_configToml; }
-  QString plan() const { return m_plan; }                  // the plan in use (latest plan event)
+  QString plan() const { return m_plan; }  // the plan in use (latest plan event)
+  // Its predicted peak memory per device (bytes, by device index); empty before a plan event.
+  QList<double> plannedPeaks() const { return m_plannedPeaks; }
   QString errorMessage() const { return m_errorMessage; }  // latest error event of this run
   QString exportPath() const { return m_exportPath; }
 
@@ -132,6 +134,7 @@ class RunState : public QObject {
 
   QString m_status;
   QString m_runDir, m_model, m_method, m_configToml, m_plan, m_errorMessage, m_exportPath;
+  QList<double> m_plannedPeaks;
   qint64 m_stepsTotal = 0, m_lastStep = 0, m_resumedFrom = 0;
   qint64 m_layersLoaded = 0, m_layersTotal = 0;
   int m_runStarts = 0;

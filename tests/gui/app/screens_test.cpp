@@ -30,6 +30,7 @@
 
 #include "gui/app/chat_panel.h"
 #include "gui/app/export_dialog.h"
+#include "gui/app/format.h"
 #include "gui/app/main_window.h"
 #include "gui/app/monitor.h"
 #include "gui/app/rondo_cli.h"
@@ -257,6 +258,13 @@ class Screens : public QObject {
     QCOMPARE(m.lossSeries()->count(), 12);
     QCOMPARE(m.evalSeries()->count(), 4);  // steps 0, 4, 8, 12
     QVERIFY(m.timelineView()->barsDrawn() > 0);
+    // Each device's peak beside the plan's prediction for it (before: "Memory in use" between
+    // steps, kilobytes, read as contradicting the plan's peak).
+    auto* devices = m.findChild<QTableWidget*>("deviceTable");
+    QCOMPARE(devices->horizontalHeaderItem(2)->text(), QString("Peak (planned)"));
+    QVERIFY2(devices->item(0, 2)->text().contains(
+                 " (" + bytesText(m.state()->plannedPeaks().value(0)) + ")"),
+             qPrintable(devices->item(0, 2)->text()));
     QCOMPARE(m.state()->timeline()->deviceCount(), 2);
     QImage timeline = m.timelineView()->grab().toImage();
     QVERIFY(test::colours(timeline) > 4);

@@ -140,6 +140,8 @@ class RunStateTest : public QObject {
     QVERIFY(s.configToml().startsWith(QStringLiteral("[model]\npath = \"/models/tiny.gguf\"\n")));
     QCOMPARE(s.plan(), QStringLiteral(
                            "F[0,15) F[15,31) T[31,32) B[25,31) B[17,25) B[9,17) B[0,9) M=4 stage"));
+    // The plan's predicted peak per device, to show beside each device's measured one.
+    QCOMPARE(s.plannedPeaks(), QList<double>({739232768.0, 739232768.0}));
     QCOMPARE(s.exportPath(), QStringLiteral("/tmp/run/adapter"));
     QCOMPARE(s.stepsTotal(), 300);
     QCOMPARE(s.lastStep(), 300);
