@@ -32,37 +32,63 @@ namespace rondo::models {
 namespace {
 
 // ---------------------------------------------------------------------------------------------
-// Pieces of text with per-byte original offsets. See Note [Byte offsets].
+// Pieces of text with per-byte original offsets. See Note [Byte offsets]. An untracked piece
+// (encode without offsets) keeps no tags, 4 bytes a byte of text: only whether each byte's tag is
+// 0 (its source is the input's first character), as the length of the run of such bytes that
+// starts it. tag_at() reads either: the stages see the same zero and non-zero tags, so the ids
+// are the same, tracked or not.
+
+std::uint32_t tag_at(const Piece& p, std::size_t i) {
+  return p.tracked ? p.orig[i] : (i < p.zero_prefix ? 0 : 1);
+}
+
+// An empty piece that tracks (or not) as `p` does.
+Piece like(const Piece& p) {
+  Piece out;
+  out.tracked = p.tracked;
+  return out;
+}
+
+// Appends `p`'s tags for its bytes [b, e) to `out` (whose text the caller extends by them).
+void append_tags(Piece& out, const Piece& p, std::size_t b, std::size_t e) {
+  if (out.tracked) {
+    out.orig.insert(out.orig.end(), p.orig.begin() + static_cast<std::ptrdiff_t>(b),
+                    p.orig.begin() + static_cast<std::ptrdiff_t>(e));
+  } else if (out.zero_prefix == out.text.size() && b < p.zero_prefix) {
+    out.zero_prefix += std::min(e, p.zero_prefix) - b;
+  }
+}
 
 Piece slice(const Piece& p, std::size_t b, std::size_t e) {
-  Piece out;
+  Piece out = like(p);
+  append_tags(out, p, b, e);
   out.text = p.text.substr(b, e - b);
-  out.orig.assign(p.orig.begin() + static_cast<std::ptrdiff_t>(b),
-                  p.orig.begin() + static_cast<std::ptrdiff_t>(e));
   return out;
 }
 
 // Appends `s` to `out`, every byte tagged `tag`.
 void push(Piece& out, std::string_view s, std::uint32_t tag) {
+  if (out.tracked)
+    out.orig.insert(out.orig.end(), s.size(), tag);
+  else if (tag == 0 && out.zero_prefix == out.text.size())
+    out.zero_prefix += s.size();
   out.text.append(s);
-  out.orig.insert(out.orig.end(), s.size(), tag);
 }
 
 // Replaces every match [b, e) with `content`; inserted bytes take the tag of the first replaced
 // byte. `for_each_match(f)` calls f(b, e) for each match of p.text, left to right.
 template <typename ForEachMatch>
 Piece replace_ranges(const Piece& p, ForEachMatch&& for_each_match, const std::string& content) {
-  Piece out;
+  Piece out = like(p);
   std::size_t prev = 0;
   for_each_match([&](std::size_t b, std::size_t e) {
+    append_tags(out, p, prev, b);
     out.text.append(p.text, prev, b - prev);
-    out.orig.insert(out.orig.end(), p.orig.begin() + static_cast<std::ptrdiff_t>(prev),
-                    p.orig.begin() + static_cast<std::ptrdiff_t>(b));
-    push(out, content, p.orig[b]);
+    push(out, content, tag_at(p, b));
     prev = e;
   });
+  append_tags(out, p, prev, p.text.size());
   out.text.append(p.text, prev, std::string::npos);
-  out.orig.insert(out.orig.end(), p.orig.begin() + static_cast<std::ptrdiff_t>(prev), p.orig.end());
   return out;
 }
 
@@ -74,7 +100,7 @@ Piece normalize_unicode(Piece p, bool compose) {
   std::vector<char32_t> cps;
   std::vector<std::uint32_t> tags;
   for (std::size_t i = 0; i < p.text.size();) {
-    const std::uint32_t tag = p.orig[i];
+    const std::uint32_t tag = tag_at(p, i);
     cps.push_back(unicode::next(p.text, i));
     tags.push_back(tag);
   }
@@ -82,11 +108,11 @@ Piece normalize_unicode(Piece p, bool compose) {
     unicode::nfc(cps, tags);
   else
     unicode::nfd(cps, tags);
-  Piece out;
+  Piece out = like(p);
   for (std::size_t k = 0; k < cps.size(); ++k) {
-    const std::size_t before = out.text.size();
-    unicode::append(out.text, cps[k]);
-    out.orig.insert(out.orig.end(), out.text.size() - before, tags[k]);
+    std::string c;
+    unicode::append(c, cps[k]);
+    push(out, c, tags[k]);
   }
   return out;
 }
@@ -95,10 +121,10 @@ Piece normalize_unicode(Piece p, bool compose) {
 Piece apply_norm(const NormStep& step, Piece p) {
   if (auto* s = std::get_if<NormPrepend>(&step)) {
     if (p.text.empty()) return p;
-    Piece out;
-    push(out, s->prepend, p.orig[0]);
+    Piece out = like(p);
+    push(out, s->prepend, tag_at(p, 0));
+    append_tags(out, p, 0, p.text.size());
     out.text += p.text;
-    out.orig.insert(out.orig.end(), p.orig.begin(), p.orig.end());
     return out;
   }
   if (auto* s = std::get_if<NormReplace>(&step))
@@ -208,11 +234,11 @@ const Regex& gpt2_regex() {
 
 Piece byte_level_map(const Piece& p) {
   const ByteMap& bm = byte_map();
-  Piece out;
+  Piece out = like(p);
   out.text.reserve(p.text.size() * 2);
-  out.orig.reserve(p.text.size() * 2);
+  if (out.tracked) out.orig.reserve(p.text.size() * 2);
   for (std::size_t i = 0; i < p.text.size(); ++i)
-    push(out, bm.to_char[static_cast<unsigned char>(p.text[i])], p.orig[i]);
+    push(out, bm.to_char[static_cast<unsigned char>(p.text[i])], tag_at(p, i));
   return out;
 }
 
@@ -243,10 +269,10 @@ void apply_pre(const PreStep& step, Piece p, F&& f) {
   }
   if (auto* s = std::get_if<PreByteLevel>(&step)) {
     if (s->add_prefix_space && !p.text.empty() && p.text[0] != ' ') {
-      Piece q;
-      push(q, " ", p.orig[0]);
+      Piece q = like(p);
+      push(q, " ", tag_at(p, 0));
+      append_tags(q, p, 0, p.text.size());
       q.text += p.text;
-      q.orig.insert(q.orig.end(), p.orig.begin(), p.orig.end());
       p = std::move(q);
     }
     if (!s->use_regex) {
@@ -260,17 +286,17 @@ void apply_pre(const PreStep& step, Piece p, F&& f) {
     return;
   }
   const auto& ms = std::get<PreMetaspace>(step);
-  const bool at_origin = !p.orig.empty() && p.orig[0] == 0;
+  const bool at_origin = !p.text.empty() && tag_at(p, 0) == 0;
   Piece q = replace_ranges(
       p, [&](auto&& g) { for_each_literal(p.text, " ", g); }, ms.replacement);
   const bool starts = q.text.compare(0, ms.replacement.size(), ms.replacement) == 0;
   const bool prepend = !starts && (ms.prepend_scheme == PrependScheme::kAlways ||
                                    (ms.prepend_scheme == PrependScheme::kFirst && at_origin));
   if (prepend && !q.text.empty()) {
-    Piece r;
-    push(r, ms.replacement, q.orig[0]);
+    Piece r = like(q);
+    push(r, ms.replacement, tag_at(q, 0));
+    append_tags(r, q, 0, q.text.size());
     r.text += q.text;
-    r.orig.insert(r.orig.end(), q.orig.begin(), q.orig.end());
     q = std::move(r);
   }
   if (!ms.split) {
@@ -491,22 +517,30 @@ Tokenizer::Encoding Tokenizer::Impl::encode(std::string_view text, bool add_spec
     throw Error(source + ": text to encode is not valid UTF-8 (byte " + std::to_string(bad) +
                 " of " + std::to_string(text.size()) + ")");
   Encoding enc;
-  auto emit = [&](std::int32_t id, std::size_t b, std::size_t e) {
+  // Token `id` made of the bytes [b, e) of `w`: its offsets are the input characters they come
+  // from (only read with offsets: without, `w` has no tags).
+  auto emit = [&](std::int32_t id, const Piece& w, std::size_t b, std::size_t e) {
     enc.ids.push_back(id);
-    if (with_offsets) enc.offsets.emplace_back(b, e);
+    if (!with_offsets) return;
+    const std::uint32_t last = w.orig[e - 1];
+    enc.offsets.emplace_back(w.orig[b],
+                             last + unicode::char_len(static_cast<unsigned char>(text[last])));
   };
-  // End of the input character that starts at byte `o`.
-  auto char_end = [&](std::uint32_t o) {
-    return o + unicode::char_len(static_cast<unsigned char>(text[o]));
-  };
+  // Without offsets the text is not tagged byte by byte (4 bytes a byte: most of what a long
+  // line costs here); its first character is the first run of tag-0 bytes.
   Piece whole;
   whole.text.assign(text);
-  whole.orig.resize(text.size());
-  for (std::size_t i = 0; i < text.size();) {
-    const std::size_t n = unicode::char_len(static_cast<unsigned char>(text[i]));
-    std::fill_n(whole.orig.begin() + static_cast<std::ptrdiff_t>(i), n,
-                static_cast<std::uint32_t>(i));
-    i += n;
+  whole.tracked = with_offsets;
+  if (with_offsets) {
+    whole.orig.resize(text.size());
+    for (std::size_t i = 0; i < text.size();) {
+      const std::size_t n = unicode::char_len(static_cast<unsigned char>(text[i]));
+      std::fill_n(whole.orig.begin() + static_cast<std::ptrdiff_t>(i), n,
+                  static_cast<std::uint32_t>(i));
+      i += n;
+    }
+  } else if (!text.empty()) {
+    whole.zero_prefix = unicode::char_len(static_cast<unsigned char>(text[0]));
   }
   // Pieces are moved from stage to stage: a long text is held about twice (a normaliser's input
   // and output), never once per stage.
@@ -514,7 +548,7 @@ Tokenizer::Encoding Tokenizer::Impl::encode(std::string_view text, bool add_spec
   split_added(std::move(whole), raw_matcher, stage1);
   for (Piece& p1 : stage1) {
     if (p1.token >= 0) {
-      emit(p1.token, p1.orig.front(), char_end(p1.orig.back()));
+      emit(p1.token, p1, 0, p1.text.size());
       continue;
     }
     Piece normalized = std::move(p1);
@@ -524,7 +558,7 @@ Tokenizer::Encoding Tokenizer::Impl::encode(std::string_view text, bool add_spec
     split_added(std::move(normalized), normalized_matcher, stage2);
     for (Piece& p2 : stage2) {
       if (p2.token >= 0) {
-        emit(p2.token, p2.orig.front(), char_end(p2.orig.back()));
+        emit(p2.token, p2, 0, p2.text.size());
         continue;
       }
       // Depth first: each word goes through the remaining pre-tokenizer steps and the model as
@@ -532,7 +566,7 @@ Tokenizer::Encoding Tokenizer::Impl::encode(std::string_view text, bool add_spec
       auto pre = [&](auto& self, Piece w, std::size_t k) -> void {
         if (k == pre_tokenizer.size()) {
           for (const BpeModel::Tok& t : model.tokenize(w.text))
-            emit(t.id, w.orig[t.begin], char_end(w.orig[t.end - 1]));
+            emit(t.id, w, t.begin, t.end);
           return;
         }
         apply_pre(pre_tokenizer[k], std::move(w),

@@ -30,6 +30,11 @@ struct Piece {
   std::string text;
   std::vector<std::uint32_t> orig;  // per byte of text: offset of its source char in the input
   std::int32_t token = -1;          // an added token already recognised (text is its match)
+  // Without offsets (Tokenizer::encode) `orig` stays empty and only what the stages read of it
+  // is kept: how many leading bytes come from the input's first character (tag 0), which
+  // Metaspace's prepend_scheme "first" asks. See tag_at() in tokenizer.cpp.
+  bool tracked = true;
+  std::size_t zero_prefix = 0;
 };
 
 // Each occurrence [begin, end) of `lit` in `s`, left to right, non-overlapping, to `f`.

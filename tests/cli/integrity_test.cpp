@@ -470,8 +470,10 @@ TEST_F(Integrity, FilesReadWholeAreBounded) {
 // One long example (a 24 MiB line under a 32 MiB data.max_line): reading, parsing, tokenizing and
 // showing it costs a small multiple of its size over the same command on a one-line file. The
 // tiny tokenizer gives a token a byte, so the ids and mask alone are 5x the text. Before: 35x to
-// load it (a copy of the text per tokenizer stage, every pre-token's range held at once) and 44x
-// with `rondo data`'s display (a std::string per token to decode it).
+// load it (a copy of the text per tokenizer stage, every pre-token's range held at once), 44x
+// with `rondo data`'s display (a std::string per token to decode it), and 8.9x while the
+// tokenizer tagged every byte with its source offset when no offsets were asked for (7.5x since;
+// with SmolLM2's tokenizer, a token for about 3 bytes, a 200 MB line went from 7.0x to 3.8x).
 TEST_F(Integrity, ALongLineCostsASmallMultipleOfItsSize) {
   const std::size_t size = 24u << 20;
   {
@@ -497,7 +499,7 @@ TEST_F(Integrity, ALongLineCostsASmallMultipleOfItsSize) {
                        static_cast<double>(size);
   std::printf("a %zu MiB line: peak RSS %.0f MiB (one short line: %.0f MiB), %.1fx the line\n",
               size >> 20, big.peak_rss / 1048576.0, base.peak_rss / 1048576.0, ratio);
-  EXPECT_LT(ratio, 12.0);
+  EXPECT_LT(ratio, 8.2);
 }
 
 // The run folder read-only to the exporting process (a read-only mount, another user's run): the

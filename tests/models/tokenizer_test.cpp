@@ -167,6 +167,36 @@ TEST(Tokenizer, ByteLevelRoundTripsRandomText) {
   }
 }
 
+// encode() keeps no per-byte offsets (a long text would cost 4 bytes a byte more), only which
+// leading bytes come from the input's first character; the ids are encode_with_offsets()'s, on a
+// byte-level tokenizer, a SentencePiece one with a Prepend normaliser, and one with Metaspace's
+// prepend_scheme "first" (which asks whether a piece starts the input), added tokens first,
+// inside and last.
+TEST(Tokenizer, IdsWithoutOffsetsAreTheSame) {
+  json metaspace = sentencepiece_json(true);
+  metaspace["normalizer"] = nullptr;
+  metaspace["pre_tokenizer"] = {{"type", "Metaspace"},
+                                {"replacement", "\xE2\x96\x81"},
+                                {"prepend_scheme", "first"},
+                                {"split", false}};
+  const unsigned seed = std::random_device{}();
+  std::mt19937 rng(seed);
+  const std::vector<std::string> pool = {"a",   "b", "ab", " ",  "  ", "\xC3\xA9", "\n",
+                                         "<s>", "x", "1",  "\t", "ba", "<|end|>"};
+  for (const json& j : {byte_level_json(), sentencepiece_json(true), metaspace}) {
+    const Tokenizer t = Tokenizer::from_json(j.dump(), "test");
+    for (int n = 0; n < 400; ++n) {
+      std::string s;
+      const int len = static_cast<int>(rng() % 12);
+      for (int i = 0; i < len; ++i)
+        s += pool[rng() % pool.size()];
+      for (bool special : {false, true})
+        ASSERT_EQ(t.encode(s, special), t.encode_with_offsets(s, special).ids)
+            << "seed " << seed << ", text '" << s << "'";
+    }
+  }
+}
+
 TEST(Tokenizer, SentencePieceByteFallbackAndBos) {
   const Tokenizer t = Tokenizer::from_json(sentencepiece_json(true).dump(), "test");
   const std::int32_t ab_word = *t.token_to_id(
