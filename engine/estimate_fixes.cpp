@@ -40,7 +40,7 @@ void find_fixes(RunEstimate& e, const TrainConfig& config, const models::ModelSu
     candidates.push_back(
         {{{{"training.optimizer", "adamw_8bit"}}, "AdamW moments in 2 bytes per parameter, not 8"},
          [](TrainConfig& c) { c.training.optimizer = "adamw_8bit"; }});
-  if (rows > 1)
+  if (rows > 1 && rows % 2 == 0)  // the same tokens per step: half the rows, twice as often
     candidates.push_back(
         {{{{"training.batch_rows", std::to_string(rows / 2)},
            {"training.grad_accum", std::to_string(config.training.grad_accum * 2)}},

@@ -35,8 +35,10 @@ namespace {
 // Pieces of text with per-byte original offsets. See Note [Byte offsets]. An untracked piece
 // (encode without offsets) keeps no tags, 4 bytes a byte of text: only whether each byte's tag is
 // 0 (its source is the input's first character), as the length of the run of such bytes that
-// starts it. tag_at() reads either: the stages see the same zero and non-zero tags, so the ids
-// are the same, tracked or not.
+// starts it. tag_at() reads either, and the stages see the same zero and non-zero tags, so the
+// ids are the same tracked or not — as long as the tag-0 bytes lead their piece. They do except
+// when a Unicode normaliser reorders the first character's combining marks behind another's;
+// only a Split cutting between those marks, followed by Metaspace's "first", could then differ.
 
 std::uint32_t tag_at(const Piece& p, std::size_t i) {
   return p.tracked ? p.orig[i] : (i < p.zero_prefix ? 0 : 1);

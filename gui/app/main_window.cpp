@@ -102,7 +102,7 @@ void MainWindow::closeAfterStopping() {
   statusBar()->showMessage(
       "Stopping: finishing the steps under way and writing a checkpoint; the window closes when "
       "it is saved");
-  connect(m_monitor, &MonitorWidget::finished, this, &QWidget::close);
+  connect(m_monitor, &MonitorWidget::finished, this, &QWidget::close, Qt::SingleShotConnection);
   m_monitor->stopAndSave();
 }
 

@@ -17,6 +17,7 @@ namespace rondo::gui {
 namespace {
 
 constexpr int kRecent = 20;
+const char* const kCompareHint = "Select two runs and Compare to see what differs between them.";
 
 QString lossText(double v) {
   return std::isfinite(v) ? QString::number(v, 'f', 4) : QString("—");
@@ -56,7 +57,7 @@ RunsDialog::RunsDialog(QStringList roots, QStringList recent, QWidget* parent)
   m_table->setSelectionBehavior(QAbstractItemView::SelectRows);
   m_table->setSelectionMode(QAbstractItemView::ExtendedSelection);
   m_table->setEditTriggers(QAbstractItemView::NoEditTriggers);
-  m_summary = new QLabel("Select two runs and Compare to see what differs between them.");
+  m_summary = new QLabel(kCompareHint);
   m_summary->setObjectName("compareSummary");
   m_summary->setWordWrap(true);
   m_differences = new QTableWidget(0, 3);
@@ -113,6 +114,9 @@ RunsDialog::RunsDialog(QStringList roots, QStringList recent, QWidget* parent)
 void RunsDialog::refresh() {
   m_runs = findRuns(m_roots, m_recent);
   m_table->setRowCount(0);
+  // A comparison of the rows before is gone with them.
+  m_differences->setRowCount(0);
+  m_summary->setText(kCompareHint);
   for (const RunSummary& r : m_runs) {
     const int row = m_table->rowCount();
     m_table->insertRow(row);

@@ -316,10 +316,11 @@ SetupWizard::SetupWizard(QWidget* parent) : QWizard(parent) {
   m_quantize = new QComboBox;
   m_quantize->setObjectName("quantize");
   for (const auto& [value, text] : std::initializer_list<std::pair<const char*, const char*>>{
-           {"auto", "as stored, quantised only where host memory needs it"},
+           {"auto", "auto: a GGUF or MXFP4 base stays as stored when host memory is short"},
            {"none", "not quantised (the training dtype)"},
            {"nf4", "NF4, 4 bits (QLoRA)"},
-           {"int8", "int8"}})
+           {"int8", "int8"},
+           {"gguf", "a GGUF file's own block types"}})
     m_quantize->addItem(text, value);
   m_quantize->setToolTip(
       "How the frozen base is kept and streamed to the GPUs: 4 bits take about a quarter of the "
@@ -522,11 +523,15 @@ SetupWizard::SetupWizard(QWidget* parent) : QWizard(parent) {
     outer->setContentsMargins(0, 0, 0, 0);
     outer->addWidget(area);
   }
-  adv->init = [this] {
+  auto* advError = new QLabel;  // one label, shown while the list cannot be had
+  advError->setWordWrap(true);
+  advError->hide();
+  m_advanced->layout()->addWidget(advError);
+  adv->init = [this, advError] {
     QString error;
-    if (!m_advanced->load(&error))
-      m_advanced->layout()->addWidget(
-          new QLabel("<span style='color:#b00020'>" + error.toHtmlEscaped() + "</span>"));
+    const bool loaded = m_advanced->load(&error);
+    advError->setText("<span style='color:#b00020'>" + error.toHtmlEscaped() + "</span>");
+    advError->setVisible(!loaded);
   };
   setPage(AdvancedPage, adv);
 
@@ -600,7 +605,8 @@ WizardConfig SetupWizard::config() const {
   WizardConfig c;
   c.modelPath = m_modelPath->text().trimmed();
   c.modelDtype = m_dtype->currentText();
-  c.quantize = m_quantize->currentData().toString();
+  // The frozen base's form is LoRA's; a full run trains the base (the CLI refuses a quantised one).
+  c.quantize = m_lora->isChecked() ? m_quantize->currentData().toString() : QString("auto");
   c.skipBadLines = m_skipBadLines->isChecked();
   c.dataPath = m_dataPath->text().trimmed();
   c.dataFormat = m_dataFormat->currentText();
@@ -680,9 +686,15 @@ bool SetupWizard::setSetting(const QString& key, const QString& value) {
 }
 
 void SetupWizard::applyFix() {
-  for (auto it = m_fixSet.begin(); it != m_fixSet.end(); ++it)
-    setSetting(it.key(), it.value().toString());
+  // A copy: setting a field may run the CLI (the Advanced page's list) in a nested event loop.
+  const QJsonObject set = m_fixSet;
+  QStringList unset;
+  for (auto it = set.begin(); it != set.end(); ++it)
+    if (!setSetting(it.key(), it.value().toString())) unset << it.key();
   refreshReview();
+  if (!unset.isEmpty())
+    m_problems->setText(m_problems->text() + "\n• The wizard has no field for " + unset.join(", ") +
+                        "; set it in a saved config (Save config…)");
   if (auto* p = static_cast<HookPage*>(page(ReviewPage))) p->changed();
 }
 
@@ -934,12 +946,13 @@ void SetupWizard::refreshReview() {
   // A run too short to learn from (the demo data's one epoch is 2 steps): say so, and what
   // gives more steps.
   if (steps > 0 && steps < kFewSteps)
-    notes << QString(
-                 "• Only %1 optimizer step%2: too few for the model to learn much. More "
-                 "epochs or steps (Training page), or a smaller gradient accumulation, give "
-                 "more.")
+    notes << QString("• Only %1 optimizer step%2: too few for the model to learn much. %3")
                  .arg(steps)
-                 .arg(steps == 1 ? "" : "s");
+                 .arg(steps == 1 ? "" : "s")
+                 .arg(m_steps->value() == 0
+                          ? "More epochs, or a smaller batch size or gradient accumulation "
+                            "(Training page), give more."
+                          : "More steps (Training page) give more.");
   for (const QJsonValue& v : m_plan["warnings"].toArray())
     notes << "• " + inWizardWords(v.toString());
   m_problems->setText(notes.join("\n"));

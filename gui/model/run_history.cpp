@@ -1,8 +1,6 @@
 #include "gui/model/run_history.h"
 
-#include <fcntl.h>
 #include <sys/file.h>
-#include <unistd.h>
 
 #include <QDir>
 #include <QFile>
@@ -22,15 +20,17 @@ namespace {
 // events (step, a device event per device, spans) are a few KiB, so this holds many steps.
 constexpr qint64 kTail = 256 * 1024;
 
-// Whether a process holds the run's lock exclusively (a `rondo train` of it); a reader (export,
-// chat) holds it shared and does not count.
-bool lockHeld(const QString& dir) {
-  const QByteArray path = QFile::encodeName(QDir(dir).filePath("rondo.lock"));
-  const int fd = ::open(path.constData(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) return false;
-  const bool held = ::flock(fd, LOCK_SH | LOCK_NB) != 0 && errno == EWOULDBLOCK;
-  ::close(fd);
-  return held;
+// Whether `rondo train` holds the run's lock. The holder writes "PID COMMAND" into it right after
+// locking; an export or a chat of a writable run holds it too, and does not make the run
+// running (a killed run being exported is still interrupted). An empty text is a holder that has
+// not written it yet: a trainer just started, as likely as not.
+bool trainerHoldsLock(const QString& dir) {
+  QFile file(QDir(dir).filePath("rondo.lock"));
+  if (!file.open(QIODevice::ReadOnly)) return false;
+  const bool held = ::flock(file.handle(), LOCK_SH | LOCK_NB) != 0 && errno == EWOULDBLOCK;
+  if (!held) return false;
+  const QByteArray holder = file.readAll();
+  return holder.trimmed().isEmpty() || holder.contains("rondo train");
 }
 
 // config.toml as Rondo writes it (one `key = value` per line under `[section]`): "section.key" to
@@ -74,7 +74,7 @@ RunSummary summarizeRun(const QString& dir) {
   }
   QFile events(info.eventsPath);
   if (info.eventsPath.isEmpty() || !events.open(QIODevice::ReadOnly)) {
-    if (lockHeld(dir)) s.status = "running";
+    if (trainerHoldsLock(dir)) s.status = "running";
     return s;
   }
   // The first line: the run's start.
@@ -114,7 +114,7 @@ RunSummary summarizeRun(const QString& dir) {
   }
   if (!end.isEmpty())
     s.status = end;
-  else if (lockHeld(dir))
+  else if (trainerHoldsLock(dir))
     s.status = "running";
   else if (size > 0)
     s.status = "interrupted";  // killed: no run_end, and no process holds the run

@@ -1,9 +1,9 @@
 // Run history: what a run folder holds at a glance (model, method, status, steps, last losses,
 // when it started and ended, its resolved config), the runs under a folder, and what differs
 // between two runs' configs. Read from the folder's config.toml and the head and tail of its
-// events.jsonl (a long run's file is not read whole), and from whether a process holds its lock:
-// a run with no run_end whose lock nobody holds was killed ("interrupted"), one whose lock is held
-// is "running". Used by the GUI's Runs window.
+// events.jsonl (a long run's file is not read whole), and from whether `rondo train` holds its
+// lock: a run with no run_end whose lock no trainer holds was killed ("interrupted"), one whose
+// lock a trainer holds is "running". Used by the GUI's Runs window.
 //
 //   for (const RunSummary& r : findRuns({"runs"}, recent)) table.add(r.dir, r.status, ...);
 //   QList<ConfigDifference> d = configDifferences(a.config, b.config);

@@ -18,6 +18,7 @@
 #include <QProcess>
 #include <QProgressBar>
 #include <QPushButton>
+#include <QRadioButton>
 #include <QScopeGuard>
 #include <QSignalSpy>
 #include <QSpinBox>
@@ -88,6 +89,16 @@ class Screens : public QObject {
     w.findChild<QDoubleSpinBox*>("loraDropout")->setValue(0.05);
     w.findChild<QCheckBox*>("loraRslora")->setChecked(true);
     QVERIFY(w.config().toToml().contains("dropout = 0.05\nrslora = true"));
+    // The frozen base's form is LoRA's: a full run writes "auto" whatever the greyed box says
+    // (the CLI refuses a quantised base to train).
+    auto* quantize = w.findChild<QComboBox*>("quantize");
+    quantize->setCurrentIndex(quantize->findData("nf4"));
+    QVERIFY(w.config().toToml().contains("quantize = \"nf4\""));
+    w.findChild<QRadioButton*>("methodFull")->setChecked(true);
+    QVERIFY(!quantize->isEnabled());
+    QVERIFY(w.config().toToml().contains("quantize = \"auto\""));
+    w.findChild<QRadioButton*>("methodLora")->setChecked(true);
+    quantize->setCurrentIndex(quantize->findData("auto"));
     w.findChild<QCheckBox*>("loraRslora")->setChecked(false);
     w.findChild<QDoubleSpinBox*>("loraDropout")->setValue(0);
     // all-linear absorbs the attention names; the experts' (GPT-OSS's all-linear leaves them
@@ -186,7 +197,8 @@ class Screens : public QObject {
     QCOMPARE(w.planResult()["steps"].toInt(), 6);
     // Six steps teach a model little: Review says so, and what gives more.
     const QString notes = w.findChild<QLabel*>("planProblems")->text();
-    QVERIFY2(notes.contains("Only 6 optimizer steps: too few") && notes.contains("More epochs"),
+    QVERIFY2(notes.contains("Only 6 optimizer steps: too few") &&
+                 notes.contains("More steps (Training page)"),
              qPrintable(notes));
     img = test::screenshot(&w, "wizard_7_review");
     QVERIFY(test::colours(img) > 8);

@@ -71,7 +71,13 @@ class RunHistoryTest : public QObject {
                           O_RDWR | O_CREAT | O_CLOEXEC, 0644);
     QVERIFY(fd >= 0);
     QCOMPARE(::flock(fd, LOCK_EX | LOCK_NB), 0);
+    QCOMPARE(summarizeRun(live).status, QString("running"));  // locked, its text not written yet
+    QCOMPARE(::pwrite(fd, "4242 rondo train --resume\n", 26, 0), 26);
     QCOMPARE(summarizeRun(live).status, QString("running"));
+    // An export of a killed run holds the lock too: the run is still interrupted.
+    QCOMPARE(::ftruncate(fd, 0), 0);
+    QCOMPARE(::pwrite(fd, "4243 rondo export\n", 18, 0), 18);
+    QCOMPARE(summarizeRun(live).status, QString("interrupted"));
     ::close(fd);  // the trainer is gone
     QCOMPARE(summarizeRun(live).status, QString("interrupted"));
 
