@@ -14,6 +14,7 @@
 #include <QLocale>
 #include <QProgressBar>
 #include <QPushButton>
+#include <QRegularExpression>
 #include <QScrollArea>
 #include <QSplitter>
 #include <QTabWidget>
@@ -51,6 +52,15 @@ QString eta(double s) {
   const qint64 t = static_cast<qint64>(s + 0.5);
   return t >= 3600 ? QString("%1h%2m").arg(t / 3600).arg(t / 60 % 60, 2, 10, QChar('0'))
                    : QString("%1m%2s").arg(t / 60).arg(t % 60, 2, 10, QChar('0'));
+}
+
+// A line `rondo train` printed, in the GUI's words where it gives advice for a terminal: the
+// command to resume is File ▸ Resume a stopped run here, and Ctrl-C is the Stop button.
+QString inGuiWords(QString line) {
+  static const QRegularExpression resume(R"(`rondo train --resume ([^`]+)`)");
+  line.replace(resume, R"(File ▸ Resume a stopped run (`rondo train --resume \1`))");
+  line.replace("(Ctrl-C again to exit at once)", "(Stop now ends at once)");
+  return line;
 }
 
 QChart* makeChart(const QString& title, std::initializer_list<QLineSeries*> series) {
@@ -395,7 +405,7 @@ bool MonitorWidget::launch(const QString& configPath, const QString& runDir, QSt
     while (m_child->canReadLine()) {
       QString line = QString::fromUtf8(m_child->readLine()).trimmed();
       // The status line redraws itself with \r on a terminal; not here (not a terminal).
-      if (!line.isEmpty()) m_state->log()->appendLine(line);
+      if (!line.isEmpty()) m_state->log()->appendLine(inGuiWords(line));
     }
   });
   connect(m_child, &QProcess::finished, this, &MonitorWidget::onChildFinished);
@@ -471,7 +481,8 @@ void MonitorWidget::exportRun() {
 void MonitorWidget::onChildFinished(int code, QProcess::ExitStatus status) {
   if (m_child->bytesAvailable() > 0) {
     for (const QByteArray& l : m_child->readAll().split('\n'))
-      if (!l.trimmed().isEmpty()) m_state->log()->appendLine(QString::fromUtf8(l).trimmed());
+      if (!l.trimmed().isEmpty())
+        m_state->log()->appendLine(inGuiWords(QString::fromUtf8(l).trimmed()));
   }
   tryOpenEvents();
   if (m_tail->isOpen()) m_tail->finish();  // everything it wrote before it ended

@@ -496,6 +496,12 @@ class Screens : public QObject {
     QVERIFY(m.findChild<QLabel*>("errorBanner")->isHidden());
     QVERIFY(QDir(m_dir + "/stop-run/checkpoints/step-" + QString::number(m.state()->lastStep()))
                 .exists());
+    // The CLI's advice in the GUI's words: the Stop button, and the File menu's resume.
+    const QString log = m.state()->log()->lines().join('\n');
+    QVERIFY2(!log.contains("Ctrl-C"), qPrintable(log));
+    QVERIFY2(log.contains("(Stop now ends at once)"), qPrintable(log));
+    QVERIFY2(log.contains("continue with File ▸ Resume a stopped run (`rondo train --resume "),
+             qPrintable(log));
   }
 
   // Asked twice, Stop ends the run at once, without a checkpoint: "interrupted", still no
