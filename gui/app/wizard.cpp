@@ -192,6 +192,19 @@ QString WizardConfig::toToml() const {
   return t;
 }
 
+QSet<QString> WizardConfig::pageKeys() {
+  QSet<QString> keys;
+  QString section;
+  for (const QString& line : WizardConfig().toToml().split('\n')) {
+    if (line.startsWith('['))
+      section = line.mid(1, line.indexOf(']') - 1);
+    else if (line.contains(" = "))
+      keys.insert(section + "." + line.section(" = ", 0, 0));
+  }
+  keys.remove("output.exports");  // written by default, and the Advanced page's to change
+  return keys;
+}
+
 SetupWizard::SetupWizard(QWidget* parent) : QWizard(parent) {
   setWindowTitle("Rondo — new fine-tuning run");
   setObjectName("setupWizard");
@@ -498,22 +511,7 @@ SetupWizard::SetupWizard(QWidget* parent) : QWizard(parent) {
   auto* adv = new HookPage;
   adv->setTitle("Step 6 of 7: Every other setting");
   adv->setSubTitle("Optimizer, evaluation, checkpoints, drives, exports: the defaults are sound.");
-  m_advanced = new AdvancedSettings({"model.path",           "model.dtype",
-                                     "model.quantize",       "data.train",
-                                     "data.format",          "data.train_on_everything",
-                                     "data.skip_bad_lines",  "data.validation_split",
-                                     "data.seq_len",         "lora.rank",
-                                     "lora.alpha",           "lora.targets",
-                                     "lora.dropout",         "lora.rslora",
-                                     "training.method",      "training.steps",
-                                     "training.epochs",      "training.batch_rows",
-                                     "training.grad_accum",  "training.lr",
-                                     "training.schedule",    "training.warmup_steps",
-                                     "checkpoint.every",     "eval.every",
-                                     "eval.sample_every",    "eval.prompts",
-                                     "hardware.sim_devices", "hardware.memory_cap",
-                                     "hardware.host_memory", "hardware.offload_dir",
-                                     "output.run_dir"});
+  m_advanced = new AdvancedSettings(WizardConfig::pageKeys());
   {
     auto* area = new QScrollArea;
     area->setWidgetResizable(true);

@@ -11,6 +11,7 @@
 #include <QJsonObject>
 #include <QList>
 #include <QPair>
+#include <QSet>
 #include <QString>
 #include <QStringList>
 #include <QWizard>
@@ -60,6 +61,9 @@ struct WizardConfig {
   QList<QPair<QString, QString>> advanced;  // the Advanced page's changes: key, TOML value
 
   QString toToml() const;
+  // The keys the pages set (what toToml writes, but output.exports): the Advanced page lists the
+  // rest.
+  static QSet<QString> pageKeys();
 };
 
 class SetupWizard : public QWizard {

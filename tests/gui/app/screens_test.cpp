@@ -19,6 +19,7 @@
 #include <QProgressBar>
 #include <QPushButton>
 #include <QRadioButton>
+#include <QRegularExpression>
 #include <QScopeGuard>
 #include <QSignalSpy>
 #include <QSpinBox>
@@ -147,6 +148,12 @@ class Screens : public QObject {
     w.next();
     QCOMPARE(w.currentId(), static_cast<int>(SetupWizard::AdvancedPage));
     QVERIFY(!w.findChild<QWidget*>("adv_training.lr"));  // on the Training page
+    // Each key has one place: no Advanced row for a key a page writes (it would go into the
+    // config twice, which TOML refuses).
+    const QSet<QString> pageKeys = WizardConfig::pageKeys();
+    QVERIFY(pageKeys.contains("hardware.offload_dir") && !pageKeys.contains("output.exports"));
+    for (const QWidget* row : w.findChildren<QWidget*>(QRegularExpression("^adv_")))
+      QVERIFY2(!pageKeys.contains(row->objectName().mid(4)), qPrintable(row->objectName()));
     auto* optimizer = w.findChild<QLineEdit*>("adv_training.optimizer");
     QVERIFY(optimizer);
     QCOMPARE(optimizer->text(), QString("adamw"));
