@@ -70,6 +70,16 @@ struct Offload : ::testing::Test {
     for (const json& d : plan["devices"])
       EXPECT_LE(d["peak_bytes"].get<double>(), d["cap_bytes"].get<double>()) << d;
   }
+  // The verdict a plan would give on a drive with room for its NVMe tier: a plan for an offload
+  // folder on this machine warns (verdict "tight") when less is free here than the tier needs, and
+  // how much is free depends on the machine running the test, not on the plan.
+  static std::string verdict_with_room(const json& plan) {
+    bool other_warnings = false;
+    for (const json& w : plan["warnings"])
+      other_warnings |= w.get<std::string>().find("is free in") == std::string::npos;
+    if (plan["verdict"] == "tight" && !other_warnings) return "fits";
+    return plan["verdict"].get<std::string>();
+  }
   void SetUp() override {
     dir = fs::temp_directory_path() /
           ("rondo-offload-test-" + std::to_string(::getpid()) + "-" +
@@ -471,7 +481,7 @@ TEST_F(Offload, PlansALlama70BFromItsConfigAlone) {
       roomy["traffic_per_step"]["weights_up_bytes"].get<double>() / (1 << 30),
       roomy["traffic_per_step"]["weights_up_unquantised_bytes"].get<double>() / (1 << 30),
       roomy["placement"]["nvme_bytes"].get<double>() / (1 << 30));
-  EXPECT_EQ(roomy["verdict"], "fits") << r.out;
+  EXPECT_EQ(verdict_with_room(roomy), "fits") << r.out;
   EXPECT_EQ(r.code, 0);
   EXPECT_GT(roomy["params"].get<double>(), 69e9);
   EXPECT_GT(roomy["step_seconds"].get<double>(), 0);
@@ -484,7 +494,7 @@ TEST_F(Offload, PlansALlama70BFromItsConfigAlone) {
   r = run_rondo(base + " --set hardware.host_memory=40GB" + nvme, false);
   const json fits = json::parse(r.out);
   std::printf("70B NF4, RTX 4090, 40 GB + NVMe: %s\n", fits.dump(2).c_str());
-  EXPECT_EQ(fits["verdict"], "fits") << r.out;
+  EXPECT_EQ(verdict_with_room(fits), "fits") << r.out;
   EXPECT_EQ(r.code, 0);
   EXPECT_GT(fits["placement"]["nvme_bytes"].get<double>(), 10e9);
   EXPECT_GT(fits["traffic_per_step"]["nvme_read_bytes"].get<double>(), 10e9);
