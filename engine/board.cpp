@@ -45,10 +45,16 @@ namespace rondo::engine {
 //    grads_consumed_[l] >= s (wait_gradients_read), i.e. after the optimizer has read step s-1's
 //    (in exact mode this already holds by (2)).
 // 5. Stopping (Engine::request_stop). Steps are handed to the threads two ahead of the newest
-//    result. On a stop, the main thread hands out no more and sets stop_steps_ to the number
-//    handed out (stop_at); every wait for work of a later step (wait_step) then gives up with
-//    Stopped and its thread returns, while every step already handed out runs to its update, so
-//    the store is left exactly as after its last step. Uploads already made for a later step are
+//    result. On a stop, the main thread hands out no more and sets stop_steps_ to the number of
+//    steps begun (stop_early): a step is begun once a worker has taken one of its jobs or the
+//    one-step-stale optimizer has started publishing for it (wait_to_begin, the only two ways a
+//    step's work reaches the state — gradients downloaded or accumulated, streaming copies
+//    written; loaders only upload), and both waits give up with Stopped for a step at or past
+//    stop_steps_ under the same lock that counts it begun. Every other wait for work of such a
+//    step (wait_step) then gives up too and its thread returns, while every step begun runs to its
+//    update, so the store is left exactly as after its last step. In exact mode step s+1's jobs
+//    load only once step s's update has written their layers, so a stop during step s ends after
+//    it (the step handed out ahead of it never starts). Uploads already made for a later step are
 //    freed with the segment's leftovers, after the devices are synchronised. In one-step-stale
 //    mode the optimizer publishes θ_s to the streaming copies only once step s is handed out
 //    (wait_handed_out), so a stop leaves them at θ_{s-1}, what the next step (after a resume)
@@ -73,13 +79,23 @@ void Board::wait_step(std::unique_lock<std::mutex>& lock, std::int64_t s, Pred p
   if (s >= stop_steps_ && !pred()) throw Stopped{};
 }
 
+template <typename Pred>
+void Board::wait_to_begin(std::unique_lock<std::mutex>& lock, std::int64_t s, Pred pred) {
+  cv_.wait(lock, [&] { return failed_ || s >= stop_steps_ || pred(); });
+  if (failed_) throw Aborted{};
+  if (s >= stop_steps_) throw Stopped{};
+  begun_ = std::max(begun_, s + 1);
+}
+
 // ---- a segment ----
 
-void Board::begin_segment(std::size_t layers, double loss_scale) {
+void Board::begin_segment(std::size_t layers, double loss_scale, bool training) {
   std::lock_guard<std::mutex> lock(mu_);
   failed_ = false;
   error_ = nullptr;
   stop_steps_ = std::numeric_limits<std::int64_t>::max();
+  begun_ = 0;
+  training_ = training;
   handed_out_ = 0;
   scales_decided_ = 0;
   scale_ = loss_scale;
@@ -148,9 +164,10 @@ void Board::hand_out(std::int64_t s, std::shared_ptr<StepData> step) {
   cv_.notify_all();
 }
 
-void Board::stop_at(std::int64_t steps) {
+void Board::stop_early() {
   std::lock_guard<std::mutex> lock(mu_);
-  stop_steps_ = steps;
+  if (!training_) return;
+  stop_steps_ = std::min(stop_steps_, begun_);
   cv_.notify_all();
 }
 
@@ -161,7 +178,7 @@ bool Board::stopped(std::int64_t s) {
 
 void Board::wait_handed_out(std::int64_t s) {
   std::unique_lock<std::mutex> lock(mu_);
-  wait_step(lock, s, [&] { return handed_out_ > s; });
+  wait_to_begin(lock, s, [&] { return handed_out_ > s; });
 }
 
 std::shared_ptr<StepData> Board::step(std::int64_t s) {
@@ -207,7 +224,7 @@ void Board::loaded(std::int64_t s, int j, const std::shared_ptr<JobRun>& r, bool
 std::pair<std::shared_ptr<StepData>, std::shared_ptr<JobRun>> Board::wait_loaded(std::int64_t g,
                                                                                  std::int64_t s) {
   std::unique_lock<std::mutex> lock(mu_);
-  wait_step(lock, s, [&] { return steps_.count(s) && runs_.count(g) && runs_[g]->loaded; });
+  wait_to_begin(lock, s, [&] { return steps_.count(s) && runs_.count(g) && runs_[g]->loaded; });
   return {steps_[s], runs_[g]};
 }
 
@@ -359,8 +376,10 @@ void Board::add_result(const StepResult& result) {
 
 std::optional<StepResult> Board::wait_result(std::int64_t s) {
   std::unique_lock<std::mutex> lock(mu_);
-  cv_.wait(lock, [&] { return failed_ || static_cast<std::int64_t>(results_.size()) > s; });
-  if (failed_) return std::nullopt;
+  cv_.wait(lock, [&] {
+    return failed_ || static_cast<std::int64_t>(results_.size()) > s || s >= stop_steps_;
+  });
+  if (failed_ || static_cast<std::int64_t>(results_.size()) <= s) return std::nullopt;
   return results_[static_cast<std::size_t>(s)];
 }
 

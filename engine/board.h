@@ -50,8 +50,8 @@ struct Handoff {
   kernels::Device* device = nullptr;      // kKeep: where the data is
   std::unique_ptr<kernels::Event> event;  // kKeep: the compute that wrote it is done
   kernels::DeviceBuffer dev;              // kKeep
-  offload::Staged host;      // kDownload (and kSpill once read back)
-  offload::Spilled spilled;  // kSpill: on the NVMe tier
+  offload::Staged host;                   // kDownload (and kSpill once read back)
+  offload::Spilled spilled;               // kSpill: on the NVMe tier
   std::vector<std::int64_t> sizes;
 };
 
@@ -119,8 +119,9 @@ struct JobRun {
 class Board {
  public:
   // ---- a segment ----
-  // Everything reset for a segment over `layers` layers; the loss scale steps start with.
-  void begin_segment(std::size_t layers, double loss_scale);
+  // Everything reset for a segment over `layers` layers; the loss scale steps start with;
+  // `training`: a stop (stop_early) applies to it, not to an evaluation.
+  void begin_segment(std::size_t layers, double loss_scale, bool training);
   // Evaluation: no optimizer runs, every layer's streaming copy is as the last update left it.
   void open_every_layer();
   // After the threads have joined: the jobs still on the board (for their accounting), then
@@ -139,8 +140,10 @@ class Board {
   // ---- steps ----
   // Step s (0-based in the segment) handed to the threads.
   void hand_out(std::int64_t s, std::shared_ptr<StepData> step);
-  // Steps from `steps` on will not run (a stop): waits for their work throw Stopped.
-  void stop_at(std::int64_t steps);
+  // A stop as soon as the state allows: the steps no thread has begun (no worker has taken a job
+  // of them, the one-step-stale optimizer has not published for them) will not run, handed out or
+  // not; the steps begun run to their update. Nothing in an evaluation.
+  void stop_early();
   bool stopped(std::int64_t s);
   // Blocks until step s is handed out (Stopped when it never will be).
   void wait_handed_out(std::int64_t s);
@@ -159,7 +162,7 @@ class Board {
   void loaded(std::int64_t s, int j, const std::shared_ptr<JobRun>& r, bool stale_upload);
   // The worker: waits for step s's data and job g's weights.
   std::pair<std::shared_ptr<StepData>, std::shared_ptr<JobRun>> wait_loaded(std::int64_t g,
-                                                                             std::int64_t s);
+                                                                            std::int64_t s);
   // The worker has enqueued all of job g's work; `has_gradients`: the optimizer reads some;
   // `evaluated_batch`: an evaluation's last job, of that batch.
   void enqueued(std::int64_t g, bool has_gradients, std::optional<std::int64_t> evaluated_batch);
@@ -220,6 +223,11 @@ class Board {
   void wait(std::unique_lock<std::mutex>& lock, Pred pred);
   template <typename Pred>
   void wait_step(std::unique_lock<std::mutex>& lock, std::int64_t s, Pred pred);
+  // The same for the waits that begin step s's work on the state (a worker taking a job, the
+  // one-step-stale optimizer publishing): Stopped once the run stops before s even when `pred`
+  // holds, and the step counts as begun when it returns.
+  template <typename Pred>
+  void wait_to_begin(std::unique_lock<std::mutex>& lock, std::int64_t s, Pred pred);
   // Sets a run's flag (released, consumed); the run leaves the board once both are set.
   void set_and_drop(std::int64_t g, bool JobRun::*flag);
   std::map<HandoffKey, std::shared_ptr<Handoff>>& handoffs(HandoffKind kind) {
@@ -232,10 +240,12 @@ class Board {
   std::exception_ptr error_;
   // Steps of the segment that run: all, until a stop; then those already handed out.
   std::int64_t stop_steps_ = std::numeric_limits<std::int64_t>::max();
-  std::int64_t handed_out_ = 0;      // steps handed out so far (dropped ones included)
-  std::int64_t scales_decided_ = 0;  // steps whose optimizer has set the next step's loss scale
-  double scale_ = 1;                 // the loss scale of step scales_decided_
-  std::vector<std::int64_t> versions_;        // per layer: optimizer passes over its weights
+  std::int64_t begun_ = 0;  // steps some thread has begun (wait_to_begin)
+  bool training_ = false;
+  std::int64_t handed_out_ = 0;         // steps handed out so far (dropped ones included)
+  std::int64_t scales_decided_ = 0;     // steps whose optimizer has set the next step's loss scale
+  double scale_ = 1;                    // the loss scale of step scales_decided_
+  std::vector<std::int64_t> versions_;  // per layer: optimizer passes over its weights
   std::vector<std::int64_t> grads_consumed_;  // per layer: optimizer passes that read its grads
   // One-step-stale mode: each step's jobs with their uploads, for the optimizer to wait on.
   std::map<std::int64_t, std::vector<std::pair<int, std::shared_ptr<JobRun>>>> loads_;
@@ -243,7 +253,7 @@ class Board {
   std::map<std::int64_t, std::shared_ptr<JobRun>> runs_;
   std::map<HandoffKey, std::shared_ptr<Handoff>> outputs_, ckpts_;
   std::vector<StepResult> results_;
-  std::set<std::int64_t> evaluated_;  // evaluation batches whose last job has been enqueued
+  std::set<std::int64_t> evaluated_;   // evaluation batches whose last job has been enqueued
   std::vector<Measurement> measured_;  // job times since the last re-plan
 };
 

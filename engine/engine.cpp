@@ -11,8 +11,8 @@
 #include <atomic>
 #include <cstring>
 #include <functional>
-#include <optional>
 #include <limits>
+#include <optional>
 #include <thread>
 
 #include "engine/board.h"
@@ -20,11 +20,11 @@
 #include "engine/events.h"
 #include "engine/generation.h"
 #include "engine/jobs.h"
+#include "engine/model_store.h"
 #include "engine/optimizer.h"
 #include "engine/optimizer_driver.h"
 #include "engine/pipeline.h"
 #include "engine/replan.h"
-#include "engine/model_store.h"
 #include "engine/step_inputs.h"
 #include "engine/torch_device.h"
 #include "kernels/cpu/openmp.h"
@@ -131,9 +131,8 @@ struct Engine::Impl {
   // Between segments (no thread running): the measured job times folded into the costs, and the
   // plan switched when replan() says so.
   void replan_now() {
-    std::optional<Plan> next =
-        replan(costs, plan, jobs.jobs, board.take_measurements(), parts.options.replan_threshold,
-               parts.transfers->spills());
+    std::optional<Plan> next = replan(costs, plan, jobs.jobs, board.take_measurements(),
+                                      parts.options.replan_threshold, parts.transfers->spills());
     if (!next) return;
     plan = std::move(*next);
     parts.transfers->clear_staging();  // sized for the old plan's stages
@@ -158,7 +157,9 @@ struct Engine::Impl {
   std::int64_t run_segment(const Segment& seg) {
     if (seg.steps <= 0) return 0;
     const std::int64_t J = static_cast<std::int64_t>(seg.jobs->size());
-    board.begin_segment(parts.store.layers(), scaler.scale());
+    board.begin_segment(parts.store.layers(), scaler.scale(), !seg.evaluating);
+    // A stop asked for before this segment began (Engine::request_stop found none running).
+    if (stop_requested) board.stop_early();
     if (seg.evaluating) board.open_every_layer();
     for (auto& dc : parts.devs) {
       dc->clock = dc->dev->create_event(kernels::EventTiming::kOn);
@@ -191,8 +192,8 @@ struct Engine::Impl {
       if (!seg.wait_done(s)) break;
       ++done;
       if (seg.after) seg.after(s);
-      if (!seg.evaluating && stop_requested && handed < seg.steps)
-        board.stop_at(handed);
+      if (!seg.evaluating && stop_requested)
+        board.stop_early();
       else if (s + 2 < seg.steps)
         hand_out(s + 2);
     }
@@ -412,6 +413,8 @@ void Engine::restore(const EngineCounters& c) {
 
 void Engine::request_stop() {
   impl_->stop_requested = true;
+  // At once, not after the step under way: the step handed out ahead of it has usually not begun.
+  impl_->board.stop_early();
 }
 
 const Plan& Engine::plan() const {

@@ -260,10 +260,11 @@ class Engine {
                       const models::SamplingOptions& options,
                       const GenerateSettings& settings = {});
 
-  // Asks train() to return early: the steps already under way finish (and are returned; at most
-  // two beyond the one that just ended), no new one starts. Thread-safe, may be called from
-  // on_step or any other thread (not from a signal handler); sticky: later train() calls return
-  // at once.
+  // Asks train() to return early: the steps some thread has begun finish (and are returned), no
+  // other starts, even one already handed out; in exact mode a stop during step s usually ends
+  // after s (the next step begins once s has updated its first layers), with one-step-stale
+  // updates after s + 1 (which overlaps s). Thread-safe, may be called from on_step or any other
+  // thread (not from a signal handler); sticky: later train() calls return at once.
   void request_stop();
 
   // Between train() calls: the counters a checkpoint saves, and setting them back on a fresh

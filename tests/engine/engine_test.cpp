@@ -1357,11 +1357,12 @@ TEST(Engine, Fp16LossScalingSkipsOverflowsAndGrows) {
 namespace rondo::engine {
 namespace {
 
-// request_stop() from on_step: the steps already handed out finish, nothing else starts, and the
-// store is as after the last returned step. A fresh engine over a copy of that state (what a
-// checkpoint holds) with restore() then ends bit-identical to a run never stopped — also with
-// fp16 loss scaling (its scale and growth counter are part of the state) and one-step-stale
-// updates (where the streaming copies lag the masters and are copied too).
+// request_stop() from on_step, or while the batch of a step is made (the main thread hands
+// steps out two ahead): the steps begun finish, nothing else starts — not even a step already
+// handed out — and the store is as after the last returned step. A fresh engine over a copy of
+// that state (what a checkpoint holds) with restore() then ends bit-identical to a run never
+// stopped — also with fp16 loss scaling (its scale and growth counter are part of the state) and
+// one-step-stale updates (where the streaming copies lag the masters and are copied too).
 TEST(Engine, StopFinishesTheStepsUnderWayAndRestoreContinuesExactly) {
   for (const bool stale : {false, true}) {
     SCOPED_TRACE(stale ? "one-step-stale" : "exact");
@@ -1405,49 +1406,60 @@ TEST(Engine, StopFinishesTheStepsUnderWayAndRestoreContinuesExactly) {
     const std::int64_t stop_at = skipped + 3;
     ASSERT_LT(stop_at + 4, total);
 
-    offload::LayerStore first(arena, descs, f16, f16);
-    load_weights(first, s.specs, [&](const std::string& n) { return s.weights.at(n); });
-    std::vector<StepResult> got;
-    EngineCounters state;
-    {
-      auto devs = sim_devices(2);
-      Engine e(s.config, s.specs, first, arena, raw(devs), plan, o);
-      got = e.train(total, batches, [&](const StepResult& r) {
-        if (r.step == stop_at) e.request_stop();
-      });
-      state = e.counters();
-      EXPECT_TRUE(e.train(2, batches).empty());  // sticky
-    }
-    ASSERT_GE(static_cast<std::int64_t>(got.size()), stop_at);
-    ASSERT_LE(static_cast<std::int64_t>(got.size()), stop_at + 2);  // at most two under way
-    EXPECT_EQ(state.steps_done, static_cast<std::int64_t>(got.size()));
+    for (const bool while_batching : {false, true}) {
+      SCOPED_TRACE(while_batching ? "stop while a batch is made" : "stop from on_step");
+      offload::LayerStore first(arena, descs, f16, f16);
+      load_weights(first, s.specs, [&](const std::string& n) { return s.weights.at(n); });
+      std::vector<StepResult> got;
+      EngineCounters state;
+      {
+        auto devs = sim_devices(2);
+        Engine e(s.config, s.specs, first, arena, raw(devs), plan, o);
+        auto stopping_batches = [&](std::int64_t step) {
+          // Made when step - 2 is done: step - 1 is handed out (and may have begun), this one not.
+          if (while_batching && step == stop_at + 2) e.request_stop();
+          return batches(step);
+        };
+        got = e.train(total, stopping_batches, [&](const StepResult& r) {
+          if (!while_batching && r.step == stop_at) e.request_stop();
+        });
+        state = e.counters();
+        EXPECT_TRUE(e.train(2, batches).empty());  // sticky
+      }
+      // The step that just ended and at most the one handed out after it (one-step-stale updates
+      // overlap it with this one; in exact mode it begins once this one has updated its first
+      // layers): never the one whose batch was being made.
+      ASSERT_GE(static_cast<std::int64_t>(got.size()), stop_at);
+      ASSERT_LE(static_cast<std::int64_t>(got.size()), stop_at + 1);
+      EXPECT_EQ(state.steps_done, static_cast<std::int64_t>(got.size()));
 
-    offload::LayerStore second(arena, descs, f16, f16);
-    for (auto& [key, t] : snapshot(first)) {
-      const std::string name = key.substr(0, key.find('/'));
-      const auto v = static_cast<StateView>(std::stoi(key.substr(key.find('/') + 1)));
-      for (std::size_t l = 0; l < s.specs.size(); ++l)
-        for (std::size_t i = 0; i < s.specs[l].params.size(); ++i)
-          if (!second.layer(l)[i].tied && s.specs[l].params[i].name == name)
-            state_view(second, s.specs, l, i, v).copy_(t);
+      offload::LayerStore second(arena, descs, f16, f16);
+      for (auto& [key, t] : snapshot(first)) {
+        const std::string name = key.substr(0, key.find('/'));
+        const auto v = static_cast<StateView>(std::stoi(key.substr(key.find('/') + 1)));
+        for (std::size_t l = 0; l < s.specs.size(); ++l)
+          for (std::size_t i = 0; i < s.specs[l].params.size(); ++i)
+            if (!second.layer(l)[i].tied && s.specs[l].params[i].name == name)
+              state_view(second, s.specs, l, i, v).copy_(t);
+      }
+      {
+        auto devs = sim_devices(2);
+        Engine e(s.config, s.specs, second, arena, raw(devs), plan, o);
+        e.restore(state);
+        std::vector<StepResult> rest = e.train(total - state.steps_done, batches);
+        got.insert(got.end(), rest.begin(), rest.end());
+      }
+      ASSERT_EQ(got.size(), want.size());
+      for (std::size_t i = 0; i < want.size(); ++i) {
+        EXPECT_EQ(got[i].step, want[i].step);
+        EXPECT_EQ(got[i].loss, want[i].loss) << "step " << want[i].step;
+        EXPECT_EQ(got[i].loss_scale, want[i].loss_scale) << "step " << want[i].step;
+        EXPECT_EQ(got[i].skipped, want[i].skipped) << "step " << want[i].step;
+      }
+      std::map<std::string, at::Tensor> a = snapshot(whole), b = snapshot(second);
+      for (auto& [key, t] : a)
+        EXPECT_TRUE(t.equal(b.at(key))) << key;
     }
-    {
-      auto devs = sim_devices(2);
-      Engine e(s.config, s.specs, second, arena, raw(devs), plan, o);
-      e.restore(state);
-      std::vector<StepResult> rest = e.train(total - state.steps_done, batches);
-      got.insert(got.end(), rest.begin(), rest.end());
-    }
-    ASSERT_EQ(got.size(), want.size());
-    for (std::size_t i = 0; i < want.size(); ++i) {
-      EXPECT_EQ(got[i].step, want[i].step);
-      EXPECT_EQ(got[i].loss, want[i].loss) << "step " << want[i].step;
-      EXPECT_EQ(got[i].loss_scale, want[i].loss_scale) << "step " << want[i].step;
-      EXPECT_EQ(got[i].skipped, want[i].skipped) << "step " << want[i].step;
-    }
-    std::map<std::string, at::Tensor> a = snapshot(whole), b = snapshot(second);
-    for (auto& [key, t] : a)
-      EXPECT_TRUE(t.equal(b.at(key))) << key;
   }
 }
 
