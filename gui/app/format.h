@@ -1,17 +1,11 @@
-// Figures as the GUI writes them: bytes ("1.50 GiB") and durations ("3 min"), as the CLI does;
-// strings as TOML spells them.
+// Strings as TOML spells them; figures as the GUI writes them (gui/model/units.h).
 #pragma once
 
 #include <QString>
 
-namespace rondo::gui {
+#include "gui/model/units.h"
 
-inline QString bytesText(double b) {
-  if (b >= 1024.0 * 1024 * 1024)
-    return QString::number(b / (1024.0 * 1024 * 1024), 'f', 2) + " GiB";
-  if (b >= 1024.0 * 1024) return QString::number(b / (1024.0 * 1024), 'f', 1) + " MiB";
-  return QString::number(b / 1024.0, 'f', 1) + " KiB";
-}
+namespace rondo::gui {
 
 // A TOML basic string: quoted, with its quotes, backslashes and control characters escaped.
 inline QString tomlString(const QString& s) {
@@ -27,13 +21,6 @@ inline QString tomlString(const QString& s) {
       o += c;
   }
   return o + "\"";
-}
-
-inline QString durationText(double s) {
-  if (s < 1) return QString::number(s, 'g', 2) + " s";  // a step of a small model: "0.021 s"
-  if (s < 90) return QString::number(s, 'f', 0) + " s";
-  if (s < 5400) return QString::number(s / 60, 'f', 0) + " min";
-  return QString::number(s / 3600, 'f', 1) + " h";
 }
 
 }  // namespace rondo::gui

@@ -47,6 +47,12 @@ QString num(double v, int prec = 4) {
   return std::isfinite(v) ? QString::number(v, 'g', prec) : QStringLiteral("–");
 }
 
+// A speed as people read one: whole tokens/s in groups ("1,204"), one decimal under 100 ("71.0").
+QString rate(double v) {
+  if (!std::isfinite(v)) return QStringLiteral("–");
+  return v >= 100 ? QLocale().toString(std::llround(v)) : QLocale().toString(v, 'f', 1);
+}
+
 QString eta(double s) {
   if (!std::isfinite(s) || s < 0) return "–";
   const qint64 t = static_cast<qint64>(s + 0.5);
@@ -545,7 +551,7 @@ void MonitorWidget::refresh() {
           .arg(locale.toString(static_cast<qint64>(s.lastStep())))
           .arg(locale.toString(static_cast<qint64>(s.stepsTotal())))
           .arg(num(s.lastLoss()), num(s.lastEvalLoss()), num(s.lastLr(), 3),
-               num(s.lastGradNorm(), 3), num(s.tokensPerSecond(), 5), left);
+               num(s.lastGradNorm(), 3), rate(s.tokensPerSecond()), left);
   if (s.malformedLines() > 0)
     line += QString(" (%1 malformed event lines skipped; the first, %2)")
                 .arg(s.malformedLines())
@@ -572,20 +578,30 @@ void MonitorWidget::refresh() {
   m_devices->setRowCount(static_cast<int>(devs.size()));
   for (int r = 0; r < devs.size(); ++r) {
     const DeviceStatus& d = devs[r];
-    const QStringList cells = {
-        QString("%1 %2").arg(d.device).arg(d.name),
-        bytesText(static_cast<double>(d.bytesInUse)),
-        bytesText(static_cast<double>(d.bytesPeak)) +
-            (d.device >= 0 && d.device < planned.size() && planned[d.device] > 0
-                 ? " (" + bytesText(planned[d.device]) + ")"
-                 : QString()),
-        bytesText(static_cast<double>(d.bytesCap)),
-        QString::number(100 * d.busyFraction, 'f', 0) + "%",
-        bytesText(static_cast<double>(d.bytesH2d)) + " / " +
-            bytesText(static_cast<double>(d.bytesD2h))};
-    for (int c = 0; c < cells.size(); ++c)
-      m_devices->setItem(r, c, new QTableWidgetItem(cells[c]));
+    // The CPU device computes in host memory: what it counts are its buffers (the stage copies
+    // of a GPU share the host's state here), while the plan's figure is all its work takes.
+    const bool cpu = d.name == "cpu";
+    const double plan = d.device >= 0 && d.device < planned.size() ? planned[d.device] : 0;
+    const QStringList cells = {QString("%1 %2").arg(d.device).arg(d.name),
+                               bytesText(static_cast<double>(d.bytesInUse)),
+                               bytesText(static_cast<double>(d.bytesPeak)) +
+                                   (plan <= 0 ? QString()
+                                    : cpu     ? " (" + bytesText(plan) + " of host memory planned)"
+                                              : " (" + bytesText(plan) + ")"),
+                               bytesText(static_cast<double>(d.bytesCap)),
+                               QString::number(100 * d.busyFraction, 'f', 0) + "%",
+                               bytesText(static_cast<double>(d.bytesH2d)) + " / " +
+                                   bytesText(static_cast<double>(d.bytesD2h))};
+    for (int c = 0; c < cells.size(); ++c) {
+      auto* item = new QTableWidgetItem(cells[c]);
+      if (cpu && (c == 1 || c == 2))
+        item->setToolTip(
+            "The CPU device works in host memory: it counts only its own buffers here, while its "
+            "tensors during a step come out of the host memory the plan counted for it");
+      m_devices->setItem(r, c, item);
+    }
   }
+  m_devices->resizeColumnsToContents();
   m_timeline->update();
 }
 

@@ -7,6 +7,10 @@
 #include <iterator>
 #include <limits>
 
+#include <QRegularExpression>
+
+#include "gui/model/units.h"
+
 namespace rondo::gui {
 namespace {
 
@@ -116,14 +120,6 @@ bool fits(const JsonLine& line, const Rule& rule) {
   return false;
 }
 
-QString formatBytes(quint64 bytes) {
-  const double b = static_cast<double>(bytes);
-  if (b >= 1e9) return QStringLiteral("%1 GB").arg(b / 1e9, 0, 'f', 2);
-  if (b >= 1e6) return QStringLiteral("%1 MB").arg(b / 1e6, 0, 'f', 1);
-  if (b >= 1e3) return QStringLiteral("%1 kB").arg(b / 1e3, 0, 'f', 1);
-  return QStringLiteral("%1 B").arg(bytes);
-}
-
 int intField(const JsonLine& line, std::string_view key) {
   auto v = line.integer(key);
   if (!v) return 0;
@@ -131,6 +127,25 @@ int intField(const JsonLine& line, std::string_view key) {
 }
 
 }  // namespace
+
+QString scheduleInWords(const QString& plan, qint64 devices, double stepSeconds) {
+  static const QRegularExpression tail(R"(T\[(\d+),(\d+)\))"), batches(R"(M=(\d+))");
+  const QRegularExpressionMatch t = tail.match(plan), m = batches.match(plan);
+  if (!t.hasMatch() || !m.hasMatch()) return plan;
+  const qint64 layers = t.captured(2).toLongLong(), forward = plan.count("F["),
+               backward = plan.count("B["), perStep = m.captured(1).toLongLong();
+  auto n = [](qint64 k, const char* one, const char* many) {
+    return QString("%1 %2").arg(k).arg(k == 1 ? one : many);
+  };
+  QString words =
+      QString("the model's %1 in %2 and %3 (and the head), %4 per optimizer step")
+          .arg(n(layers, "layer", "layers"), n(forward, "forward stage", "forward stages"),
+               n(backward, "backward stage", "backward stages"), n(perStep, "batch", "batches"));
+  if (devices > 0) words += ", taking turns on " + n(devices, "device", "devices");
+  if (std::isfinite(stepSeconds) && stepSeconds > 0)
+    words += "; about " + durationText(stepSeconds) + " per step predicted";
+  return words;
+}
 
 RunState::RunState(QObject* parent)
     : QObject(parent),
@@ -368,8 +383,10 @@ void RunState::onPlan() {
   if (plan == m_plan) return;
   m_plan = plan;
   const QString partitioner = m_line.string("partitioner");
-  m_pendingLog.append(partitioner.isEmpty() ? tr("plan: %1").arg(plan)
-                                            : tr("plan (%1): %2").arg(partitioner, plan));
+  const QString words = scheduleInWords(plan, m_line.integer("devices").value_or(0),
+                                        m_line.number("predicted_step_s"));
+  m_pendingLog.append(partitioner.isEmpty() ? tr("schedule: %1").arg(words)
+                                            : tr("schedule (%1): %2").arg(partitioner, words));
 }
 
 void RunState::onStep() {
@@ -444,8 +461,9 @@ void RunState::onCheckpoint() {
     *same = item;
   else
     m_checkpoints.append(item);
-  m_pendingLog.append(
-      tr("checkpoint at step %1: %2 (%3)").arg(item.step).arg(item.path, formatBytes(item.bytes)));
+  m_pendingLog.append(tr("checkpoint at step %1: %2 (%3)")
+                          .arg(item.step)
+                          .arg(item.path, bytesText(static_cast<double>(item.bytes))));
 }
 
 void RunState::onRunEnd() {

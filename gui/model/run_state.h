@@ -24,6 +24,11 @@
 
 namespace rondo::gui {
 
+// The schedule a plan describes ("F[0,15) F[15,31) T[31,32) B[25,31) B[0,25) M=4 stage", as in
+// the plan event and `rondo plan --json`) in words, with its predicted step time (when positive);
+// the description itself when it is not of that form.
+QString scheduleInWords(const QString& plan, qint64 devices, double stepSeconds);
+
 class RunState : public QObject {
   Q_OBJECT
  public:
