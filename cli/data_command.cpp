@@ -94,6 +94,7 @@ int run_data(const DataOptions& o) {
         {"trained_tokens", d.trained_tokens()},
         {"stats", d.stats_text()},
         {"partial", d.partial},
+        {"first_prompt", d.first_prompt},
         {"example",
          {{"index", o.example}, {"pieces", pieces}, {"tokens", e.ids.size()}, {"cut", cut}}}};
     fmt::print("{}\n", j.dump(2));

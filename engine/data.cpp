@@ -300,11 +300,27 @@ void append_turns(json& j, const char* list_key, const char* role_key, const cha
   }
 }
 
+// The start of a text: cut at the first space after `chars` bytes, or at a character's start
+// 4 × `chars` in when no space comes by then.
+std::string text_start(const std::string& text, std::size_t chars) {
+  std::size_t end = text.find_first_of(" \n\t", std::min(chars, text.size()));
+  if (end == std::string::npos || end > 4 * chars) {
+    end = std::min(4 * chars, text.size());
+    while (end < text.size() && (static_cast<unsigned char>(text[end]) & 0xC0) == 0x80)
+      --end;
+  }
+  return text.substr(0, end);
+}
+
+// `prompt`, when given, receives what a sample prompt from this example would be: its first user
+// message, or the first words of a plain text.
 Example to_example(json& j, DataFormat format, const models::Tokenizer& tok,
-                   const models::ChatTemplate& tmpl, const DataOptions& o) {
+                   const models::ChatTemplate& tmpl, const DataOptions& o,
+                   std::string* prompt = nullptr) {
   Example e;
   if (format == DataFormat::kText) {
     const std::string text = string_field(j, "text", true);
+    if (prompt) *prompt = text_start(text, 40);
     e.ids = tok.encode(text);
     if (o.add_eos && tok.eos_id()) e.ids.push_back(*tok.eos_id());
     e.loss_mask.assign(e.ids.size(), 1);
@@ -347,6 +363,12 @@ Example to_example(json& j, DataFormat format, const models::Tokenizer& tok,
       std::none_of(messages.begin(), messages.end(),
                    [](const models::ChatMessage& m) { return m.role == "assistant"; }))
     throw Error("no assistant message: nothing to train on");
+  if (prompt)
+    for (const models::ChatMessage& m : messages)
+      if (m.role == "user") {
+        *prompt = m.content;
+        break;
+      }
   models::RenderedChat r = models::render_chat(tok, tmpl, messages);
   e.ids = std::move(r.ids);
   e.loss_mask = o.train_on_everything ? std::vector<std::uint8_t>(e.ids.size(), 1) : r.loss_mask;
@@ -477,11 +499,14 @@ Dataset load_data(const std::string& path, const models::Tokenizer& tokenizer,
               "one example per line (JSONL), or a JSON file holding a list of them ('input' and "
               "'system' may be left out)");
       }
-      Example e = to_example(j, d.format, tokenizer, chat_template, options);
+      std::string prompt;
+      Example e = to_example(j, d.format, tokenizer, chat_template, options,
+                             d.examples.empty() ? &prompt : nullptr);
       if (e.ids.empty()) throw Error("no tokens");
       // Held for the whole run: no growth slack (up to half of a long example's ids).
       e.ids.shrink_to_fit();
       e.loss_mask.shrink_to_fit();
+      if (d.examples.empty()) d.first_prompt = std::move(prompt);
       d.examples.push_back(std::move(e));
     } catch (const Error& e) {
       const std::string what =

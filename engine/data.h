@@ -59,6 +59,9 @@ struct Dataset {
   std::vector<std::string> skipped_reasons;  // the first few, "line 7: ..."
   bool partial = false;                      // max_lines stopped the reading before the end
   bool json_list = false;                    // a JSON file holding a list, not JSONL
+  // The first example's first user message (the first words of a plain text): a prompt whose
+  // samples show what the training teaches.
+  std::string first_prompt;
 
   std::int64_t tokens() const;
   std::int64_t trained_tokens() const;  // tokens under the loss mask

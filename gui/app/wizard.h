@@ -8,12 +8,14 @@
 // tests fill have object names (modelPath, dataPath, runDir, ...).
 #pragma once
 
+#include <QHash>
 #include <QJsonObject>
 #include <QList>
 #include <QPair>
 #include <QSet>
 #include <QString>
 #include <QStringList>
+#include <QVariant>
 #include <QWizard>
 
 class QCheckBox;
@@ -163,6 +165,18 @@ class SetupWizard : public QWizard {
   QLineEdit* m_command;
   QJsonObject m_plan;
   bool m_busy = false;  // a CLI call is running (its event loop may deliver another trigger)
+
+  // Fields the wizard fills from what it learns (the data, the plan) for as long as the user has
+  // not changed them: each one's value as last set so (its initial value at first).
+  QHash<QWidget*, QVariant> m_defaults;
+  // Sets `field` (a spin box or a text box) to `value` unless the user changed it; true when its
+  // value changed.
+  bool setDefault(QWidget* field, const QVariant& value);
+  // The validation loss, samples and checkpoints every so many of the run's `steps`, in the
+  // fields the user has not set; true when the checkpoints changed (the disk the plan counts).
+  bool setCheckDefaults(qint64 steps);
+  // "the validation loss every 3 steps, a sample every 6, …": the checks the run makes.
+  QString checksText() const;
 };
 
 }  // namespace rondo::gui

@@ -75,6 +75,20 @@ TEST(Data, EachFormatIsDetectedAndMaskedAsItSays) {
 
   EXPECT_NE(alpaca.stats_text().find("1 example (alpaca)"), std::string::npos)
       << alpaca.stats_text();
+
+  // A sample prompt from the first example: its first user message (alpaca's instruction and
+  // input, as the model reads them), or the start of a plain text.
+  EXPECT_EQ(alpaca.first_prompt, "Add\n\n2 2");
+  EXPECT_EQ(chat.first_prompt, "Hi");
+  EXPECT_EQ(text.first_prompt, "Hello world");
+  const std::string words =
+      "Once upon a time there was a tiny model that wanted to learn a lot of "
+      "things about the world and its people";
+  Dataset story = load_data(write("s.jsonl", "{\"text\": \"" + words + "\"}\n"), tok, chatml, {});
+  EXPECT_EQ(story.first_prompt, "Once upon a time there was a tiny model that");
+  Dataset unspaced = load_data(write("u.jsonl", "{\"text\": \"" + std::string(500, 'x') + "\"}\n"),
+                               tok, chatml, {});
+  EXPECT_EQ(unspaced.first_prompt, std::string(160, 'x'));
 }
 
 TEST(Data, BadLinesNameTheFileAndLine) {

@@ -399,6 +399,80 @@ class Screens : public QObject {
                qPrintable(it.key() + " in " + toml));
   }
 
+  // Defaults that teach (before: validation, samples and checkpoints all off): data of 20 examples
+  // or more holds some out for a validation loss, the data's first prompt is the sample prompt,
+  // and the Review sets the validation loss, samples and (for a long run) checkpoints to follow
+  // the run's length, saying so; a field the user set stays as set.
+  void defaultsFollowTheDataAndTheRun() {
+    QFile f(m_dir + "/forty.jsonl");
+    QVERIFY(f.open(QIODevice::WriteOnly));
+    for (int i = 0; i < 40; ++i)
+      f.write(QString("{\"messages\": [{\"role\": \"user\", \"content\": \"What is %1 + 1?\"}, "
+                      "{\"role\": \"assistant\", \"content\": \"It is %2.\"}]}\n")
+                  .arg(i)
+                  .arg(i + 1)
+                  .toUtf8());
+    f.close();
+    SetupWizard w;
+    w.resize(900, 720);
+    w.show();
+    QVERIFY(QTest::qWaitForWindowExposed(&w));
+    w.findChild<QLineEdit*>("modelPath")->setText(m_dir + "/model");
+    w.refreshModel();
+    w.next();
+    auto* share = w.findChild<QDoubleSpinBox*>("validationSplit");
+    auto* prompts = w.findChild<QPlainTextEdit*>("prompts");
+    // Ten examples: none held out; the prompt is the first example's question.
+    w.findChild<QLineEdit*>("dataPath")->setText(m_dir + "/chat.jsonl");
+    w.refreshData();
+    QCOMPARE(share->value(), 0.0);
+    QCOMPARE(prompts->toPlainText(), QString("hi"));
+    // Forty: a tenth held out; the prompt follows the data while the user has not written one.
+    w.findChild<QLineEdit*>("dataPath")->setText(m_dir + "/forty.jsonl");
+    w.refreshData();
+    QCOMPARE(share->value(), 0.1);
+    QCOMPARE(prompts->toPlainText(), QString("What is 0 + 1?"));
+    w.next();
+    w.next();
+    w.next();
+    w.findChild<QSpinBox*>("steps")->setValue(120);
+    w.findChild<QSpinBox*>("seqLen")->setValue(64);
+    w.findChild<QLineEdit*>("runDir")->setText(m_dir + "/defaults-run");
+    w.next();
+    w.next();
+    QCOMPARE(w.currentId(), static_cast<int>(SetupWizard::ReviewPage));
+    auto* eval = w.findChild<QSpinBox*>("evalEvery");
+    auto* samples = w.findChild<QSpinBox*>("sampleEvery");
+    auto* checkpoints = w.findChild<QSpinBox*>("checkpointEvery");
+    QCOMPARE(eval->value(), 12);
+    QCOMPARE(samples->value(), 24);
+    QCOMPARE(checkpoints->value(), 30);
+    QString notes = w.findChild<QLabel*>("planProblems")->text();
+    QVERIFY2(notes.contains("During the run: the validation loss every 12 steps, a sample of each "
+                            "prompt every 24 steps, a checkpoint every 30 steps and at the end"),
+             qPrintable(notes));
+    const QString toml = w.config().toToml();
+    QVERIFY2(toml.contains("validation_split = 0.1") && toml.contains("every = 30") &&
+                 toml.contains("every = 12") && toml.contains("sample_every = 24") &&
+                 toml.contains("prompts = [\"What is 0 + 1?\"]"),
+             qPrintable(toml));
+    // The user's own: kept when the run's length changes and when the data changes.
+    eval->setValue(5);
+    prompts->setPlainText("Who are you?");
+    w.back();
+    w.back();
+    w.findChild<QSpinBox*>("steps")->setValue(40);
+    w.next();
+    w.next();
+    QCOMPARE(eval->value(), 5);
+    QCOMPARE(samples->value(), 8);
+    QCOMPARE(checkpoints->value(), 0);  // under 100 steps: at the end only
+    notes = w.findChild<QLabel*>("planProblems")->text();
+    QVERIFY2(notes.contains("a checkpoint at the end (and when you stop it)"), qPrintable(notes));
+    w.refreshData();
+    QCOMPARE(prompts->toPlainText(), QString("Who are you?"));
+  }
+
   // On a 1000-pixel screen the whole window shows: its minimum size, on the wizard's pages and on
   // the monitor, is at most 1024x700 (before: about 1208x1021, Next and Start off-screen).
   void theWindowFitsASmallScreen() {
