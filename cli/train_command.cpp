@@ -330,6 +330,8 @@ void add_plan_options(CLI::App& cmd, TrainOptions& o) {
   cmd.add_option("--data", o.data, "Shorthand for --set data.train=...");
   cmd.add_option("--steps", o.steps, "Shorthand for --set training.steps=...");
   cmd.add_flag("--json", o.json, "Print the estimate as JSON");
+  cmd.add_flag("--max-seq-len", o.max_seq_len,
+               "Also find the longest sequence (data.seq_len) that fits, the rest as set");
 }
 
 void add_export_options(CLI::App& cmd, ExportOptions& o) {
@@ -428,7 +430,8 @@ int run_train(const TrainOptions& o) {
 
 int run_plan(const TrainOptions& o) {
   ConfigFile f = resolve(o, /*planning=*/true);
-  engine::SessionOptions so{.config_toml = to_toml(f.config), .plan_only = true};
+  engine::SessionOptions so{
+      .config_toml = to_toml(f.config), .plan_only = true, .find_longest = o.max_seq_len};
   engine::Session session(f.config, so);
   if (o.json)
     std::fputs((session.estimate().json() + "\n").c_str(), stdout);

@@ -22,7 +22,8 @@ struct TrainOptions {
   std::string events;                  // "" = <run>/events.jsonl, "-" = stdout
   bool dry_run = false;
   bool help_config = false;
-  bool json = false;  // rondo plan --json
+  bool json = false;         // rondo plan --json
+  bool max_seq_len = false;  // rondo plan --max-seq-len
   // Shorthands, turned into overrides.
   std::string model, data, run_dir;
   long long steps = -1;

@@ -112,6 +112,11 @@ struct RunEstimate {
   // Changes that make a run that does not fit fit, each planned, the least change to the training
   // first (find_fixes; empty until it is called).
   std::vector<Fix> fixes;
+  // The longest rows (data.seq_len) that fit, the rest of the config as it is: 0 when none does,
+  // -1 when not asked (find_longest_seq_len). `longest_is_positions`: the model's positions
+  // (max_position_embeddings) end there, not the memory.
+  std::int64_t longest_seq_len = -1;
+  bool longest_is_positions = false;
 
   std::string text() const;  // the report `rondo plan` prints
   std::string json() const;  // the same as one JSON object (`rondo plan --json`, the GUI)
@@ -144,6 +149,15 @@ void find_fixes(RunEstimate& e, const TrainConfig& config, const models::ModelSu
                 const DevicePlan& devices, std::int64_t steps, std::uint64_t host_free,
                 std::uint64_t disk_free, const std::optional<ResumePoint>& resume,
                 const std::string& offload_dir, std::size_t most = 3);
+
+// Fills `e.longest_seq_len`: the longest data.seq_len, in steps of kSeqLenStep tokens, at which
+// the run (the same rows, microbatches and everything else) plans with no problem but the disk's
+// (checkpoints and exports do not grow with it), up to the model's positions.
+inline constexpr std::int64_t kSeqLenStep = 128;
+void find_longest_seq_len(RunEstimate& e, const TrainConfig& config,
+                          const models::ModelSummary& model, const DevicePlan& devices,
+                          std::int64_t steps, std::uint64_t host_free, std::uint64_t disk_free,
+                          const std::optional<ResumePoint>& resume);
 
 // The NVMe space activation checkpoints of `plan` take on the tier: two steps' worth (every
 // microbatch's, of `checkpoint_bytes` each at most), in the store's default 1 MiB blocks.

@@ -72,4 +72,46 @@ void find_fixes(RunEstimate& e, const TrainConfig& config, const models::ModelSu
   }
 }
 
+void find_longest_seq_len(RunEstimate& e, const TrainConfig& config,
+                          const models::ModelSummary& model, const DevicePlan& devices,
+                          std::int64_t steps, std::uint64_t host_free, std::uint64_t disk_free,
+                          const std::optional<ResumePoint>& resume) {
+  const std::int64_t positions = model.config.max_position_embeddings;
+  const std::int64_t top = positions > 0 ? positions : std::int64_t{1} << 24;
+  // Memory only: a disk too small for the checkpoints is so at any length.
+  auto fits = [&](std::int64_t len) {
+    TrainConfig with = config;
+    with.data.seq_len = len;
+    const RunEstimate probe = estimate_run(
+        with, model, devices, steps, len * with.training.batch_rows * with.training.grad_accum,
+        host_free, disk_free, resume);
+    for (const std::string& p : probe.problems)
+      if (p.rfind("disk: ", 0) != 0) return false;
+    return true;
+  };
+  e.longest_is_positions = false;
+  // Doubling from one step of lengths, then halving the gap between the longest that fits and
+  // the shortest that does not.
+  std::int64_t lo = 0, hi = 0;
+  for (std::int64_t len = std::min(kSeqLenStep, top);; len = std::min(2 * len, top)) {
+    if (!fits(len)) {
+      hi = len;
+      break;
+    }
+    lo = len;
+    if (len == top) break;
+  }
+  if (hi == 0) {  // fits up to the model's positions
+    e.longest_seq_len = top;
+    e.longest_is_positions = positions > 0;
+    return;
+  }
+  while (hi - lo > kSeqLenStep) {
+    const std::int64_t mid = (lo + hi) / 2 / kSeqLenStep * kSeqLenStep;
+    if (mid <= lo) break;
+    (fits(mid) ? lo : hi) = mid;
+  }
+  e.longest_seq_len = lo;
+}
+
 }  // namespace rondo::engine

@@ -108,6 +108,14 @@ std::string RunEstimate::text() const {
       set += (set.empty() ? "" : " ") + fmt::format("--set {}={}", key, value);
     o << fmt::format("To fit      {} ({})\n", set, f.why);
   }
+  if (longest_seq_len == 0)
+    o << fmt::format("Longest     no sequence of {} tokens or more fits\n", kSeqLenStep);
+  else if (longest_seq_len > 0)
+    o << fmt::format(
+        "Longest     {} tokens per row fit (data.seq_len; rows, microbatches and "
+        "the rest as set){}\n",
+        longest_seq_len,
+        longest_is_positions ? "; the model's positions end there (max_position_embeddings)" : "");
   return o.str();
 }
 
@@ -133,6 +141,9 @@ std::string RunEstimate::json() const {
   }
   nlohmann::json j = {{"verdict", verdict},
                       {"fixes", fix_list},
+                      {"longest_seq_len",
+                       longest_seq_len >= 0 ? nlohmann::json(longest_seq_len) : nlohmann::json()},
+                      {"longest_is_positions", longest_is_positions},
                       {"problems", problems},
                       {"warnings", warnings},
                       {"params", params},

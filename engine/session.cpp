@@ -333,6 +333,8 @@ struct Session::Impl {
     if (o.plan_only)
       find_fixes(est, c, summary, devices, steps, o.host_free, o.disk_free, resume_point,
                  c.output.run_dir.empty() ? "" : c.output.run_dir + "-offload");
+    if (o.plan_only && o.find_longest)
+      find_longest_seq_len(est, c, summary, devices, steps, o.host_free, o.disk_free, resume_point);
     if (!est.problems.empty() && !o.plan_only)
       throw Error(join_problems("This run does not fit:", est.problems));
   }

@@ -49,6 +49,8 @@ struct SessionOptions {
   std::function<void(const StepEvent&)> on_step;  // after each step (status line)
   // `rondo plan`: a run that does not fit is reported by describe() and fits(), not thrown.
   bool plan_only = false;
+  // `rondo plan --max-seq-len`: also the longest sequence that fits (RunEstimate::longest).
+  bool find_longest = false;
   // `--dry-run`: look, change nothing. A resume takes no lock (a run training meanwhile may be
   // looked at), removes no stale temporaries and sets no damaged checkpoint aside (it names them);
   // run() is refused.

@@ -11,6 +11,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
@@ -580,6 +581,59 @@ TEST_F(Offload, APlanThatDoesNotFitSaysWhatWould) {
   // A plan that fits has none.
   r = run_rondo(base + " --set model.quantize=nf4", false);
   EXPECT_TRUE(json::parse(r.out)["fixes"].empty()) << r.out;
+}
+
+// "How long a sequence can I train on my card?", asked directly: `rondo plan --max-seq-len` finds
+// the longest data.seq_len that fits. Checked against the plan itself at that length and one step
+// longer (the search may not skip past a fitting length nor stop short), and capped by the model's
+// positions when memory is not what ends it.
+TEST_F(Offload, PlanFindsTheLongestSequenceThatFits) {
+  const fs::path llama = write_llama3_config(dir / "Llama-3-8B", 4096, 14336, 32, 32, 131072);
+  const std::string base = "plan --json --set model.path=" + llama.string() +
+                           " --set hardware.gpu='RTX 4090' --set hardware.host_memory=128GB"
+                           " --set training.steps=10";
+  const auto t0 = std::chrono::steady_clock::now();
+  Result r = run_rondo(base + " --max-seq-len", false);
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  const json j = json::parse(r.out);
+  const std::int64_t longest = j["longest_seq_len"];
+  std::printf("Llama-3-8B LoRA, RTX 4090, 128 GB: the longest sequence is %lld tokens (%.1f s)\n",
+              static_cast<long long>(longest), seconds);
+  EXPECT_GT(longest, 1024);
+  EXPECT_LT(longest, 131072);
+  EXPECT_EQ(longest % 128, 0);
+  EXPECT_FALSE(j["longest_is_positions"].get<bool>());
+  auto memory_problems = [&](std::int64_t len) {
+    const json p =
+        json::parse(run_rondo(base + " --set data.seq_len=" + std::to_string(len), false).out);
+    std::vector<std::string> out;
+    for (const json& x : p["problems"])
+      if (x.get<std::string>().rfind("disk: ", 0) != 0) out.push_back(x);
+    return out;
+  };
+  EXPECT_TRUE(memory_problems(longest).empty());
+  const std::vector<std::string> over = memory_problems(longest + 128);
+  ASSERT_FALSE(over.empty());
+  // Without --max-seq-len the plan does not search (null), and the text says the figure.
+  EXPECT_TRUE(json::parse(run_rondo(base, false).out)["longest_seq_len"].is_null());
+  r = run_rondo("plan --model " + llama.string() +
+                    " --set hardware.gpu='RTX 4090' --set hardware.host_memory=128GB"
+                    " --set training.steps=10 --max-seq-len",
+                false);
+  EXPECT_TRUE(contains(r.out, "Longest     " + std::to_string(longest) + " tokens per row fit"))
+      << r.out;
+
+  // A small model on a large card: the model's 2,048 positions end it, and the plan says so.
+  const fs::path small = write_llama3_config(dir / "small", 256, 512, 2, 8, 2048);
+  r = run_rondo("plan --json --max-seq-len --set model.path=" + small.string() +
+                    " --set hardware.gpu='RTX 4090' --set hardware.host_memory=128GB --set "
+                    "training.steps=10",
+                false);
+  ASSERT_EQ(r.code, 0) << r.out;
+  const json s = json::parse(r.out);
+  EXPECT_EQ(s["longest_seq_len"], 2048) << s.dump(2);
+  EXPECT_TRUE(s["longest_is_positions"].get<bool>());
 }
 
 // The same question for a mixture of experts, Qwen3-30B-A3B (its published config.json). Its
