@@ -85,10 +85,14 @@ void print_text(const models::ModelSummary& s) {
   fmt::print("  dimensions    hidden {}, MLP {}, heads {} (kv {}, head dim {}), vocab {}\n",
              c.hidden_size, c.intermediate_size, c.num_heads, c.num_kv_heads, c.head_dim,
              c.vocab_size);
-  fmt::print("  positions     {} max, rope theta {:g}{}\n", c.max_position_embeddings, c.rope.theta,
-             c.rope.type != "default"
-                 ? fmt::format(", {} scaling x{:g}", c.rope.type, c.rope.factor)
-                 : "");
+  fmt::print(
+      "  positions     {} max, rope theta {:g}{}\n",
+      c.positions() == c.max_position_embeddings
+          ? std::to_string(c.max_position_embeddings)
+          : fmt::format("{} ({} with its YaRN factor)", c.max_position_embeddings, c.positions()),
+      c.rope.theta,
+      c.rope.type != "default" ? fmt::format(", {} scaling x{:g}", c.rope.type, c.rope.factor)
+                               : "");
   std::string features;
   auto add = [&](bool on, const char* what) {
     if (on) features += (features.empty() ? "" : ", ") + std::string(what);

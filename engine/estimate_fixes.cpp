@@ -76,7 +76,7 @@ void find_longest_seq_len(RunEstimate& e, const TrainConfig& config,
                           const models::ModelSummary& model, const DevicePlan& devices,
                           std::int64_t steps, std::uint64_t host_free, std::uint64_t disk_free,
                           const std::optional<ResumePoint>& resume) {
-  const std::int64_t positions = model.config.max_position_embeddings;
+  const std::int64_t positions = model.config.positions();
   const std::int64_t top = positions > 0 ? positions : std::int64_t{1} << 24;
   // Memory only: a disk too small for the checkpoints is so at any length.
   auto fits = [&](std::int64_t len) {

@@ -189,6 +189,28 @@ kernels::FloatDType stream_dtype(const std::string& d) {
                        : kernels::FloatDType::kBF16;
 }
 
+// Rows longer than the model's positions: what to add to its config.json for them (the rope
+// scaling its family is extended with), or for a GGUF file, that its metadata holds it.
+std::string positions_error(std::int64_t seq_len, const std::string& path,
+                            const models::ModelSummary& model, std::int64_t positions) {
+  const std::string head = fmt::format("data.seq_len: {} is more than {} supports ({} positions{})",
+                                       seq_len, path, positions,
+                                       positions == model.config.max_position_embeddings
+                                           ? ", max_position_embeddings in its config"
+                                           : ": its YaRN factor times its original context");
+  if (model.format == "gguf")
+    return head +
+           "; lower data.seq_len (a GGUF file's rope scaling is in its metadata: a Hugging "
+           "Face folder of the model can be given one in its config.json)";
+  const models::RopeAdvice a = models::rope_scaling_advice(model.config, seq_len);
+  return head + fmt::format(
+                    ". Lower data.seq_len, or let rope scaling stretch the positions: {} is what "
+                    "{} is extended with; set in {}/config.json\n  {}\nand the run, its exports "
+                    "and chat use it (transformers, vLLM and llama.cpp read it too). Fine-tuning "
+                    "at the new length is what teaches the model to use it",
+                    a.name, models::to_string(model.config.family), path, a.json);
+}
+
 LrScheduleKind schedule_kind(const std::string& s) {
   return s == "constant" ? LrScheduleKind::kConstant
          : s == "linear" ? LrScheduleKind::kLinear
@@ -288,12 +310,9 @@ struct Session::Impl {
               t + " of " + summary.config.architecture +
               "); export a PEFT adapter or a merged model, or target only q_proj, k_proj, "
               "v_proj, o_proj");
-    const std::int64_t max_pos = summary.config.max_position_embeddings;
-    if (max_pos > 0 && c.data.seq_len > max_pos)
-      throw Error(fmt::format(
-          "data.seq_len: {} is more than {} supports ({} positions, max_position_embeddings in "
-          "its config); lower data.seq_len",
-          c.data.seq_len, c.model.path, max_pos));
+    if (const std::int64_t max_pos = summary.config.positions();
+        max_pos > 0 && c.data.seq_len > max_pos)
+      throw Error(positions_error(c.data.seq_len, c.model.path, summary, max_pos));
     if (summary.format == "config only" && !o.plan_only)
       throw Error(c.model.path +
                   " holds config.json but no weights (no *.safetensors); download them first "

@@ -524,4 +524,36 @@ std::string hf_config_json(const ModelConfig& c, DType dtype) {
   return j.dump(2) + "\n";
 }
 
+std::int64_t ModelConfig::positions() const {
+  if (rope.type == "yarn" && rope.original_max_position_embeddings > 0 && rope.factor > 1)
+    return std::max<std::int64_t>(
+        max_position_embeddings,
+        static_cast<std::int64_t>(
+            std::floor(static_cast<double>(rope.original_max_position_embeddings) * rope.factor)));
+  return max_position_embeddings;
+}
+
+RopeAdvice rope_scaling_advice(const ModelConfig& config, std::int64_t seq_len) {
+  // The context the scaling stretches: the one the checkpoint was trained at.
+  const std::int64_t original = (config.rope.type == "yarn" || config.rope.type == "llama3") &&
+                                        config.rope.original_max_position_embeddings > 0
+                                    ? config.rope.original_max_position_embeddings
+                                    : config.max_position_embeddings;
+  double factor = 2;
+  while (static_cast<double>(original) * factor < static_cast<double>(seq_len))
+    factor *= 2;
+  const auto positions = static_cast<std::int64_t>(static_cast<double>(original) * factor);
+  const std::string f = std::to_string(static_cast<long long>(factor)) + ".0";
+  const std::string o = std::to_string(original);
+  if (config.family == Family::kLlama)
+    return {"\"rope_scaling\": {\"rope_type\": \"llama3\", \"factor\": " + f +
+                ", \"low_freq_factor\": 1.0, \"high_freq_factor\": 4.0, "
+                "\"original_max_position_embeddings\": " +
+                o + "}, \"max_position_embeddings\": " + std::to_string(positions),
+            "Llama 3's rope scaling (as Llama 3.1's config.json has it)"};
+  return {"\"rope_scaling\": {\"rope_type\": \"yarn\", \"factor\": " + f +
+              ", \"original_max_position_embeddings\": " + o + "}",
+          "YaRN (as Qwen documents for its models)"};
+}
+
 }  // namespace rondo::models

@@ -102,7 +102,20 @@ struct ModelConfig {
 
   // Every inconsistency at once (e.g. heads not a multiple of kv-heads), each naming the field.
   std::vector<std::string> problems() const;
+  // The positions a run may use: max_position_embeddings, or YaRN's original context times its
+  // factor when that is more (Qwen documents adding YaRN to Qwen3's config.json without raising
+  // max_position_embeddings; transformers and vLLM then run 4x as long). 0 = no limit known.
+  std::int64_t positions() const;
 };
+
+// What to add to a model's config.json for rows of `seq_len` tokens past its positions: the rope
+// scaling its family is extended with (Llama 3's own for Llama, as 3.1 has it; YaRN for the
+// others), with a factor that is a power of two, as a config.json fragment and what names it.
+struct RopeAdvice {
+  std::string json;  // "\"rope_scaling\": {...}" (and max_position_embeddings for Llama 3's)
+  std::string name;  // "YaRN", "Llama 3's rope scaling"
+};
+RopeAdvice rope_scaling_advice(const ModelConfig& config, std::int64_t seq_len);
 
 // Parses config.json text; `source` names the file in errors. Throws Error listing every problem.
 ModelConfig parse_hf_config(const std::string& json_text, const std::string& source);

@@ -147,15 +147,6 @@ TEST_F(TrainCli, DatasetEmptyAfterFilteringIsAnError) {
   EXPECT_TRUE(contains(r.out, data.string())) << r.out;
 }
 
-TEST_F(TrainCli, SequenceLengthBeyondTheModelNamesTheField) {
-  const fs::path cfg = dir / "c.toml";
-  write(cfg, config("run"));
-  Result r = run_rondo("train " + cfg.string() + " --set data.seq_len=4096");
-  EXPECT_EQ(r.code, 1) << r.out;
-  EXPECT_TRUE(contains(r.out, "data.seq_len: 4096 is more than")) << r.out;
-  EXPECT_TRUE(contains(r.out, "512 positions")) << r.out;
-}
-
 TEST_F(TrainCli, NotEnoughHostMemoryIsFoundBeforeLoading) {
   const fs::path cfg = dir / "c.toml";
   write(cfg, config("run"));
