@@ -601,7 +601,8 @@ void MonitorWidget::refresh() {
       m_devices->setItem(r, c, item);
     }
   }
-  m_devices->resizeColumnsToContents();
+  for (int c = 0; c + 1 < m_devices->columnCount(); ++c)  // the last one stretches
+    m_devices->resizeColumnToContents(c);
   m_timeline->update();
 }
 

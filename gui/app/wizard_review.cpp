@@ -103,7 +103,7 @@ void SetupWizard::refreshReview() {
       return false;
     }
     f.close();
-    m_plan = RondoCli::runJson({"plan", cfg, "--json"}, &error);
+    m_plan = RondoCli::runJson({"plan", cfg, "--json", "--max-seq-len"}, &error);
     return !m_plan.isEmpty();
   };
   // Validation, samples and checkpoints the user has not set follow the run's length; checkpoints
@@ -232,6 +232,12 @@ void SetupWizard::refreshReview() {
   for (const QJsonValue& v : m_plan["warnings"].toArray())
     notes << "• " + inWizardWords(v.toString());
   notes << "• " + checksText();
+  // How long rows could be, the rest as set: the question long-context users ask first.
+  if (const qint64 longest = m_plan["longest_seq_len"].toInteger(); longest > 0)
+    notes << QString("• Rows of up to %1 tokens fit%2 (Sequence length, Training page).")
+                 .arg(QLocale().toString(longest), m_plan["longest_is_positions"].toBool()
+                                                       ? QString(": all the model's positions")
+                                                       : QString(" these devices and this memory"));
   m_problems->setText(notes.join("\n"));
 }
 

@@ -29,6 +29,7 @@
 #include <QTableWidget>
 #include <QTest>
 #include <QTextEdit>
+#include <cmath>
 
 #include "gui/app/chat_panel.h"
 #include "gui/app/export_dialog.h"
@@ -207,6 +208,9 @@ class Screens : public QObject {
     QVERIFY2(notes.contains("Only 6 optimizer steps: too few") &&
                  notes.contains("More steps (Training page)"),
              qPrintable(notes));
+    // How long rows could be (rondo plan --max-seq-len): the tiny model's 512 positions.
+    QVERIFY2(notes.contains("Rows of up to 512 tokens fit: all the model's positions"),
+             qPrintable(notes));
     img = test::screenshot(&w, "wizard_7_review");
     QVERIFY(test::colours(img) > 8);
     longer->click();
@@ -290,6 +294,12 @@ class Screens : public QObject {
     QVERIFY2(m.statusText().contains("completed — step 12/12"), qPrintable(m.statusText()));
     // A finished run says "done", not "ETA 0m00s".
     QVERIFY2(m.statusText().endsWith(", done"), qPrintable(m.statusText()));
+    // Tokens/s as a person reads a speed: whole and grouped from 100 up, one decimal below (not
+    // "71.015").
+    const double tps = m.state()->tokensPerSecond();
+    const QString speed =
+        tps >= 100 ? QLocale().toString(std::llround(tps)) : QLocale().toString(tps, 'f', 1);
+    QVERIFY2(m.statusText().contains(", " + speed + " tokens/s,"), qPrintable(m.statusText()));
     QCOMPARE(m.state()->samples()->rowCount(), 3);  // steps 0, 6, 12
     // The run loaded its 4 layers (embedding, 2 blocks, head) before training; the bar is full.
     QCOMPARE(m.state()->layersLoaded(), 4);
