@@ -206,7 +206,8 @@ std::string positions_error(std::int64_t seq_len, const std::string& path,
   return head + fmt::format(
                     ". Lower data.seq_len, or let rope scaling stretch the positions: {} is what "
                     "{} is extended with; set in {}/config.json\n  {}\nand the run, its exports "
-                    "and chat use it (transformers, vLLM and llama.cpp read it too). Fine-tuning "
+                    "and chat use it (transformers and vLLM read it too, and llama.cpp's "
+                    "converter). Fine-tuning "
                     "at the new length is what teaches the model to use it",
                     a.name, models::to_string(model.config.family), path, a.json);
 }

@@ -104,6 +104,17 @@ QSpinBox* spin(const char* name, int lo, int hi, int value) {
   return s;
 }
 
+// The examples of a data file of which `rondo data` read the first kPreviewLines lines, finding
+// `read` examples there: as many again for each as many bytes as those lines took.
+double estimatedExamples(const QString& path, double read) {
+  QFile f(path);
+  if (!f.open(QIODevice::ReadOnly)) return read;
+  qint64 bytes = 0;
+  for (int i = 0; i < kPreviewLines && !f.atEnd(); ++i)
+    bytes += f.readLine().size();
+  return bytes > 0 ? read * static_cast<double>(f.size()) / static_cast<double>(bytes) : read;
+}
+
 // What a field the wizard may fill holds (SetupWizard::setDefault).
 QVariant fieldValue(QWidget* field) {
   if (auto* s = qobject_cast<QSpinBox*>(field)) return s->value();
@@ -238,6 +249,7 @@ SetupWizard::SetupWizard(QWidget* parent) : QWizard(parent) {
   m_validationSplit->setObjectName("validationSplit");
   m_validationSplit->setRange(0, 0.5);
   m_validationSplit->setSingleStep(0.05);
+  m_validationSplit->setDecimals(3);
   m_validationSplit->setToolTip(
       "The share of examples held out for a validation loss: a tenth of a small set, about a "
       "hundred examples of a large one, unless you set it (none under 20 examples)");
@@ -797,9 +809,11 @@ void SetupWizard::refreshData() {
       m_dataPreview->setHtml(html + "</pre>");
       // Unless the user set them: some examples held out for a validation loss (a tenth of a
       // small set, about a hundred of a large one), and the first example's prompt for samples.
-      const double examples = j["examples"].toDouble();
+      const double examples = j["partial"].toBool()
+                                  ? estimatedExamples(file, j["examples"].toDouble())
+                                  : j["examples"].toDouble();
       setDefault(m_validationSplit,
-                 examples < kValidatedExamples ? 0.0 : std::clamp(100 / examples, 0.01, 0.1));
+                 examples < kValidatedExamples ? 0.0 : std::clamp(100 / examples, 0.001, 0.1));
       setDefault(m_prompts, j["first_prompt"].toString());
     }
   }

@@ -442,6 +442,22 @@ class Screens : public QObject {
     w.refreshData();
     QCOMPARE(share->value(), 0.1);
     QCOMPARE(prompts->toPlainText(), QString("What is 0 + 1?"));
+    // 5,000 lines, of which the page reads the first 2,000: about a hundred held out of the
+    // examples the whole file holds (estimated from its size), not a tenth of them.
+    QFile big(m_dir + "/big.jsonl");
+    QVERIFY(big.open(QIODevice::WriteOnly));
+    for (int i = 0; i < 5000; ++i)
+      big.write(QString("{\"messages\": [{\"role\": \"user\", \"content\": \"Say %1.\"}, "
+                        "{\"role\": \"assistant\", \"content\": \"%1.\"}]}\n")
+                    .arg(i % 10)
+                    .toUtf8());
+    big.close();
+    w.findChild<QLineEdit*>("dataPath")->setText(m_dir + "/big.jsonl");
+    w.refreshData();
+    QCOMPARE(share->value(), 0.02);
+    w.findChild<QLineEdit*>("dataPath")->setText(m_dir + "/forty.jsonl");
+    w.refreshData();
+    QCOMPARE(share->value(), 0.1);
     w.next();
     w.next();
     w.next();
