@@ -383,11 +383,7 @@ class Screens : public QObject {
     w.next();
     w.findChild<QLineEdit*>("hostMemory")->setText("1MB");
     w.next();
-    w.findChild<QSpinBox*>("steps")->setValue(4);
-    w.findChild<QSpinBox*>("seqLen")->setValue(64);
-    w.findChild<QLineEdit*>("runDir")->setText(m_dir + "/fix-run");
-    w.next();
-    w.next();
+    test::trainingToReview(&w, 4, 64, m_dir + "/fix-run");
     QCOMPARE(w.currentId(), static_cast<int>(SetupWizard::ReviewPage));
     QCOMPARE(w.findChild<QLabel*>("planVerdict")->text(), QString("does not fit"));
     auto* fix = w.findChild<QPushButton*>("applyFix");
@@ -461,11 +457,7 @@ class Screens : public QObject {
     w.next();
     w.next();
     w.next();
-    w.findChild<QSpinBox*>("steps")->setValue(120);
-    w.findChild<QSpinBox*>("seqLen")->setValue(64);
-    w.findChild<QLineEdit*>("runDir")->setText(m_dir + "/defaults-run");
-    w.next();
-    w.next();
+    test::trainingToReview(&w, 120, 64, m_dir + "/defaults-run");
     QCOMPARE(w.currentId(), static_cast<int>(SetupWizard::ReviewPage));
     auto* eval = w.findChild<QSpinBox*>("evalEvery");
     auto* samples = w.findChild<QSpinBox*>("sampleEvery");

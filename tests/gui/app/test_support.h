@@ -11,6 +11,7 @@
 #include <QMap>
 #include <QProcess>
 #include <QSet>
+#include <QSpinBox>
 #include <QString>
 #include <QTemporaryDir>
 #include <QWidget>
@@ -95,6 +96,16 @@ inline void pickModelAndData(SetupWizard* w, const QString& dir) {
   w->next();
   w->findChild<QLineEdit*>("dataPath")->setText(dir + "/chat.jsonl");
   w->refreshData();
+}
+
+// On the Training page: the steps, rows of `seqLen` tokens and the run folder; then on to Review,
+// past the Advanced page's defaults.
+inline void trainingToReview(SetupWizard* w, int steps, int seqLen, const QString& runDir) {
+  w->findChild<QSpinBox*>("steps")->setValue(steps);
+  w->findChild<QSpinBox*>("seqLen")->setValue(seqLen);
+  w->findChild<QLineEdit*>("runDir")->setText(runDir);
+  w->next();
+  w->next();
 }
 
 // Saves a PNG of the widget into the test's build folder; returns the image.
