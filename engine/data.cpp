@@ -306,7 +306,7 @@ std::string text_start(const std::string& text, std::size_t chars) {
   std::size_t end = text.find_first_of(" \n\t", std::min(chars, text.size()));
   if (end == std::string::npos || end > 4 * chars) {
     end = std::min(4 * chars, text.size());
-    while (end < text.size() && (static_cast<unsigned char>(text[end]) & 0xC0) == 0x80)
+    while (end > 0 && end < text.size() && (static_cast<unsigned char>(text[end]) & 0xC0) == 0x80)
       --end;
   }
   return text.substr(0, end);
