@@ -207,10 +207,11 @@ class RunStateTest : public QObject {
     QCOMPARE(log.size(), 7);
     QCOMPARE(log[0], QStringLiteral("run started: /models/tiny.gguf (lora), 300 steps"));
     // The schedule in words (the plan event's own description is for the timeline's stages).
-    QCOMPARE(log[1], QStringLiteral("schedule (ours): the model's 32 layers in 2 forward stages and "
-                                    "4 backward stages (and the head), 4 batches per optimizer "
-                                    "step, taking turns on 2 devices; about 1 s per step "
-                                    "predicted"));
+    QCOMPARE(log[1],
+             QStringLiteral("schedule (ours): the model's 32 layers in 2 forward stages and "
+                            "4 backward stages (and the head), 4 batches per optimizer "
+                            "step, taking turns on 2 devices; about 1 s per step "
+                            "predicted"));
     // Bytes in the binary units the rest of the GUI and the CLI write (58,788,481 B).
     QCOMPARE(log[2],
              QStringLiteral("checkpoint at step 150: /tmp/run/checkpoints/step-150 (56.1 MiB)"));
