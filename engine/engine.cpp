@@ -370,6 +370,9 @@ Engine::Engine(const models::ModelConfig& config, const std::vector<models::Laye
     impl_->costs = *impl_->parts.options.plan_inputs;
     impl_->costs.microbatches = impl_->plan.microbatches;
     impl_->costs.grain = impl_->plan.grain;
+    // The tile stays the run's: a replan moves stages, never the order the MLPs' weight gradients
+    // are summed in (what an exact resume compares).
+    impl_->costs.mlp_tile_tokens = impl_->plan.mlp_tile_tokens;
   }
 }
 

@@ -478,6 +478,9 @@ RunEstimate estimate_run(const TrainConfig& config, const models::ModelSummary& 
          .device_param_bytes = stored != dequantised ? dequantised : 0,
          .grad_bytes = trained * 4,
          .activation_bytes_per_token = specs[l].activation_bytes_per_token(wb, config.data.seq_len),
+         .tileable_bytes_per_token = specs[l].tileable_bytes_per_token(wb),
+         .backward_bytes_per_token = specs[l].backward_bytes_per_token(wb, false),
+         .backward_tiled_bytes_per_token = specs[l].backward_bytes_per_token(wb, true),
          .output_bytes_per_token = C * wb,
          .transient_bytes = transient});
   }
@@ -538,9 +541,10 @@ RunEstimate estimate_run(const TrainConfig& config, const models::ModelSummary& 
   // layers'; none where packed rows attend per document, which a GPU does where flash attention
   // takes the model and every card is Ampere or newer (models::attend_per_document; flash's
   // backward for head sizes above 192 runs on some cards only, so those are counted with masks),
-  // the CPU where its documents are long (not known here: counted). A packed microbatch whose rows
-  // each hold one document has no documents to attend to (models::packed_doc_ids): rows longer
-  // than the window still get the window's mask, so that one is counted in any case.
+  // the CPU where its documents are long (known once the data is read, else counted). A packed
+  // microbatch whose rows each hold one document has no documents to attend to
+  // (models::packed_doc_ids): rows longer than the window still get the window's mask, so that one
+  // is counted in any case.
   const std::uint64_t uploaded_bytes_per_token =
       4 * 8 + 2 * static_cast<std::uint64_t>(model.config.head_dim) * wb;
   {
@@ -554,6 +558,12 @@ RunEstimate estimate_run(const TrainConfig& config, const models::ModelSummary& 
                         models::flash_may_attend_per_document(model.config, dtype);
     for (const kernels::DeviceInfo& d : devices.devices)
       per_document = per_document && d.compute_major >= 8;
+    // The CPU and simulated devices attend per document where a microbatch's documents are 32
+    // tokens long on average (and none is cut by a window): known once the data is read.
+    const std::int64_t mean_doc = config.data.mean_example_tokens;
+    if ((devices.mode == DeviceMode::kCpu || devices.mode == DeviceMode::kSim) && mean_doc >= 32)
+      per_document = config.data.pack &&
+                     (model.config.sliding_window == 0 || mean_doc <= model.config.sliding_window);
     const bool windowed = model.config.sliding_window > 0 && seq > model.config.sliding_window;
     e.inputs.input_bytes_per_token = uploaded_bytes_per_token;
     const bool pack = config.data.pack;
@@ -564,6 +574,7 @@ RunEstimate estimate_run(const TrainConfig& config, const models::ModelSummary& 
   }
   e.inputs.microbatches = M;
   e.inputs.one_step_stale = config.training.one_step_stale;
+  e.inputs.mlp_tile_tokens = config.training.sequence_tile;
   bool planned = false;
   try {
     e.plan = plan_ours(e.inputs);

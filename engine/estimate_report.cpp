@@ -154,6 +154,7 @@ std::string RunEstimate::json() const {
                       {"mode", to_string(devices.mode)},
                       {"devices", devs},
                       {"plan", plan.forward.empty() && plan.tail.end == 0 ? "" : plan.describe()},
+                      {"sequence_tile", plan.mlp_tile_tokens},
                       {"host",
                        {{"needed_bytes", host.total()},
                         {"available_bytes", host_available},

@@ -30,12 +30,21 @@ std::uint64_t generation_bytes(const models::ModelConfig& config, std::size_t el
              S = static_cast<std::uint64_t>(positions);
   const std::uint64_t kv_per_block =
       2 * R * S * static_cast<std::uint64_t>(config.num_kv_heads * config.head_dim) * e;
-  const std::uint64_t kv = static_cast<std::uint64_t>(std::max<std::int64_t>(blocks, 0)) *
-                           kv_per_block;
+  // While a block attends: its cache extended beside the old copy, and grouped key and value
+  // heads repeated up to the query heads (SDPA's grouped-query path on the CPU).
+  const auto groups =
+      static_cast<std::uint64_t>(config.num_heads / std::max<std::int64_t>(config.num_kv_heads, 1));
+  const std::uint64_t kv =
+      static_cast<std::uint64_t>(std::max<std::int64_t>(blocks, 0)) * kv_per_block +
+      (1 + (groups > 1 ? groups : 0)) * kv_per_block;
   const std::uint64_t wide = static_cast<std::uint64_t>(
       std::max<std::int64_t>(config.intermediate_size, config.moe_intermediate_size));
+  // What torch holds at once in a block's prefill, counted on a simulated device's ledger: the
+  // input, its fp32 normed copy, the projections with their rotated and adapted copies (about
+  // ten hidden widths), and the MLP's gate, up, silu(gate), their product and an adapter's
+  // output (five intermediate widths).
   const std::uint64_t acts =
-      R * P * (6 * static_cast<std::uint64_t>(config.hidden_size) + 3 * wide) * e;
+      R * P * (10 * static_cast<std::uint64_t>(config.hidden_size) + 5 * wide) * e;
   const std::uint64_t scores = R * static_cast<std::uint64_t>(config.num_heads) * P * S * 4;
   return kv + acts + scores + R * static_cast<std::uint64_t>(config.vocab_size) * 4;
 }
@@ -48,9 +57,9 @@ ResidencyChoice choose_residency(const ResidencyQuery& q) {
   for (std::uint64_t b : q.layer_bytes)
     weight_bytes += b;
   ResidencyChoice c;
-  c.resident = q.residency == Residency::kResident ||
-               (q.residency == Residency::kAuto &&
-                weight_bytes + q.extra(q.blocks) <= q.first_device_room);
+  c.resident =
+      q.residency == Residency::kResident ||
+      (q.residency == Residency::kAuto && weight_bytes + q.extra(q.blocks) <= q.first_device_room);
   if (!c.resident)
     for (std::size_t j = 0; j < q.forward.size(); ++j)
       c.stages.push_back({.range = q.forward[j], .layers = q.stage_layers[j]});
@@ -300,8 +309,8 @@ TokenLoop::~TokenLoop() {
 
 std::int64_t TokenLoop::groups_for(std::int64_t tokens) const {
   if (settings_.groups > 0) return std::min<std::int64_t>(settings_.groups, B_);
-  return std::clamp<std::int64_t>(tokens / std::max<std::int64_t>(settings_.min_group_tokens, 1),
-                                  1, most_groups_);
+  return std::clamp<std::int64_t>(tokens / std::max<std::int64_t>(settings_.min_group_tokens, 1), 1,
+                                  most_groups_);
 }
 
 // When a pass groups the prompts otherwise than the one before (the decoding after a split
@@ -329,7 +338,8 @@ void TokenLoop::regroup(std::int64_t G) {
 std::vector<at::Tensor> TokenLoop::gathered(const Group& grp, int l, bool keys) const {
   std::vector<at::Tensor> parts;
   for (const Group& o : previous_) {
-    const std::int64_t a = std::max(o.row, grp.row), b = std::min(o.row + o.rows, grp.row + grp.rows);
+    const std::int64_t a = std::max(o.row, grp.row),
+                       b = std::min(o.row + o.rows, grp.row + grp.rows);
     const models::KvCache& c = o.caches[static_cast<std::size_t>(l)];
     if (a < b && c.k.defined()) parts.push_back((keys ? c.k : c.v).narrow(0, a - o.row, b - a));
   }
@@ -387,9 +397,8 @@ void TokenLoop::load(std::size_t j) {
         break;
       }
   }
-  st.weights = with_room(*parts_.devs[static_cast<std::size_t>(st.where.device)], [&] {
-    return transfers_.load_weights(st.where.device, st.where.layers);
-  });
+  st.weights = with_room(*parts_.devs[static_cast<std::size_t>(st.where.device)],
+                         [&] { return transfers_.load_weights(st.where.device, st.where.layers); });
   on.push_back(j);
   pending_[j] = true;
 }
@@ -406,9 +415,9 @@ void TokenLoop::enqueue(DeviceContext& dc, std::size_t j, std::size_t g, std::op
       c10::InferenceMode inference;
       body();
       if (probe)
-        probe->computed(dc.index, {*layer, *layer + 1}, /*forward_only=*/true, tokens,
-                        std::chrono::duration<double>(std::chrono::steady_clock::now() - t0)
-                            .count());
+        probe->computed(
+            dc.index, {*layer, *layer + 1}, /*forward_only=*/true, tokens,
+            std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
     } catch (...) {
       errors_[j][g] = std::current_exception();
       failing_ = true;
@@ -429,7 +438,10 @@ void TokenLoop::pack_inputs(const at::Tensor& next) {
     const models::AttentionContext ctx =
         models::make_decode_context(config_, offset_, count_, act_, at::kCPU, grp.pad);
     const std::vector<at::Tensor> tensors = {next.narrow(0, grp.row, grp.rows).contiguous(),
-                                             ctx.positions, ctx.cos, ctx.sin, ctx.mask,
+                                             ctx.positions,
+                                             ctx.cos,
+                                             ctx.sin,
+                                             ctx.mask,
                                              ctx.window_mask};
     layouts_.push_back(pack_layout(tensors));
     packs_.push_back(transfers_.take_staging(layouts_.back().bytes));
@@ -630,8 +642,7 @@ void TokenLoop::enqueue_block_host_kv(DeviceContext& dc, std::size_t j, std::siz
   at::Tensor past_k, past_v;
   std::vector<kernels::DeviceBuffer> past;  // released in compute order once the block has run
   if (had > 0) {
-    const std::vector<std::int64_t> sizes = {had, grp.rows, config_.num_kv_heads,
-                                             config_.head_dim};
+    const std::vector<std::int64_t> sizes = {had, grp.rows, config_.num_kv_heads, config_.head_dim};
     for (bool keys : {true, false}) {
       offload::Uploaded up = with_room(dc, [&] {
         return transfers_.upload_for(dc.index, *dc.compute, (keys ? kv.k : kv.v).data(),
@@ -702,10 +713,10 @@ void TokenLoop::rethrow_first() const {
     for (const std::exception_ptr& error : errors_[j]) {
       if (!error) continue;
       const GenerationStage& st = stages_[j].where;
-      const std::string where =
-          "generating, layers " + std::to_string(st.range.begin) + "-" +
-          std::to_string(st.range.end - 1) + " on " +
-          parts_.devs[static_cast<std::size_t>(st.device)]->dev->info().name + ": ";
+      const std::string where = "generating, layers " + std::to_string(st.range.begin) + "-" +
+                                std::to_string(st.range.end - 1) + " on " +
+                                parts_.devs[static_cast<std::size_t>(st.device)]->dev->info().name +
+                                ": ";
       try {
         std::rethrow_exception(error);
       } catch (const Error& err) {
@@ -753,15 +764,14 @@ Generation Generator::run(const std::vector<std::vector<std::int64_t>>& prompts,
   const int L = static_cast<int>(parts_.specs.size());
   const std::size_t N = parts_.devices();
   const std::int64_t positions = P + options.max_new_tokens;
-  ResidencyQuery query{.residency = settings.residency,
-                       .kv_caches = settings.kv_caches,
-                       .forward = plan_.forward,
-                       .tail = plan_.tail,
-                       .extra =
-                           [&](std::int64_t blocks) {
-                             return generation_bytes(config, e, B, P, positions, blocks);
-                           },
-                       .blocks = config.num_layers};
+  ResidencyQuery query{
+      .residency = settings.residency,
+      .kv_caches = settings.kv_caches,
+      .forward = plan_.forward,
+      .tail = plan_.tail,
+      .extra =
+          [&](std::int64_t blocks) { return generation_bytes(config, e, B, P, positions, blocks); },
+      .blocks = config.num_layers};
   for (int l = 0; l < L; ++l)
     query.layer_bytes.push_back(static_cast<std::uint64_t>(parts_.specs[l].param_count()) * e);
   for (const LayerRange& r : plan_.forward)

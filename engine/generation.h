@@ -25,12 +25,12 @@ namespace rondo::engine {
 struct ResidencyQuery {
   Residency residency = Residency::kAuto;
   KvCaches kv_caches = KvCaches::kAuto;
-  std::vector<std::uint64_t> layer_bytes;       // per layer: its weights on a device (dequantised)
-  std::vector<LayerRange> forward;              // the plan's forward stages
-  LayerRange tail;                              // the plan's tail
-  std::vector<std::vector<int>> stage_layers;   // streamed layers of forward[0..], then the tail
-  std::uint64_t first_device_room = 0;          // what device 0 may hold (resident)
-  std::vector<std::uint64_t> room;              // per device: what it may hold (spread, streamed)
+  std::vector<std::uint64_t> layer_bytes;      // per layer: its weights on a device (dequantised)
+  std::vector<LayerRange> forward;             // the plan's forward stages
+  LayerRange tail;                             // the plan's tail
+  std::vector<std::vector<int>> stage_layers;  // streamed layers of forward[0..], then the tail
+  std::uint64_t first_device_room = 0;         // what device 0 may hold (resident)
+  std::vector<std::uint64_t> room;             // per device: what it may hold (spread, streamed)
   // Device bytes generation needs beyond the weights on a device that runs `blocks` blocks: their
   // KV caches and the prefill's temporaries.
   std::function<std::uint64_t(std::int64_t blocks)> extra;
@@ -60,7 +60,9 @@ struct ResidencyChoice {
 ResidencyChoice choose_residency(const ResidencyQuery& query);
 
 // Device bytes generation needs beyond the weights: the KV caches of `blocks` blocks for `rows`
-// rows of `positions` positions, and the prefill's largest temporaries (the blocks' activations,
+// rows of `positions` positions (and, for the block attending, its cache extended beside the old
+// copy and its grouped heads repeated), and the
+// prefill's largest temporaries (the blocks' activations,
 // the attention scores of the plain path, the last position's fp32 logits) for a prompt of
 // `prompt` tokens. `element` bytes per activation.
 std::uint64_t generation_bytes(const models::ModelConfig& config, std::size_t element,

@@ -108,6 +108,7 @@ void compute_microbatch(const EngineParts& parts, c10::Device dev, const Microba
   // Training: attention and LoRA dropout (when the model has them) draw from this seed;
   // evaluation has none.
   if (!work.evaluating) ctx.dropout_seed = dropout_seed(parts.options.seed, step.step_no, m);
+  ctx.mlp_tile_tokens = js.mlp_tile_tokens;
   // MoE: the first forward of a block records its routing, the backward's recompute replays it;
   // the router load-balancing loss (when the model asks for it) counts each microbatch with
   // weight 1 / M.

@@ -18,8 +18,11 @@ std::vector<int> streamed_layers(const offload::LayerStore& store, LayerRange ra
 JobList make_jobs(const Plan& plan, const offload::LayerStore& store, bool evaluation) {
   JobList out;
   auto add = [&](JobKind kind, LayerRange r, std::string name) {
-    out.jobs.push_back(
-        {.kind = kind, .range = r, .name = std::move(name), .streamed = streamed_layers(store, r)});
+    out.jobs.push_back({.kind = kind,
+                        .range = r,
+                        .name = std::move(name),
+                        .streamed = streamed_layers(store, r),
+                        .mlp_tile_tokens = plan.mlp_tile_tokens});
   };
   for (std::size_t i = 0; i < plan.forward.size(); ++i)
     add(JobKind::kForward, plan.forward[i], "F" + std::to_string(i));

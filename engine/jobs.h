@@ -30,10 +30,11 @@ struct JobSpec {
   std::string name;           // "F0", "T", "B1", "E"
   std::vector<int> streamed;  // layers whose streaming copies the job needs (tied owners too)
   bool has_output = false;    // hands a tensor to the next job of the step
+  std::int64_t mlp_tile_tokens = 0;  // sequence tiling (Plan::mlp_tile_tokens)
 };
 
 struct JobList {
-  std::vector<JobSpec> jobs;  // J of them, in the order of a step
+  std::vector<JobSpec> jobs;   // J of them, in the order of a step
   std::set<int> checkpointed;  // blocks whose inputs the forward saves for the backward
   std::size_t size() const { return jobs.size(); }
   const JobSpec& operator[](std::size_t j) const { return jobs[j]; }

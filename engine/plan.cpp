@@ -66,7 +66,9 @@ std::string Plan::describe() const {
   s += range('T', tail) + " ";
   for (const LayerRange& r : backward)
     s += range('B', r) + " ";
-  return s + "M=" + std::to_string(microbatches) + " " + to_string(grain);
+  s += "M=" + std::to_string(microbatches) + " " + to_string(grain);
+  if (mlp_tile_tokens > 0) s += " tile=" + std::to_string(mlp_tile_tokens);
+  return s;
 }
 
 int PlanInputs::resolved_microbatches() const {
@@ -78,6 +80,8 @@ std::vector<std::string> PlanInputs::problems() const {
   if (layers.empty()) out.push_back("no layers to plan");
   if (devices.empty()) out.push_back("no devices to plan for");
   if (tokens_per_step <= 0) out.push_back("tokens per step must be positive");
+  if (mlp_tile_tokens < -1)
+    out.push_back("the MLP tile must be -1 (the planner's choice), 0 (none) or a number of tokens");
   if (microbatches < 0) out.push_back("microbatches must not be negative");
   if (tokens_per_step > 0 && resolved_microbatches() > tokens_per_step)
     out.push_back("more microbatches (" + std::to_string(resolved_microbatches()) +
@@ -185,10 +189,13 @@ struct RangeSums {
   double device_params = 0;  // the weights as they sit on the device (dequantised)
   double nvme = 0, nvme_update = 0;
   double activation_sum = 0, activation_max = 0;  // per token
+  double tileable_max = 0;                        // per token, what one tile holds per token
+  double backward_max = 0;                        // per token, one layer's backward at a time
   double transient_max = 0;                       // one layer's backward at a time
 };
 
-RangeSums sums(const PlanInputs& in, LayerRange r) {
+// `tiled`: the activations without what sequence tiling bounds to one tile (tileable_max).
+RangeSums sums(const PlanInputs& in, LayerRange r, bool tiled = false) {
   RangeSums s;
   for (int l = r.begin; l < r.end; ++l) {
     const LayerCosts& c = in.layers[l];
@@ -201,9 +208,14 @@ RangeSums sums(const PlanInputs& in, LayerRange r) {
         c.device_param_bytes ? c.device_param_bytes + c.param_bytes : c.param_bytes);
     s.nvme += static_cast<double>(c.nvme_read_bytes);
     s.nvme_update += static_cast<double>(c.nvme_update_bytes);
-    s.activation_sum += static_cast<double>(c.activation_bytes_per_token);
-    s.activation_max =
-        std::max(s.activation_max, static_cast<double>(c.activation_bytes_per_token));
+    const double act = static_cast<double>(c.activation_bytes_per_token -
+                                           (tiled ? c.tileable_bytes_per_token : 0));
+    s.activation_sum += act;
+    s.activation_max = std::max(s.activation_max, act);
+    s.tileable_max = std::max(s.tileable_max, static_cast<double>(c.tileable_bytes_per_token));
+    s.backward_max = std::max(
+        s.backward_max,
+        static_cast<double>(tiled ? c.backward_tiled_bytes_per_token : c.backward_bytes_per_token));
     s.transient_max = std::max(s.transient_max, static_cast<double>(c.transient_bytes));
   }
   return s;
@@ -215,9 +227,13 @@ double input_bytes(const PlanInputs& in, int l) {
 }
 
 // Device memory while `job` runs: its weights and the next job's (prefetched), its gradients,
-// one microbatch's activations, and its input and output buffers (plus the next input).
-double job_memory(const PlanInputs& in, const Job& job, double tokens_mb, RecomputeGrain grain) {
-  RangeSums s = sums(in, job.range);
+// one microbatch's activations, and its input and output buffers (plus the next input), and what
+// one layer's backward holds at a time (the head's chunk of logits, or a block's gradients of its
+// activations). Tiled (tile > 0), the MLPs' intermediates are one tile's: in the forward, and in
+// the backward with their gradients beside them.
+double job_memory(const PlanInputs& in, const Job& job, double tokens_mb, RecomputeGrain grain,
+                  std::int64_t tile) {
+  RangeSums s = sums(in, job.range, tile > 0);
   double act = 0;
   switch (job.kind) {
     case JobKind::kForward:
@@ -233,7 +249,11 @@ double job_memory(const PlanInputs& in, const Job& job, double tokens_mb, Recomp
   double io = 2 * input_bytes(in, job.range.begin) +
               static_cast<double>(in.layers[job.range.end - 1].output_bytes_per_token);
   double grads = job.kind == JobKind::kForward ? 0 : s.grads;
-  double transient = job.kind == JobKind::kForward ? 0 : s.transient_max;
+  double transient =
+      job.kind == JobKind::kForward ? 0 : std::max(s.transient_max, tokens_mb * s.backward_max);
+  if (tile > 0)
+    transient = std::max(transient, std::min(static_cast<double>(tile), tokens_mb) *
+                                        s.tileable_max * (job.kind == JobKind::kForward ? 1 : 1.5));
   const double inputs = 2.0 * static_cast<double>(in.tokens_per_step) *
                             static_cast<double>(in.input_bytes_per_token) +
                         tokens_mb * static_cast<double>(in.mask_bytes_per_token);
@@ -445,7 +465,8 @@ PlanPrediction predict(const Plan& plan, const PlanInputs& in) {
       step_end[step] = std::max(step_end[step], t);
       // While this job runs, the device also holds the weights of its next job (prefetched).
       const double next_params = sums(in, jobs[(j + N) % J].range).device_params;
-      peak[d] = std::max(peak[d], job_memory(in, job, tokens_mb, plan.grain) + next_params);
+      peak[d] = std::max(
+          peak[d], job_memory(in, job, tokens_mb, plan.grain, plan.mlp_tile_tokens) + next_params);
     }
   }
   const double window_start = step_end[1], window_end = step_end[2];
@@ -480,6 +501,7 @@ struct Packer {
   // Cost of a job over a range, in the planner's time unit; and whether it fits the memory rule.
   std::function<double(JobKind, LayerRange)> cost;
   std::function<bool(JobKind, LayerRange)> fits;
+  std::int64_t tile = 0;  // Plan::mlp_tile_tokens of the plans it packs
 
   // RoundPipe's packing for budget T: tail from the top, forward from below the tail downward
   // (reversed), backward from layer 0 up (then descending). Empty optional if a single layer
@@ -490,6 +512,7 @@ struct Packer {
     Plan plan;
     plan.microbatches = M;
     plan.grain = grain;
+    plan.mlp_tile_tokens = tile;
     int k = L - 1;
     if (tail_begin >= 0)
       k = tail_begin;
@@ -580,10 +603,10 @@ Packer reference_packer(const PlanInputs& in) {
   // gradients only.
   double half = smallest_cap(in) / 2.0;
   double largest = 0;
-  for (const LayerCosts& c : in.layers)
-    largest = std::max(
-        largest,
-        double((c.device_param_bytes ? c.device_param_bytes : c.param_bytes) + c.grad_bytes));
+  for (int l = 0; l < static_cast<int>(in.layers.size()); ++l) {
+    const RangeSums one = sums(in, {l, l + 1});  // what fits() weighs: a quantised layer twice
+    largest = std::max(largest, one.device_params + one.grads);
+  }
   if (half > 0 && largest > half) half = largest;  // the reference raises its limit (and warns)
   p.fits = [&in, half](JobKind kind, LayerRange r) {
     if (half <= 0) return true;
@@ -617,14 +640,16 @@ Plan plan_reference(const PlanInputs& in) {
 
 Plan plan_ours(const PlanInputs& in) {
   check(in);
-  // Try the settings as given; if nothing fits, say which changes would.
-  auto attempt = [&](const PlanInputs& inputs) -> std::optional<std::pair<Plan, PlanPrediction>> {
+  // Try the settings as given (a tile of the MLPs, or none); if nothing fits, say which changes
+  // would.
+  auto attempt_tile = [&](const PlanInputs& inputs,
+                          std::int64_t tile) -> std::optional<std::pair<Plan, PlanPrediction>> {
     const int M = inputs.resolved_microbatches();
     const double tokens_mb = static_cast<double>(inputs.tokens_per_step) / M;
     double bw = std::numeric_limits<double>::infinity();
     for (const DeviceModel& d : inputs.devices)
       if (d.link_bytes_per_s > 0) bw = std::min(bw, d.link_bytes_per_s);
-    Packer p{inputs, M, tokens_mb, inputs.grain, {}, {}};
+    Packer p{inputs, M, tokens_mb, inputs.grain, {}, {}, tile};
     // A job's time: compute over all microbatches, or the bytes it must move, whichever is longer.
     p.cost = [&inputs, M, tokens_mb, bw](JobKind kind, LayerRange r) {
       RangeSums s = sums(inputs, r);
@@ -642,11 +667,12 @@ Plan plan_ours(const PlanInputs& in) {
       return std::max({compute, std::isinf(bw) ? 0.0 : bytes / bw, nvme});
     };
     const double cap = static_cast<double>(smallest_cap(inputs));
-    p.fits = [&inputs, tokens_mb, cap](JobKind kind, LayerRange r) {
+    p.fits = [&inputs, tokens_mb, cap, tile](JobKind kind, LayerRange r) {
       if (cap <= 0) return true;
       // Twice the weights: this stage and the prefetched one (assume a stage of the same size).
       Job job{kind, r, 0};
-      return job_memory(inputs, job, tokens_mb, inputs.grain) + sums(inputs, r).device_params <=
+      return job_memory(inputs, job, tokens_mb, inputs.grain, tile) +
+                 sums(inputs, r).device_params <=
              cap;
     };
     std::vector<Plan> candidates;
@@ -672,6 +698,7 @@ Plan plan_ours(const PlanInputs& in) {
       }
     }
     Plan reference = plan_reference(inputs);
+    reference.mlp_tile_tokens = tile;
     candidates.push_back(reference);
     std::optional<std::pair<Plan, PlanPrediction>> best;
     for (const Plan& plan : candidates) {
@@ -680,6 +707,21 @@ Plan plan_ours(const PlanInputs& in) {
       if (!best || pred.step_time_s < best->second.step_time_s - 1e-15) best = {{plan, pred}};
     }
     return best;
+  };
+  // The planner's tile: none when a plan fits so (tiling recomputes the MLPs once more in the
+  // backward), else the largest that fits, shorter than a microbatch.
+  auto attempt = [&](const PlanInputs& inputs) -> std::optional<std::pair<Plan, PlanPrediction>> {
+    if (inputs.mlp_tile_tokens >= 0) return attempt_tile(inputs, inputs.mlp_tile_tokens);
+    if (auto best = attempt_tile(inputs, 0)) return best;
+    const bool tileable =
+        std::any_of(inputs.layers.begin(), inputs.layers.end(),
+                    [](const LayerCosts& c) { return c.tileable_bytes_per_token > 0; });
+    const double tokens_mb =
+        static_cast<double>(inputs.tokens_per_step) / inputs.resolved_microbatches();
+    for (std::int64_t tile : kMlpTiles)
+      if (tileable && static_cast<double>(tile) < tokens_mb)
+        if (auto best = attempt_tile(inputs, tile)) return best;
+    return std::nullopt;
   };
   if (auto best = attempt(in)) return best->first;
 

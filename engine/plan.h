@@ -41,12 +41,15 @@ struct Plan {
   std::vector<LayerRange> backward;  // after the tail, descending, covering [0, tail.begin)
   int microbatches = 1;              // M: a job runs its stage over all of them
   RecomputeGrain grain = RecomputeGrain::kStage;
+  // Sequence tiling: dense blocks run their MLP over tiles of this many tokens of a microbatch
+  // (models::AttentionContext::mlp_tile_tokens), in forward and backward; 0 = untiled.
+  std::int64_t mlp_tile_tokens = 0;
 
   int layers() const { return tail.end; }
   int jobs() const { return static_cast<int>(forward.size() + 1 + backward.size()); }
   // Every rule a plan breaks, each in words; empty when valid for a model of `layers` layers.
   std::vector<std::string> problems(int layers) const;
-  // "F[0,4) F[4,9) T[9,12) B[5,9) B[0,5) M=3 stage"
+  // "F[0,4) F[4,9) T[9,12) B[5,9) B[0,5) M=3 stage" (and " tile=4096" when tiled)
   std::string describe() const;
   // The layers whose inputs the forward saves for the backward (activation checkpoints, one per
   // microbatch each): every block before the tail (layer grain), or each backward stage's first
@@ -67,7 +70,13 @@ struct LayerCosts {
   std::uint64_t nvme_update_bytes = 0;   // optimizer state on NVMe: read and written per step
   std::uint64_t grad_bytes = 0;  // trainable part: gradients held on the device and downloaded
   std::uint64_t activation_bytes_per_token = 0;  // what autograd keeps while running the layer
-  std::uint64_t output_bytes_per_token = 0;      // its output: a stage boundary or a checkpoint
+  // Of activation_bytes_per_token, what sequence tiling holds for one tile only (a dense MLP's
+  // intermediates, models::LayerSpec::tileable_bytes_per_token).
+  std::uint64_t tileable_bytes_per_token = 0;
+  // What its backward holds per token beyond that, untiled and tiled
+  // (models::LayerSpec::backward_bytes_per_token): one layer's at a time.
+  std::uint64_t backward_bytes_per_token = 0, backward_tiled_bytes_per_token = 0;
+  std::uint64_t output_bytes_per_token = 0;  // its output: a stage boundary or a checkpoint
   // Held only while the layer's backward runs, whatever the microbatch: the head's chunk of fp32
   // logits and their gradient, and its weight's fp32 gradient before it joins the accumulator.
   std::uint64_t transient_bytes = 0;
@@ -108,10 +117,17 @@ struct PlanInputs {
   // The attention masks per token (a row of keys for packed documents, another for a sliding
   // window), built on the device for the microbatch a job runs: one microbatch's at a time.
   std::uint64_t mask_bytes_per_token = 0;
+  // Sequence tiling (Plan::mlp_tile_tokens): -1 = the planner's choice (untiled when a plan fits
+  // so, else the largest of kMlpTiles that fits a plan), 0 = never, > 0 = that tile.
+  std::int64_t mlp_tile_tokens = -1;
 
   int resolved_microbatches() const;
   std::vector<std::string> problems() const;
 };
+
+// The tiles plan_ours tries, largest first: 4096 tokens keep the MLP's matmuls as long as a
+// microbatch of ordinary length; below 256 their rows get too short to run at speed.
+inline constexpr std::int64_t kMlpTiles[] = {4096, 2048, 1024, 512, 256};
 
 struct PlanPrediction {
   double step_time_s = 0;                 // steady state, one optimizer step

@@ -139,10 +139,10 @@ nlohmann::json plan_json(const Plan& p, std::size_t devices) {
       a.push_back({r.begin, r.end});
     return a;
   };
-  return {{"forward", ranges(p.forward)},   {"tail", {p.tail.begin, p.tail.end}},
-          {"backward", ranges(p.backward)}, {"microbatches", p.microbatches},
-          {"grain", to_string(p.grain)},    {"devices", devices},
-          {"describe", p.describe()}};
+  return {{"forward", ranges(p.forward)},         {"tail", {p.tail.begin, p.tail.end}},
+          {"backward", ranges(p.backward)},       {"microbatches", p.microbatches},
+          {"grain", to_string(p.grain)},          {"devices", devices},
+          {"mlp_tile_tokens", p.mlp_tile_tokens}, {"describe", p.describe()}};
 }
 
 // The plan a checkpoint was trained with; throws (nlohmann) on a malformed entry.
@@ -161,6 +161,7 @@ Plan plan_from_json(const nlohmann::json& j) {
   p.grain = j.at("grain").get<std::string>() == to_string(RecomputeGrain::kLayer)
                 ? RecomputeGrain::kLayer
                 : RecomputeGrain::kStage;
+  p.mlp_tile_tokens = j.value("mlp_tile_tokens", std::int64_t{0});  // absent before tiling
   return p;
 }
 
@@ -448,6 +449,11 @@ struct Session::Impl {
                       "training.epochs = {}); lower it",
                       c.training.warmup_steps, steps, c.training.epochs));
     fingerprint = data_fingerprint(train, batching);
+    std::int64_t tokens = 0;
+    for (const Example& e : train.examples)
+      tokens += std::min(static_cast<std::int64_t>(e.ids.size()), c.data.seq_len);
+    c.data.mean_example_tokens =
+        tokens / std::max<std::int64_t>(static_cast<std::int64_t>(train.examples.size()), 1);
   }
 
   std::string describe() const {

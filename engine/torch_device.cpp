@@ -11,10 +11,17 @@
 #include <cuda_runtime_api.h>
 #endif
 
+#include <c10/core/Allocator.h>
+#include <c10/core/CPUAllocator.h>
+#include <c10/core/impl/alloc_cpu.h>
+
 #include <algorithm>
 #include <cstdlib>
+#include <mutex>
+#include <new>
 #include <optional>
 #include <string>
+#include <utility>
 
 #include "kernels/error.h"
 
@@ -104,10 +111,72 @@ void reset_torch_cuda_memory(int device_index) {
 #endif
 }
 
+namespace {
+
+// Note [Torch's memory on a simulated device]
+// A simulated device computes with torch on the CPU, so the activations, attention and head
+// temporaries and gradients of its work are host allocations that its own allocate() never sees;
+// on a card they are device memory under the cap (torch_cuda_allocator). So that the cap bounds
+// them on a simulated device too — and the planner's device-memory model can be checked against
+// what the work really held — torch's CPU allocator is wrapped: while a TorchStreamScope of a
+// device with a MemoryAccount is alive on a thread, what torch allocates on that thread is
+// reserved in that account (OutOfMemory past the cap) and released when it is freed, on any
+// thread. Each block carries a header before its data: the account (or none) and its size, so
+// that one raw deleter frees every block (torch's raw_allocate needs one). Installed when the
+// first such scope opens; blocks allocated before keep their own deleter.
+thread_local std::shared_ptr<kernels::MemoryAccount> t_account;
+
+struct alignas(64) ChargedHeader {
+  std::shared_ptr<kernels::MemoryAccount> account;
+  std::size_t bytes = 0;
+};
+static_assert(sizeof(ChargedHeader) == 64);
+
+void free_charged(void* data) {
+  if (data == nullptr) return;
+  auto* header = static_cast<ChargedHeader*>(data) - 1;
+  if (header->account) header->account->release(header->bytes);
+  header->~ChargedHeader();
+  c10::free_cpu(header);
+}
+
+class ChargingCpuAllocator final : public c10::Allocator {
+ public:
+  c10::DataPtr allocate(std::size_t n) override {
+    const std::shared_ptr<kernels::MemoryAccount>& account = t_account;
+    if (account && n > 0) account->reserve(n);
+    void* raw = nullptr;
+    try {
+      raw = c10::alloc_cpu(n + sizeof(ChargedHeader));
+    } catch (...) {
+      if (account && n > 0) account->release(n);
+      throw;
+    }
+    auto* header = new (raw) ChargedHeader{n > 0 ? account : nullptr, n};
+    void* data = header + 1;
+    return {data, data, &free_charged, c10::Device(c10::DeviceType::CPU)};
+  }
+  c10::DeleterFnPtr raw_deleter() const override { return &free_charged; }
+  void copy_data(void* dest, const void* src, std::size_t count) const override {
+    default_copy_data(dest, src, count);
+  }
+};
+
+void install_charging_allocator() {
+  static std::once_flag once;
+  std::call_once(once, [] {
+    static ChargingCpuAllocator allocator;
+    c10::SetCPUAllocator(&allocator, /*priority=*/100);
+  });
+}
+
+}  // namespace
+
 struct TorchStreamScope::State {
 #if RONDO_ENGINE_CUDA
   std::optional<c10::cuda::CUDAStreamGuard> guard;
 #endif
+  std::shared_ptr<kernels::MemoryAccount> previous_account;
 };
 
 TorchStreamScope::TorchStreamScope(kernels::Stream& stream) : state_(std::make_unique<State>()) {
@@ -119,11 +188,17 @@ TorchStreamScope::TorchStreamScope(kernels::Stream& stream) : state_(std::make_u
     state_->guard.emplace(c10::cuda::getStreamFromExternal(
         static_cast<cudaStream_t>(stream.native_handle()),
         static_cast<c10::DeviceIndex>(stream.device().info().index)));
-#else
-  (void)stream;
 #endif
+  if (auto account = stream.device().memory_account()) {
+    install_charging_allocator();
+    state_->previous_account = std::exchange(t_account, std::move(account));
+  } else {
+    state_->previous_account = t_account;
+  }
 }
 
-TorchStreamScope::~TorchStreamScope() = default;
+TorchStreamScope::~TorchStreamScope() {
+  t_account = std::move(state_->previous_account);
+}
 
 }  // namespace rondo::engine

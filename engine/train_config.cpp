@@ -84,6 +84,10 @@ std::vector<std::string> TrainConfig::validate(bool planning) const {
         "must be positive when training.steps is 0 (got " + str(training.epochs) + ")");
   if (training.batch_rows < 1 || training.batch_rows > 65536)
     add("training.batch_rows", "must be in 1..65536 (got " + str(training.batch_rows) + ")");
+  if (training.sequence_tile < -1 || training.sequence_tile > (1 << 20))
+    add("training.sequence_tile",
+        "must be -1 (the planner's choice), 0 (no tiling) or tokens per tile up to 1048576 (got " +
+            str(training.sequence_tile) + ")");
   if (training.grad_accum < 1 || training.grad_accum > 65536)
     add("training.grad_accum", "must be in 1..65536 (got " + str(training.grad_accum) + ")");
   if (!(training.lr > 0 && training.lr < 1))

@@ -42,6 +42,10 @@ struct DataSection {
   std::int64_t seq_len = 1024;       // tokens per row; longer examples are truncated
   bool pack = true;                  // several examples per row, attention kept apart
   bool shuffle = true;               // a new order each epoch, from training.seed
+  // Not a setting: once the data is read, the mean tokens of a training example (cut to seq_len).
+  // The planner counts attention masks by it where that decides them (the CPU's and simulated
+  // devices' packed rows, models::attend_per_document). 0 = not known.
+  std::int64_t mean_example_tokens = 0;
 };
 
 struct LoraSection {
@@ -70,6 +74,9 @@ struct TrainingSection {
   // bitsandbytes' blockwise 8-bit (2.03 bytes; its AdamW8bit on the CPU, bit for bit).
   std::string optimizer = "adamw";
   bool one_step_stale = false;  // RoundPipe's asynchronous update (see EngineOptions)
+  // Sequence tiling: tokens per tile of the MLPs (engine::Plan::mlp_tile_tokens); -1 = the
+  // planner's choice (untiled where that fits the devices), 0 = never.
+  std::int64_t sequence_tile = -1;
   // Torch's deterministic algorithms (and cuBLAS's fixed workspace): what an exact resume needs on
   // a GPU, where atomics (index_add_) and some attention backwards otherwise add in a different
   // order on each run. CPU kernels are deterministic either way.

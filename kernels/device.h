@@ -166,6 +166,18 @@ class Stream {
   virtual void* native_handle() = 0;  // cudaStream_t, or nullptr for SimDevice
 };
 
+// Memory a device's work allocates other than through Device::allocate, counted against the
+// device's cap all the same: what torch allocates while it computes on a simulated device (in host
+// memory, standing in for the card's: engine::TorchStreamScope). Thread-safe; stays valid after
+// the device is gone (a tensor may outlive it).
+class MemoryAccount {
+ public:
+  virtual ~MemoryAccount() = default;
+  // Counts `bytes` as in use, or throws OutOfMemory if that would pass the cap.
+  virtual void reserve(std::uint64_t bytes) = 0;
+  virtual void release(std::uint64_t bytes) noexcept = 0;
+};
+
 class Device {
  public:
   virtual ~Device() = default;
@@ -186,6 +198,10 @@ class Device {
   // Lowers or raises the cap (not above the physical memory); allocations already made stay.
   virtual void set_memory_cap(std::uint64_t bytes) = 0;
   virtual void synchronize() = 0;  // every stream of the device
+  // Where the memory that work on this device allocates by itself is counted (MemoryAccount);
+  // nullptr where that allocator is the device's own (a CUDA device whose allocator torch's
+  // shares, engine::torch_cuda_allocator) or counts nothing.
+  virtual std::shared_ptr<MemoryAccount> memory_account() { return nullptr; }
 
  protected:
   friend class DeviceBuffer;

@@ -16,17 +16,19 @@ class MemoryLedger {
   explicit MemoryLedger(std::uint64_t cap) : cap_(cap) {}
 
   // Counts `bytes` as in use, or throws OutOfMemory naming `device` if that would pass the cap.
-  void reserve(std::uint64_t bytes, const std::string& device) {
+  // `buffer`: one of the device's buffers (MemoryStats::allocations), not memory its work
+  // allocated by itself (MemoryAccount).
+  void reserve(std::uint64_t bytes, const std::string& device, bool buffer = true) {
     std::lock_guard lock(mutex_);
     if (bytes > cap_ || in_use_ > cap_ - bytes) throw OutOfMemory(device, bytes, in_use_, cap_);
     in_use_ += bytes;
-    ++count_;
+    if (buffer) ++count_;
     if (in_use_ > peak_) peak_ = in_use_;
   }
-  void unreserve(std::uint64_t bytes) noexcept {
+  void unreserve(std::uint64_t bytes, bool buffer = true) noexcept {
     std::lock_guard lock(mutex_);
     in_use_ -= bytes;
-    --count_;
+    if (buffer) --count_;
   }
   void set_cap(std::uint64_t cap) {
     std::lock_guard lock(mutex_);

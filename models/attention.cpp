@@ -427,8 +427,9 @@ at::Tensor attend(const ModelConfig& c, const BlockWeights& w, at::Tensor q, at:
                                     static_cast<std::uint64_t>(w.block)));
     a = at::matmul(p, vv);
   } else {
-    const bool expand =
-        H != KV && mask.has_value() && ctx.expand_kv_heads.value_or(q.device().is_cuda());
+    // (fp32 on CUDA has no flash kernel either: the memory-efficient one, without grouped heads.)
+    const bool expand = H != KV && (mask.has_value() || q.scalar_type() == at::kFloat) &&
+                        ctx.expand_kv_heads.value_or(q.device().is_cuda());
     if (expand) {
       k = k.repeat_interleave(H / KV, 1);
       v = v.repeat_interleave(H / KV, 1);

@@ -60,6 +60,11 @@ struct AttentionContext {
   // Set by the backward while it recomputes: each sparse block appends its per-expert sums of
   // router probabilities (E), under autograd.
   std::vector<at::Tensor>* router_prob_sums = nullptr;
+  // Sequence tiling: a dense block's MLP runs over tiles of this many tokens of the flattened
+  // batch (B * T), so that its intermediates exist for one tile at a time; in the backward each
+  // tile is recomputed (models/layers.h, blocks_backward). 0 = the whole batch at once. The
+  // planner chooses it (engine::Plan::mlp_tile_tokens).
+  std::int64_t mlp_tile_tokens = 0;
   // Training: >= 0 turns dropout on (the config's attention_dropout). Every random draw is a pure
   // function of (dropout_seed, block, element), with no generator state, so a recompute from a
   // checkpoint — on any device, in any order — draws exactly what the forward drew. The engine
@@ -68,8 +73,9 @@ struct AttentionContext {
   // Grouped-query heads with a mask: repeat the key and value heads up to the query heads before
   // SDPA. The memory-efficient kernel takes a mask but not grouped heads, so without this a masked
   // GQA model (Llama 3, Qwen, Mistral with packed rows) falls to the math kernel, which keeps the
-  // (B, H, T, T) probabilities. nullopt = on CUDA only (on the CPU the math kernel runs either
-  // way and the copies only cost); true / false force it (tests).
+  // (B, H, T, T) probabilities; so does fp32, which has no flash kernel. nullopt = on CUDA only
+  // (on the CPU flash attention takes grouped heads and masks, and the copies would only cost);
+  // true / false force it (tests).
   std::optional<bool> expand_kv_heads;
 };
 

@@ -87,33 +87,53 @@ std::uint64_t LayerSpec::activation_bytes_per_token(std::size_t act_bytes,
                                                     std::int64_t seq_len) const {
   const ModelConfig& c = config;
   const auto T = static_cast<std::uint64_t>(std::max<std::int64_t>(seq_len, 0));
-  std::uint64_t values = 0;
   switch (kind) {
     case LayerKind::kPrefix:
-      // The embedding's output. (The attention masks are the planner's per job, where they are
-      // built: PlanInputs::mask_bytes_per_token.)
-      values = c.hidden_size;
-      break;
-
+      // The embedding's output.
+      return c.hidden_size * act_bytes;
     case LayerKind::kHead:
       // Normed input, plus one chunk of fp32 logits is transient, not per token.
-      values = 2 * c.hidden_size;
-      break;
-    case LayerKind::kBlock:
-      // x, normed x (twice), q k v (rotated copies too), attention output, o output, gate, up,
-      // silu(gate), their product.
-      values = 4 * c.hidden_size + 2 * (c.num_heads + 2 * c.num_kv_heads) * c.head_dim +
-               c.num_heads * c.head_dim;
+      return 2 * c.hidden_size * act_bytes;
+    case LayerKind::kBlock: {
+      // x, normed x (twice), q k v (rotated copies too), attention output, o output; then the
+      // MLP's.
+      std::uint64_t bytes =
+          (4 * c.hidden_size + 2 * (c.num_heads + 2 * c.num_kv_heads) * c.head_dim +
+           c.num_heads * c.head_dim) *
+          act_bytes;
+      // Attention: the probabilities on the plain path, kept for the backward; a logsumexp per
+      // head on the fused kernels.
+      const bool plain = c.attention_dropout > 0 || c.attention_sinks;
+      bytes += plain ? c.num_heads * T * act_bytes : c.num_heads * 4;
       // A sparse block: router logits and probabilities, and per routed copy of a token its
-      // gathered input, the four MLP intermediates and the weighted output.
-      values += c.num_heads * T;  // attention probabilities, kept for the backward
-      values += c.sparse(block)
-                    ? 2 * c.num_experts +
-                          c.experts_per_token * (2 * c.hidden_size + 4 * c.moe_intermediate_size)
-                    : 4 * c.intermediate_size;
-      break;
+      // gathered input, the four MLP intermediates and the weighted output. A dense one: gate,
+      // up, silu(gate), their product.
+      if (c.sparse(block))
+        bytes += (2 * c.num_experts +
+                  c.experts_per_token * (2 * c.hidden_size + 4 * c.moe_intermediate_size)) *
+                 act_bytes;
+      else
+        bytes += tileable_bytes_per_token(act_bytes);
+      return bytes;
+    }
   }
-  return values * act_bytes;
+  return 0;
+}
+
+std::uint64_t LayerSpec::backward_bytes_per_token(std::size_t act_bytes, bool tiled) const {
+  const ModelConfig& c = config;
+  if (kind != LayerKind::kBlock) return 0;
+  const std::uint64_t attention =
+      c.hidden_size + (2 * c.num_heads + 2 * c.num_kv_heads) * c.head_dim;
+  const std::uint64_t mlp = c.sparse(block) ? 2 * c.experts_per_token * c.moe_intermediate_size
+                            : tiled         ? 0
+                                            : 2 * c.intermediate_size;
+  return std::max(attention, mlp) * act_bytes;
+}
+
+std::uint64_t LayerSpec::tileable_bytes_per_token(std::size_t act_bytes) const {
+  if (kind != LayerKind::kBlock || config.sparse(block)) return 0;
+  return 4 * static_cast<std::uint64_t>(config.intermediate_size) * act_bytes;
 }
 
 std::vector<LayerSpec> layer_specs(const ModelConfig& c) {

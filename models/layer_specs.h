@@ -42,12 +42,21 @@ struct LayerSpec {
   // Backward without recompute: twice the forward (input and weight gradients).
   double flops_backward_per_token(std::int64_t seq_len) const;
   // Bytes autograd keeps per token to run this layer's backward, activations in `act` dtype
-  // (an estimate from the shapes; the planner replaces it with measurements). With `seq_len`,
-  // rows of that many tokens whose attention runs on the math kernel (an explicit mask for
-  // packed documents rules out the fused ones): each block keeps its (H, T, T) probabilities, H·T
-  // per token, and the prefix's (T, T) boolean mask, T bytes per token, lives as long as any block
-  // of the microbatch does. At T = 4096 that is most of a block's activations.
+  // (an estimate from the shapes). Attention as it runs in training (models::attend): on the
+  // fused kernels (flash or memory-efficient attention, per document or under a mask, on CUDA
+  // and on the CPU alike) a block keeps its output and one fp32 logsumexp per head; on the plain
+  // path (attention dropout, GPT-OSS's sinks) its (H, T, T) probabilities, H·T values per token
+  // for rows of `seq_len` tokens. The masks are the planner's (PlanInputs::mask_bytes_per_token).
   std::uint64_t activation_bytes_per_token(std::size_t act_bytes, std::int64_t seq_len = 0) const;
+  // Of activation_bytes_per_token, what sequence tiling (AttentionContext::mlp_tile_tokens) holds
+  // for one tile only: a dense block's MLP intermediates. 0 for other layers and sparse blocks.
+  std::uint64_t tileable_bytes_per_token(std::size_t act_bytes) const;
+  // What the layer's backward holds per token beyond what it keeps: the gradients of its
+  // activations alive at once — in a block, those of the MLP's intermediates (2 x
+  // intermediate_size) or, before them, of attention's q, k, v and output and the normed input,
+  // whichever is more. `tiled`: the MLP's are one tile's (tileable_bytes_per_token), so only
+  // attention's count per token.
+  std::uint64_t backward_bytes_per_token(std::size_t act_bytes, bool tiled) const;
 
   ModelConfig config;  // the model this layer belongs to (dimensions for the costs)
   // LoRA adapters among `params` (models/lora.h): their output is scaled by lora_scaling, their

@@ -28,14 +28,18 @@ std::int64_t mix_seed(std::int64_t seed, std::int64_t a, std::int64_t b) {
   return static_cast<std::int64_t>(z >> 1);
 }
 
-// A projection of a block, with its LoRA adapter when it has one (as PEFT computes it).
+// A projection of a block, with its LoRA adapter when it has one (as PEFT computes it). `row`
+// is the token row of the batch (flattened, B * T) that x's first row is: a tile of tokens draws
+// the LoRA dropout the whole batch draws for those tokens.
 at::Tensor project(const BlockWeights& w, BlockWeights::Projection p, const at::Tensor& x,
-                   const at::Tensor& weight, const at::Tensor& bias, const AttentionContext& ctx) {
+                   const at::Tensor& weight, const at::Tensor& bias, const AttentionContext& ctx,
+                   std::int64_t row = 0) {
   at::Tensor y = linear(x, weight, bias);
   if (!w.lora_a[p].defined()) return y;
   at::Tensor in = x;
   if (w.lora_dropout > 0 && ctx.dropout_seed >= 0)
-    in = seeded_dropout(x, w.lora_dropout, mix_seed(ctx.dropout_seed, w.block, 16 + p));
+    in = seeded_dropout(x, w.lora_dropout, mix_seed(ctx.dropout_seed, w.block, 16 + p),
+                        row * x.size(-1));
   return y + at::linear(at::linear(in, w.lora_a[p]), w.lora_b[p]) * w.lora_scaling;
 }
 
@@ -161,10 +165,12 @@ at::Tensor hash32(at::Tensor x) {
 }
 }  // namespace
 
-at::Tensor seeded_dropout(const at::Tensor& x, double p, std::int64_t seed) {
+at::Tensor seeded_dropout(const at::Tensor& x, double p, std::int64_t seed,
+                          std::int64_t first_index) {
   if (p <= 0) return x;
   const std::int64_t m32 = 0xffffffffLL;
-  at::Tensor idx = at::arange(x.numel(), x.options().dtype(at::kLong)).view(x.sizes());
+  at::Tensor idx = at::arange(first_index, first_index + x.numel(), x.options().dtype(at::kLong))
+                       .view(x.sizes());
   const std::int64_t s_lo = seed & m32, s_hi = (seed >> 32) & m32;
   at::Tensor h = hash32(idx.bitwise_right_shift(32).bitwise_xor(s_hi));
   h = hash32(h.bitwise_xor(idx.bitwise_and(m32)).bitwise_xor(s_lo));
@@ -177,8 +183,11 @@ at::Tensor embed(const at::Tensor& embed_weight, const at::Tensor& tokens) {
   return at::embedding(embed_weight, tokens);
 }
 
-at::Tensor block_forward(const ModelConfig& c, const BlockWeights& w, const at::Tensor& x,
-                         const AttentionContext& ctx, KvCache* cache) {
+namespace {
+
+// The block's first half: x + attn(norm(x)).
+at::Tensor attention_half(const ModelConfig& c, const BlockWeights& w, const at::Tensor& x,
+                          const AttentionContext& ctx, KvCache* cache) {
   const std::int64_t B = x.size(0), T = x.size(1), H = c.num_heads, KV = c.num_kv_heads,
                      D = c.head_dim;
   at::Tensor h = rms_norm(c, x, w.input_norm);
@@ -194,13 +203,70 @@ at::Tensor block_forward(const ModelConfig& c, const BlockWeights& w, const at::
   v = v.transpose(1, 2);
   at::Tensor a = attend(c, w, q, k, v, ctx, cache);
   a = a.transpose(1, 2).reshape({B, T, H * D});
-  at::Tensor out = x + project(w, BlockWeights::kO, a, w.o, w.o_bias, ctx);
-  h = rms_norm(c, out, w.post_norm);
-  if (w.router.defined()) return out + moe_mlp(c, w, h, ctx);
-  at::Tensor gated = at::silu(project(w, BlockWeights::kGate, h, w.gate, w.gate_bias, ctx)) *
-                     project(w, BlockWeights::kUp, h, w.up, w.up_bias, ctx);
-  at::Tensor m = project(w, BlockWeights::kDown, gated, w.down, w.down_bias, ctx);
-  return out + m;
+  return x + project(w, BlockWeights::kO, a, w.o, w.o_bias, ctx);
+}
+
+// A dense block's MLP with its norm, down(silu(gate(n)) * up(n)) for n = norm(out), on tokens
+// whose first is row `row` of the flattened batch.
+at::Tensor dense_mlp(const ModelConfig& c, const BlockWeights& w, const at::Tensor& out,
+                     const AttentionContext& ctx, std::int64_t row) {
+  const at::Tensor h = rms_norm(c, out, w.post_norm);
+  const at::Tensor gated =
+      at::silu(project(w, BlockWeights::kGate, h, w.gate, w.gate_bias, ctx, row)) *
+      project(w, BlockWeights::kUp, h, w.up, w.up_bias, ctx, row);
+  return project(w, BlockWeights::kDown, gated, w.down, w.down_bias, ctx, row);
+}
+
+// Sequence tiling (AttentionContext::mlp_tile_tokens): a dense block's MLP, a function of each
+// token alone, runs over tiles of that many tokens of the flattened batch, so that its
+// intermediates (4 x intermediate_size a token, and their gradients) exist for one tile at a
+// time. Without autograd here; mlp_backward_by_tiles is its backward.
+bool tiles_mlp(const BlockWeights& w, const AttentionContext& ctx) {
+  return ctx.mlp_tile_tokens > 0 && !w.router.defined();
+}
+
+template <typename F>
+void for_each_tile(std::int64_t rows, std::int64_t tile, const F& f) {
+  for (std::int64_t r = 0; r < rows; r += tile)
+    f(r, std::min(tile, rows - r));
+}
+
+at::Tensor mlp_by_tiles(const ModelConfig& c, const BlockWeights& w, const at::Tensor& out,
+                        const AttentionContext& ctx) {
+  const at::Tensor flat = out.reshape({-1, out.size(-1)});
+  at::Tensor m = at::empty_like(flat);
+  for_each_tile(flat.size(0), ctx.mlp_tile_tokens, [&](std::int64_t r, std::int64_t n) {
+    m.narrow(0, r, n).copy_(dense_mlp(c, w, flat.narrow(0, r, n), ctx, r));
+  });
+  return m.view(out.sizes());
+}
+
+// The backward of mlp_by_tiles for `grad` (the gradient of its output): each tile recomputed under
+// autograd and backpropagated alone. The weight gradients add up in the grad() of w's tensors
+// that require one; returns the gradient of `out` through the MLP.
+at::Tensor mlp_backward_by_tiles(const ModelConfig& c, const BlockWeights& w, const at::Tensor& out,
+                                 const at::Tensor& grad, const AttentionContext& ctx) {
+  c10::AutoGradMode grad_mode(true);
+  const at::Tensor flat = out.detach().reshape({-1, out.size(-1)});
+  const at::Tensor grad_flat = grad.reshape({-1, grad.size(-1)});
+  at::Tensor g = at::empty_like(flat);
+  for_each_tile(flat.size(0), ctx.mlp_tile_tokens, [&](std::int64_t r, std::int64_t n) {
+    const at::Tensor o = flat.narrow(0, r, n).detach().requires_grad_(true);
+    dense_mlp(c, w, o, ctx, r).backward(grad_flat.narrow(0, r, n));
+    g.narrow(0, r, n).copy_(o.grad());
+  });
+  return g.view(out.sizes());
+}
+
+}  // namespace
+
+at::Tensor block_forward(const ModelConfig& c, const BlockWeights& w, const at::Tensor& x,
+                         const AttentionContext& ctx, KvCache* cache) {
+  const at::Tensor out = attention_half(c, w, x, ctx, cache);
+  if (w.router.defined()) return out + moe_mlp(c, w, rms_norm(c, out, w.post_norm), ctx);
+  // Under autograd the tiles are blocks_backward's to run (a graph over tiles would keep them all).
+  if (tiles_mlp(w, ctx) && !at::GradMode::is_enabled()) return out + mlp_by_tiles(c, w, out, ctx);
+  return out + dense_mlp(c, w, out, ctx, 0);
 }
 
 at::Tensor head_logits(const ModelConfig& c, const at::Tensor& norm_weight,
@@ -228,50 +294,25 @@ at::Tensor head_loss_sum(const ModelConfig& c, const at::Tensor& norm_weight,
 
 namespace {
 
-// Runs blocks [first, end) under autograd from `x`, asks `grad_of` for the gradient of their
-// output (given the output), backpropagates it, adds the weight gradients; returns the input
-// gradient.
-at::Tensor forward_and_backward(const ModelConfig& c, const std::vector<BlockRun>& blocks,
-                                std::size_t first, std::size_t end, const at::Tensor& x,
-                                const AttentionContext& ctx,
-                                const std::function<at::Tensor(const at::Tensor&)>& grad_of) {
-  c10::AutoGradMode grad_mode(true);
-  at::Tensor x_leaf = x.detach().requires_grad_(true);
-  // Aliases of the weights that carry autograd state: the shared weight tensors stay untouched.
+// Autograd's aliases of blocks [first, end)'s weights (the shared weight tensors stay untouched):
+// those with a gradient to accumulate require one.
+std::vector<std::vector<at::Tensor>> weight_leaves(const std::vector<BlockRun>& blocks,
+                                                   std::size_t first, std::size_t end) {
   std::vector<std::vector<at::Tensor>> leaves(end - first);
-  at::Tensor h = x_leaf;
-  // The router load-balancing loss: the sparse blocks' probability sums, differentiated with the
-  // weight router_aux_grad gives once every block of the microbatch has routed (after this
-  // forward: the tail's blocks are the microbatch's last).
-  std::vector<at::Tensor> prob_sums;
-  AttentionContext aux_ctx;
-  const bool aux = ctx.aux_loss_weight != 0 && ctx.routing != nullptr;
-  if (aux) {
-    aux_ctx = ctx;
-    aux_ctx.router_prob_sums = &prob_sums;
-  }
-  const AttentionContext& run_ctx = aux ? aux_ctx : ctx;
   for (std::size_t b = first; b < end; ++b) {
     const BlockRun& run = blocks[b];
     for (std::size_t i = 0; i < run.weights.size(); ++i) {
-      bool trainable = run.grads && i < run.grads->size() && (*run.grads)[i].defined();
+      const bool trainable = run.grads && i < run.grads->size() && (*run.grads)[i].defined();
       leaves[b - first].push_back(trainable ? run.weights[i].detach().requires_grad_(true)
                                             : run.weights[i].detach());
     }
-    h = block_forward(c, BlockWeights::bind(*run.spec, leaves[b - first]), h, run_ctx);
   }
-  at::Tensor grad_out;
-  {
-    c10::AutoGradMode no_grad(false);  // the head's own pass manages its autograd
-    grad_out = grad_of(h.detach());
-  }
-  if (prob_sums.empty()) {
-    h.backward(grad_out);
-  } else {
-    const at::Tensor g = router_aux_grad(c, *ctx.routing, ctx.aux_loss_weight, h.device());
-    at::Tensor term = (at::stack(prob_sums) * g).sum();
-    torch::autograd::backward({h, term}, {grad_out, at::ones_like(term)});
-  }
+  return leaves;
+}
+
+// The leaves' gradients into BlockRun::grads (added, or written with BlockRun::overwrite).
+void collect_weight_grads(const std::vector<BlockRun>& blocks, std::size_t first, std::size_t end,
+                          const std::vector<std::vector<at::Tensor>>& leaves) {
   for (std::size_t b = first; b < end; ++b) {
     const BlockRun& run = blocks[b];
     if (!run.grads) continue;
@@ -286,6 +327,90 @@ at::Tensor forward_and_backward(const ModelConfig& c, const std::vector<BlockRun
         into.add_(g);
     }
   }
+}
+
+// forward_and_backward with the MLPs tiled (every block dense): each block's attention half runs
+// under autograd from an input of its own; its MLP runs tile by tile without autograd, and in the
+// backward tile by tile again, recomputed (mlp_backward_by_tiles), before the attention half's
+// graph takes the sum of both gradients. What the untiled graph would keep of the MLPs — four
+// intermediates of intermediate_size a token — is held for one tile at a time.
+at::Tensor forward_and_backward_tiled(const ModelConfig& c, const std::vector<BlockRun>& blocks,
+                                      std::size_t first, std::size_t end, const at::Tensor& x,
+                                      const AttentionContext& ctx,
+                                      const std::function<at::Tensor(const at::Tensor&)>& grad_of) {
+  c10::AutoGradMode grad_mode(true);
+  const std::vector<std::vector<at::Tensor>> leaves = weight_leaves(blocks, first, end);
+  const std::size_t n = end - first;
+  std::vector<BlockWeights> bound;
+  std::vector<at::Tensor> inputs(n), halves(n);
+  at::Tensor h = x.detach();
+  for (std::size_t i = 0; i < n; ++i) {
+    bound.push_back(BlockWeights::bind(*blocks[first + i].spec, leaves[i]));
+    inputs[i] = h.detach().requires_grad_(true);
+    halves[i] = attention_half(c, bound[i], inputs[i], ctx, nullptr);
+    c10::AutoGradMode no_grad(false);
+    const at::Tensor out = halves[i].detach();
+    h = out + mlp_by_tiles(c, bound[i], out, ctx);
+  }
+  at::Tensor grad;
+  {
+    c10::AutoGradMode no_grad(false);  // the head's own pass manages its autograd
+    grad = grad_of(h);
+  }
+  for (std::size_t i = n; i-- > 0;) {
+    const at::Tensor through_mlp =
+        mlp_backward_by_tiles(c, bound[i], halves[i].detach(), grad, ctx);
+    halves[i].backward(grad + through_mlp);
+    halves[i].reset();  // its graph goes with it
+    grad = inputs[i].grad();
+    inputs[i].reset();
+  }
+  collect_weight_grads(blocks, first, end, leaves);
+  return grad;
+}
+
+// Runs blocks [first, end) under autograd from `x`, asks `grad_of` for the gradient of their
+// output (given the output), backpropagates it, adds the weight gradients; returns the input
+// gradient.
+at::Tensor forward_and_backward(const ModelConfig& c, const std::vector<BlockRun>& blocks,
+                                std::size_t first, std::size_t end, const at::Tensor& x,
+                                const AttentionContext& ctx,
+                                const std::function<at::Tensor(const at::Tensor&)>& grad_of) {
+  if (ctx.mlp_tile_tokens > 0 &&
+      std::all_of(blocks.begin() + static_cast<std::ptrdiff_t>(first),
+                  blocks.begin() + static_cast<std::ptrdiff_t>(end),
+                  [&c](const BlockRun& run) { return !c.sparse(run.spec->block); }))
+    return forward_and_backward_tiled(c, blocks, first, end, x, ctx, grad_of);
+  c10::AutoGradMode grad_mode(true);
+  at::Tensor x_leaf = x.detach().requires_grad_(true);
+  const std::vector<std::vector<at::Tensor>> leaves = weight_leaves(blocks, first, end);
+  at::Tensor h = x_leaf;
+  // The router load-balancing loss: the sparse blocks' probability sums, differentiated with the
+  // weight router_aux_grad gives once every block of the microbatch has routed (after this
+  // forward: the tail's blocks are the microbatch's last).
+  std::vector<at::Tensor> prob_sums;
+  AttentionContext aux_ctx;
+  const bool aux = ctx.aux_loss_weight != 0 && ctx.routing != nullptr;
+  if (aux) {
+    aux_ctx = ctx;
+    aux_ctx.router_prob_sums = &prob_sums;
+  }
+  const AttentionContext& run_ctx = aux ? aux_ctx : ctx;
+  for (std::size_t b = first; b < end; ++b)
+    h = block_forward(c, BlockWeights::bind(*blocks[b].spec, leaves[b - first]), h, run_ctx);
+  at::Tensor grad_out;
+  {
+    c10::AutoGradMode no_grad(false);  // the head's own pass manages its autograd
+    grad_out = grad_of(h.detach());
+  }
+  if (prob_sums.empty()) {
+    h.backward(grad_out);
+  } else {
+    const at::Tensor g = router_aux_grad(c, *ctx.routing, ctx.aux_loss_weight, h.device());
+    at::Tensor term = (at::stack(prob_sums) * g).sum();
+    torch::autograd::backward({h, term}, {grad_out, at::ones_like(term)});
+  }
+  collect_weight_grads(blocks, first, end, leaves);
   return x_leaf.grad();
 }
 

@@ -28,8 +28,11 @@
 namespace rondo::models {
 
 // Inverted dropout with a counter-based mask: x where hash(seed, index) >= p, scaled by 1/(1-p);
-// zero elsewhere. Deterministic for (seed, shape) on every device.
-at::Tensor seeded_dropout(const at::Tensor& x, double p, std::int64_t seed);
+// zero elsewhere. Deterministic for (seed, shape) on every device. `first_index` is the flat index
+// of x's first element in the tensor whose mask it shares (a tile of rows of a larger tensor draws
+// what those rows drew in the whole).
+at::Tensor seeded_dropout(const at::Tensor& x, double p, std::int64_t seed,
+                          std::int64_t first_index = 0);
 
 // The weights of one block, bound by name from a layer's tensors (in LayerSpec::params order).
 // Optional tensors (biases, q/k norms) are undefined when the family has none.
@@ -118,7 +121,8 @@ struct BlockRun {
 // once. Layer grain: it holds every block's input and each block is recomputed and
 // backpropagated alone (less memory). Weight gradients are added to (or, with BlockRun::overwrite,
 // written into) BlockRun::grads; returns the gradient of the first block's input. Weights are never
-// modified (autograd uses aliases).
+// modified (autograd uses aliases). With AttentionContext::mlp_tile_tokens, dense blocks keep no
+// MLP intermediates in the graph: their MLPs are recomputed and backpropagated tile by tile.
 at::Tensor blocks_backward(const ModelConfig& config, const std::vector<BlockRun>& blocks,
                            const std::vector<at::Tensor>& saved_inputs, const AttentionContext& ctx,
                            const at::Tensor& grad_out);

@@ -141,6 +141,9 @@ QString scheduleInWords(const QString& plan, qint64 devices, double stepSeconds)
       QString("the model's %1 in %2 and %3 (and the head), %4 per optimizer step")
           .arg(n(layers, "layer", "layers"), n(forward, "forward stage", "forward stages"),
                n(backward, "backward stage", "backward stages"), n(perStep, "batch", "batches"));
+  static const QRegularExpression tile(R"(tile=(\d+))");
+  if (const QRegularExpressionMatch k = tile.match(plan); k.hasMatch())
+    words += ", the MLPs over tiles of " + k.captured(1) + " tokens (a long sequence)";
   if (devices > 0) words += ", taking turns on " + n(devices, "device", "devices");
   if (std::isfinite(stepSeconds) && stepSeconds > 0)
     words += "; about " + durationText(stepSeconds) + " per step predicted";

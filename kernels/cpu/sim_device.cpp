@@ -165,10 +165,22 @@ class SimStream final : public Stream {
   }
 };
 
+class LedgerAccount final : public MemoryAccount {
+ public:
+  LedgerAccount(std::shared_ptr<MemoryLedger> ledger, std::string device)
+      : ledger_(std::move(ledger)), device_(std::move(device)) {}
+  void reserve(std::uint64_t bytes) override { ledger_->reserve(bytes, device_, false); }
+  void release(std::uint64_t bytes) noexcept override { ledger_->unreserve(bytes, false); }
+
+ private:
+  std::shared_ptr<MemoryLedger> ledger_;
+  std::string device_;
+};
+
 class SimDevice final : public Device {
  public:
   explicit SimDevice(const SimDeviceOptions& options)
-      : ledger_(options.bytes_cap),
+      : ledger_(std::make_shared<MemoryLedger>(options.bytes_cap)),
         fail_copy_(options.fail_copy),
         cache_freed_(options.cache_freed) {
     if (options.link.bytes_per_s < 0 || options.link.latency_s < 0)
@@ -187,7 +199,7 @@ class SimDevice final : public Device {
       std::lock_guard lock(streams_mutex_);
       streams_.clear();  // each stream drains its queue (stream-ordered frees included) and joins
     }
-    MemoryStats left = ledger_.stats();
+    MemoryStats left = ledger_->stats();
     if (left.allocations != 0)
       std::fprintf(stderr, "rondo: warning: %s destroyed with %llu buffers (%s) still allocated\n",
                    info_.name.c_str(), static_cast<unsigned long long>(left.allocations),
@@ -210,26 +222,34 @@ class SimDevice final : public Device {
   DeviceBuffer allocate(std::size_t bytes, Stream* stream) override {
     if (bytes == 0) return {};
     check_own(stream);
-    ledger_.reserve(bytes, info_.name);
+    ledger_->reserve(bytes, info_.name);
     const std::size_t rounded = (bytes + kAlignment - 1) / kAlignment * kAlignment;
     void* data = take_cached(rounded);
     if (data == nullptr) data = std::aligned_alloc(kAlignment, rounded);
     if (data == nullptr && drop_cache() > 0) data = std::aligned_alloc(kAlignment, rounded);
     if (data == nullptr) {
-      ledger_.unreserve(bytes);
+      ledger_->unreserve(bytes);
       throw OutOfMemory(info_.name + " (host memory exhausted)", bytes,
-                        ledger_.stats().bytes_in_use, info_.bytes_cap);
+                        ledger_->stats().bytes_in_use, info_.bytes_cap);
     }
     return DeviceBuffer(this, data, bytes, stream);
   }
 
-  MemoryStats memory() const override { return ledger_.stats(); }
+  MemoryStats memory() const override { return ledger_->stats(); }
+
+  // Torch's tensors computed on this device live in host memory; engine::TorchStreamScope counts
+  // them here, so that the cap bounds what the device's work holds as it would on a card.
+  std::shared_ptr<MemoryAccount> memory_account() override {
+    std::lock_guard lock(account_mutex_);
+    if (!account_) account_ = std::make_shared<LedgerAccount>(ledger_, info_.name);
+    return account_;
+  }
   TrafficStats traffic() const override { return traffic_.stats(); }
 
   void set_memory_cap(std::uint64_t bytes) override {
     info_.bytes_cap = bytes;
     info_.bytes_total = std::max(info_.bytes_total, bytes);
-    ledger_.set_cap(bytes);
+    ledger_->set_cap(bytes);
   }
 
   void synchronize() override {
@@ -291,7 +311,7 @@ class SimDevice final : public Device {
  protected:
   void release(void* data, std::size_t bytes, Stream* stream) noexcept override {
     auto free_now = [this, data, bytes] {
-      ledger_.unreserve(bytes);
+      ledger_->unreserve(bytes);
       keep_or_free(data, (bytes + kAlignment - 1) / kAlignment * kAlignment);
     };
     if (stream != nullptr) {
@@ -327,7 +347,7 @@ class SimDevice final : public Device {
       // Kept and in-use bytes together stay under the most ever in use at once (rounding aside):
       // a run whose buffer sizes change does not hold a second copy of its peak. The largest
       // kept buffers go first.
-      const MemoryStats now = ledger_.stats();
+      const MemoryStats now = ledger_->stats();
       const std::uint64_t room = now.bytes_peak - std::min(now.bytes_peak, now.bytes_in_use);
       while (!cache_.empty() && cached_bytes_ + rounded > room) {
         auto largest = std::prev(cache_.end());
@@ -355,7 +375,9 @@ class SimDevice final : public Device {
   }
 
   DeviceInfo info_;
-  MemoryLedger ledger_;
+  std::shared_ptr<MemoryLedger> ledger_;  // shared with memory_account()'s
+  std::mutex account_mutex_;
+  std::shared_ptr<MemoryAccount> account_;
   std::int64_t fail_copy_;
   const bool cache_freed_;
   std::mutex cache_mutex_;

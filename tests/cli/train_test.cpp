@@ -279,7 +279,7 @@ TEST_F(TrainCli, GenerateAndChatOnTheDevicesEqualTheCpu) {
   const std::vector<std::pair<std::string, std::string>> where = {
       {" --sim 2", "on 2 simulated GPUs (weights resident)"},
       {" --sim 2 --sim-memory 150KB", "on 2 simulated GPUs (weights resident, spread over"},
-      {" --sim 2 --sim-memory 90KB", "on 2 simulated GPUs (weights streamed stage by stage"}};
+      {" --sim 2 --sim-memory 120KB", "on 2 simulated GPUs (weights streamed stage by stage"}};
   for (const auto& [flags, said] : where) {
     SCOPED_TRACE(flags);
     r = run_rondo(gen + flags, /*with_stderr=*/false);
@@ -312,9 +312,9 @@ TEST_F(TrainCli, GenerateAndChatOnTheDevicesEqualTheCpu) {
       "generate " + model.string() + " -p 'hello there' -n 300 --adapter " + (dir / "run").string();
   const Result cpu_long = run_rondo(longer + " --cpu", /*with_stderr=*/false);
   ASSERT_EQ(cpu_long.code, 0) << cpu_long.out;
-  r = run_rondo(longer + " --sim 2 --sim-memory 150KB", /*with_stderr=*/false);
+  r = run_rondo(longer + " --sim 2 --sim-memory 180KB", /*with_stderr=*/false);
   EXPECT_EQ(r.out, cpu_long.out);
-  r = run_rondo(longer + " --sim 2 --sim-memory 150KB");
+  r = run_rondo(longer + " --sim 2 --sim-memory 180KB");
   EXPECT_TRUE(contains(r.out, "KV caches in host memory")) << r.out;
   // Several prompts at once (--prompts): one batch on the devices, streamed, gives each prompt
   // what the CPU gives it alone.

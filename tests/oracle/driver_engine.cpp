@@ -2,7 +2,7 @@
 //   engine-train <model_dir> <in.json> <out.safetensors>
 //     in.json: {"microbatches": [[{"tokens": [[..]], "doc_ids": [[..]]} per microbatch] per step],
 //               "forward": [[b, e], ...], "tail": [b, e], "backward": [[b, e], ...],
-//               "grain": "stage" | "layer", "devices": n,
+//               "grain": "stage" | "layer", "mlp_tile_tokens" (optional), "devices": n,
 //               "lr", "weight_decay", "betas": [b1, b2], "eps", "max_grad_norm",
 //               "head_chunk_tokens" (optional),
 //               "eval": [{"tokens", "doc_ids"} per microbatch] (optional)}
@@ -56,6 +56,7 @@ engine::Plan plan_of(const nlohmann::json& j, int microbatches) {
   const std::string grain = j.value("grain", "stage");
   if (grain != "stage" && grain != "layer") throw Error("grain must be stage or layer");
   plan.grain = grain == "stage" ? engine::RecomputeGrain::kStage : engine::RecomputeGrain::kLayer;
+  plan.mlp_tile_tokens = j.value("mlp_tile_tokens", std::int64_t{0});
   std::fprintf(stderr, "plan %s\n", plan.describe().c_str());
   return plan;
 }

@@ -75,7 +75,8 @@ int lora_logits(const std::vector<std::string>& args) {
 //   in.json: {"lora": {r, alpha, targets, rslora, dropout (default 0)}, "seed", "lr",
 //   "steps": [[tokens of microbatch, ...] per step], "eval_tokens": [[...]]}; optional:
 //   "init_adapter" (a PEFT folder whose adapter tensors start the training instead of the
-//   seed's), "eps" (AdamW's, default 1e-8). AdamW without weight decay, no clipping.
+//   seed's), "eps" (AdamW's, default 1e-8), "mlp_tile_tokens" (sequence tiling, default none).
+//   AdamW without weight decay, no clipping.
 int lora_train_export(const std::vector<std::string>& args) {
   if (args.size() != 3)
     throw Error("usage: lora-train-export <base_model_dir> <in.json> <out_dir>");
@@ -122,6 +123,7 @@ int lora_train_export(const std::vector<std::string>& args) {
                     {{0, L / 2}},
                     static_cast<int>(steps[0].size()),
                     engine::RecomputeGrain::kStage};
+  plan.mlp_tile_tokens = j.value("mlp_tile_tokens", std::int64_t{0});
   std::vector<std::unique_ptr<kernels::Device>> devs;
   for (int d = 0; d < 2; ++d)
     devs.push_back(

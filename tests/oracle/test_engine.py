@@ -128,6 +128,11 @@ PLANS = {
     "2dev_stages_M3_layer": (2, 3, dict(forward=[[0, 3]], tail=[3, 5],
                                         backward=[[2, 3], [1, 2], [0, 1]], grain="layer",
                                         head_chunk_tokens=7)),
+    # Sequence tiling: the MLPs over tiles of 5 tokens (microbatches of 2 rows of 12), in the
+    # forward stage, the fused tail and both grains of the backward.
+    "2dev_stages_M3_tiled": (2, 3, dict(forward=[[0, 2], [2, 3]], tail=[3, 5],
+                                        backward=[[2, 3], [0, 2]], grain="stage",
+                                        mlp_tile_tokens=5)),
 }
 
 

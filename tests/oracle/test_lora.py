@@ -270,15 +270,17 @@ def peft_router_logits(model, tokens):
     return out, tuple(logits)
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3_moe", "mixtral", "gpt_oss"])
-def test_three_lora_steps_equal_peft_and_adamw(family, tmp_path):
+@pytest.mark.parametrize("family,tile", [("llama", 0), ("llama", 7), ("qwen3_moe", 0),
+                                         ("mixtral", 0), ("gpt_oss", 0)])
+def test_three_lora_steps_equal_peft_and_adamw(family, tile, tmp_path):
     """LoRA training from the same starting adapters (peft's, B made non-zero), 3 steps of 2
     microbatches: Rondo's engine (2 simulated devices, a recomputed backward stage) against peft
     + torch.optim.AdamW. On the mixtures of experts: all-linear as peft resolves it (attention,
     the experts' gate_up_proj and down_proj, the router's gate.weight; GPT-OSS: all-linear and
     its experts and router named as target_parameters) and the router's
     load-balancing loss on (each microbatch's counts 1/2), so every kind of adapter and the aux
-    loss's gradient are in the trajectory. AdamW eps 1e-4 (see test_engine.py: it keeps Adam from
+    loss's gradient are in the trajectory; Llama once more with its MLPs tiled (sequence
+    tiling, tiles of 7 tokens). AdamW eps 1e-4 (see test_engine.py: it keeps Adam from
     magnifying rounding noise in entries whose gradient cancels)."""
     from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
     seed = int.from_bytes(os.urandom(4), "little")
@@ -313,6 +315,7 @@ def test_three_lora_steps_equal_peft_and_adamw(family, tmp_path):
                  (["gate_proj", "up_proj", "down_proj"] if oss else []),
                  "rslora": False},
         "seed": 1, "lr": lr, "eps": eps, "init_adapter": str(tmp_path / "init"),
+        "mlp_tile_tokens": tile,  # sequence tiling: the MLPs over tiles of 7 of a microbatch's 20
         "steps": [[t.tolist() for t in step] for step in steps], "eval_tokens": [[1, 2]]}))
     driver("lora-train-export", tmp_path / "base", tmp_path / "in.json", tmp_path / "out")
     got = load_file(tmp_path / "out" / "adapter" / "adapter_model.safetensors")

@@ -381,7 +381,7 @@ class Screens : public QObject {
     w.findChild<QComboBox*>("modelDtype")->setCurrentText("fp32");
     w.next();
     w.next();
-    w.findChild<QLineEdit*>("hostMemory")->setText("1MB");
+    w.findChild<QLineEdit*>("hostMemory")->setText("700KB");
     w.next();
     test::trainingToReview(&w, 4, 64, m_dir + "/fix-run");
     QCOMPARE(w.currentId(), static_cast<int>(SetupWizard::ReviewPage));

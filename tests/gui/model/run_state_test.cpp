@@ -218,6 +218,11 @@ class RunStateTest : public QObject {
     QCOMPARE(log[4], QStringLiteral("run completed after 300 steps in 32.0 s"));
     QCOMPARE(log[5], QStringLiteral("exported to /tmp/run/adapter"));
     QCOMPARE(log[6], QStringLiteral("warning: disk is 91% full"));
+    // A plan with sequence tiling says so.
+    QCOMPARE(scheduleInWords("F[0,2) T[2,4) B[0,2) M=1 stage tile=4096", 1, 0),
+             QStringLiteral("the model's 4 layers in 1 forward stage and 1 backward stage (and "
+                            "the head), 1 batch per optimizer step, the MLPs over tiles of 4096 "
+                            "tokens (a long sequence), taking turns on 1 device"));
   }
 
   void malformedLinesAreSkippedAndCounted() {

@@ -1,0 +1,88 @@
+#!/usr/bin/env python3
+"""Sequence tiling's cost where it is not needed: tokens/s of long-sequence LoRA steps on
+simulated devices with the MLPs tiled (training.sequence_tile = N) against the same steps untiled
+(sequence_tile = 0), both with memory to spare, in one run. The runs alternate (untiled, tiled,
+untiled, ...) so that a busy moment of the machine falls on both; the figure is the ratio of the
+median step times. The aim is >= 0.9 (issue 35): tiling recomputes the MLPs once more in the
+backward, so it is chosen only where a plan does not fit without it.
+
+    bench/tiling_bench.py [--rondo build/cli/rondo] [--tiny-model build/tests/rondo_tiny_model]
+                          [--seq 8192] [--steps 4] [--rounds 2] [--tiles 4096,2048,1024]
+"""
+import argparse
+import json
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rondo", default="build/cli/rondo")
+    ap.add_argument("--tiny-model", default="build/tests/rondo_tiny_model")
+    ap.add_argument("--seq", type=int, default=8192)
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--tiles", default="4096,2048,1024")
+    ap.add_argument("--hidden", type=int, default=128)
+    ap.add_argument("--intermediate", type=int, default=512)
+    args = ap.parse_args()
+    tiles = [int(t) for t in args.tiles.split(",")]
+
+    with tempfile.TemporaryDirectory(prefix="rondo-tiling-bench-") as tmp:
+        tmp = Path(tmp)
+        model = tmp / "model"
+        subprocess.run([args.tiny_model, str(model), "1", "2", str(args.hidden),
+                        str(args.intermediate)], check=True)
+        config = json.loads((model / "config.json").read_text())
+        config["max_position_embeddings"] = max(args.seq, 512)
+        (model / "config.json").write_text(json.dumps(config))
+        rng = random.Random(1)
+        words = "alpha beta gamma delta river stone cloud light quiet north".split()
+        with open(tmp / "train.jsonl", "w") as f:
+            for _ in range(2000):
+                f.write(json.dumps({"text": " ".join(rng.choice(words)
+                                                     for _ in range(rng.randint(60, 120)))}) + "\n")
+
+        def step_seconds(tile, run):
+            folder = tmp / f"run-{run}"
+            cmd = [args.rondo, "train", "--set", f"model.path={model}",
+                   "--set", f"data.train={tmp / 'train.jsonl'}",
+                   "--set", f"data.seq_len={args.seq}", "--set", "model.dtype=fp32",
+                   "--set", f"training.steps={args.steps}", "--set", "training.batch_rows=1",
+                   "--set", "training.grad_accum=2", "--set", "checkpoint.every=0",
+                   "--set", "hardware.sim_devices=2", "--set", f"training.sequence_tile={tile}",
+                   "--set", f"output.run_dir={folder}", "--set", "output.exports=[]"]
+            subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+            events = [json.loads(line) for line in open(folder / "events.jsonl")]
+            plans = [e["plan"] for e in events if e["type"] == "plan"]
+            t = [e["t"] for e in events if e["type"] == "step"]
+            # The first step fills the pipeline: the rest are the steady state.
+            return [b - a for a, b in zip(t[1:], t[2:])] or [t[-1]], plans[-1]
+
+        times = {tile: [] for tile in [0] + tiles}
+        plans = {}
+        run = 0
+        for _ in range(args.rounds):
+            for tile in times:
+                seconds, plans[tile] = step_seconds(tile, run)
+                times[tile] += seconds
+                run += 1
+        base = statistics.median(times[0])
+        tokens = 2 * args.seq
+        print(f"{args.seq} tokens a row, 2 microbatches a step, C={args.hidden} "
+              f"I={args.intermediate}, 2 simulated devices, fp32")
+        print(f"untiled: {plans[0]}: {tokens / base:.0f} tokens/s (median of {len(times[0])} "
+              "steps)")
+        for tile in tiles:
+            t = statistics.median(times[tile])
+            print(f"tile {tile}: {plans[tile]}: {tokens / t:.0f} tokens/s, "
+                  f"ratio to untiled {base / t:.3f} (aim >= 0.9)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
