@@ -333,11 +333,14 @@ void collect_weight_grads(const std::vector<BlockRun>& blocks, std::size_t first
 // under autograd from an input of its own; its MLP runs tile by tile without autograd, and in the
 // backward tile by tile again, recomputed (mlp_backward_by_tiles), before the attention half's
 // graph takes the sum of both gradients. What the untiled graph would keep of the MLPs — four
-// intermediates of intermediate_size a token — is held for one tile at a time.
+// intermediates of intermediate_size a token — is held for one tile at a time. Without
+// `output_used` (a recompute, whose gradient comes from outside) the last block's MLP is not run
+// forward at all: its tiles run once, in the backward, as the untiled recompute's MLP does.
 at::Tensor forward_and_backward_tiled(const ModelConfig& c, const std::vector<BlockRun>& blocks,
                                       std::size_t first, std::size_t end, const at::Tensor& x,
                                       const AttentionContext& ctx,
-                                      const std::function<at::Tensor(const at::Tensor&)>& grad_of) {
+                                      const std::function<at::Tensor(const at::Tensor&)>& grad_of,
+                                      bool output_used) {
   c10::AutoGradMode grad_mode(true);
   const std::vector<std::vector<at::Tensor>> leaves = weight_leaves(blocks, first, end);
   const std::size_t n = end - first;
@@ -348,6 +351,10 @@ at::Tensor forward_and_backward_tiled(const ModelConfig& c, const std::vector<Bl
     bound.push_back(BlockWeights::bind(*blocks[first + i].spec, leaves[i]));
     inputs[i] = h.detach().requires_grad_(true);
     halves[i] = attention_half(c, bound[i], inputs[i], ctx, nullptr);
+    if (i + 1 == n && !output_used) {
+      h = at::Tensor();
+      break;
+    }
     c10::AutoGradMode no_grad(false);
     const at::Tensor out = halves[i].detach();
     h = out + mlp_by_tiles(c, bound[i], out, ctx);
@@ -370,17 +377,18 @@ at::Tensor forward_and_backward_tiled(const ModelConfig& c, const std::vector<Bl
 }
 
 // Runs blocks [first, end) under autograd from `x`, asks `grad_of` for the gradient of their
-// output (given the output), backpropagates it, adds the weight gradients; returns the input
-// gradient.
+// output (given the output, unless `output_used` is false: then it may be undefined),
+// backpropagates it, adds the weight gradients; returns the input gradient.
 at::Tensor forward_and_backward(const ModelConfig& c, const std::vector<BlockRun>& blocks,
                                 std::size_t first, std::size_t end, const at::Tensor& x,
                                 const AttentionContext& ctx,
-                                const std::function<at::Tensor(const at::Tensor&)>& grad_of) {
+                                const std::function<at::Tensor(const at::Tensor&)>& grad_of,
+                                bool output_used = true) {
   if (ctx.mlp_tile_tokens > 0 &&
       std::all_of(blocks.begin() + static_cast<std::ptrdiff_t>(first),
                   blocks.begin() + static_cast<std::ptrdiff_t>(end),
                   [&c](const BlockRun& run) { return !c.sparse(run.spec->block); }))
-    return forward_and_backward_tiled(c, blocks, first, end, x, ctx, grad_of);
+    return forward_and_backward_tiled(c, blocks, first, end, x, ctx, grad_of, output_used);
   c10::AutoGradMode grad_mode(true);
   at::Tensor x_leaf = x.detach().requires_grad_(true);
   const std::vector<std::vector<at::Tensor>> leaves = weight_leaves(blocks, first, end);
@@ -417,8 +425,9 @@ at::Tensor forward_and_backward(const ModelConfig& c, const std::vector<BlockRun
 at::Tensor recompute_and_backward(const ModelConfig& c, const std::vector<BlockRun>& blocks,
                                   std::size_t first, std::size_t end, const at::Tensor& x,
                                   const AttentionContext& ctx, const at::Tensor& grad_out) {
-  return forward_and_backward(c, blocks, first, end, x, ctx,
-                              [&](const at::Tensor&) { return grad_out; });
+  return forward_and_backward(
+      c, blocks, first, end, x, ctx, [&](const at::Tensor&) { return grad_out; },
+      /*output_used=*/false);
 }
 
 }  // namespace
