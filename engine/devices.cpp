@@ -134,7 +134,8 @@ std::vector<std::unique_ptr<kernels::Device>> open_devices(const DevicePlan& pla
                                                   .index = d.index,
                                                   .bytes_cap = d.bytes_cap,
                                                   .link = d.link,
-                                                  .cache_freed = true}));
+                                                  .cache_freed = true,
+                                                  .count_compute = plan.mode == DeviceMode::kSim}));
   }
   return devices;
 }

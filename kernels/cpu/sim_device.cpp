@@ -182,7 +182,8 @@ class SimDevice final : public Device {
   explicit SimDevice(const SimDeviceOptions& options)
       : ledger_(std::make_shared<MemoryLedger>(options.bytes_cap)),
         fail_copy_(options.fail_copy),
-        cache_freed_(options.cache_freed) {
+        cache_freed_(options.cache_freed),
+        count_compute_(options.count_compute) {
     if (options.link.bytes_per_s < 0 || options.link.latency_s < 0)
       throw Error("simulated device " + options.name +
                   ": link bandwidth and latency must not be negative");
@@ -240,6 +241,7 @@ class SimDevice final : public Device {
   // Torch's tensors computed on this device live in host memory; engine::TorchStreamScope counts
   // them here, so that the cap bounds what the device's work holds as it would on a card.
   std::shared_ptr<MemoryAccount> memory_account() override {
+    if (!count_compute_) return nullptr;
     std::lock_guard lock(account_mutex_);
     if (!account_) account_ = std::make_shared<LedgerAccount>(ledger_, info_.name);
     return account_;
@@ -380,6 +382,7 @@ class SimDevice final : public Device {
   std::shared_ptr<MemoryAccount> account_;
   std::int64_t fail_copy_;
   const bool cache_freed_;
+  const bool count_compute_;
   std::mutex cache_mutex_;
   std::multimap<std::size_t, void*> cache_;
   std::size_t cached_bytes_ = 0;

@@ -33,6 +33,10 @@ struct SimDeviceOptions {
   // most bytes ever in use at once. Off for tests that want every use after release to reach
   // the allocator (AddressSanitizer).
   bool cache_freed = false;
+  // Count what torch allocates for the device's work against the cap (Device::memory_account),
+  // as a card would. Off for the CPU device, whose "device memory" is the host's: the host
+  // budget bounds it (the planner's share for the CPU device is an estimate, not a cap).
+  bool count_compute = true;
 };
 
 std::unique_ptr<Device> make_sim_device(const SimDeviceOptions& options);
