@@ -57,8 +57,7 @@ TEST(TorchMemory, TensorsComputedOnASimulatedDeviceCountAgainstItsCap) {
     after_scope = at::ones({4 << 20}, at::kFloat);
   });
   stream.synchronize();
-  EXPECT_EQ(dev->memory().bytes_in_use, before);
-  EXPECT_EQ(elsewhere.sum().item<float>(), static_cast<float>(4 << 20));
+  EXPECT_EQ(dev->memory().bytes_in_use, before) << "tensors made outside the scope were counted";
 }
 
 }  // namespace

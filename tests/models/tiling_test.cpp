@@ -9,6 +9,7 @@
 #include <c10/core/GradMode.h>
 #include <gtest/gtest.h>
 
+#include <ostream>
 #include <random>
 
 #include "models/layers.h"
@@ -37,6 +38,11 @@ const Case kCases[] = {
       "intermediate_size":24,"num_hidden_layers":3,"num_attention_heads":4,
       "num_key_value_heads":2,"head_dim":8,"rms_norm_eps":1e-6})"},
 };
+
+// Names the case in test output (not its bytes).
+void PrintTo(const Case& c, std::ostream* os) {
+  *os << c.name;
+}
 
 class Tiling : public ::testing::TestWithParam<Case> {};
 
