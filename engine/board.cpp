@@ -59,9 +59,11 @@ namespace rondo::engine {
 //    mode the optimizer publishes θ_s to the streaming copies only once step s is handed out
 //    (wait_handed_out), so a stop leaves them at θ_{s-1}, what the next step (after a resume)
 //    must read.
-// Device memory: a loader releases job k-2's buffers (after synchronising its events on the host)
-// before it allocates job k's, so a device holds the running job and at most one prefetched one,
-// and every byte the ledger counts as free is really idle. Ordering inside a device is stream
+// Device memory: a loader releases job k-2's buffers (after synchronising its events on the host,
+// and waiting for the gradient writer to have brought its NVMe-bound gradients down: JobRun::
+// grads_written) before it allocates job k's, so a device holds the running job and either the
+// previous one (its downloads finishing) or the next one (prefetched), never both, and every byte
+// the ledger counts as free is really idle. The planner counts the larger of the two (predict). Ordering inside a device is stream
 // order; across devices and streams only the events above order anything.
 
 template <typename Pred>

@@ -12,6 +12,7 @@
 #include <cstdint>
 #include <exception>
 #include <functional>
+#include <latch>
 #include <limits>
 #include <map>
 #include <memory>
@@ -108,6 +109,10 @@ struct JobRun {
   std::vector<kernels::DeviceBuffer> buffers;
   std::vector<offload::HostBuffer> staging;
   std::vector<std::shared_ptr<const void>> keep;  // host memory the job's copies read
+  // Its gradients that go to the NVMe tier: counts down as the gradient writer has brought each
+  // layer's down and let its device memory go (null: none). The loader waits for it with the
+  // job's events before it treats the job's memory as free.
+  std::shared_ptr<std::latch> grads_written;
   // Timing events around each microbatch's compute on the compute stream: the job's device time
   // (spans, busy shares, the re-planner's measurements), read once they have completed. Host
   // clocks would time the launches on a GPU, not the work.

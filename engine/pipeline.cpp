@@ -55,6 +55,7 @@ void Pipeline::release(std::int64_t g) {
   for (auto* e :
        {r->weights_ready.get(), r->done_compute.get(), r->done_up.get(), r->done_down.get()})
     if (e) e->synchronize();
+  if (r->grads_written) r->grads_written->wait();  // its NVMe-bound gradients left the device
   account(g, *r);
   r->weights.reset();
   r->buffers.clear();
@@ -336,11 +337,24 @@ void Pipeline::run_job(int d, std::int64_t g) {
   if (backward || loss_dev) {
     auto ev = dc.dev->create_event();
     dc.compute->record(*ev);
+    // The NVMe-bound gradients' buffers count down r->grads_written as the writer lets each go
+    // (all wrapped first, so that one not handed over, on a failure, counts down as well).
+    std::map<int, std::shared_ptr<void>> held;
+    if (!tensors->grads.keep.empty()) {
+      r->grads_written = std::make_shared<std::latch>(
+          static_cast<std::ptrdiff_t>(tensors->grads.keep.size()));
+      for (auto& [l, buffer] : tensors->grads.keep)
+        held[l] = std::shared_ptr<void>(
+            buffer.get(), [b = std::move(buffer), written = r->grads_written](void*) mutable {
+              b.reset();
+              written->count_down();
+            });
+    }
     if (backward)
       for (auto& [l, data] : tensors->grads.layers) {
-        auto keep = tensors->grads.keep.find(l);
-        transfers.download_gradients(
-            d, l, data, *ev, keep == tensors->grads.keep.end() ? nullptr : std::move(keep->second));
+        auto h = held.find(l);
+        transfers.download_gradients(d, l, data, *ev,
+                                     h == held.end() ? nullptr : std::move(h->second));
       }
     if (loss_dev) transfers.download_value(d, step->loss->data(), loss_dev, sizeof(float), *ev);
   }

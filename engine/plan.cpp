@@ -260,6 +260,12 @@ double job_memory(const PlanInputs& in, const Job& job, double tokens_mb, Recomp
   return s.device_params + grads + transient + inputs + tokens_mb * (act + io);
 }
 
+// What a job holds on its device before its compute or after it: its weights and gradients.
+double held_between_jobs(const PlanInputs& in, const Job& job) {
+  const RangeSums s = sums(in, job.range);
+  return s.device_params + (job.kind == JobKind::kForward ? 0 : s.grads);
+}
+
 double job_compute(const PlanInputs& in, const Job& job, double tokens_mb) {
   RangeSums s = sums(in, job.range);
   return tokens_mb * (job.kind == JobKind::kForward ? s.forward_s : s.forward_s + s.backward_s);
@@ -463,10 +469,13 @@ PlanPrediction predict(const Plan& plan, const PlanInputs& in) {
         step_end[step] = std::max(step_end[step], home);
       }
       step_end[step] = std::max(step_end[step], t);
-      // While this job runs, the device also holds the weights of its next job (prefetched).
-      const double next_params = sums(in, jobs[(j + N) % J].range).device_params;
+      // While this job runs, the device also holds the previous job's weights and gradients
+      // until its downloads (and NVMe writes) are done, then the next job's, prefetched (Note
+      // [Engine synchronisation] in board.cpp).
+      const double neighbour = std::max(held_between_jobs(in, jobs[(j + J - N % J) % J]),
+                                        held_between_jobs(in, jobs[(j + N) % J]));
       peak[d] = std::max(
-          peak[d], job_memory(in, job, tokens_mb, plan.grain, plan.mlp_tile_tokens) + next_params);
+          peak[d], job_memory(in, job, tokens_mb, plan.grain, plan.mlp_tile_tokens) + neighbour);
     }
   }
   const double window_start = step_end[1], window_end = step_end[2];
