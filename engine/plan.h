@@ -41,7 +41,7 @@ struct Plan {
   std::vector<LayerRange> backward;  // after the tail, descending, covering [0, tail.begin)
   int microbatches = 1;              // M: a job runs its stage over all of them
   RecomputeGrain grain = RecomputeGrain::kStage;
-  // Sequence tiling: dense blocks run their MLP over tiles of this many tokens of a microbatch
+  // Sequence tiling: blocks run their MLP over tiles of this many tokens of a microbatch
   // (models::AttentionContext::mlp_tile_tokens), in forward and backward; 0 = untiled.
   std::int64_t mlp_tile_tokens = 0;
 
@@ -70,7 +70,7 @@ struct LayerCosts {
   std::uint64_t nvme_update_bytes = 0;   // optimizer state on NVMe: read and written per step
   std::uint64_t grad_bytes = 0;  // trainable part: gradients held on the device and downloaded
   std::uint64_t activation_bytes_per_token = 0;  // what autograd keeps while running the layer
-  // Of activation_bytes_per_token, what sequence tiling holds for one tile only (a dense MLP's
+  // Of activation_bytes_per_token, what sequence tiling holds for one tile only (an MLP's
   // intermediates, models::LayerSpec::tileable_bytes_per_token).
   std::uint64_t tileable_bytes_per_token = 0;
   // What its backward holds per token beyond that, untiled and tiled

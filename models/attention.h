@@ -60,7 +60,7 @@ struct AttentionContext {
   // Set by the backward while it recomputes: each sparse block appends its per-expert sums of
   // router probabilities (E), under autograd.
   std::vector<at::Tensor>* router_prob_sums = nullptr;
-  // Sequence tiling: a dense block's MLP runs over tiles of this many tokens of the flattened
+  // Sequence tiling: a block's MLP (dense or sparse) runs over tiles of this many tokens of the flattened
   // batch (B * T), so that its intermediates exist for one tile at a time; in the backward each
   // tile is recomputed (models/layers.h, blocks_backward). 0 = the whole batch at once. The
   // planner chooses it (engine::Plan::mlp_tile_tokens).

@@ -105,16 +105,8 @@ std::uint64_t LayerSpec::activation_bytes_per_token(std::size_t act_bytes,
       // head on the fused kernels.
       const bool plain = c.attention_dropout > 0 || c.attention_sinks;
       bytes += plain ? c.num_heads * T * act_bytes : c.num_heads * 4;
-      // A sparse block: router logits and probabilities, and per routed copy of a token its
-      // gathered input, the four MLP intermediates and the weighted output. A dense one: gate,
-      // up, silu(gate), their product.
-      if (c.sparse(block))
-        bytes += (2 * c.num_experts +
-                  c.experts_per_token * (2 * c.hidden_size + 4 * c.moe_intermediate_size)) *
-                 act_bytes;
-      else
-        bytes += tileable_bytes_per_token(act_bytes);
-      return bytes;
+      // The MLP's intermediates (tileable_bytes_per_token).
+      return bytes + tileable_bytes_per_token(act_bytes);
     }
   }
   return 0;
@@ -125,15 +117,23 @@ std::uint64_t LayerSpec::backward_bytes_per_token(std::size_t act_bytes, bool ti
   if (kind != LayerKind::kBlock) return 0;
   const std::uint64_t attention =
       c.hidden_size + (2 * c.num_heads + 2 * c.num_kv_heads) * c.head_dim;
-  const std::uint64_t mlp = c.sparse(block) ? 2 * c.experts_per_token * c.moe_intermediate_size
-                            : tiled         ? 0
-                                            : 2 * c.intermediate_size;
+  const std::uint64_t mlp = tiled            ? 0
+                            : c.sparse(block) ? 2 * c.experts_per_token * c.moe_intermediate_size
+                                              : 2 * c.intermediate_size;
   return std::max(attention, mlp) * act_bytes;
 }
 
 std::uint64_t LayerSpec::tileable_bytes_per_token(std::size_t act_bytes) const {
-  if (kind != LayerKind::kBlock || config.sparse(block)) return 0;
-  return 4 * static_cast<std::uint64_t>(config.intermediate_size) * act_bytes;
+  const ModelConfig& c = config;
+  if (kind != LayerKind::kBlock) return 0;
+  // A sparse block: router logits and probabilities, and per routed copy of a token its gathered
+  // input, the four MLP intermediates and the weighted output. A dense one: gate, up,
+  // silu(gate), their product.
+  if (c.sparse(block))
+    return (2 * c.num_experts +
+            c.experts_per_token * (2 * c.hidden_size + 4 * c.moe_intermediate_size)) *
+           act_bytes;
+  return 4 * static_cast<std::uint64_t>(c.intermediate_size) * act_bytes;
 }
 
 std::vector<LayerSpec> layer_specs(const ModelConfig& c) {

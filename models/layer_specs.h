@@ -49,7 +49,8 @@ struct LayerSpec {
   // for rows of `seq_len` tokens. The masks are the planner's (PlanInputs::mask_bytes_per_token).
   std::uint64_t activation_bytes_per_token(std::size_t act_bytes, std::int64_t seq_len = 0) const;
   // Of activation_bytes_per_token, what sequence tiling (AttentionContext::mlp_tile_tokens) holds
-  // for one tile only: a dense block's MLP intermediates. 0 for other layers and sparse blocks.
+  // for one tile only: a block's MLP intermediates (a sparse block's router and experts'). 0 for
+  // other layers.
   std::uint64_t tileable_bytes_per_token(std::size_t act_bytes) const;
   // What the layer's backward holds per token beyond what it keeps: the gradients of its
   // activations alive at once — in a block, those of the MLP's intermediates (2 x

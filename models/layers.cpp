@@ -206,24 +206,24 @@ at::Tensor attention_half(const ModelConfig& c, const BlockWeights& w, const at:
   return x + project(w, BlockWeights::kO, a, w.o, w.o_bias, ctx);
 }
 
-// A dense block's MLP with its norm, down(silu(gate(n)) * up(n)) for n = norm(out), on tokens
-// whose first is row `row` of the flattened batch.
-at::Tensor dense_mlp(const ModelConfig& c, const BlockWeights& w, const at::Tensor& out,
+// A block's MLP with its norm on tokens whose first is row `row` of the flattened batch: for
+// n = norm(out), down(silu(gate(n)) * up(n)), or a sparse block's experts (moe_mlp).
+at::Tensor block_mlp(const ModelConfig& c, const BlockWeights& w, const at::Tensor& out,
                      const AttentionContext& ctx, std::int64_t row) {
   const at::Tensor h = rms_norm(c, out, w.post_norm);
+  if (w.router.defined()) return moe_mlp(c, w, h, ctx, row);
   const at::Tensor gated =
       at::silu(project(w, BlockWeights::kGate, h, w.gate, w.gate_bias, ctx, row)) *
       project(w, BlockWeights::kUp, h, w.up, w.up_bias, ctx, row);
   return project(w, BlockWeights::kDown, gated, w.down, w.down_bias, ctx, row);
 }
 
-// Sequence tiling (AttentionContext::mlp_tile_tokens): a dense block's MLP, a function of each
-// token alone, runs over tiles of that many tokens of the flattened batch, so that its
-// intermediates (4 x intermediate_size a token, and their gradients) exist for one tile at a
-// time. Without autograd here; mlp_backward_by_tiles is its backward.
-bool tiles_mlp(const BlockWeights& w, const AttentionContext& ctx) {
-  return ctx.mlp_tile_tokens > 0 && !w.router.defined();
-}
+// Sequence tiling (AttentionContext::mlp_tile_tokens): a block's MLP, a function of each token
+// alone, runs over tiles of that many tokens of the flattened batch, so that its intermediates
+// (4 x intermediate_size a token, or a sparse block's router probabilities and its experts' for
+// each routed copy of a token, and their gradients) exist for one tile at a time. Without
+// autograd here; mlp_backward_by_tiles is its backward. A sparse block's routing record adds up
+// over the tiles (moe_mlp): the load-balancing loss is linear in each tile's probability sums.
 
 template <typename F>
 void for_each_tile(std::int64_t rows, std::int64_t tile, const F& f) {
@@ -236,23 +236,40 @@ at::Tensor mlp_by_tiles(const ModelConfig& c, const BlockWeights& w, const at::T
   const at::Tensor flat = out.reshape({-1, out.size(-1)});
   at::Tensor m = at::empty_like(flat);
   for_each_tile(flat.size(0), ctx.mlp_tile_tokens, [&](std::int64_t r, std::int64_t n) {
-    m.narrow(0, r, n).copy_(dense_mlp(c, w, flat.narrow(0, r, n), ctx, r));
+    m.narrow(0, r, n).copy_(block_mlp(c, w, flat.narrow(0, r, n), ctx, r));
   });
   return m.view(out.sizes());
 }
 
 // The backward of mlp_by_tiles for `grad` (the gradient of its output): each tile recomputed under
-// autograd and backpropagated alone. The weight gradients add up in the grad() of w's tensors
-// that require one; returns the gradient of `out` through the MLP.
+// autograd and backpropagated alone, a sparse block's with its share of the router load-balancing
+// loss (its probability sums times router_aux_grad, the same for every tile: the microbatch's
+// routing is complete by now). The weight gradients add up in the grad() of w's tensors that
+// require one; returns the gradient of `out` through the MLP.
 at::Tensor mlp_backward_by_tiles(const ModelConfig& c, const BlockWeights& w, const at::Tensor& out,
                                  const at::Tensor& grad, const AttentionContext& ctx) {
   c10::AutoGradMode grad_mode(true);
   const at::Tensor flat = out.detach().reshape({-1, out.size(-1)});
   const at::Tensor grad_flat = grad.reshape({-1, grad.size(-1)});
   at::Tensor g = at::empty_like(flat);
+  AttentionContext tile_ctx = ctx;
+  tile_ctx.record_routing = false;  // the forward recorded it; the tiles find their counts there
+  std::vector<at::Tensor> prob_sums;
+  at::Tensor aux_grad;
+  if (w.router.defined() && ctx.aux_loss_weight != 0 && ctx.routing) {
+    tile_ctx.router_prob_sums = &prob_sums;
+    aux_grad = router_aux_grad(c, *ctx.routing, ctx.aux_loss_weight, out.device());
+  }
   for_each_tile(flat.size(0), ctx.mlp_tile_tokens, [&](std::int64_t r, std::int64_t n) {
     const at::Tensor o = flat.narrow(0, r, n).detach().requires_grad_(true);
-    dense_mlp(c, w, o, ctx, r).backward(grad_flat.narrow(0, r, n));
+    prob_sums.clear();
+    const at::Tensor y = block_mlp(c, w, o, tile_ctx, r);
+    if (prob_sums.empty()) {
+      y.backward(grad_flat.narrow(0, r, n));
+    } else {
+      const at::Tensor term = (prob_sums.front() * aux_grad).sum();
+      torch::autograd::backward({y, term}, {grad_flat.narrow(0, r, n), at::ones_like(term)});
+    }
     g.narrow(0, r, n).copy_(o.grad());
   });
   return g.view(out.sizes());
@@ -263,10 +280,10 @@ at::Tensor mlp_backward_by_tiles(const ModelConfig& c, const BlockWeights& w, co
 at::Tensor block_forward(const ModelConfig& c, const BlockWeights& w, const at::Tensor& x,
                          const AttentionContext& ctx, KvCache* cache) {
   const at::Tensor out = attention_half(c, w, x, ctx, cache);
-  if (w.router.defined()) return out + moe_mlp(c, w, rms_norm(c, out, w.post_norm), ctx);
   // Under autograd the tiles are blocks_backward's to run (a graph over tiles would keep them all).
-  if (tiles_mlp(w, ctx) && !at::GradMode::is_enabled()) return out + mlp_by_tiles(c, w, out, ctx);
-  return out + dense_mlp(c, w, out, ctx, 0);
+  if (ctx.mlp_tile_tokens > 0 && !at::GradMode::is_enabled())
+    return out + mlp_by_tiles(c, w, out, ctx);
+  return out + block_mlp(c, w, out, ctx, 0);
 }
 
 at::Tensor head_logits(const ModelConfig& c, const at::Tensor& norm_weight,
@@ -329,7 +346,7 @@ void collect_weight_grads(const std::vector<BlockRun>& blocks, std::size_t first
   }
 }
 
-// forward_and_backward with the MLPs tiled (every block dense): each block's attention half runs
+// forward_and_backward with the MLPs tiled: each block's attention half runs
 // under autograd from an input of its own; its MLP runs tile by tile without autograd, and in the
 // backward tile by tile again, recomputed (mlp_backward_by_tiles), before the attention half's
 // graph takes the sum of both gradients. What the untiled graph would keep of the MLPs — four
@@ -384,10 +401,7 @@ at::Tensor forward_and_backward(const ModelConfig& c, const std::vector<BlockRun
                                 const AttentionContext& ctx,
                                 const std::function<at::Tensor(const at::Tensor&)>& grad_of,
                                 bool output_used = true) {
-  if (ctx.mlp_tile_tokens > 0 &&
-      std::all_of(blocks.begin() + static_cast<std::ptrdiff_t>(first),
-                  blocks.begin() + static_cast<std::ptrdiff_t>(end),
-                  [&c](const BlockRun& run) { return !c.sparse(run.spec->block); }))
+  if (ctx.mlp_tile_tokens > 0)
     return forward_and_backward_tiled(c, blocks, first, end, x, ctx, grad_of, output_used);
   c10::AutoGradMode grad_mode(true);
   at::Tensor x_leaf = x.detach().requires_grad_(true);

@@ -121,7 +121,7 @@ struct BlockRun {
 // once. Layer grain: it holds every block's input and each block is recomputed and
 // backpropagated alone (less memory). Weight gradients are added to (or, with BlockRun::overwrite,
 // written into) BlockRun::grads; returns the gradient of the first block's input. Weights are never
-// modified (autograd uses aliases). With AttentionContext::mlp_tile_tokens, dense blocks keep no
+// modified (autograd uses aliases). With AttentionContext::mlp_tile_tokens, blocks keep no
 // MLP intermediates in the graph: their MLPs are recomputed and backpropagated tile by tile.
 at::Tensor blocks_backward(const ModelConfig& config, const std::vector<BlockRun>& blocks,
                            const std::vector<at::Tensor>& saved_inputs, const AttentionContext& ctx,

@@ -54,7 +54,7 @@ at::Tensor expert_lora_delta(const at::Tensor& a, const at::Tensor& b, std::int6
 // them are host values, taken from the routing record in a recompute (the forward recorded them)
 // rather than synced again.
 at::Tensor moe_mlp(const ModelConfig& c, const BlockWeights& w, const at::Tensor& h,
-                   const AttentionContext& ctx) {
+                   const AttentionContext& ctx, std::int64_t row) {
   const std::int64_t C = h.size(-1), E = c.num_experts, K = c.experts_per_token;
   const bool fused = w.fused_gate_up.defined();  // GPT-OSS
   RONDO_ASSERT_MSG(fused || (static_cast<std::int64_t>(w.expert_gate.size()) == E &&
@@ -89,16 +89,30 @@ at::Tensor moe_mlp(const ModelConfig& c, const BlockWeights& w, const at::Tensor
   if (ctx.routing && !ctx.record_routing) {
     std::lock_guard<std::mutex> lock(ctx.routing->mu);
     auto it = ctx.routing->blocks.find(w.block);
-    if (it != ctx.routing->blocks.end() && it->second.tokens == N) counts = it->second.counts;
+    if (it != ctx.routing->blocks.end())
+      if (auto at = it->second.by_row.find(row);
+          at != it->second.by_row.end() && at->second.first == N)
+        counts = at->second.second;
   }
-  if (counts.empty()) {  // the one host sync of the block
+  if (counts.empty()) {  // the one host sync of the block (of the tile)
     const at::Tensor bins = at::bincount(flat, {}, E).to(at::kCPU);
     counts.assign(bins.data_ptr<std::int64_t>(), bins.data_ptr<std::int64_t>() + E);
   }
   if (ctx.routing && ctx.record_routing) {
-    BlockRouting r{.counts = counts, .prob_sums = probs.sum(0).detach(), .tokens = N};
+    const at::Tensor sums = probs.sum(0).detach();
     std::lock_guard<std::mutex> lock(ctx.routing->mu);
-    ctx.routing->blocks[w.block] = std::move(r);
+    BlockRouting& r = ctx.routing->blocks[w.block];
+    if (row == 0) {
+      r = BlockRouting{.counts = counts, .prob_sums = sums, .tokens = N};
+    } else {  // a later tile of the same microbatch
+      RONDO_ASSERT_MSG(r.prob_sums.defined(), "block " + std::to_string(w.block) +
+                                                  ": a tile's routing recorded before the first");
+      for (std::size_t e = 0; e < counts.size(); ++e)
+        r.counts[e] += counts[e];
+      r.prob_sums = r.prob_sums + sums;
+      r.tokens += N;
+    }
+    r.by_row[row] = {N, counts};
   }
   if (ctx.router_prob_sums != nullptr) ctx.router_prob_sums->push_back(probs.sum(0));
 

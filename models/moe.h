@@ -27,6 +27,10 @@ struct BlockRouting {
   std::vector<std::int64_t> counts;  // (E) on the host
   at::Tensor prob_sums;              // (E) fp32, where the block ran (no autograd)
   std::int64_t tokens = 0;
+  // The counts of each run of tokens the block routed at once, by its first token's row in the
+  // flattened microbatch: the whole microbatch at 0, or each tile (AttentionContext::
+  // mlp_tile_tokens). A recompute of the same rows finds them here. Tile size, counts.
+  std::map<std::int64_t, std::pair<std::int64_t, std::vector<std::int64_t>>> by_row;
 };
 struct RoutingRecord {
   std::mutex mu;
@@ -55,10 +59,12 @@ std::pair<at::Tensor, at::Tensor> expert_lora_factors(const at::Tensor& a, const
 at::Tensor expert_lora_delta(const at::Tensor& a, const at::Tensor& b, std::int64_t experts,
                              std::int64_t e);
 
-// A sparse block's MLP on the normed hidden states `h` (B, T, C), as transformers computes it
+// A sparse block's MLP on the normed hidden states `h` (..., C), as transformers computes it
 // (block_forward's second half for a block with a router): records or reuses the microbatch's
 // routing through ctx.routing, appends the router probability sums to ctx.router_prob_sums.
+// `row`: h's first token in the microbatch's flattened tokens (a tile of them starting there adds
+// its routing to the record; row 0 starts the block's record afresh).
 at::Tensor moe_mlp(const ModelConfig& config, const BlockWeights& w, const at::Tensor& h,
-                   const AttentionContext& ctx);
+                   const AttentionContext& ctx, std::int64_t row = 0);
 
 }  // namespace rondo::models

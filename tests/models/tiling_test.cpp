@@ -1,10 +1,10 @@
-// Sequence tiling (AttentionContext::mlp_tile_tokens): a dense block's MLP run over tiles of the
-// flattened batch — in the forward without autograd, in the backward recomputed tile by tile —
-// gives the outputs and gradients of the untiled block: forward stages, the backward from
-// checkpoints in stage and layer grain, and the fused tail's forward and backward, with LoRA
-// dropout drawing the same mask per token whatever the tile. The untiled path itself is checked
-// against transformers and peft by the oracle tests (tests/oracle/test_engine.py runs a tiled
-// plan too).
+// Sequence tiling (AttentionContext::mlp_tile_tokens): a block's MLP (dense, or a sparse block's
+// router and experts with the load-balancing loss) run over tiles of the flattened batch — in the
+// forward without autograd, in the backward recomputed tile by tile — gives the outputs and
+// gradients of the untiled block: forward stages, the backward from checkpoints in stage and
+// layer grain, and the fused tail's forward and backward, with LoRA dropout drawing the same mask
+// per token whatever the tile. The untiled path itself is checked against transformers and peft
+// by the oracle tests (tests/oracle/test_engine.py runs a tiled plan too).
 #include <ATen/ATen.h>
 #include <c10/core/GradMode.h>
 #include <gtest/gtest.h>
@@ -37,6 +37,17 @@ const Case kCases[] = {
     {"qwen3", R"({"architectures":["Qwen3ForCausalLM"],"vocab_size":29,"hidden_size":16,
       "intermediate_size":24,"num_hidden_layers":3,"num_attention_heads":4,
       "num_key_value_heads":2,"head_dim":8,"rms_norm_eps":1e-6})"},
+    // Sparse blocks (block 1 dense), the router's load-balancing loss on: the routing record
+    // adds up over the tiles, and each tile's backward takes its share of the aux loss.
+    {"qwen3_moe", R"({"architectures":["Qwen3MoeForCausalLM"],"vocab_size":29,"hidden_size":16,
+      "intermediate_size":24,"num_hidden_layers":3,"num_attention_heads":4,
+      "num_key_value_heads":2,"head_dim":8,"rms_norm_eps":1e-6,"num_experts":6,
+      "num_experts_per_tok":2,"moe_intermediate_size":12,"mlp_only_layers":[1],
+      "norm_topk_prob":true,"output_router_logits":true,"router_aux_loss_coef":0.02})"},
+    {"mixtral", R"({"architectures":["MixtralForCausalLM"],"vocab_size":29,"hidden_size":16,
+      "intermediate_size":20,"num_hidden_layers":3,"num_attention_heads":4,
+      "num_key_value_heads":2,"rms_norm_eps":1e-5,"num_local_experts":4,
+      "num_experts_per_tok":2,"output_router_logits":true,"router_aux_loss_coef":0.02})"},
 };
 
 // Names the case in test output (not its bytes).
@@ -51,8 +62,11 @@ TEST_P(Tiling, TiledMlpEqualsTheWholeBatchForwardAndBackward) {
   std::printf("seed %u\n", seed);
   at::manual_seed(seed);
   const ModelConfig c = parse_hf_config(GetParam().config, "test config");
-  // LoRA on every projection, its dropout on: the tiles must draw the whole batch's mask.
-  const LoraConfig lora{.rank = 4, .alpha = 8, .dropout = 0.3, .targets = {"all-linear"}};
+  // LoRA on every projection, its dropout on: the tiles must draw the whole batch's mask (not
+  // on experts and routers, which PEFT cannot give dropout).
+  const bool moe = c.num_experts > 0;
+  const LoraConfig lora{
+      .rank = 4, .alpha = 8, .dropout = moe ? 0.0 : 0.3, .targets = {"all-linear"}};
   const std::vector<LayerSpec> specs = add_lora(layer_specs(c), lora);
   std::vector<std::vector<at::Tensor>> w;
   for (int b = 1; b <= 3; ++b) {
@@ -68,13 +82,32 @@ TEST_P(Tiling, TiledMlpEqualsTheWholeBatchForwardAndBackward) {
   whole.dropout_seed = 11;
   AttentionContext tiled = whole;
   tiled.mlp_tile_tokens = 5;  // 18 tokens: tiles of 5, 5, 5, 3, crossing the rows
+  // Each its own routing record, written by the forwards (as a microbatch's forward jobs and
+  // tail do) and read by the backward.
+  auto route = [moe](AttentionContext& ctx, bool record) {
+    if (!moe) return;
+    if (!ctx.routing) ctx.routing = std::make_shared<RoutingRecord>();
+    ctx.record_routing = record;
+    ctx.aux_loss_weight = record ? 0 : 0.7;  // a backward differentiates the aux loss
+  };
   const at::Tensor x = at::randn({2, 9, c.hidden_size});
 
   // Forward without autograd (forward stages, evaluation).
   {
     c10::AutoGradMode no_grad(false);
-    expect_close(block_forward(c, BlockWeights::bind(specs[1], w[0]), x, tiled),
-                 block_forward(c, BlockWeights::bind(specs[1], w[0]), x, whole), "forward");
+    route(whole, true);
+    route(tiled, true);
+    const int b = c.sparse(0) ? 0 : 1;  // a sparse block, in a sparse model (layer b + 1)
+    expect_close(block_forward(c, BlockWeights::bind(specs[b + 1], w[b]), x, tiled),
+                 block_forward(c, BlockWeights::bind(specs[b + 1], w[b]), x, whole), "forward");
+    if (moe) {  // the tiles' routing adds up to the whole batch's
+      const BlockRouting& t = tiled.routing->blocks.at(b);
+      const BlockRouting& u = whole.routing->blocks.at(b);
+      EXPECT_EQ(t.counts, u.counts);
+      EXPECT_EQ(t.tokens, u.tokens);
+      expect_close(t.prob_sums, u.prob_sums, "routing record");
+      EXPECT_EQ(t.by_row.size(), 4u);  // one entry a tile
+    }
   }
 
   // The LoRA adapters train (the base is frozen), as in a LoRA run; the norms too, so that a
@@ -85,7 +118,9 @@ TEST_P(Tiling, TiledMlpEqualsTheWholeBatchForwardAndBackward) {
     for (int b = 0; b < 3; ++b) {
       for (std::size_t i = 0; i < w[b].size(); ++i) {
         const std::string& name = specs[b + 1].params[i].name;
-        const bool trained = is_lora_param(name) || name.find("norm") != std::string::npos;
+        // A sparse model trains everything: the router's gradient takes the aux loss.
+        const bool trained =
+            moe || is_lora_param(name) || name.find("norm") != std::string::npos;
         grads[b].push_back(trained ? at::full_like(w[b][i], 0.5) : at::Tensor());
       }
       runs.push_back({.spec = &specs[b + 1], .weights = w[b], .grads = &grads[b]});
@@ -103,21 +138,31 @@ TEST_P(Tiling, TiledMlpEqualsTheWholeBatchForwardAndBackward) {
   const at::Tensor grad_out = at::randn({2, 9, c.hidden_size});
 
   // Backward from checkpoints: stage grain (one saved input), then layer grain (one per block).
-  std::vector<at::Tensor> saved;
+  // The forward that saved them (and recorded the routing) is tiled for the tiled backward.
+  std::vector<at::Tensor> saved, saved_tiled;
   {
     c10::AutoGradMode no_grad(false);
-    at::Tensor h = x;
+    at::Tensor h = x, h_tiled = x;
     for (int b = 0; b < 3; ++b) {
       saved.push_back(h);
+      saved_tiled.push_back(h_tiled);
       h = block_forward(c, BlockWeights::bind(specs[b + 1], w[b]), h, whole);
+      h_tiled = block_forward(c, BlockWeights::bind(specs[b + 1], w[b]), h_tiled, tiled);
     }
+    expect_close(h_tiled, h, "forward of 3 blocks");
   }
-  for (const auto& inputs : {std::vector<at::Tensor>{saved[0]}, saved}) {
-    const std::string grain = inputs.size() == 1 ? "stage grain" : "layer grain";
+  route(whole, false);
+  route(tiled, false);
+  for (bool stage : {true, false}) {
+    const std::string grain = stage ? "stage grain" : "layer grain";
+    auto inputs = [stage](const std::vector<at::Tensor>& all) {
+      return stage ? std::vector<at::Tensor>{all[0]} : all;
+    };
     std::vector<std::vector<at::Tensor>> got, want;
     std::vector<BlockRun> tiled_runs = runs_with(got), whole_runs = runs_with(want);
-    expect_close(blocks_backward(c, tiled_runs, inputs, tiled, grad_out),
-                 blocks_backward(c, whole_runs, inputs, whole, grad_out), grain + ": input");
+    expect_close(blocks_backward(c, tiled_runs, inputs(saved_tiled), tiled, grad_out),
+                 blocks_backward(c, whole_runs, inputs(saved), whole, grad_out),
+                 grain + ": input");
     expect_same_grads(got, want, grain);
   }
 
@@ -129,6 +174,11 @@ TEST_P(Tiling, TiledMlpEqualsTheWholeBatchForwardAndBackward) {
       return at::tanh(h);  // a gradient that depends on the output
     };
   };
+  // The tail records its blocks' routing in its forward and differentiates the aux loss.
+  for (AttentionContext* ctx : {&whole, &tiled}) {
+    route(*ctx, true);
+    ctx->aux_loss_weight = moe ? 0.7 : 0;
+  }
   std::vector<std::vector<at::Tensor>> got, want;
   std::vector<BlockRun> tiled_runs = runs_with(got), whole_runs = runs_with(want);
   for (BlockRun& r : tiled_runs)

@@ -1,11 +1,15 @@
 """Sequence tiling at length against transformers + torch.optim.AdamW: 3 optimizer steps of tiny
 random models (Llama with grouped heads, Qwen2 with qkv biases and tied embeddings, Qwen3 with its
-q/k norms) on rows of 8,192 tokens — one row a single long document, the other packed with four
-— trained by Rondo's engine on 2 simulated devices with its MLPs tiled (tiles of 1,000 tokens,
-so tiles cross the documents) in the forward stage, the fused tail and layer-grain backward
-stages. The reference is transformers in float32 with its SDPA attention (the eager one would hold
-8,192 x 8,192 probabilities a head); everything else as in test_engine.py, whose helpers (targets,
-the packed rows' 4D mask and positions, the accumulated backward) this test shares.
+q/k norms, Mistral with a sliding window shorter than the rows, Qwen3-MoE and Mixtral with the
+router's load-balancing loss) on rows of 8,192 tokens — one row a single long document, the other
+packed with four (Mistral: both single documents, as transformers applies no window under a 4D
+mask) — trained by Rondo's engine on 2 simulated devices with its MLPs tiled (tiles of 1,000
+tokens, so tiles cross the documents; a sparse block's router and experts too) in the forward
+stage, the fused tail and layer-grain backward stages. The reference is transformers in float32
+with its SDPA attention (the eager one would hold 8,192 x 8,192 probabilities a head; GPT-OSS,
+whose sinks only its eager attention takes, is left to test_engine.py's short rows for that
+reason); everything else as in test_engine.py, whose helpers (targets, the packed rows' 4D mask
+and positions, the accumulated backward with the aux loss) this test shares.
 
 Compared: each step's loss and gradient norm within 1e-5 relative, the targets exactly, and every
 final weight within rtol 1e-4 and atol 1e-4 * max|ref| (fp32 sums of 8,192 tokens in other orders
@@ -34,7 +38,17 @@ FAMILIES = {
         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)),
     "qwen3": (T.Qwen3ForCausalLM, T.Qwen3Config, dict(
         num_attention_heads=4, num_key_value_heads=2, head_dim=8, tie_word_embeddings=False)),
+    "mistral_window": (T.MistralForCausalLM, T.MistralConfig, dict(
+        num_attention_heads=4, num_key_value_heads=2, sliding_window=3000)),
+    "qwen3_moe_aux": (T.Qwen3MoeForCausalLM, T.Qwen3MoeConfig, dict(
+        num_attention_heads=4, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=24, norm_topk_prob=True, mlp_only_layers=[1],
+        output_router_logits=True, router_aux_loss_coef=0.05)),
+    "mixtral_aux": (T.MixtralForCausalLM, T.MixtralConfig, dict(
+        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+        output_router_logits=True, router_aux_loss_coef=0.05)),
 }
+UNPACKED = {"mistral_window"}
 
 
 def make_model(family, seed):
@@ -50,12 +64,13 @@ def make_model(family, seed):
     return model
 
 
-def random_step(g):
-    """Two rows: one document of SEQ tokens, and SEQ tokens packed with four documents."""
+def random_step(g, packed):
+    """Two rows: one document of SEQ tokens, and SEQ tokens packed with four documents (a single
+    one too unless `packed`)."""
     tokens = torch.randint(0, V, (2, SEQ), generator=g)
     doc_ids = torch.zeros(2, SEQ, dtype=torch.long)
     cuts = sorted(int(c) for c in torch.randint(1, SEQ, (3,), generator=g))
-    for d, cut in enumerate(cuts, 1):
+    for d, cut in enumerate(cuts if packed else [], 1):
         doc_ids[1, cut:] = d
     return tokens, doc_ids
 
@@ -67,7 +82,7 @@ def test_three_tiled_steps_at_8k_tokens_match_transformers(family, tmp_path):
     model = make_model(family, seed)
     model.save_pretrained(tmp_path / "model")
     g = torch.Generator().manual_seed(seed)
-    steps = [random_step(g) for _ in range(STEPS)]
+    steps = [random_step(g, family not in UNPACKED) for _ in range(STEPS)]
     max_norm = 1e9  # no clipping: the norms are compared
     params = list(model.parameters())
     opt = torch.optim.AdamW(params, **HP)
