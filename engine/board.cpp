@@ -63,8 +63,9 @@ namespace rondo::engine {
 // and waiting for the gradient writer to have brought its NVMe-bound gradients down: JobRun::
 // grads_written) before it allocates job k's, so a device holds the running job and either the
 // previous one (its downloads finishing) or the next one (prefetched), never both, and every byte
-// the ledger counts as free is really idle. The planner counts the larger of the two (predict). Ordering inside a device is stream
-// order; across devices and streams only the events above order anything.
+// the ledger counts as free is really idle. The planner counts the larger of the two (predict).
+// Ordering inside a device is stream order; across devices and streams only the events above order
+// anything.
 
 template <typename Pred>
 void Board::wait(std::unique_lock<std::mutex>& lock, Pred pred) {

@@ -442,6 +442,10 @@ RunEstimate estimate_run(const TrainConfig& config, const models::ModelSummary& 
     const double b =
         specs[l].flops_backward_per_token(config.data.seq_len) / ref * (lora ? 0.5 : 1.0);
     std::uint64_t stored = 0, dequantised = 0, trained = 0;
+    bool norms_trained = false;  // their products keep the normalised inputs
+    for (std::size_t i = 0; i < specs[l].params.size(); ++i)
+      norms_trained |= pl.layers[l].tensors[i].trainable &&
+                       specs[l].params[i].name.find("norm") != std::string::npos;
     // The head's backward (models::head_forward_backward), one chunk of logits at a time: the
     // chunk's logits in the streaming dtype and in fp32, their fp32 gradient and its copy in the
     // streaming dtype; with a trained LM head, its fp32 gradient (V x C) before it joins the
@@ -477,7 +481,8 @@ RunEstimate estimate_run(const TrainConfig& config, const models::ModelSummary& 
          .param_bytes = stored,
          .device_param_bytes = stored != dequantised ? dequantised : 0,
          .grad_bytes = trained * 4,
-         .activation_bytes_per_token = specs[l].activation_bytes_per_token(wb, config.data.seq_len),
+         .activation_bytes_per_token =
+             specs[l].activation_bytes_per_token(wb, config.data.seq_len, norms_trained),
          .tileable_bytes_per_token = specs[l].tileable_bytes_per_token(wb),
          .backward_bytes_per_token = specs[l].backward_bytes_per_token(wb, false),
          .backward_tiled_bytes_per_token = specs[l].backward_bytes_per_token(wb, true),

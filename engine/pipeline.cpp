@@ -341,8 +341,8 @@ void Pipeline::run_job(int d, std::int64_t g) {
     // (all wrapped first, so that one not handed over, on a failure, counts down as well).
     std::map<int, std::shared_ptr<void>> held;
     if (!tensors->grads.keep.empty()) {
-      r->grads_written = std::make_shared<std::latch>(
-          static_cast<std::ptrdiff_t>(tensors->grads.keep.size()));
+      r->grads_written =
+          std::make_shared<std::latch>(static_cast<std::ptrdiff_t>(tensors->grads.keep.size()));
       for (auto& [l, buffer] : tensors->grads.keep)
         held[l] = std::shared_ptr<void>(
             buffer.get(), [b = std::move(buffer), written = r->grads_written](void*) mutable {

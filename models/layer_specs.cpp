@@ -83,8 +83,18 @@ double LayerSpec::flops_backward_per_token(std::int64_t seq_len) const {
   return 2.0 * flops_forward_per_token(seq_len);
 }
 
-std::uint64_t LayerSpec::activation_bytes_per_token(std::size_t act_bytes,
-                                                    std::int64_t seq_len) const {
+namespace {
+// What an RMSNorm (models::rms_norm) keeps for its backward beyond its input and output, per
+// token, for norms over `width` values: below fp32 activations only an fp32 scale a token (Note
+// [RMSNorm below fp32 under autograd]); in fp32 (or f64), differentiated op by op, the normalised
+// input that the weight's product saves when the weight is trained.
+std::uint64_t norm_kept_bytes(std::uint64_t width, std::size_t act_bytes, bool trained) {
+  return act_bytes < 4 ? 4 : trained ? width * act_bytes : 0;
+}
+}  // namespace
+
+std::uint64_t LayerSpec::activation_bytes_per_token(std::size_t act_bytes, std::int64_t seq_len,
+                                                    bool norms_trained) const {
   const ModelConfig& c = config;
   const auto T = static_cast<std::uint64_t>(std::max<std::int64_t>(seq_len, 0));
   switch (kind) {
@@ -93,7 +103,8 @@ std::uint64_t LayerSpec::activation_bytes_per_token(std::size_t act_bytes,
       return c.hidden_size * act_bytes;
     case LayerKind::kHead:
       // Normed input, plus one chunk of fp32 logits is transient, not per token.
-      return 2 * c.hidden_size * act_bytes;
+      return 2 * c.hidden_size * act_bytes +
+             norm_kept_bytes(c.hidden_size, act_bytes, norms_trained);
     case LayerKind::kBlock: {
       // x, normed x (twice), q k v (rotated copies too), attention output, o output; then the
       // MLP's.
@@ -105,6 +116,11 @@ std::uint64_t LayerSpec::activation_bytes_per_token(std::size_t act_bytes,
       // head on the fused kernels.
       const bool plain = c.attention_dropout > 0 || c.attention_sinks;
       bytes += plain ? c.num_heads * T * act_bytes : c.num_heads * 4;
+      // The norms' own (the input and post-attention norms, and q and k's where the family has
+      // them).
+      bytes += norm_kept_bytes(
+          2 * c.hidden_size + (c.qk_norm ? (c.num_heads + c.num_kv_heads) * c.head_dim : 0),
+          act_bytes, norms_trained);
       // The MLP's intermediates (tileable_bytes_per_token).
       return bytes + tileable_bytes_per_token(act_bytes);
     }
@@ -114,13 +130,20 @@ std::uint64_t LayerSpec::activation_bytes_per_token(std::size_t act_bytes,
 
 std::uint64_t LayerSpec::backward_bytes_per_token(std::size_t act_bytes, bool tiled) const {
   const ModelConfig& c = config;
+  // The head (models::head_forward_backward): the gradient of the normed input, filled chunk by
+  // chunk, then the final norm's backward in fp32 (its input, its gradient and one temporary).
+  if (kind == LayerKind::kHead) return c.hidden_size * act_bytes + 3 * c.hidden_size * 4;
   if (kind != LayerKind::kBlock) return 0;
+  // Before the MLP's: the gradients of attention's tensors and of the normed input, and the input
+  // norm's backward, in fp32 whatever the activations' dtype (its input, its input's gradient
+  // and one temporary).
   const std::uint64_t attention =
-      c.hidden_size + (2 * c.num_heads + 2 * c.num_kv_heads) * c.head_dim;
-  const std::uint64_t mlp = tiled            ? 0
+      (c.hidden_size + (2 * c.num_heads + 2 * c.num_kv_heads) * c.head_dim) * act_bytes +
+      3 * c.hidden_size * 4;
+  const std::uint64_t mlp = tiled             ? 0
                             : c.sparse(block) ? 2 * c.experts_per_token * c.moe_intermediate_size
                                               : 2 * c.intermediate_size;
-  return std::max(attention, mlp) * act_bytes;
+  return std::max(attention, mlp * act_bytes);
 }
 
 std::uint64_t LayerSpec::tileable_bytes_per_token(std::size_t act_bytes) const {

@@ -47,16 +47,19 @@ struct LayerSpec {
   // and on the CPU alike) a block keeps its output and one fp32 logsumexp per head; on the plain
   // path (attention dropout, GPT-OSS's sinks) its (H, T, T) probabilities, H·T values per token
   // for rows of `seq_len` tokens. The masks are the planner's (PlanInputs::mask_bytes_per_token).
-  std::uint64_t activation_bytes_per_token(std::size_t act_bytes, std::int64_t seq_len = 0) const;
+  // `norms_trained` (full fine-tuning): in fp32 each norm also keeps its normalised input.
+  std::uint64_t activation_bytes_per_token(std::size_t act_bytes, std::int64_t seq_len = 0,
+                                           bool norms_trained = false) const;
   // Of activation_bytes_per_token, what sequence tiling (AttentionContext::mlp_tile_tokens) holds
   // for one tile only: a block's MLP intermediates (a sparse block's router and experts'). 0 for
   // other layers.
   std::uint64_t tileable_bytes_per_token(std::size_t act_bytes) const;
   // What the layer's backward holds per token beyond what it keeps: the gradients of its
   // activations alive at once — in a block, those of the MLP's intermediates (2 x
-  // intermediate_size) or, before them, of attention's q, k, v and output and the normed input,
-  // whichever is more. `tiled`: the MLP's are one tile's (tileable_bytes_per_token), so only
-  // attention's count per token.
+  // intermediate_size) or, before them, of attention's q, k, v and output and the normed input
+  // with the norm's fp32 backward, whichever is more; in the head, its normed input's gradient
+  // and the final norm's backward. `tiled`: the MLP's are one tile's (tileable_bytes_per_token), so
+  // only attention's count per token.
   std::uint64_t backward_bytes_per_token(std::size_t act_bytes, bool tiled) const;
 
   ModelConfig config;  // the model this layer belongs to (dimensions for the costs)

@@ -7,6 +7,7 @@
 #include <ATen/ATen.h>
 #include <c10/core/GradMode.h>
 #include <torch/csrc/autograd/autograd.h>
+#include <torch/csrc/autograd/custom_function.h>
 
 #include <algorithm>
 #include <map>
@@ -140,12 +141,69 @@ BlockWeights BlockWeights::bind(const LayerSpec& spec, const std::vector<at::Ten
   return w;
 }
 
+namespace {
+
+// RMSNorm's forward as Hugging Face computes it, from its fp32 (or f64) input `h` and reciprocal
+// root mean square `r`, back in `dtype`.
+at::Tensor rms_output(bool gpt_oss, const at::Tensor& weight, const at::Tensor& h,
+                      const at::Tensor& r, at::ScalarType dtype) {
+  if (gpt_oss) return (weight * (h * r)).to(dtype);
+  return weight * (h * r).to(dtype);
+}
+
+// Note [RMSNorm below fp32 under autograd]
+// Differentiated op by op, rms_norm on bf16 or fp16 activations keeps the fp32 copy of its input
+// (4 bytes a value, twice the input's own) until the backward: with two norms a block, that copy
+// is a fifth of a bf16 block's activations. This function keeps only the input (which the caller
+// holds anyway) and the fp32 reciprocal root mean square of each token, and recomputes the rest
+// in the backward. Its forward runs the same ops as rms_norm, so its output is bit for bit the
+// same; its backward is the same math in fp32, so its gradients differ only in rounding.
+struct LeanRmsNorm : torch::autograd::Function<LeanRmsNorm> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x,
+                            const at::Tensor& weight, double eps, bool gpt_oss) {
+    const at::Tensor h = x.to(at::kFloat);
+    const at::Tensor r = at::rsqrt(h.pow(2).mean(-1, /*keepdim=*/true) + eps);
+    ctx->save_for_backward({x, weight, r});
+    ctx->saved_data["gpt_oss"] = gpt_oss;
+    return rms_output(gpt_oss, weight, h, r, x.scalar_type());
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const at::Tensor &x = saved[0], &weight = saved[1], &r = saved[2];
+    const bool gpt_oss = ctx->saved_data["gpt_oss"].toBool();
+    const at::Tensor& g = grads[0];
+    const at::Tensor h = x.to(at::kFloat);
+    at::Tensor g_normed, g_weight;
+    auto weight_grad = [&](const at::Tensor& per_token) {  // summed to the weight's shape
+      return per_token.reshape({-1, per_token.size(-1)}).sum(0).to(weight.scalar_type());
+    };
+    if (gpt_oss) {  // (w * normed).to(dtype), all in fp32 (w promoted)
+      const at::Tensor g32 = g.to(at::kFloat);
+      if (ctx->needs_input_grad(1)) g_weight = weight_grad(g32 * (h * r));
+      g_normed = g32 * weight;
+    } else {  // w * normed.to(dtype), in the activations' dtype
+      if (ctx->needs_input_grad(1)) g_weight = weight_grad(g * (h * r).to(x.scalar_type()));
+      g_normed = (g * weight).to(at::kFloat);
+    }
+    // normed = h * (mean(h^2) + eps)^-1/2: dh = g r - h r^3 mean(g h), in place (the backward
+    // holds h, the gradient and one temporary at most).
+    const at::Tensor dot = (g_normed * h).mean(-1, /*keepdim=*/true);
+    at::Tensor& g_h = g_normed.mul_(r);
+    g_h.addcmul_(h, r.pow(3) * dot, -1);
+    return {g_h.to(x.scalar_type()), g_weight, at::Tensor(), at::Tensor()};
+  }
+};
+
+}  // namespace
+
 at::Tensor rms_norm(const ModelConfig& c, const at::Tensor& x, const at::Tensor& weight) {
+  const bool reduced = x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf;
+  if (reduced && at::GradMode::is_enabled() && (x.requires_grad() || weight.requires_grad()))
+    return LeanRmsNorm::apply(x, weight, c.rms_norm_eps, c.family == Family::kGptOss);
   at::Tensor h = x.to(at::promote_types(x.scalar_type(), at::kFloat));  // f64 stays f64
-  at::Tensor variance = h.pow(2).mean(-1, /*keepdim=*/true);
-  h = h * at::rsqrt(variance + c.rms_norm_eps);
-  if (c.family == Family::kGptOss) return (weight * h).to(x.scalar_type());
-  return weight * h.to(x.scalar_type());
+  const at::Tensor r = at::rsqrt(h.pow(2).mean(-1, /*keepdim=*/true) + c.rms_norm_eps);
+  return rms_output(c.family == Family::kGptOss, weight, h, r, x.scalar_type());
 }
 
 namespace {

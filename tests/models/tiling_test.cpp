@@ -119,8 +119,7 @@ TEST_P(Tiling, TiledMlpEqualsTheWholeBatchForwardAndBackward) {
       for (std::size_t i = 0; i < w[b].size(); ++i) {
         const std::string& name = specs[b + 1].params[i].name;
         // A sparse model trains everything: the router's gradient takes the aux loss.
-        const bool trained =
-            moe || is_lora_param(name) || name.find("norm") != std::string::npos;
+        const bool trained = moe || is_lora_param(name) || name.find("norm") != std::string::npos;
         grads[b].push_back(trained ? at::full_like(w[b][i], 0.5) : at::Tensor());
       }
       runs.push_back({.spec = &specs[b + 1], .weights = w[b], .grads = &grads[b]});
@@ -161,8 +160,7 @@ TEST_P(Tiling, TiledMlpEqualsTheWholeBatchForwardAndBackward) {
     std::vector<std::vector<at::Tensor>> got, want;
     std::vector<BlockRun> tiled_runs = runs_with(got), whole_runs = runs_with(want);
     expect_close(blocks_backward(c, tiled_runs, inputs(saved_tiled), tiled, grad_out),
-                 blocks_backward(c, whole_runs, inputs(saved), whole, grad_out),
-                 grain + ": input");
+                 blocks_backward(c, whole_runs, inputs(saved), whole, grad_out), grain + ": input");
     expect_same_grads(got, want, grain);
   }
 
@@ -189,6 +187,45 @@ TEST_P(Tiling, TiledMlpEqualsTheWholeBatchForwardAndBackward) {
                blocks_forward_backward(c, whole_runs, x, whole, head(out_whole)), "tail: input");
   expect_close(out_tiled, out_whole, "tail: output");
   expect_same_grads(got, want, "tail");
+}
+
+// Note [RMSNorm below fp32 under autograd] (models/layers.cpp): in bf16 under autograd the norm
+// keeps only its input and a scale a token. Its output is bit for bit the op-by-op one; its
+// gradients (input and weight, for the usual norm and GPT-OSS's fp32 weight product) are those of
+// the same function differentiated by autograd in f64 from the same bf16 values, within bf16
+// rounding.
+TEST(RmsNorm, LeanNormInBf16EqualsTheOpByOpForwardAndF64Gradients) {
+  at::manual_seed(3);
+  for (const char* arch : {"LlamaForCausalLM", "GptOssForCausalLM"}) {
+    SCOPED_TRACE(arch);
+    ModelConfig c;
+    c.family = std::string(arch) == "GptOssForCausalLM" ? Family::kGptOss : Family::kLlama;
+    c.rms_norm_eps = 1e-5;
+    const at::Tensor x = (3 * at::randn({2, 5, 64})).to(at::kBFloat16);
+    const at::Tensor w = (1 + 0.3 * at::randn({64})).to(at::kBFloat16);
+    // A gradient along the input too, so that the norm's own term (through the mean) is large.
+    const at::Tensor g = (0.3 * x.to(at::kFloat) + at::randn({2, 5, 64})).to(at::kBFloat16);
+    at::Tensor plain;
+    {
+      c10::AutoGradMode no_grad(false);  // op by op
+      plain = rms_norm(c, x, w);
+    }
+    const at::Tensor xl = x.detach().requires_grad_(true), wl = w.detach().requires_grad_(true);
+    const at::Tensor lean = rms_norm(c, xl, wl);
+    EXPECT_TRUE(at::equal(lean, plain));
+    lean.backward(g);
+    const at::Tensor x64 = x.to(at::kDouble).requires_grad_(true);
+    const at::Tensor w64 = w.to(at::kDouble).requires_grad_(true);
+    const at::Tensor n = x64 * at::rsqrt(x64.pow(2).mean(-1, true) + c.rms_norm_eps);
+    (w64 * n).backward(g.to(at::kDouble));
+    auto rel = [](const at::Tensor& got, const at::Tensor& want) {
+      return ((got.to(at::kDouble) - want).abs().max() / want.abs().max()).item<double>();
+    };
+    std::printf("%s: input gradient %.3g, weight gradient %.3g off (relative to max)\n", arch,
+                rel(xl.grad(), x64.grad()), rel(wl.grad(), w64.grad()));
+    EXPECT_LE(rel(xl.grad(), x64.grad()), 1e-2);
+    EXPECT_LE(rel(wl.grad(), w64.grad()), 1e-2);
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(Families, Tiling, ::testing::ValuesIn(kCases),
