@@ -25,7 +25,7 @@ import transformers as T
 from safetensors.numpy import load_file
 
 from rondo_oracle import driver
-from test_engine import HP, V, backward_step
+from test_engine import FAMILIES as ENGINE_FAMILIES, HP, V, backward_step
 
 SEQ, STEPS, L = 8192, 3, 3
 PLAN = dict(forward=[[0, 2], [2, 3]], tail=[3, 5], backward=[[2, 3], [0, 2]], grain="layer",
@@ -40,13 +40,9 @@ FAMILIES = {
         num_attention_heads=4, num_key_value_heads=2, head_dim=8, tie_word_embeddings=False)),
     "mistral_window": (T.MistralForCausalLM, T.MistralConfig, dict(
         num_attention_heads=4, num_key_value_heads=2, sliding_window=3000)),
-    "qwen3_moe_aux": (T.Qwen3MoeForCausalLM, T.Qwen3MoeConfig, dict(
-        num_attention_heads=4, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2,
-        moe_intermediate_size=24, norm_topk_prob=True, mlp_only_layers=[1],
-        output_router_logits=True, router_aux_loss_coef=0.05)),
-    "mixtral_aux": (T.MixtralForCausalLM, T.MixtralConfig, dict(
-        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
-        output_router_logits=True, router_aux_loss_coef=0.05)),
+    # test_engine.py's, with the router's load-balancing loss on.
+    "qwen3_moe_aux": ENGINE_FAMILIES["qwen3_moe_aux"],
+    "mixtral_aux": ENGINE_FAMILIES["mixtral_aux"],
 }
 UNPACKED = {"mistral_window"}
 
