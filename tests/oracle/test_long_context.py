@@ -15,6 +15,7 @@ Compared: each step's loss and gradient norm within 1e-5 relative, the targets e
 final weight within rtol 1e-4 and atol 1e-4 * max|ref| (fp32 sums of 8,192 tokens in other orders
 than transformers': measured below 1e-5).
 """
+import contextlib
 import json
 import os
 
@@ -60,6 +61,35 @@ def make_model(family, seed):
     return model
 
 
+# A mixture of experts routes each token to its top-k experts: where the k-th and the next
+# router probabilities of a token come within rounding of each other (Rondo and transformers
+# differ by ~1e-7), the two may choose differently, and that token's gradient jumps. Over 8,192
+# tokens a row such a near-tie is drawn now and then (seed 651238357: step 3's gradient norm
+# 1.5e-5 off after two steps at 1.2e-7), so a draw whose reference routes a token within 1e-6 of a
+# tie is drawn again, as test_engine.py does for GPT-OSS's clamp.
+ROUTE_MARGIN = 1e-6
+
+
+@contextlib.contextmanager
+def route_margin(model, margins):
+    """Appends, for every router call, the least gap over its tokens between the k-th and the
+    next router probability."""
+    k = getattr(model.config, "num_experts_per_tok", 0)
+
+    def hook(mod, args, out):
+        with torch.no_grad():
+            probs = torch.softmax(out[0].float(), -1)
+            top = probs.topk(k + 1, dim=-1).values
+            margins.append((top[..., k - 1] - top[..., k]).min().item())
+    hooks = [m.register_forward_hook(hook) for m in model.modules()
+             if type(m).__name__.endswith("TopKRouter")]
+    try:
+        yield
+    finally:
+        for h in hooks:
+            h.remove()
+
+
 def random_step(g, packed):
     """Two rows: one document of SEQ tokens, and SEQ tokens packed with four documents (a single
     one too unless `packed`)."""
@@ -73,22 +103,29 @@ def random_step(g, packed):
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_three_tiled_steps_at_8k_tokens_match_transformers(family, tmp_path):
-    seed = int(os.environ.get("RONDO_ORACLE_SEED") or int.from_bytes(os.urandom(4), "little"))
-    print("seed", seed)
-    model = make_model(family, seed)
-    model.save_pretrained(tmp_path / "model")
-    g = torch.Generator().manual_seed(seed)
-    steps = [random_step(g, family not in UNPACKED) for _ in range(STEPS)]
     max_norm = 1e9  # no clipping: the norms are compared
-    params = list(model.parameters())
-    opt = torch.optim.AdamW(params, **HP)
-    ref = []
-    for step in steps:
-        opt.zero_grad()
-        loss, count = backward_step(model, step, 2)  # a microbatch per row
-        norm = torch.nn.utils.clip_grad_norm_(params, max_norm).item()
-        opt.step()
-        ref.append((loss, norm, count))
+    for attempt in range(8):
+        seed = int(os.environ.get("RONDO_ORACLE_SEED") or int.from_bytes(os.urandom(4), "little"))
+        print("seed", seed)
+        model = make_model(family, seed)
+        model.save_pretrained(tmp_path / "model")
+        g = torch.Generator().manual_seed(seed)
+        steps = [random_step(g, family not in UNPACKED) for _ in range(STEPS)]
+        params = list(model.parameters())
+        opt = torch.optim.AdamW(params, **HP)
+        ref, margins = [], []
+        with route_margin(model, margins):
+            for step in steps:
+                opt.zero_grad()
+                loss, count = backward_step(model, step, 2)  # a microbatch per row
+                norm = torch.nn.utils.clip_grad_norm_(params, max_norm).item()
+                opt.step()
+                ref.append((loss, norm, count))
+        if margins:
+            print(f"least routing margin {min(margins):.3g}")
+        if not margins or min(margins) >= ROUTE_MARGIN or os.environ.get("RONDO_ORACLE_SEED"):
+            break
+        print("a token routed within rounding of a tie: drawn again")
 
     (tmp_path / "in.json").write_text(json.dumps({
         "microbatches": [[{"tokens": tokens[r:r + 1].tolist(), "doc_ids": doc_ids[r:r + 1].tolist()}
