@@ -343,12 +343,14 @@ void Pipeline::run_job(int d, std::int64_t g) {
     if (!tensors->grads.keep.empty()) {
       r->grads_written =
           std::make_shared<std::latch>(static_cast<std::ptrdiff_t>(tensors->grads.keep.size()));
-      for (auto& [l, buffer] : tensors->grads.keep)
+      for (auto& [l, buffer] : tensors->grads.keep) {
+        void* data = buffer->data();
         held[l] = std::shared_ptr<void>(
-            buffer.get(), [b = std::move(buffer), written = r->grads_written](void*) mutable {
+            data, [b = std::move(buffer), written = r->grads_written](void*) mutable {
               b.reset();
               written->count_down();
             });
+      }
     }
     if (backward)
       for (auto& [l, data] : tensors->grads.layers) {
