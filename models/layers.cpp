@@ -404,14 +404,14 @@ void collect_weight_grads(const std::vector<BlockRun>& blocks, std::size_t first
   }
 }
 
-// forward_and_backward with the MLPs tiled: each block's attention half runs
-// under autograd from an input of its own; its MLP runs tile by tile without autograd, and in the
-// backward tile by tile again, recomputed (mlp_backward_by_tiles), before the attention half's
-// graph takes the sum of both gradients. What the untiled graph would keep of the MLPs (four
-// intermediates of intermediate_size a token, or a sparse block's router and experts') is held
-// for one tile at a time. Without
-// `output_used` (a recompute, whose gradient comes from outside) the last block's MLP is not run
-// forward at all: its tiles run once, in the backward, as the untiled recompute's MLP does.
+// forward_and_backward with the MLPs tiled: each block's attention half runs under autograd from
+// an input of its own; its MLP runs tile by tile without autograd, and in the backward tile by
+// tile again, recomputed (mlp_backward_by_tiles), before the attention half's graph takes the sum
+// of both gradients. What the untiled graph would keep of the MLPs (four intermediates of
+// intermediate_size a token, or a sparse block's router and experts') is held for one tile at a
+// time. Without `output_used` (a recompute, whose gradient comes from outside) the last block's
+// MLP is not run forward at all: its tiles run once, in the backward, as the untiled recompute's
+// MLP does.
 at::Tensor forward_and_backward_tiled(const ModelConfig& c, const std::vector<BlockRun>& blocks,
                                       std::size_t first, std::size_t end, const at::Tensor& x,
                                       const AttentionContext& ctx,
