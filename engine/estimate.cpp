@@ -478,14 +478,20 @@ RunEstimate estimate_run(const TrainConfig& config, const models::ModelSummary& 
     e.inputs.layers.push_back(
         {.forward_s_per_token = f,
          .backward_s_per_token = b,
+         .tiled_recompute_s_per_token = specs[l].kind == models::LayerKind::kBlock
+                                            ? specs[l].flops_forward_per_token(0) / ref
+                                            : 0,
          .param_bytes = stored,
          .device_param_bytes = stored != dequantised ? dequantised : 0,
          .grad_bytes = trained * 4,
          .activation_bytes_per_token =
              specs[l].activation_bytes_per_token(wb, config.data.seq_len, norms_trained),
+         .tiled_activation_bytes_per_token =
+             specs[l].tiled_activation_bytes_per_token(wb, config.data.seq_len, norms_trained),
          .tileable_bytes_per_token = specs[l].tileable_bytes_per_token(wb),
          .backward_bytes_per_token = specs[l].backward_bytes_per_token(wb, false),
          .backward_tiled_bytes_per_token = specs[l].backward_bytes_per_token(wb, true),
+         .forward_bytes_per_token = specs[l].forward_bytes_per_token(wb),
          .output_bytes_per_token = C * wb,
          .transient_bytes = transient});
   }

@@ -185,22 +185,25 @@ std::vector<Job> jobs_of(const Plan& plan) {
 
 struct RangeSums {
   double forward_s = 0, backward_s = 0;  // per token
+  double tiled_extra_s = 0;              // per token (LayerCosts::tiled_recompute_s_per_token)
   double params = 0, grads = 0;
   double device_params = 0;  // the weights as they sit on the device (dequantised)
   double nvme = 0, nvme_update = 0;
   double activation_sum = 0, activation_max = 0;  // per token
   double tileable_max = 0;                        // per token, what one tile holds per token
   double backward_max = 0;                        // per token, one layer's backward at a time
+  double forward_max = 0;                         // per token, one layer's forward at a time
   double transient_max = 0;                       // one layer's backward at a time
 };
 
-// `tiled`: the activations without what sequence tiling bounds to one tile (tileable_max).
+// `tiled`: the activations sequence tiling keeps (what it bounds to one tile is tileable_max).
 RangeSums sums(const PlanInputs& in, LayerRange r, bool tiled = false) {
   RangeSums s;
   for (int l = r.begin; l < r.end; ++l) {
     const LayerCosts& c = in.layers[l];
     s.forward_s += c.forward_s_per_token;
     s.backward_s += c.backward_s_per_token;
+    s.tiled_extra_s += c.tiled_recompute_s_per_token;
     s.params += static_cast<double>(c.param_bytes);
     s.grads += static_cast<double>(c.grad_bytes);
     // A quantised layer holds its dequantised weights and, while they land, the quantised ones.
@@ -208,8 +211,9 @@ RangeSums sums(const PlanInputs& in, LayerRange r, bool tiled = false) {
         c.device_param_bytes ? c.device_param_bytes + c.param_bytes : c.param_bytes);
     s.nvme += static_cast<double>(c.nvme_read_bytes);
     s.nvme_update += static_cast<double>(c.nvme_update_bytes);
-    const double act = static_cast<double>(c.activation_bytes_per_token -
-                                           (tiled ? c.tileable_bytes_per_token : 0));
+    const double act = static_cast<double>(tiled && c.tiled_activation_bytes_per_token > 0
+                                               ? c.tiled_activation_bytes_per_token
+                                               : c.activation_bytes_per_token);
     s.activation_sum += act;
     s.activation_max = std::max(s.activation_max, act);
     s.tileable_max = std::max(s.tileable_max, static_cast<double>(c.tileable_bytes_per_token));
@@ -217,6 +221,7 @@ RangeSums sums(const PlanInputs& in, LayerRange r, bool tiled = false) {
         s.backward_max,
         static_cast<double>(tiled ? c.backward_tiled_bytes_per_token : c.backward_bytes_per_token));
     s.transient_max = std::max(s.transient_max, static_cast<double>(c.transient_bytes));
+    s.forward_max = std::max(s.forward_max, static_cast<double>(c.forward_bytes_per_token));
   }
   return s;
 }
@@ -226,18 +231,51 @@ double input_bytes(const PlanInputs& in, int l) {
   return l > 0 ? static_cast<double>(in.layers[l - 1].output_bytes_per_token) : 8.0;
 }
 
-// Device memory while `job` runs: its weights and the next job's (prefetched), its gradients,
-// one microbatch's activations, and its input and output buffers (plus the next input), and what
-// one layer's backward holds at a time (the head's chunk of logits, or a block's gradients of its
-// activations). Tiled (tile > 0), the MLPs' intermediates are one tile's: in the forward, and in
-// the backward with their gradients beside them.
+// The buffers a job's microbatches receive and hand on, per token: its input (token ids for the
+// prefix) and its output, or in a backward job the gradient it receives, the checkpoint of its
+// first layer and the gradient it hands on; and the activation checkpoints of its other layers
+// (Plan::checkpointed_layers; while packing, before there is a plan, as if every layer of a job
+// were one in layer grain and its first in stage grain), which a forward job writes and a
+// backward job receives. Every microbatch's stay on the device until the job is released (Note
+// [Engine synchronisation] in board.cpp), so a job holds these for all of its step's tokens.
+double io_bytes(const PlanInputs& in, const Job& job, RecomputeGrain grain,
+                const std::set<int>* checkpointed) {
+  const double input = input_bytes(in, job.range.begin),
+               output = static_cast<double>(in.layers[job.range.end - 1].output_bytes_per_token);
+  double io = 0;
+  switch (job.kind) {
+    case JobKind::kForward:
+      io = input + output;
+      break;
+    case JobKind::kTail:  // its input, and that input's gradient
+      return 2 * input;
+    case JobKind::kBackward:
+      io = output + 2 * input;
+      break;
+  }
+  for (int l = std::max(job.range.begin, 1); l < job.range.end; ++l) {
+    const bool saved = checkpointed ? checkpointed->count(l) > 0
+                                    : grain == RecomputeGrain::kLayer || l == job.range.begin;
+    if (saved && (job.kind == JobKind::kForward || l > job.range.begin)) io += input_bytes(in, l);
+  }
+  return io;
+}
+
+// Device memory while `job` runs: its weights, its gradients, one microbatch's activations, its
+// microbatches' input, output and checkpoint buffers (io_bytes), and what one layer's backward
+// holds at a time (the head's chunk of logits, or a block's gradients of its activations); a
+// forward job, one layer's work at a time, whose peak may be a norm's fp32 scratch. Tiled
+// (tile > 0), the projections' and MLPs' intermediates are one tile's: in the forward, and in the
+// backward with their gradients beside them. (What the device holds of its neighbouring jobs
+// meanwhile: neighbour_memory.)
 double job_memory(const PlanInputs& in, const Job& job, double tokens_mb, RecomputeGrain grain,
-                  std::int64_t tile) {
+                  std::int64_t tile, const std::set<int>* checkpointed = nullptr) {
   RangeSums s = sums(in, job.range, tile > 0);
   double act = 0;
   switch (job.kind) {
     case JobKind::kForward:
-      act = s.activation_max;  // no autograd in forward stages: one layer's transients at a time
+      // No autograd in forward stages: one layer's transients at a time.
+      act = tile > 0 ? s.activation_max : std::max(s.activation_max, s.forward_max);
       break;
     case JobKind::kTail:
       act = s.activation_sum;  // fused: the whole tail's graph is kept
@@ -246,8 +284,6 @@ double job_memory(const PlanInputs& in, const Job& job, double tokens_mb, Recomp
       act = grain == RecomputeGrain::kStage ? s.activation_sum : s.activation_max;
       break;
   }
-  double io = 2 * input_bytes(in, job.range.begin) +
-              static_cast<double>(in.layers[job.range.end - 1].output_bytes_per_token);
   double grads = job.kind == JobKind::kForward ? 0 : s.grads;
   double transient =
       job.kind == JobKind::kForward ? 0 : std::max(s.transient_max, tokens_mb * s.backward_max);
@@ -257,7 +293,8 @@ double job_memory(const PlanInputs& in, const Job& job, double tokens_mb, Recomp
   const double inputs = 2.0 * static_cast<double>(in.tokens_per_step) *
                             static_cast<double>(in.input_bytes_per_token) +
                         tokens_mb * static_cast<double>(in.mask_bytes_per_token);
-  return s.device_params + grads + transient + inputs + tokens_mb * (act + io);
+  return s.device_params + grads + transient + inputs + tokens_mb * act +
+         static_cast<double>(in.tokens_per_step) * io_bytes(in, job, grain, checkpointed);
 }
 
 // What a job holds on its device before its compute or after it: its weights and gradients.
@@ -266,9 +303,41 @@ double held_between_jobs(const PlanInputs& in, const Job& job) {
   return s.device_params + (job.kind == JobKind::kForward ? 0 : s.grads);
 }
 
-double job_compute(const PlanInputs& in, const Job& job, double tokens_mb) {
+// What the device holds of its other jobs while `job` computes (Note [Engine synchronisation] in
+// board.cpp): the previous job's weights, gradients and buffers (io_bytes) until its downloads
+// (and NVMe writes) are done and its loader has let them go, or the next job's, prefetched, with
+// the buffers its worker sets up meanwhile (the worker enqueues a job's microbatches without
+// waiting for their compute, and goes on to the next job as soon as its weights are loaded). On
+// one device a job's output is the next one's input, handed over on the device: counted once,
+// with the job that receives it.
+double neighbour_memory(const PlanInputs& in, const Job& prev, const Job& next,
+                        RecomputeGrain grain, const std::set<int>* checkpointed) {
+  const bool one_device = in.devices.size() == 1;
+  auto handed_on = [&](const Job& j) {  // the job's output (a backward job's: its input gradient)
+    return j.kind == JobKind::kForward
+               ? static_cast<double>(in.layers[j.range.end - 1].output_bytes_per_token)
+               : input_bytes(in, j.range.begin);
+  };
+  auto received = [&](const Job& j) {  // its input (a backward job's: its output's gradient)
+    return j.kind == JobKind::kBackward
+               ? static_cast<double>(in.layers[j.range.end - 1].output_bytes_per_token)
+               : input_bytes(in, j.range.begin);
+  };
+  const auto tokens = static_cast<double>(in.tokens_per_step);
+  const double before =
+      io_bytes(in, prev, grain, checkpointed) - (one_device ? handed_on(prev) : 0);
+  const double after = io_bytes(in, next, grain, checkpointed) - (one_device ? received(next) : 0);
+  return std::max(held_between_jobs(in, prev) + tokens * before,
+                  held_between_jobs(in, next) + tokens * after);
+}
+
+// Tiled, a job with a backward runs its blocks' projections and MLPs forward once more (Note
+// [Sequence tiling of the attention half] in models/layers.cpp: they are recomputed tile by tile
+// in the backward instead of kept).
+double job_compute(const PlanInputs& in, const Job& job, double tokens_mb, bool tiled) {
   RangeSums s = sums(in, job.range);
-  return tokens_mb * (job.kind == JobKind::kForward ? s.forward_s : s.forward_s + s.backward_s);
+  if (job.kind == JobKind::kForward) return tokens_mb * s.forward_s;
+  return tokens_mb * (s.forward_s + s.backward_s + (tiled ? s.tiled_extra_s : 0));
 }
 
 }  // namespace
@@ -335,7 +404,8 @@ PlanPrediction predict(const Plan& plan, const PlanInputs& in) {
   // input is on the host.
   // (Layer 0's input is the step's tokens, already on every device that runs a job of the step.)
   std::vector<bool> saved_for_backward(in.layers.size(), false);
-  for (int l : plan.checkpointed_layers())
+  const std::set<int> checkpointed = plan.checkpointed_layers();
+  for (int l : checkpointed)
     saved_for_backward[static_cast<std::size_t>(l)] = true;
   std::vector<std::vector<double>> checkpoint_home(in.layers.size(), std::vector<double>(M, 0.0));
   std::vector<double> peak(N, 0.0);
@@ -374,7 +444,8 @@ PlanPrediction predict(const Plan& plan, const PlanInputs& in) {
         p.bytes_weights_up += s.params;
         p.bytes_nvme_read += s.nvme;
       }
-      const double compute_mb = job_compute(in, job, tokens_mb) / in.devices[d].speed;
+      const double compute_mb =
+          job_compute(in, job, tokens_mb, plan.mlp_tile_tokens > 0) / in.devices[d].speed;
       const bool first_job = (j == 0);
       double t = device_free[d];
       double job_start = -1;
@@ -469,13 +540,11 @@ PlanPrediction predict(const Plan& plan, const PlanInputs& in) {
         step_end[step] = std::max(step_end[step], home);
       }
       step_end[step] = std::max(step_end[step], t);
-      // While this job runs, the device also holds the previous job's weights and gradients
-      // until its downloads (and NVMe writes) are done, then the next job's, prefetched (Note
-      // [Engine synchronisation] in board.cpp).
-      const double neighbour = std::max(held_between_jobs(in, jobs[(j + J - N % J) % J]),
-                                        held_between_jobs(in, jobs[(j + N) % J]));
+      const double neighbour = neighbour_memory(in, jobs[(j + J - N % J) % J], jobs[(j + N) % J],
+                                                plan.grain, &checkpointed);
       peak[d] = std::max(
-          peak[d], job_memory(in, job, tokens_mb, plan.grain, plan.mlp_tile_tokens) + neighbour);
+          peak[d], job_memory(in, job, tokens_mb, plan.grain, plan.mlp_tile_tokens, &checkpointed) +
+                       neighbour);
     }
   }
   const double window_start = step_end[1], window_end = step_end[2];
@@ -660,10 +729,12 @@ Plan plan_ours(const PlanInputs& in) {
       if (d.link_bytes_per_s > 0) bw = std::min(bw, d.link_bytes_per_s);
     Packer p{inputs, M, tokens_mb, inputs.grain, {}, {}, tile};
     // A job's time: compute over all microbatches, or the bytes it must move, whichever is longer.
-    p.cost = [&inputs, M, tokens_mb, bw](JobKind kind, LayerRange r) {
+    p.cost = [&inputs, M, tokens_mb, bw, tile](JobKind kind, LayerRange r) {
       RangeSums s = sums(inputs, r);
-      double compute =
-          tokens_mb * M * (kind == JobKind::kForward ? s.forward_s : s.forward_s + s.backward_s);
+      double compute = tokens_mb * M *
+                       (kind == JobKind::kForward
+                            ? s.forward_s
+                            : s.forward_s + s.backward_s + (tile > 0 ? s.tiled_extra_s : 0.0));
       double bytes = s.params + (kind == JobKind::kForward ? 0 : s.grads) +
                      M * tokens_mb *
                          (input_bytes(inputs, r.begin) +
@@ -678,10 +749,11 @@ Plan plan_ours(const PlanInputs& in) {
     const double cap = static_cast<double>(smallest_cap(inputs));
     p.fits = [&inputs, tokens_mb, cap, tile](JobKind kind, LayerRange r) {
       if (cap <= 0) return true;
-      // Twice the weights: this stage and the prefetched one (assume a stage of the same size).
+      // Twice the weights and buffers: this stage and the prefetched one (assume a stage of the
+      // same size).
       Job job{kind, r, 0};
       return job_memory(inputs, job, tokens_mb, inputs.grain, tile) +
-                 sums(inputs, r).device_params <=
+                 neighbour_memory(inputs, job, job, inputs.grain, nullptr) <=
              cap;
     };
     std::vector<Plan> candidates;

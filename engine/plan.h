@@ -60,8 +60,10 @@ struct Plan {
 // What one layer costs, as the planner sees it. Compute times are per token on a device of speed
 // 1; bytes are what crosses the link or sits in device memory.
 struct LayerCosts {
-  double forward_s_per_token = 0;        // forward (= recompute)
-  double backward_s_per_token = 0;       // backward alone (without the recompute)
+  double forward_s_per_token = 0;   // forward (= recompute)
+  double backward_s_per_token = 0;  // backward alone (without the recompute)
+  // Under sequence tiling, what a backward computes once more: a block's projections and MLP.
+  double tiled_recompute_s_per_token = 0;
   std::uint64_t param_bytes = 0;         // streamed to the device for every job holding the layer
                                          // (as stored: quantised where the base is kept so)
   std::uint64_t device_param_bytes = 0;  // the weights once on the device (dequantised);
@@ -70,12 +72,19 @@ struct LayerCosts {
   std::uint64_t nvme_update_bytes = 0;   // optimizer state on NVMe: read and written per step
   std::uint64_t grad_bytes = 0;  // trainable part: gradients held on the device and downloaded
   std::uint64_t activation_bytes_per_token = 0;  // what autograd keeps while running the layer
-  // Of activation_bytes_per_token, what sequence tiling holds for one tile only (an MLP's
-  // intermediates, models::LayerSpec::tileable_bytes_per_token).
+  // The same under sequence tiling (models::LayerSpec::tiled_activation_bytes_per_token); 0 = as
+  // untiled.
+  std::uint64_t tiled_activation_bytes_per_token = 0;
+  // What sequence tiling holds for one tile, per token of it (an MLP's intermediates, or the
+  // attention half's projections: models::LayerSpec::tileable_bytes_per_token); 0 = the layer is
+  // not tiled.
   std::uint64_t tileable_bytes_per_token = 0;
   // What its backward holds per token beyond that, untiled and tiled
   // (models::LayerSpec::backward_bytes_per_token): one layer's at a time.
   std::uint64_t backward_bytes_per_token = 0, backward_tiled_bytes_per_token = 0;
+  // What its forward without autograd holds per token at its peak, beyond its input
+  // (models::LayerSpec::forward_bytes_per_token).
+  std::uint64_t forward_bytes_per_token = 0;
   std::uint64_t output_bytes_per_token = 0;  // its output: a stage boundary or a checkpoint
   // Held only while the layer's backward runs, whatever the microbatch: the head's chunk of fp32
   // logits and their gradient, and its weight's fp32 gradient before it joins the accumulator.

@@ -15,6 +15,7 @@
 #include <mutex>
 #include <optional>
 #include <tuple>
+#include <utility>
 
 #include "kernels/error.h"
 #include "models/attention_masks.h"
@@ -369,12 +370,20 @@ at::Tensor attend_documents(const ModelConfig& c, std::int64_t block, const at::
 
 }  // namespace
 
+at::Tensor apply_rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+  return x * cos + rotate_half(x) * sin;
+}
+
 at::Tensor attend(const ModelConfig& c, const BlockWeights& w, at::Tensor q, at::Tensor k,
                   at::Tensor v, const AttentionContext& ctx, KvCache* cache) {
+  return attend_rotated(c, w, apply_rope(q, ctx.cos, ctx.sin), apply_rope(k, ctx.cos, ctx.sin),
+                        std::move(v), ctx, cache);
+}
+
+at::Tensor attend_rotated(const ModelConfig& c, const BlockWeights& w, const at::Tensor& q,
+                          at::Tensor k, at::Tensor v, const AttentionContext& ctx, KvCache* cache) {
   const std::int64_t B = q.size(0), T = q.size(2), H = c.num_heads, KV = c.num_kv_heads,
                      D = c.head_dim;
-  q = q * ctx.cos + rotate_half(q) * ctx.sin;
-  k = k * ctx.cos + rotate_half(k) * ctx.sin;
   // This layer's mask: the windowed one where the layer has a window of its own.
   const at::Tensor& layer_mask =
       ctx.window_mask.defined() && c.windowed(w.block) ? ctx.window_mask : ctx.mask;

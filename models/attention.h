@@ -106,5 +106,12 @@ AttentionContext make_decode_context(const ModelConfig& config, std::int64_t off
 // GPT-OSS's sinks) or on SDPA's fused kernels. Returns (B, H, T, D).
 at::Tensor attend(const ModelConfig& config, const BlockWeights& w, at::Tensor q, at::Tensor k,
                   at::Tensor v, const AttentionContext& ctx, KvCache* cache);
+// attend's two parts: the rotary positions on x (any layout whose second-to-last dimension lines
+// up with the tables' tokens, e.g. (B, heads, T, D) with cos and sin (B, 1, T, D), or a tile of
+// flattened tokens (n, heads, D) with their rows of the tables as (n, 1, D)), and attention on
+// rotated q and k.
+at::Tensor apply_rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
+at::Tensor attend_rotated(const ModelConfig& config, const BlockWeights& w, const at::Tensor& q,
+                          at::Tensor k, at::Tensor v, const AttentionContext& ctx, KvCache* cache);
 
 }  // namespace rondo::models

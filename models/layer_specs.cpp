@@ -112,20 +112,39 @@ std::uint64_t LayerSpec::activation_bytes_per_token(std::size_t act_bytes, std::
           (4 * c.hidden_size + 2 * (c.num_heads + 2 * c.num_kv_heads) * c.head_dim +
            c.num_heads * c.head_dim) *
           act_bytes;
-      // Attention: the probabilities on the plain path, kept for the backward; a logsumexp per
-      // head on the fused kernels.
-      const bool plain = c.attention_dropout > 0 || c.attention_sinks;
-      bytes += plain ? c.num_heads * T * act_bytes : c.num_heads * 4;
       // The norms' own (the input and post-attention norms, and q and k's where the family has
       // them).
       bytes += norm_kept_bytes(
           2 * c.hidden_size + (c.qk_norm ? (c.num_heads + c.num_kv_heads) * c.head_dim : 0),
           act_bytes, norms_trained);
-      // The MLP's intermediates (tileable_bytes_per_token).
-      return bytes + tileable_bytes_per_token(act_bytes);
+      // Attention's own, and the MLP's intermediates.
+      return bytes + attention_kept_bytes(act_bytes, T) + mlp_bytes_per_token(act_bytes);
     }
   }
   return 0;
+}
+
+std::uint64_t LayerSpec::attention_kept_bytes(std::size_t act_bytes, std::uint64_t seq_len) const {
+  // The probabilities on the plain path, kept for the backward; a logsumexp per head on the fused
+  // kernels.
+  const bool plain = config.attention_dropout > 0 || config.attention_sinks;
+  return plain ? config.num_heads * seq_len * act_bytes : config.num_heads * 4;
+}
+
+std::uint64_t LayerSpec::tiled_activation_bytes_per_token(std::size_t act_bytes,
+                                                          std::int64_t seq_len,
+                                                          bool norms_trained) const {
+  if (kind != LayerKind::kBlock)
+    return activation_bytes_per_token(act_bytes, seq_len, norms_trained);
+  // Note [Sequence tiling of the attention half] (models/layers.cpp): x, the rotated q, k and v,
+  // attention's output (as it returns it, and as the rows o takes) and the half's output; the
+  // rest is one tile's.
+  const ModelConfig& c = config;
+  return (2 * c.hidden_size + (c.num_heads + 2 * c.num_kv_heads) * c.head_dim +
+          2 * c.num_heads * c.head_dim) *
+             act_bytes +
+         attention_kept_bytes(act_bytes,
+                              static_cast<std::uint64_t>(std::max<std::int64_t>(seq_len, 0)));
 }
 
 std::uint64_t LayerSpec::backward_bytes_per_token(std::size_t act_bytes, bool tiled) const {
@@ -137,16 +156,37 @@ std::uint64_t LayerSpec::backward_bytes_per_token(std::size_t act_bytes, bool ti
   // Before the MLP's: the gradients of attention's tensors and of the normed input, and the input
   // norm's backward, in fp32 whatever the activations' dtype (its input, its input's gradient
   // and one temporary).
+  // Tiled (attention_backward_tiled): the gradient of the half's output, of attention's output
+  // (as o gives it, and as attention takes it) and of the rotated q, k and v; the rest is a tile's.
+  if (tiled)
+    return (c.hidden_size + (3 * c.num_heads + 2 * c.num_kv_heads) * c.head_dim) * act_bytes;
   const std::uint64_t attention =
       (c.hidden_size + (2 * c.num_heads + 2 * c.num_kv_heads) * c.head_dim) * act_bytes +
       3 * c.hidden_size * 4;
-  const std::uint64_t mlp = tiled             ? 0
-                            : c.sparse(block) ? 2 * c.experts_per_token * c.moe_intermediate_size
-                                              : 2 * c.intermediate_size;
+  const std::uint64_t mlp =
+      c.sparse(block) ? 2 * c.experts_per_token * c.moe_intermediate_size : 2 * c.intermediate_size;
   return std::max(attention, mlp * act_bytes);
 }
 
+std::uint64_t LayerSpec::forward_bytes_per_token(std::size_t act_bytes) const {
+  if (kind != LayerKind::kBlock) return 0;
+  // The half's output, the norm's fp32 copy of it (none in fp32), the normalised input in fp32,
+  // and the result in the activations' dtype (models::rms_norm).
+  const std::uint64_t C = config.hidden_size;
+  return C * act_bytes + (act_bytes < 4 ? 4 * C : 0) + 4 * C + C * act_bytes;
+}
+
 std::uint64_t LayerSpec::tileable_bytes_per_token(std::size_t act_bytes) const {
+  if (kind != LayerKind::kBlock) return 0;
+  // The attention half's share: what it keeps untiled beyond what it keeps tiled (its norms'
+  // own included), with the norm's fp32 transients.
+  const std::uint64_t attention =
+      activation_bytes_per_token(act_bytes) - mlp_bytes_per_token(act_bytes) -
+      tiled_activation_bytes_per_token(act_bytes) + 3 * config.hidden_size * 4;
+  return std::max(attention, mlp_bytes_per_token(act_bytes));
+}
+
+std::uint64_t LayerSpec::mlp_bytes_per_token(std::size_t act_bytes) const {
   const ModelConfig& c = config;
   if (kind != LayerKind::kBlock) return 0;
   // A sparse block: router logits and probabilities, and per routed copy of a token its gathered

@@ -50,18 +50,37 @@ struct LayerSpec {
   // `norms_trained` (full fine-tuning): in fp32 each norm also keeps its normalised input.
   std::uint64_t activation_bytes_per_token(std::size_t act_bytes, std::int64_t seq_len = 0,
                                            bool norms_trained = false) const;
-  // Of activation_bytes_per_token, what sequence tiling (AttentionContext::mlp_tile_tokens) holds
-  // for one tile only: a block's MLP intermediates (a sparse block's router and experts'). 0 for
-  // other layers.
+  // activation_bytes_per_token under sequence tiling (AttentionContext::mlp_tile_tokens, Note
+  // [Sequence tiling of the attention half] in models/layers.cpp): a block keeps its input, the
+  // rotated q, k and v, attention's output and its own, and the half's output; the rest exists for
+  // one tile. Other layers: as untiled.
+  std::uint64_t tiled_activation_bytes_per_token(std::size_t act_bytes, std::int64_t seq_len = 0,
+                                                 bool norms_trained = false) const;
+  // What one tile holds per token while sequence tiling runs a block (its forward; the backward
+  // holds their gradients beside them): the MLP's intermediates (a sparse block's router and
+  // experts') or the attention half's projections and norms, whichever is more. 0 for other
+  // layers.
   std::uint64_t tileable_bytes_per_token(std::size_t act_bytes) const;
   // What the layer's backward holds per token beyond what it keeps: the gradients of its
   // activations alive at once — in a block, those of the MLP's intermediates (2 x
   // intermediate_size) or, before them, of attention's q, k, v and output and the normed input
   // with the norm's fp32 backward, whichever is more; in the head, its normed input's gradient
-  // and the final norm's backward. `tiled`: the MLP's are one tile's (tileable_bytes_per_token), so
-  // only attention's count per token.
+  // and the final norm's backward. `tiled`: the MLP's and the projections' are one tile's, so
+  // only the gradients of the half's output, of attention's output and of q, k, v count.
   std::uint64_t backward_bytes_per_token(std::size_t act_bytes, bool tiled) const;
+  // What the layer's forward without autograd (a forward stage) holds per token at its peak
+  // beyond its input: in a block, the attention half's output beside the post-attention norm's
+  // fp32 work (its input in fp32, the normalised input, the result); the MLP's intermediates are
+  // activation_bytes_per_token's. 0 for other layers.
+  std::uint64_t forward_bytes_per_token(std::size_t act_bytes) const;
 
+ private:
+  // A block's MLP intermediates per token (a sparse block's router and experts').
+  std::uint64_t mlp_bytes_per_token(std::size_t act_bytes) const;
+  // What attention itself keeps per token for its backward, in rows of seq_len tokens.
+  std::uint64_t attention_kept_bytes(std::size_t act_bytes, std::uint64_t seq_len) const;
+
+ public:
   ModelConfig config;  // the model this layer belongs to (dimensions for the costs)
   // LoRA adapters among `params` (models/lora.h): their output is scaled by lora_scaling, their
   // input goes through dropout lora_dropout in training. 0 / 0 without adapters.

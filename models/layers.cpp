@@ -276,18 +276,160 @@ at::Tensor block_mlp(const ModelConfig& c, const BlockWeights& w, const at::Tens
   return project(w, BlockWeights::kDown, gated, w.down, w.down_bias, ctx, row);
 }
 
+template <typename F>
+void for_each_tile(std::int64_t rows, std::int64_t tile, const F& f) {
+  for (std::int64_t r = 0; r < rows; r += tile)
+    f(r, std::min(tile, rows - r));
+}
+
+// Note [Sequence tiling of the attention half]
+// Of a block's first half, x + o(attention(rope(q(n), k(n), v(n)))) with n = norm(x), only
+// attention itself mixes tokens. The rest runs over tiles of AttentionContext::mlp_tile_tokens
+// tokens of the flattened batch (B * T): the norm, the q, k and v projections (with their LoRA
+// adapters and dropout, drawn per token as the whole batch draws it), q and k's norms and the
+// rotary positions write each tile's rows of the rotated q, k and v; attention runs once over
+// them whole (its kernels never hold tokens x tokens); o and the residual run by tiles again.
+// What spans the sequence is x, the rotated q, k and v, attention's output (and its logsumexp)
+// and the half's output; the normed input, the projections before their norms and rotation, and
+// their fp32 transients exist for one tile. In training (attention_forward_tiled) q, k and v are
+// leaves of a graph holding attention alone; the backward (attention_backward_tiled) takes o's
+// gradient tile by tile, attention's once, then recomputes each tile's norm, projections and
+// rotation under autograd and backpropagates them.
+
+struct QkvTile {
+  at::Tensor q, k, v;  // (n, H, D), (n, KV, D), (n, KV, D); q and k rotated
+};
+
+// The rotated q, k and v of `x` (n, C), tokens from row `row` of the flattened batch on.
+QkvTile qkv_tile(const ModelConfig& c, const BlockWeights& w, const at::Tensor& x,
+                 const AttentionContext& ctx, std::int64_t row) {
+  const std::int64_t n = x.size(0), H = c.num_heads, KV = c.num_kv_heads, D = c.head_dim;
+  const at::Tensor h = rms_norm(c, x, w.input_norm);
+  at::Tensor q = project(w, BlockWeights::kQ, h, w.q, w.q_bias, ctx, row).view({n, H, D});
+  at::Tensor k = project(w, BlockWeights::kK, h, w.k, w.k_bias, ctx, row).view({n, KV, D});
+  at::Tensor v = project(w, BlockWeights::kV, h, w.v, w.v_bias, ctx, row).view({n, KV, D});
+  if (c.qk_norm) {
+    q = rms_norm(c, q, w.q_norm);
+    k = rms_norm(c, k, w.k_norm);
+  }
+  // The tables (B, 1, T, D) as rows of the flattened batch, (B * T, 1, D).
+  auto rows = [&](const at::Tensor& t) { return t.reshape({-1, 1, t.size(-1)}).narrow(0, row, n); };
+  const at::Tensor cos = rows(ctx.cos), sin = rows(ctx.sin);
+  return {apply_rope(q, cos, sin), apply_rope(k, cos, sin), v};
+}
+
+// Attention over the whole batch from rotated q, k, v as flattened tokens (B * T, heads, D);
+// returns (B * T, H * D).
+at::Tensor attend_flat(const ModelConfig& c, const BlockWeights& w, std::int64_t B,
+                       const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                       const AttentionContext& ctx) {
+  const std::int64_t T = q.size(0) / B;
+  auto heads = [&](const at::Tensor& t) {  // (B, heads, T, D)
+    return t.view({B, T, t.size(1), t.size(2)}).transpose(1, 2);
+  };
+  return attend_rotated(c, w, heads(q), heads(k), heads(v), ctx, nullptr)
+      .transpose(1, 2)
+      .reshape({B * T, -1});
+}
+
+// The tiled attention half's tensors that span the sequence (training).
+struct TiledAttention {
+  at::Tensor q, k, v;  // rotated, (B * T, heads, D): leaves requiring a gradient
+  at::Tensor a;        // attention's output (B * T, H * D), under autograd from q, k, v
+  at::Tensor out;      // x + o(a), (B, T, C), without a graph
+};
+
+// The rotated q, k, v of all of `x` (B, T, C), tile by tile, without autograd.
+QkvTile qkv_by_tiles(const ModelConfig& c, const BlockWeights& w, const at::Tensor& x,
+                     const AttentionContext& ctx) {
+  c10::AutoGradMode no_grad(false);
+  const at::Tensor flat = x.reshape({-1, x.size(-1)});
+  const std::int64_t N = flat.size(0), H = c.num_heads, KV = c.num_kv_heads, D = c.head_dim;
+  QkvTile all{at::empty({N, H, D}, x.options()), at::empty({N, KV, D}, x.options()),
+              at::empty({N, KV, D}, x.options())};
+  for_each_tile(N, ctx.mlp_tile_tokens, [&](std::int64_t r, std::int64_t n) {
+    const QkvTile t = qkv_tile(c, w, flat.narrow(0, r, n), ctx, r);
+    all.q.narrow(0, r, n).copy_(t.q);
+    all.k.narrow(0, r, n).copy_(t.k);
+    all.v.narrow(0, r, n).copy_(t.v);
+  });
+  return all;
+}
+
+// x + o(a) tile by tile, without autograd; (B, T, C) as x.
+at::Tensor output_by_tiles(const BlockWeights& w, const at::Tensor& x, const at::Tensor& a,
+                           const AttentionContext& ctx) {
+  c10::AutoGradMode no_grad(false);
+  const at::Tensor flat = x.reshape({-1, x.size(-1)});
+  at::Tensor out = at::empty_like(flat);
+  for_each_tile(flat.size(0), ctx.mlp_tile_tokens, [&](std::int64_t r, std::int64_t n) {
+    out.narrow(0, r, n).copy_(flat.narrow(0, r, n) + project(w, BlockWeights::kO, a.narrow(0, r, n),
+                                                             w.o, w.o_bias, ctx, r));
+  });
+  return out.view(x.sizes());
+}
+
+// The attention half by tiles without autograd (forward stages, evaluation).
+at::Tensor attention_half_by_tiles(const ModelConfig& c, const BlockWeights& w, const at::Tensor& x,
+                                   const AttentionContext& ctx) {
+  const QkvTile all = qkv_by_tiles(c, w, x, ctx);
+  return output_by_tiles(w, x, attend_flat(c, w, x.size(0), all.q, all.k, all.v, ctx), ctx);
+}
+
+// The attention half by tiles in training: attention's graph kept, the rest recomputed in
+// attention_backward_tiled.
+TiledAttention attention_forward_tiled(const ModelConfig& c, const BlockWeights& w,
+                                       const at::Tensor& x, const AttentionContext& ctx) {
+  QkvTile all = qkv_by_tiles(c, w, x.detach(), ctx);
+  TiledAttention t{all.q.requires_grad_(true), all.k.requires_grad_(true),
+                   all.v.requires_grad_(true)};
+  {
+    c10::AutoGradMode grad_mode(true);
+    t.a = attend_flat(c, w, x.size(0), t.q, t.k, t.v, ctx);
+  }
+  t.out = output_by_tiles(w, x.detach(), t.a.detach(), ctx);
+  return t;
+}
+
+// The backward of attention_forward_tiled from `x` and `grad` (the gradient of t.out, which it
+// turns into x's in place): returns the gradient of x; the weights' gradients add up in their
+// grad(). Leaves `t` empty.
+at::Tensor attention_backward_tiled(const ModelConfig& c, const BlockWeights& w,
+                                    const at::Tensor& x, TiledAttention& t, at::Tensor grad,
+                                    const AttentionContext& ctx) {
+  c10::AutoGradMode grad_mode(true);
+  const at::Tensor flat = x.detach().reshape({-1, x.size(-1)});
+  grad = grad.contiguous();
+  const at::Tensor grad_flat = grad.view({-1, grad.size(-1)});
+  const std::int64_t N = flat.size(0);
+  at::Tensor grad_a = at::empty_like(t.a);
+  for_each_tile(N, ctx.mlp_tile_tokens, [&](std::int64_t r, std::int64_t n) {
+    const at::Tensor a = t.a.narrow(0, r, n).detach().requires_grad_(true);
+    project(w, BlockWeights::kO, a, w.o, w.o_bias, ctx, r).backward(grad_flat.narrow(0, r, n));
+    grad_a.narrow(0, r, n).copy_(a.grad());
+  });
+  t.a.backward(grad_a);
+  t.a.reset();
+  grad_a.reset();
+  const at::Tensor& grad_x = grad_flat;  // the residual's, then the norm's added
+  for_each_tile(N, ctx.mlp_tile_tokens, [&](std::int64_t r, std::int64_t n) {
+    const at::Tensor xt = flat.narrow(0, r, n).detach().requires_grad_(true);
+    const QkvTile qkv = qkv_tile(c, w, xt, ctx, r);
+    torch::autograd::backward(
+        {qkv.q, qkv.k, qkv.v},
+        {t.q.grad().narrow(0, r, n), t.k.grad().narrow(0, r, n), t.v.grad().narrow(0, r, n)});
+    grad_x.narrow(0, r, n).add_(xt.grad());
+  });
+  t = TiledAttention{};
+  return grad;
+}
+
 // Sequence tiling (AttentionContext::mlp_tile_tokens): a block's MLP, a function of each token
 // alone, runs over tiles of that many tokens of the flattened batch, so that its intermediates
 // (4 x intermediate_size a token, or a sparse block's router probabilities and its experts' for
 // each routed copy of a token, and their gradients) exist for one tile at a time. Without
 // autograd here; mlp_backward_by_tiles is its backward. A sparse block's routing record adds up
 // over the tiles (moe_mlp): the load-balancing loss is linear in each tile's probability sums.
-
-template <typename F>
-void for_each_tile(std::int64_t rows, std::int64_t tile, const F& f) {
-  for (std::int64_t r = 0; r < rows; r += tile)
-    f(r, std::min(tile, rows - r));
-}
 
 at::Tensor mlp_by_tiles(const ModelConfig& c, const BlockWeights& w, const at::Tensor& out,
                         const AttentionContext& ctx) {
@@ -337,10 +479,12 @@ at::Tensor mlp_backward_by_tiles(const ModelConfig& c, const BlockWeights& w, co
 
 at::Tensor block_forward(const ModelConfig& c, const BlockWeights& w, const at::Tensor& x,
                          const AttentionContext& ctx, KvCache* cache) {
-  const at::Tensor out = attention_half(c, w, x, ctx, cache);
   // Under autograd the tiles are blocks_backward's to run (a graph over tiles would keep them all).
-  if (ctx.mlp_tile_tokens > 0 && !at::GradMode::is_enabled())
+  if (ctx.mlp_tile_tokens > 0 && !at::GradMode::is_enabled() && cache == nullptr) {
+    const at::Tensor out = attention_half_by_tiles(c, w, x, ctx);
     return out + mlp_by_tiles(c, w, out, ctx);
+  }
+  const at::Tensor out = attention_half(c, w, x, ctx, cache);
   return out + block_mlp(c, w, out, ctx, 0);
 }
 
@@ -404,14 +548,15 @@ void collect_weight_grads(const std::vector<BlockRun>& blocks, std::size_t first
   }
 }
 
-// forward_and_backward with the MLPs tiled: each block's attention half runs under autograd from
-// an input of its own; its MLP runs tile by tile without autograd, and in the backward tile by
-// tile again, recomputed (mlp_backward_by_tiles), before the attention half's graph takes the sum
-// of both gradients. What the untiled graph would keep of the MLPs (four intermediates of
-// intermediate_size a token, or a sparse block's router and experts') is held for one tile at a
-// time. Without `output_used` (a recompute, whose gradient comes from outside) the last block's
-// MLP is not run forward at all: its tiles run once, in the backward, as the untiled recompute's
-// MLP does.
+// forward_and_backward tiled: each block's attention half runs by tiles around one attention
+// under autograd (attention_forward_tiled, Note [Sequence tiling of the attention half]); its MLP
+// runs tile by tile without autograd, and in the backward tile by tile again, recomputed
+// (mlp_backward_by_tiles), before the attention half's backward takes the sum of both gradients.
+// What the untiled graph would keep of the MLPs (four intermediates of intermediate_size a token,
+// or a sparse block's router and experts') and of the attention half's projections and norms is
+// held for one tile at a time. Without `output_used` (a recompute, whose gradient comes from
+// outside) the last block's MLP is not run forward at all: its tiles run once, in the backward,
+// as the untiled recompute's MLP does.
 at::Tensor forward_and_backward_tiled(const ModelConfig& c, const std::vector<BlockRun>& blocks,
                                       std::size_t first, std::size_t end, const at::Tensor& x,
                                       const AttentionContext& ctx,
@@ -421,19 +566,19 @@ at::Tensor forward_and_backward_tiled(const ModelConfig& c, const std::vector<Bl
   const std::vector<std::vector<at::Tensor>> leaves = weight_leaves(blocks, first, end);
   const std::size_t n = end - first;
   std::vector<BlockWeights> bound;
-  std::vector<at::Tensor> inputs(n), halves(n);
+  std::vector<at::Tensor> inputs(n);
+  std::vector<TiledAttention> halves(n);
   at::Tensor h = x.detach();
   for (std::size_t i = 0; i < n; ++i) {
     bound.push_back(BlockWeights::bind(*blocks[first + i].spec, leaves[i]));
-    inputs[i] = h.detach().requires_grad_(true);
-    halves[i] = attention_half(c, bound[i], inputs[i], ctx, nullptr);
+    inputs[i] = h;
+    halves[i] = attention_forward_tiled(c, bound[i], inputs[i], ctx);
     if (i + 1 == n && !output_used) {
       h = at::Tensor();
       break;
     }
     c10::AutoGradMode no_grad(false);
-    const at::Tensor out = halves[i].detach();
-    h = out + mlp_by_tiles(c, bound[i], out, ctx);
+    h = halves[i].out + mlp_by_tiles(c, bound[i], halves[i].out, ctx);
   }
   at::Tensor grad;
   {
@@ -441,11 +586,12 @@ at::Tensor forward_and_backward_tiled(const ModelConfig& c, const std::vector<Bl
     grad = grad_of(h);
   }
   for (std::size_t i = n; i-- > 0;) {
-    const at::Tensor through_mlp =
-        mlp_backward_by_tiles(c, bound[i], halves[i].detach(), grad, ctx);
-    halves[i].backward(grad + through_mlp);
-    halves[i].reset();  // its graph goes with it
-    grad = inputs[i].grad();
+    // One gradient of the sequence's length at a time beside what the backward needs: the MLP's
+    // gets the residual's added in place, and becomes the input's in place.
+    at::Tensor g = mlp_backward_by_tiles(c, bound[i], halves[i].out, grad, ctx);
+    g.add_(grad);
+    grad.reset();
+    grad = attention_backward_tiled(c, bound[i], inputs[i], halves[i], std::move(g), ctx);
     inputs[i].reset();
   }
   collect_weight_grads(blocks, first, end, leaves);

@@ -100,18 +100,29 @@ struct MemoryModel : ::testing::Test {
 };
 
 TEST_F(MemoryModel, PlannedDevicePeakIsTheLedgersWithinTenPercentAcrossLengths) {
-  // One block balanced between attention and the MLP, one whose MLP is nearly all of it.
-  for (auto [hidden, intermediate] : {std::pair{64, 256}, std::pair{32, 4096}}) {
-    const fs::path m = model("model-" + std::to_string(intermediate), hidden, intermediate);
+  // One block balanced between attention and the MLP, one whose MLP is nearly all of it; and the
+  // balanced one tiled through the sequence (attention half and MLP, tiles of 256 tokens).
+  struct Shape {
+    int hidden, intermediate;
+    const char* tile;
+  };
+  for (const Shape& shape : {Shape{64, 256, ""}, Shape{32, 4096, ""},
+                             Shape{64, 256, "--set training.sequence_tile=256"}}) {
+    const fs::path m =
+        model("model-" + std::to_string(shape.intermediate), shape.hidden, shape.intermediate);
     for (std::int64_t len : {512, 1024, 2048, 8192}) {
-      const Run r =
-          train(m, len, "run-" + std::to_string(intermediate) + "-" + std::to_string(len));
+      const Run r = train(m, len,
+                          "run-" + std::to_string(shape.intermediate) + "-" + std::to_string(len) +
+                              (*shape.tile ? "-tiled" : ""),
+                          shape.tile);
       ASSERT_GT(r.measured, 0);
       const double ratio = r.predicted / r.measured;
-      std::printf("C=%d I=%d, %5lld tokens: planned %.1f MiB, ledger %.1f MiB (%.3f) %s\n", hidden,
-                  intermediate, static_cast<long long>(len), r.predicted / 1048576.0,
-                  r.measured / 1048576.0, ratio, r.plan.c_str());
-      EXPECT_NEAR(ratio, 1.0, 0.10) << len << " tokens, I = " << intermediate;
+      std::printf("C=%d I=%d, %5lld tokens: planned %.1f MiB, ledger %.1f MiB (%.3f) %s\n",
+                  shape.hidden, shape.intermediate, static_cast<long long>(len),
+                  r.predicted / 1048576.0, r.measured / 1048576.0, ratio, r.plan.c_str());
+      EXPECT_NEAR(ratio, 1.0, 0.10)
+          << len << " tokens, I = " << shape.intermediate << " " << shape.tile;
+      if (*shape.tile) EXPECT_NE(r.plan.find("tile=256"), std::string::npos) << r.plan;
     }
   }
 }

@@ -1,6 +1,8 @@
-// Sequence tiling (AttentionContext::mlp_tile_tokens): a block's MLP (dense, or a sparse block's
-// router and experts with the load-balancing loss) run over tiles of the flattened batch — in the
-// forward without autograd, in the backward recomputed tile by tile — gives the outputs and
+// Sequence tiling (AttentionContext::mlp_tile_tokens): a block's attention half (its norm, q, k, v
+// and o projections, q and k's norms and the rotary positions, around one whole attention) and
+// its MLP (dense, or a sparse block's router and experts with the load-balancing loss) run over
+// tiles of the flattened batch — in the forward without autograd, in the backward recomputed tile
+// by tile — gives the outputs and
 // gradients of the untiled block: forward stages, the backward from checkpoints in stage and
 // layer grain, and the fused tail's forward and backward, with LoRA dropout drawing the same mask
 // per token whatever the tile. The untiled path itself is checked against transformers and peft
