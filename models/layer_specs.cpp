@@ -153,13 +153,13 @@ std::uint64_t LayerSpec::backward_bytes_per_token(std::size_t act_bytes, bool ti
   // chunk, then the final norm's backward in fp32 (its input, its gradient and one temporary).
   if (kind == LayerKind::kHead) return c.hidden_size * act_bytes + 3 * c.hidden_size * 4;
   if (kind != LayerKind::kBlock) return 0;
-  // Before the MLP's: the gradients of attention's tensors and of the normed input, and the input
-  // norm's backward, in fp32 whatever the activations' dtype (its input, its input's gradient
-  // and one temporary).
   // Tiled (attention_backward_tiled): the gradient of the half's output, of attention's output
   // (as o gives it, and as attention takes it) and of the rotated q, k and v; the rest is a tile's.
   if (tiled)
     return (c.hidden_size + (3 * c.num_heads + 2 * c.num_kv_heads) * c.head_dim) * act_bytes;
+  // Untiled, before the MLP's: the gradients of attention's tensors and of the normed input, and
+  // the input norm's backward, in fp32 whatever the activations' dtype (its input, its input's
+  // gradient and one temporary).
   const std::uint64_t attention =
       (c.hidden_size + (2 * c.num_heads + 2 * c.num_kv_heads) * c.head_dim) * act_bytes +
       3 * c.hidden_size * 4;
