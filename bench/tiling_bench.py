@@ -11,12 +11,13 @@ backward, so it is chosen only where a plan does not fit without it.
 """
 import argparse
 import json
-import random
 import statistics
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+from word_documents import write_word_documents
 
 
 def main():
@@ -40,12 +41,7 @@ def main():
         config = json.loads((model / "config.json").read_text())
         config["max_position_embeddings"] = max(args.seq, 512)
         (model / "config.json").write_text(json.dumps(config))
-        rng = random.Random(1)
-        words = "alpha beta gamma delta river stone cloud light quiet north".split()
-        with open(tmp / "train.jsonl", "w") as f:
-            for _ in range(2000):
-                f.write(json.dumps({"text": " ".join(rng.choice(words)
-                                                     for _ in range(rng.randint(60, 120)))}) + "\n")
+        write_word_documents(tmp / "train.jsonl", 2000)
 
         def step_seconds(tile, run):
             folder = tmp / f"run-{run}"
