@@ -66,7 +66,7 @@ std::vector<Field> fields(engine::TrainConfig& c) {
       {"training.seed", &c.training.seed, "initialisation, shuffling, dropout"},
       {"training.one_step_stale", &c.training.one_step_stale, "RoundPipe's asynchronous update"},
       {"training.sequence_tile", &c.training.sequence_tile,
-       "tokens per MLP tile; -1 = the planner's choice, 0 = never"},
+       "tokens per sequence tile; -1 = the planner's choice, 0 = never"},
       {"training.deterministic", &c.training.deterministic,
        "deterministic GPU kernels: exact resume on GPUs"},
       {"checkpoint.every", &c.checkpoint.every, "steps between checkpoints; 0 = at the end"},

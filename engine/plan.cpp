@@ -81,7 +81,8 @@ std::vector<std::string> PlanInputs::problems() const {
   if (devices.empty()) out.push_back("no devices to plan for");
   if (tokens_per_step <= 0) out.push_back("tokens per step must be positive");
   if (mlp_tile_tokens < -1)
-    out.push_back("the MLP tile must be -1 (the planner's choice), 0 (none) or a number of tokens");
+    out.push_back(
+        "the sequence tile must be -1 (the planner's choice), 0 (none) or a number of tokens");
   if (microbatches < 0) out.push_back("microbatches must not be negative");
   if (tokens_per_step > 0 && resolved_microbatches() > tokens_per_step)
     out.push_back("more microbatches (" + std::to_string(resolved_microbatches()) +

@@ -41,8 +41,8 @@ struct Plan {
   std::vector<LayerRange> backward;  // after the tail, descending, covering [0, tail.begin)
   int microbatches = 1;              // M: a job runs its stage over all of them
   RecomputeGrain grain = RecomputeGrain::kStage;
-  // Sequence tiling: blocks run their MLP over tiles of this many tokens of a microbatch
-  // (models::AttentionContext::mlp_tile_tokens), in forward and backward; 0 = untiled.
+  // Sequence tiling: blocks run all but attention itself over tiles of this many tokens of a
+  // microbatch (models::AttentionContext::mlp_tile_tokens), in forward and backward; 0 = untiled.
   std::int64_t mlp_tile_tokens = 0;
 
   int layers() const { return tail.end; }

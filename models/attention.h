@@ -60,10 +60,12 @@ struct AttentionContext {
   // Set by the backward while it recomputes: each sparse block appends its per-expert sums of
   // router probabilities (E), under autograd.
   std::vector<at::Tensor>* router_prob_sums = nullptr;
-  // Sequence tiling: a block's MLP (dense or sparse) runs over tiles of this many tokens of the
+  // Sequence tiling: everything in a block but attention itself (the norms, projections and
+  // rotary positions, the MLP dense or sparse) runs over tiles of this many tokens of the
   // flattened batch (B * T), so that its intermediates exist for one tile at a time; in the
-  // backward each tile is recomputed (models/layers.h, blocks_backward). 0 = the whole batch at
-  // once. The planner chooses it (engine::Plan::mlp_tile_tokens).
+  // backward each tile is recomputed (models/layers.h, blocks_backward; Note [Sequence tiling of
+  // the attention half] in models/layers.cpp). 0 = the whole batch at once. The planner chooses
+  // it (engine::Plan::mlp_tile_tokens; the name is older than the attention half's tiling).
   std::int64_t mlp_tile_tokens = 0;
   // Training: >= 0 turns dropout on (the config's attention_dropout). Every random draw is a pure
   // function of (dropout_seed, block, element), with no generator state, so a recompute from a

@@ -2,7 +2,7 @@
 // whose ledger counts the engine's buffers and everything torch allocates for its work
 // (Note [Torch's memory on a simulated device], engine/torch_device.cpp), peaks within 10% of the
 // plan's prediction at sequence lengths spanning 16x. And under a cap smaller than one block's
-// untiled activations at its length the planner tiles the sequence through the MLPs: the run
+// untiled activations at its length the planner tiles the sequence through the blocks: the run
 // completes under the cap and trains what the uncapped, untiled run trains. About 25 s.
 #include <gtest/gtest.h>
 #include <unistd.h>
