@@ -827,6 +827,10 @@ RunEstimate estimate_run(const TrainConfig& config, const models::ModelSummary& 
         e.inputs = capped;
         e.devices.devices[0].bytes_cap = capped.devices[0].memory_cap;
         needs_for_plan();
+        // Its smaller stages hold fewer copies: what the host now has room for comes back from
+        // the tier, as after the plan above (the device's cap stands: the budget check counts
+        // its predicted peak, which bringing state back only lowers).
+        if (bring_back({kTrained, kBase, kGrads, kOptimizer})) account();
       } catch (const Error&) {
         // No plan fits the device under it: the host memory problem below says what to change.
       }

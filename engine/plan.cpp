@@ -788,6 +788,15 @@ Plan plan_ours(const PlanInputs& in) {
       if (!pred.fits) continue;
       if (!best || pred.step_time_s < best->second.step_time_s - 1e-15) best = {{plan, pred}};
     }
+    // None fits: single-layer jobs, the least device memory a plan takes. The budgets above start
+    // at the heaviest layer's cost, which where one layer (a large vocabulary's head on a slow
+    // CPU) outweighs many packs several blocks into a job, whose neighbours then pass the cap.
+    // Only then: they save the most checkpoints, which host memory holds.
+    if (!best)
+      if (std::optional<Plan> plan = p.pack(0.0)) {
+        PlanPrediction pred = predict(*plan, inputs);
+        if (pred.fits) best = {{*plan, pred}};
+      }
     return best;
   };
   // The planner's tile: none when a plan fits so (tiling recomputes the MLPs once more in the
