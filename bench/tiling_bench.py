@@ -6,8 +6,14 @@ untiled, ...) so that a busy moment of the machine falls on both; the figure is 
 median step times. The aim is >= 0.9 (issue 35): tiling recomputes the MLPs once more in the
 backward, so it is chosen only where a plan does not fit without it.
 
+What long rows hold decides what that recompute weighs against: `--documents long` (the default)
+fills each row with one document longer than it, as long-context training does, so attention over
+the whole row is most of a step; `--documents packed` packs documents of a few hundred tokens,
+each attended alone, so the projections and MLPs are most of it and the recompute weighs most.
+
     bench/tiling_bench.py [--rondo build/cli/rondo] [--tiny-model build/tests/rondo_tiny_model]
                           [--seq 8192] [--steps 4] [--rounds 2] [--tiles 4096,2048,1024]
+                          [--documents long|packed]
 """
 import argparse
 import json
@@ -30,6 +36,7 @@ def main():
     ap.add_argument("--tiles", default="4096,2048,1024")
     ap.add_argument("--hidden", type=int, default=128)
     ap.add_argument("--intermediate", type=int, default=512)
+    ap.add_argument("--documents", choices=["long", "packed"], default="long")
     args = ap.parse_args()
     tiles = [int(t) for t in args.tiles.split(",")]
 
@@ -41,7 +48,11 @@ def main():
         config = json.loads((model / "config.json").read_text())
         config["max_position_embeddings"] = max(args.seq, 512)
         (model / "config.json").write_text(json.dumps(config))
-        write_word_documents(tmp / "train.jsonl", 2000)
+        if args.documents == "long":
+            # About 3 tokens a word with the tiny tokenizer: every document outruns a row.
+            write_word_documents(tmp / "train.jsonl", 64, (args.seq // 2, args.seq // 2))
+        else:
+            write_word_documents(tmp / "train.jsonl", 2000)
 
         def step_seconds(tile, run):
             folder = tmp / f"run-{run}"
@@ -69,8 +80,8 @@ def main():
                 run += 1
         base = statistics.median(times[0])
         tokens = 2 * args.seq
-        print(f"{args.seq} tokens a row, 2 microbatches a step, C={args.hidden} "
-              f"I={args.intermediate}, 2 simulated devices, fp32")
+        print(f"{args.seq} tokens a row ({args.documents} documents), 2 microbatches a step, "
+              f"C={args.hidden} I={args.intermediate}, 2 simulated devices, fp32")
         print(f"untiled: {plans[0]}: {tokens / base:.0f} tokens/s (median of {len(times[0])} "
               "steps)")
         for tile in tiles:

@@ -227,14 +227,26 @@ at::Tensor seeded_dropout(const at::Tensor& x, double p, std::int64_t seed,
                           std::int64_t first_index) {
   if (p <= 0) return x;
   const std::int64_t m32 = 0xffffffffLL;
-  at::Tensor idx = at::arange(first_index, first_index + x.numel(), x.options().dtype(at::kLong))
-                       .view(x.sizes());
   const std::int64_t s_lo = seed & m32, s_hi = (seed >> 32) & m32;
-  at::Tensor h = hash32(idx.bitwise_right_shift(32).bitwise_xor(s_hi));
-  h = hash32(h.bitwise_xor(idx.bitwise_and(m32)).bitwise_xor(s_lo));
-  h = hash32(h.bitwise_xor(s_lo));
-  at::Tensor keep = h.ge(static_cast<std::int64_t>(p * 4294967296.0));
-  return x * keep.to(x.scalar_type()) * (1.0 / (1.0 - p));
+  const auto threshold = static_cast<std::int64_t>(p * 4294967296.0);
+  // The mask in x's dtype, hashed a slice of kSlice values at a time: the hash's int64
+  // intermediates take 8 bytes a value, several at once (about 40 bytes for each of x's values
+  // unsliced: 10 GiB for one projection's input of 131,072 tokens by 2,048), and bounded so they
+  // stay within a few tens of MiB whatever the sequence.
+  constexpr std::int64_t kSlice = std::int64_t{1} << 21;
+  const std::int64_t n = x.numel();
+  at::Tensor keep = at::empty(x.sizes(), x.options());  // row-major: flat index = x's
+  at::Tensor flat = keep.view({-1});
+  for (std::int64_t start = 0; start < n; start += kSlice) {
+    const std::int64_t len = std::min(kSlice, n - start);
+    const at::Tensor idx =
+        at::arange(first_index + start, first_index + start + len, x.options().dtype(at::kLong));
+    at::Tensor h = hash32(idx.bitwise_right_shift(32).bitwise_xor(s_hi));
+    h = hash32(h.bitwise_xor(idx.bitwise_and(m32)).bitwise_xor(s_lo));
+    h = hash32(h.bitwise_xor(s_lo));
+    flat.narrow(0, start, len).copy_(h.ge(threshold));
+  }
+  return x * keep * (1.0 / (1.0 - p));
 }
 
 at::Tensor embed(const at::Tensor& embed_weight, const at::Tensor& tokens) {

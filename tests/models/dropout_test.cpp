@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstdint>
 
 #include "models/layers.h"
 
@@ -33,6 +34,40 @@ TEST(Dropout, KeepsOneMinusPScaledAndReplaysBySeed) {
   EXPECT_TRUE(seeded_dropout(x, 0.0, 1).equal(x));
   // Seeds past 32 bits count too.
   EXPECT_FALSE(seeded_dropout(x, 0.5, 1).equal(seeded_dropout(x, 0.5, 1 + (1ll << 40))));
+}
+
+// The mask is what its definition says, element by element, where it is built a slice at a time
+// (tensors larger than a slice of 2^21 values, a first index past 32 bits): Chris Wellons'
+// lowbias32 of (index high word ^ seed high word), then of that ^ index low word ^ seed low word,
+// then of that ^ seed low word; kept where it is at least p * 2^32. In scalar code here.
+std::uint32_t lowbias32(std::uint32_t x) {
+  x ^= x >> 16;
+  x *= 0x7feb352du;
+  x ^= x >> 15;
+  x *= 0x846ca68bu;
+  x ^= x >> 16;
+  return x;
+}
+
+TEST(Dropout, TheMaskIsTheHashOfEachElementsIndex) {
+  const std::int64_t rows = 3, cols = 1'500'001, first = 5'000'000'017LL;
+  const std::int64_t seed = (7LL << 40) + 99;
+  const double p = 0.3;
+  const at::Tensor x = at::rand({rows, cols}) + 0.5;  // no zeros
+  const at::Tensor y = seeded_dropout(x, p, seed, first);
+  const auto lo = static_cast<std::uint32_t>(seed), hi = static_cast<std::uint32_t>(seed >> 32);
+  const auto threshold = static_cast<std::uint64_t>(p * 4294967296.0);
+  at::Tensor want = at::empty({rows * cols}, at::kBool);
+  bool* w = want.data_ptr<bool>();
+  for (std::int64_t i = 0; i < rows * cols; ++i) {
+    const auto index = static_cast<std::uint64_t>(first + i);
+    std::uint32_t h = lowbias32(static_cast<std::uint32_t>(index >> 32) ^ hi);
+    h = lowbias32(h ^ static_cast<std::uint32_t>(index) ^ lo);
+    h = lowbias32(h ^ lo);
+    w[i] = h >= threshold;
+  }
+  EXPECT_TRUE(y.ne(0).reshape({-1}).equal(want));
+  EXPECT_TRUE(at::allclose(y, x * want.view({rows, cols}) / (1 - p), 1e-6, 0));
 }
 
 }  // namespace
