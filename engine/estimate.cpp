@@ -478,9 +478,7 @@ RunEstimate estimate_run(const TrainConfig& config, const models::ModelSummary& 
     e.inputs.layers.push_back(
         {.forward_s_per_token = f,
          .backward_s_per_token = b,
-         .tiled_recompute_s_per_token = specs[l].kind == models::LayerKind::kBlock
-                                            ? specs[l].flops_forward_per_token(0) / ref
-                                            : 0,
+         .tiled_recompute_s_per_token = specs[l].flops_tiled_recompute_per_token() / ref,
          .param_bytes = stored,
          .device_param_bytes = stored != dequantised ? dequantised : 0,
          .grad_bytes = trained * 4,

@@ -62,7 +62,8 @@ struct Plan {
 struct LayerCosts {
   double forward_s_per_token = 0;   // forward (= recompute)
   double backward_s_per_token = 0;  // backward alone (without the recompute)
-  // Under sequence tiling, what a backward computes once more: a block's projections and MLP.
+  // Under sequence tiling, what a backward computes once more: those of a block's projections
+  // whose values its backward needs (models::LayerSpec::flops_tiled_recompute_per_token).
   double tiled_recompute_s_per_token = 0;
   std::uint64_t param_bytes = 0;         // streamed to the device for every job holding the layer
                                          // (as stored: quantised where the base is kept so)

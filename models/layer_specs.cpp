@@ -83,6 +83,24 @@ double LayerSpec::flops_backward_per_token(std::int64_t seq_len) const {
   return 2.0 * flops_forward_per_token(seq_len);
 }
 
+double LayerSpec::flops_tiled_recompute_per_token() const {
+  if (kind != LayerKind::kBlock) return 0;
+  double flops = flops_forward_per_token(0);
+  auto ends_with = [](const std::string& s, const std::string& end) {
+    return s.size() >= end.size() && s.compare(s.size() - end.size(), end.size(), end) == 0;
+  };
+  for (const ParamSpec& p : params) {
+    bool gradients_alone = ends_with(p.name, "self_attn.o_proj.weight") ||
+                           ends_with(p.name, "self_attn.v_proj.weight") ||
+                           ends_with(p.name, ".mlp.down_proj.weight");
+    if (!config.qk_norm)
+      gradients_alone = gradients_alone || ends_with(p.name, "self_attn.q_proj.weight") ||
+                        ends_with(p.name, "self_attn.k_proj.weight");
+    if (gradients_alone) flops -= 2.0 * static_cast<double>(p.numel());
+  }
+  return flops;
+}
+
 namespace {
 // What an RMSNorm (models::rms_norm) keeps for its backward beyond its input and output, per
 // token, for norms over `width` values: below fp32 activations only an fp32 scale a token (Note

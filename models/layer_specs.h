@@ -41,6 +41,11 @@ struct LayerSpec {
   double flops_forward_per_token(std::int64_t seq_len) const;
   // Backward without recompute: twice the forward (input and weight gradients).
   double flops_backward_per_token(std::int64_t seq_len) const;
+  // What a block's backward under sequence tiling computes once more, per token: its forward
+  // without attention, less the projections recomputed for their gradients alone (o, v, a dense
+  // MLP's down, q and k where they have no norms: Note [Projections recomputed for their
+  // gradients alone] in models/layers.cpp). 0 for other layers.
+  double flops_tiled_recompute_per_token() const;
   // Bytes autograd keeps per token to run this layer's backward, activations in `act` dtype
   // (an estimate from the shapes). Attention as it runs in training (models::attend): on the
   // fused kernels (flash or memory-efficient attention, per document or under a mask, on CUDA

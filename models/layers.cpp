@@ -23,6 +23,34 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b)
   return b.defined() ? at::linear(x, w, b) : at::linear(x, w);
 }
 
+// Note [Projections recomputed for their gradients alone]
+// A tiled backward (attention_backward_tiled, mlp_backward_by_tiles) recomputes each tile's
+// norm, projections and MLP under autograd only to backpropagate through them. A linear layer's
+// backward needs its input and weight, never its output: where nothing between a projection and
+// the tile's graph outputs needs the projection's values (o; v; q and k, whose rotation is linear
+// in them, unless they have norms; the MLP's down), it runs as BackwardOnlyLinear, whose forward
+// computes nothing (zeros of the output's shape) and whose backward is the linear layer's. The
+// recompute then costs those projections' backward alone, as untiled training does.
+struct BackwardOnlyLinear : torch::autograd::Function<BackwardOnlyLinear> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x,
+                            const at::Tensor& weight) {
+    ctx->save_for_backward({x, weight});
+    std::vector<std::int64_t> sizes = x.sizes().vec();
+    sizes.back() = weight.size(0);
+    return at::zeros(sizes, x.options());
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const at::Tensor &x = saved[0], &weight = saved[1];
+    const at::Tensor g = grads[0].reshape({-1, grads[0].size(-1)});
+    at::Tensor g_x, g_weight;
+    if (ctx->needs_input_grad(0)) g_x = g.mm(weight).view(x.sizes());
+    if (ctx->needs_input_grad(1)) g_weight = g.t().mm(x.reshape({-1, x.size(-1)}));
+    return {g_x, g_weight};
+  }
+};
+
 std::int64_t mix_seed(std::int64_t seed, std::int64_t a, std::int64_t b) {
   std::uint64_t z = static_cast<std::uint64_t>(seed) * 1000003u + static_cast<std::uint64_t>(a);
   z = z * 1000003u + static_cast<std::uint64_t>(b);
@@ -31,11 +59,14 @@ std::int64_t mix_seed(std::int64_t seed, std::int64_t a, std::int64_t b) {
 
 // A projection of a block, with its LoRA adapter when it has one (as PEFT computes it). `row`
 // is the token row of the batch (flattened, B * T) that x's first row is: a tile of tokens draws
-// the LoRA dropout the whole batch draws for those tokens.
+// the LoRA dropout the whole batch draws for those tokens. Without `values`, only its gradients
+// are right (Note [Projections recomputed for their gradients alone]).
 at::Tensor project(const BlockWeights& w, BlockWeights::Projection p, const at::Tensor& x,
                    const at::Tensor& weight, const at::Tensor& bias, const AttentionContext& ctx,
-                   std::int64_t row = 0) {
-  at::Tensor y = linear(x, weight, bias);
+                   std::int64_t row = 0, bool values = true) {
+  at::Tensor y = values           ? linear(x, weight, bias)
+                 : bias.defined() ? BackwardOnlyLinear::apply(x, weight) + bias
+                                  : BackwardOnlyLinear::apply(x, weight);
   if (!w.lora_a[p].defined()) return y;
   at::Tensor in = x;
   if (w.lora_dropout > 0 && ctx.dropout_seed >= 0)
@@ -277,15 +308,17 @@ at::Tensor attention_half(const ModelConfig& c, const BlockWeights& w, const at:
 }
 
 // A block's MLP with its norm on tokens whose first is row `row` of the flattened batch: for
-// n = norm(out), down(silu(gate(n)) * up(n)), or a sparse block's experts (moe_mlp).
+// n = norm(out), down(silu(gate(n)) * up(n)), or a sparse block's experts (moe_mlp). Without
+// `values` a dense MLP's output is zeros and only its gradients are right (down runs as
+// BackwardOnlyLinear).
 at::Tensor block_mlp(const ModelConfig& c, const BlockWeights& w, const at::Tensor& out,
-                     const AttentionContext& ctx, std::int64_t row) {
+                     const AttentionContext& ctx, std::int64_t row, bool values = true) {
   const at::Tensor h = rms_norm(c, out, w.post_norm);
   if (w.router.defined()) return moe_mlp(c, w, h, ctx, row);
   const at::Tensor gated =
       at::silu(project(w, BlockWeights::kGate, h, w.gate, w.gate_bias, ctx, row)) *
       project(w, BlockWeights::kUp, h, w.up, w.up_bias, ctx, row);
-  return project(w, BlockWeights::kDown, gated, w.down, w.down_bias, ctx, row);
+  return project(w, BlockWeights::kDown, gated, w.down, w.down_bias, ctx, row, values);
 }
 
 template <typename F>
@@ -306,20 +339,26 @@ void for_each_tile(std::int64_t rows, std::int64_t tile, const F& f) {
 // their fp32 transients exist for one tile. In training (attention_forward_tiled) q, k and v are
 // leaves of a graph holding attention alone; the backward (attention_backward_tiled) takes o's
 // gradient tile by tile, attention's once, then recomputes each tile's norm, projections and
-// rotation under autograd and backpropagates them.
+// rotation under autograd and backpropagates them (o, v, and q and k without norms, for their
+// gradients alone: Note [Projections recomputed for their gradients alone]).
 
 struct QkvTile {
   at::Tensor q, k, v;  // (n, H, D), (n, KV, D), (n, KV, D); q and k rotated
 };
 
-// The rotated q, k and v of `x` (n, C), tokens from row `row` of the flattened batch on.
+// The rotated q, k and v of `x` (n, C), tokens from row `row` of the flattened batch on. Without
+// `values`, for a backward: only their gradients are right (q and k's values too where they have
+// norms, whose backward needs them).
 QkvTile qkv_tile(const ModelConfig& c, const BlockWeights& w, const at::Tensor& x,
-                 const AttentionContext& ctx, std::int64_t row) {
+                 const AttentionContext& ctx, std::int64_t row, bool values = true) {
   const std::int64_t n = x.size(0), H = c.num_heads, KV = c.num_kv_heads, D = c.head_dim;
   const at::Tensor h = rms_norm(c, x, w.input_norm);
-  at::Tensor q = project(w, BlockWeights::kQ, h, w.q, w.q_bias, ctx, row).view({n, H, D});
-  at::Tensor k = project(w, BlockWeights::kK, h, w.k, w.k_bias, ctx, row).view({n, KV, D});
-  at::Tensor v = project(w, BlockWeights::kV, h, w.v, w.v_bias, ctx, row).view({n, KV, D});
+  const bool qk_values = values || c.qk_norm;
+  at::Tensor q =
+      project(w, BlockWeights::kQ, h, w.q, w.q_bias, ctx, row, qk_values).view({n, H, D});
+  at::Tensor k =
+      project(w, BlockWeights::kK, h, w.k, w.k_bias, ctx, row, qk_values).view({n, KV, D});
+  at::Tensor v = project(w, BlockWeights::kV, h, w.v, w.v_bias, ctx, row, values).view({n, KV, D});
   if (c.qk_norm) {
     q = rms_norm(c, q, w.q_norm);
     k = rms_norm(c, k, w.k_norm);
@@ -417,7 +456,8 @@ at::Tensor attention_backward_tiled(const ModelConfig& c, const BlockWeights& w,
   at::Tensor grad_a = at::empty_like(t.a);
   for_each_tile(N, ctx.mlp_tile_tokens, [&](std::int64_t r, std::int64_t n) {
     const at::Tensor a = t.a.narrow(0, r, n).detach().requires_grad_(true);
-    project(w, BlockWeights::kO, a, w.o, w.o_bias, ctx, r).backward(grad_flat.narrow(0, r, n));
+    project(w, BlockWeights::kO, a, w.o, w.o_bias, ctx, r, /*values=*/false)
+        .backward(grad_flat.narrow(0, r, n));
     grad_a.narrow(0, r, n).copy_(a.grad());
   });
   t.a.backward(grad_a);
@@ -426,7 +466,7 @@ at::Tensor attention_backward_tiled(const ModelConfig& c, const BlockWeights& w,
   const at::Tensor& grad_x = grad_flat;  // the residual's, then the norm's added
   for_each_tile(N, ctx.mlp_tile_tokens, [&](std::int64_t r, std::int64_t n) {
     const at::Tensor xt = flat.narrow(0, r, n).detach().requires_grad_(true);
-    const QkvTile qkv = qkv_tile(c, w, xt, ctx, r);
+    const QkvTile qkv = qkv_tile(c, w, xt, ctx, r, /*values=*/false);
     torch::autograd::backward(
         {qkv.q, qkv.k, qkv.v},
         {t.q.grad().narrow(0, r, n), t.k.grad().narrow(0, r, n), t.v.grad().narrow(0, r, n)});
@@ -475,7 +515,7 @@ at::Tensor mlp_backward_by_tiles(const ModelConfig& c, const BlockWeights& w, co
   for_each_tile(flat.size(0), ctx.mlp_tile_tokens, [&](std::int64_t r, std::int64_t n) {
     const at::Tensor o = flat.narrow(0, r, n).detach().requires_grad_(true);
     prob_sums.clear();
-    const at::Tensor y = block_mlp(c, w, o, tile_ctx, r);
+    const at::Tensor y = block_mlp(c, w, o, tile_ctx, r, /*values=*/false);
     if (prob_sums.empty()) {
       y.backward(grad_flat.narrow(0, r, n));
     } else {

@@ -36,6 +36,10 @@ const Case kCases[] = {
     {"llama", R"({"architectures":["LlamaForCausalLM"],"vocab_size":29,"hidden_size":16,
       "intermediate_size":24,"num_hidden_layers":3,"num_attention_heads":4,
       "num_key_value_heads":2,"mlp_bias":true,"rms_norm_eps":1e-5})"},
+    // q, k and v with biases (which train here): recomputed for their gradients alone.
+    {"qwen2", R"({"architectures":["Qwen2ForCausalLM"],"vocab_size":29,"hidden_size":16,
+      "intermediate_size":24,"num_hidden_layers":3,"num_attention_heads":4,
+      "num_key_value_heads":2,"rms_norm_eps":1e-6})"},
     {"qwen3", R"({"architectures":["Qwen3ForCausalLM"],"vocab_size":29,"hidden_size":16,
       "intermediate_size":24,"num_hidden_layers":3,"num_attention_heads":4,
       "num_key_value_heads":2,"head_dim":8,"rms_norm_eps":1e-6})"},
@@ -112,8 +116,8 @@ TEST_P(Tiling, TiledMlpEqualsTheWholeBatchForwardAndBackward) {
     }
   }
 
-  // The LoRA adapters train (the base is frozen), as in a LoRA run; the norms too, so that a
-  // full weight's gradient through the tiles is checked.
+  // The LoRA adapters train (the base is frozen), as in a LoRA run; the norms and biases too, so
+  // that full weights' gradients through the tiles are checked.
   auto runs_with = [&](std::vector<std::vector<at::Tensor>>& grads) {
     std::vector<BlockRun> runs;
     grads.assign(3, {});
@@ -121,7 +125,8 @@ TEST_P(Tiling, TiledMlpEqualsTheWholeBatchForwardAndBackward) {
       for (std::size_t i = 0; i < w[b].size(); ++i) {
         const std::string& name = specs[b + 1].params[i].name;
         // A sparse model trains everything: the router's gradient takes the aux loss.
-        const bool trained = moe || is_lora_param(name) || name.find("norm") != std::string::npos;
+        const bool trained = moe || is_lora_param(name) || name.find("norm") != std::string::npos ||
+                             name.find("bias") != std::string::npos;
         grads[b].push_back(trained ? at::full_like(w[b][i], 0.5) : at::Tensor());
       }
       runs.push_back({.spec = &specs[b + 1], .weights = w[b], .grads = &grads[b]});
