@@ -50,6 +50,15 @@ const Case kCases[] = {
       "num_key_value_heads":2,"head_dim":8,"rms_norm_eps":1e-6,"num_experts":6,
       "num_experts_per_tok":2,"moe_intermediate_size":12,"mlp_only_layers":[1],
       "norm_topk_prob":true,"output_router_logits":true,"router_aux_loss_coef":0.02})"},
+    // Attention sinks (the plain attention path), biases on every projection, fused experts
+    // with their own biases, a sliding window on alternate layers, YaRN positions.
+    {"gpt_oss", R"({"architectures":["GptOssForCausalLM"],"vocab_size":33,"hidden_size":16,
+      "intermediate_size":12,"num_hidden_layers":3,"num_attention_heads":4,
+      "num_key_value_heads":2,"head_dim":8,"num_local_experts":4,"num_experts_per_tok":2,
+      "sliding_window":3,"swiglu_limit":1.0,"output_router_logits":true,
+      "router_aux_loss_coef":0.05,"rms_norm_eps":1e-5,
+      "rope_parameters":{"rope_type":"yarn","factor":4.0,"beta_fast":32.0,"beta_slow":1.0,
+      "truncate":false,"original_max_position_embeddings":64,"rope_theta":150000.0}})"},
     {"mixtral", R"({"architectures":["MixtralForCausalLM"],"vocab_size":29,"hidden_size":16,
       "intermediate_size":20,"num_hidden_layers":3,"num_attention_heads":4,
       "num_key_value_heads":2,"rms_norm_eps":1e-5,"num_local_experts":4,
