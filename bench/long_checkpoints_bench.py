@@ -10,11 +10,13 @@ how many bytes a step moved to and from the drive.
 
 The model is small everywhere but its width (one attention head of 16, an MLP of 64, the tiny
 test tokenizer); the bytes per checkpoint are a 1.7B model's. Documents of a few hundred tokens are
-packed into the row. On the project's 2-core VM a step of 4 blocks took about 7 minutes (beside a
-compile), so the default 12 blocks want an hour or more there; the NVMe tier is only planned for
-checkpoints once they outweigh its host staging window (with 4 blocks they did not; with 12,
-`rondo plan` puts 11 GiB of them on NVMe under 8 GiB of host memory). The host-memory run holds
-those 11 GiB and the simulated device's 10 GiB in RAM: about 24 GiB in all.
+packed into the row. On the project's 2-core VM a step of 7 blocks took 7 to 10 minutes, so the
+default 12 blocks want an hour or more there; the NVMe tier is only planned for checkpoints once
+they outweigh its host staging window (with 4 blocks they did not; with 7, 6 GiB of them go to
+NVMe under 8 GiB of host memory, measured with `--layers 7 --steps 2` in 45 minutes; with 12,
+11 GiB). The host-memory run holds the checkpoints and the simulated device's 10 GiB in RAM:
+about 19 GiB with 7 blocks, 24 GiB with 12. The NVMe run's "in host memory" figure is what the
+checkpoints would take there without the spill.
 
     bench/long_checkpoints_bench.py [--rondo build/cli/rondo]
         [--tiny-model build/tests/rondo_tiny_model] [--seq 131072] [--layers 4] [--steps 3]
