@@ -1,10 +1,11 @@
 #!/usr/bin/env python3
 """Sequence tiling's cost where it is not needed: tokens/s of long-sequence LoRA steps on
-simulated devices with the MLPs tiled (training.sequence_tile = N) against the same steps untiled
-(sequence_tile = 0), both with memory to spare, in one run. The runs alternate (untiled, tiled,
-untiled, ...) so that a busy moment of the machine falls on both; the figure is the ratio of the
-median step times. The aim is >= 0.9 (issue 35): tiling recomputes the MLPs once more in the
-backward, so it is chosen only where a plan does not fit without it.
+simulated devices with the blocks tiled through the sequence (training.sequence_tile = N) against
+the same steps untiled (sequence_tile = 0), both with memory to spare, in one run. The runs
+alternate (untiled, tiled, untiled, ...) so that a busy moment of the machine falls on both; the
+figure is the ratio of the median step times. The aim is >= 0.9 (issue 35): tiling recomputes
+part of each block's forward in the backward (the MLP's gate and up, q and k where they have
+norms), so it is chosen only where a plan does not fit without it.
 
 What long rows hold decides what that recompute weighs against: `--documents long` (the default)
 fills each row with one document longer than it, as long-context training does, so attention over

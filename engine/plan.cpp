@@ -332,9 +332,9 @@ double neighbour_memory(const PlanInputs& in, const Job& prev, const Job& next,
                   held_between_jobs(in, next) + tokens * after);
 }
 
-// Tiled, a job with a backward runs its blocks' projections and MLPs forward once more (Note
-// [Sequence tiling of the attention half] in models/layers.cpp: they are recomputed tile by tile
-// in the backward instead of kept).
+// Tiled, a job with a backward runs part of its blocks' forward once more: what the tiles'
+// backward needs the values of (LayerCosts::tiled_recompute_s_per_token; Note [Sequence tiling of
+// the attention half] in models/layers.cpp: recomputed tile by tile instead of kept).
 double job_compute(const PlanInputs& in, const Job& job, double tokens_mb, bool tiled) {
   RangeSums s = sums(in, job.range);
   if (job.kind == JobKind::kForward) return tokens_mb * s.forward_s;
@@ -732,10 +732,7 @@ Plan plan_ours(const PlanInputs& in) {
     // A job's time: compute over all microbatches, or the bytes it must move, whichever is longer.
     p.cost = [&inputs, M, tokens_mb, bw, tile](JobKind kind, LayerRange r) {
       RangeSums s = sums(inputs, r);
-      double compute = tokens_mb * M *
-                       (kind == JobKind::kForward
-                            ? s.forward_s
-                            : s.forward_s + s.backward_s + (tile > 0 ? s.tiled_extra_s : 0.0));
+      double compute = M * job_compute(inputs, {kind, r, 0}, tokens_mb, tile > 0);
       double bytes = s.params + (kind == JobKind::kForward ? 0 : s.grads) +
                      M * tokens_mb *
                          (input_bytes(inputs, r.begin) +
@@ -799,8 +796,8 @@ Plan plan_ours(const PlanInputs& in) {
       }
     return best;
   };
-  // The planner's tile: none when a plan fits so (tiling recomputes the MLPs once more in the
-  // backward), else the largest that fits, shorter than a microbatch.
+  // The planner's tile: none when a plan fits so (tiling recomputes part of each block's forward
+  // in the backward), else the largest that fits, shorter than a microbatch.
   auto attempt = [&](const PlanInputs& inputs) -> std::optional<std::pair<Plan, PlanPrediction>> {
     if (inputs.mlp_tile_tokens >= 0) return attempt_tile(inputs, inputs.mlp_tile_tokens);
     if (auto best = attempt_tile(inputs, 0)) return best;

@@ -2,9 +2,9 @@
 // alone, as published (Qwen3-1.7B with the YaRN lines Qwen's model card gives for long context,
 // Llama-3.1-8B with its own llama3 rope scaling): one RTX 4090, 128 GB of host memory, one row of
 // 131,072 tokens. Attention runs on the fused kernels (a logsumexp a head kept, not the T x T
-// probabilities) and the planner tiles the blocks where a block's untiled activations would not fit;
-// the longest sequence each fits is stated (models with positions far past it, so that memory is
-// what ends the search).
+// probabilities) and the planner tiles the blocks where a block's untiled activations would not
+// fit; the longest sequence each fits is stated (models with positions far past it, so that memory
+// is what ends the search).
 #include <gtest/gtest.h>
 #include <unistd.h>
 
