@@ -92,6 +92,11 @@ std::vector<Field> fields(engine::TrainConfig& c) {
       {"output.exports", &c.output.exports,
        "at the end: adapter, merged, gguf, gguf-adapter (left out: adapter for LoRA, merged for "
        "full; gguf for full on a GGUF base)"},
+      {"distributed.backend", &c.distributed.backend, "gloo (ranks: torchrun, srun or --nodes)"},
+      {"distributed.timeout", &c.distributed.timeout,
+       "seconds a rank waits for the others before the run fails"},
+      {"distributed.interface", &c.distributed.interface,
+       "network interface for Gloo; \"\" = the route to the master"},
   };
 }
 

@@ -19,6 +19,7 @@
 #include "cli/test_faults.h"
 #include "engine/checkpoint.h"
 #include "engine/estimate.h"
+#include "engine/ranks.h"
 #include "engine/run_lock.h"
 #include "engine/session.h"
 #include "kernels/error.h"
@@ -215,14 +216,57 @@ ConfigFile resolve(const TrainOptions& o, bool planning = false) {
   return f;
 }
 
+// The ranks of a run on several processes (docs/distributed.md): --nodes, --node-rank and
+// --master, else torchrun's or Slurm's variables; null for one process (and for a dry run, which
+// only looks). Connected: every rank waits here for the others. Rank 0's run folder becomes every
+// rank's (a default one has the time in its name).
+std::unique_ptr<engine::Ranks> connect_ranks(const TrainOptions& o, engine::TrainConfig& config) {
+  std::optional<engine::RankEnv> env;
+  if (o.nodes > 0 || o.node_rank >= 0 || !o.master.empty()) {
+    if (o.nodes < 1 || o.node_rank < 0 || o.master.empty())
+      throw Error(
+          "--nodes, --node-rank and --master go together: start every rank with the same --nodes "
+          "N and --master HOST:PORT (rank 0's host, a free port) and its own --node-rank 0..N-1");
+    if (o.node_rank >= o.nodes)
+      throw Error(fmt::format("--node-rank {} is not in 0..{} (--nodes {})", o.node_rank,
+                              o.nodes - 1, o.nodes));
+    const std::size_t colon = o.master.rfind(':');
+    int port = 0;
+    if (colon != std::string::npos && colon > 0) {
+      const std::string p = o.master.substr(colon + 1);
+      char* end = nullptr;
+      const long v = std::strtol(p.c_str(), &end, 10);
+      if (!p.empty() && *end == '\0' && v >= 1 && v <= 65535) port = static_cast<int>(v);
+    }
+    if (port == 0) throw Error("--master " + o.master + ": expected HOST:PORT, e.g. node0:29500");
+    env = engine::RankEnv{.rank = o.node_rank,
+                          .world = o.nodes,
+                          .master_addr = o.master.substr(0, colon),
+                          .master_port = port,
+                          .launcher = "--nodes"};
+  } else {
+    env = engine::rank_env([](const char* name) { return std::getenv(name); });
+  }
+  if (!env || env->world == 1 || o.dry_run) return nullptr;
+  std::unique_ptr<engine::Ranks> ranks =
+      engine::Ranks::connect(*env, {.backend = config.distributed.backend,
+                                    .timeout_s = config.distributed.timeout,
+                                    .interface = config.distributed.interface});
+  engine::broadcast_string(ranks->steps(), config.output.run_dir, 0, "the run folder");
+  return ranks;
+}
+
 int train_with(const engine::TrainConfig& config, const std::string& config_toml, bool resume,
                const std::string& events, bool dry_run, const std::string& checkpoint = "",
-               bool resume_settings_changed = false) {
+               bool resume_settings_changed = false, engine::Ranks* ranks = nullptr) {
   Progress progress(events == "-");
+  // Ranks other than 0 say which they are on every line (their output may be interleaved).
+  const std::string prefix =
+      ranks && ranks->rank() > 0 ? fmt::format("[rank {}] ", ranks->rank()) : std::string();
   // A dry run prints the resolved config on stdout, everything else as TOML comments, so that
   // `rondo train c.toml --dry-run > resolved.toml` is a config (with the plan in it to read).
   auto log = [&](const std::string& l) {
-    if (!dry_run || l.starts_with("Warning:")) return progress.log(l);
+    if (!dry_run || l.starts_with("Warning:")) return progress.log(prefix + l);
     std::string commented;
     for (std::size_t b = 0;;) {
       const std::size_t e = l.find('\n', b);
@@ -240,7 +284,8 @@ int train_with(const engine::TrainConfig& config, const std::string& config_toml
                             .events = events,
                             .log = log,
                             .on_step = [&](const engine::StepEvent& e) { progress.step(e); },
-                            .dry_run = dry_run};
+                            .dry_run = dry_run,
+                            .ranks = ranks};
   const TestFaults faults = test_faults_from_env();
   so.io_faults = faults.io;
   so.on_fault_point = faults.kill_hook();
@@ -321,6 +366,11 @@ void add_train_options(CLI::App& cmd, TrainOptions& o) {
   cmd.add_flag("--dry-run", o.dry_run, "Print the resolved config and the plan, then exit");
   cmd.add_flag("--help-config", o.help_config, "List every config key with its default");
   cmd.add_flag("--json", o.json, "With --help-config: the list as JSON");
+  cmd.add_option("--nodes", o.nodes,
+                 "Data parallel over N processes (ranks) without torchrun or srun: with "
+                 "--node-rank and --master");
+  cmd.add_option("--node-rank", o.node_rank, "This process's rank, 0..N-1 (with --nodes)");
+  cmd.add_option("--master", o.master, "Rank 0's HOST:PORT, where the ranks meet (with --nodes)");
 }
 
 void add_plan_options(CLI::App& cmd, TrainOptions& o) {
@@ -385,19 +435,21 @@ int run_train(const TrainOptions& o) {
       std::string key = ov.substr(0, ov.find('='));
       while (!key.empty() && key.back() == ' ')
         key.pop_back();
-      if (!key.starts_with("hardware.") && key != "checkpoint.keep") refused.push_back(key);
+      if (!key.starts_with("hardware.") && !key.starts_with("distributed.") &&
+          key != "checkpoint.keep")
+        refused.push_back(key);
     }
     if (!o.config.empty() || !refused.empty())
-      throw Error(
-          "--resume continues a run with the config it was started with (" + o.resume +
-          "/config.toml)" +
-          (o.config.empty()
-               ? "; " + engine::RunLock::list_some(refused) +
-                     (refused.size() == 1 ? " changes" : " change") + " the training: leave " +
-                     (refused.size() == 1 ? "it" : "them") + " out"
-               : ": leave out the config file") +
-          ". Settings that do not change the training may be given with --set on a resume: "
-          "hardware.* (where state lives, memory budgets, devices, I/O) and checkpoint.keep");
+      throw Error("--resume continues a run with the config it was started with (" + o.resume +
+                  "/config.toml)" +
+                  (o.config.empty() ? "; " + engine::RunLock::list_some(refused) +
+                                          (refused.size() == 1 ? " changes" : " change") +
+                                          " the training: leave " +
+                                          (refused.size() == 1 ? "it" : "them") + " out"
+                                    : ": leave out the config file") +
+                  ". Settings that do not change the training may be given with --set on a resume: "
+                  "hardware.* (where state lives, memory budgets, devices, I/O), distributed.* and "
+                  "checkpoint.keep");
     const std::string path = (fs::path(o.resume) / "config.toml").string();
     if (!fs::exists(path)) {
       if (!fs::is_directory(o.resume))
@@ -419,13 +471,16 @@ int run_train(const TrainOptions& o) {
     ConfigFile f = read_config(path, overrides);
     f.check();
     f.config.output.run_dir = o.resume;  // the folder may have moved
+    std::unique_ptr<engine::Ranks> ranks = connect_ranks(o, f.config);
     return train_with(f.config, to_toml(f.config), true, o.events, o.dry_run, o.checkpoint,
-                      !overrides.empty());
+                      !overrides.empty(), ranks.get());
   }
   if (!o.checkpoint.empty())
     throw Error("--checkpoint chooses where a resume continues from: use it with --resume RUN");
   ConfigFile f = resolve(o);
-  return train_with(f.config, to_toml(f.config), false, o.events, o.dry_run);
+  std::unique_ptr<engine::Ranks> ranks = connect_ranks(o, f.config);
+  return train_with(f.config, to_toml(f.config), false, o.events, o.dry_run, "", false,
+                    ranks.get());
 }
 
 int run_plan(const TrainOptions& o) {

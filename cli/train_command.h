@@ -24,6 +24,10 @@ struct TrainOptions {
   bool help_config = false;
   bool json = false;         // rondo plan --json
   bool max_seq_len = false;  // rondo plan --max-seq-len
+  // Data parallel without a launcher: --nodes N --node-rank R --master HOST:PORT (0/-1/"": not
+  // given; torchrun's or Slurm's variables are read instead).
+  int nodes = 0, node_rank = -1;
+  std::string master;
   // Shorthands, turned into overrides.
   std::string model, data, run_dir;
   long long steps = -1;

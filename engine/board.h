@@ -78,6 +78,10 @@ struct DeviceInputs {
 struct StepData {
   StepInputs in;
   std::int64_t step_no = 0;  // 1-based, across train() calls (an evaluation's batch number)
+  // The step's target tokens and microbatches over every rank (EngineOptions::data_parallel; one
+  // process: in.targets and in.mb.size()), and the global index of this rank's first microbatch.
+  std::int64_t all_targets = 0;
+  int all_microbatches = 0, first_microbatch = 0;
   // Every microbatch's inputs packed (in.layout) into host staging memory, page-locked where the
   // arena pins, so that the copies do not block; uploaded once per device that runs a job.
   std::shared_ptr<offload::HostBuffer> packed;

@@ -24,6 +24,7 @@
 #include "engine/optimizer.h"
 #include "engine/optimizer_driver.h"
 #include "engine/pipeline.h"
+#include "engine/ranks.h"
 #include "engine/replan.h"
 #include "engine/step_inputs.h"
 #include "engine/torch_device.h"
@@ -100,6 +101,15 @@ struct Engine::Impl {
     auto step = std::make_shared<StepData>();
     step->in = prepare_step_inputs(parts.config, parts.act_dtype, where, std::move(mb));
     step->step_no = step_no;
+    step->all_targets = step->in.targets;
+    step->all_microbatches = static_cast<int>(step->in.mb.size());
+    if (Collective* ranks = parts.options.data_parallel.steps; ranks && !evaluating) {
+      double targets = static_cast<double>(step->in.targets);  // exact below 2^53
+      ranks->all_reduce_sum(&targets, 1, where + "'s target count");
+      step->all_targets = static_cast<std::int64_t>(targets);
+      step->all_microbatches *= ranks->size();
+      step->first_microbatch = ranks->rank() * static_cast<int>(step->in.mb.size());
+    }
     if (parts.config.num_experts > 0 && !evaluating)
       for (std::size_t m = 0; m < step->in.mb.size(); ++m)
         step->routing.push_back(std::make_shared<models::RoutingRecord>());
@@ -340,6 +350,14 @@ Engine::Engine(const models::ModelConfig& config, const std::vector<models::Laye
     problems.push_back("the store holds " + std::to_string(store.layers()) +
                        " layers, the model has " + std::to_string(layers));
   if (devices.empty()) problems.push_back("no devices");
+  if (options.data_parallel.gradients)
+    for (std::size_t l = 0; l < store.layers(); ++l)
+      if (store.grad_tier(l) == offload::Tier::kNvme) {
+        problems.push_back("layer " + std::to_string(l) +
+                           "'s gradients are on the NVMe tier: a run on several ranks sums them "
+                           "in host memory (keep gradients in host memory)");
+        break;
+      }
   if (!problems.empty()) throw Error(join_problems("The engine cannot run this plan:", problems));
   if (options.plan_inputs && (options.plan_inputs->layers.size() != specs.size() ||
                               options.plan_inputs->devices.size() != devices.size()))

@@ -44,6 +44,7 @@
 namespace rondo::engine {
 
 class EventSink;
+class Collective;  // engine/ranks.h
 
 // One microbatch, CPU tensors: tokens (B, T) int64, optional doc_ids, targets (B, T) int64 with
 // -100 where there is no loss (already shifted: targets[t] is the token after t).
@@ -137,6 +138,17 @@ struct EngineOptions {
   double replan_threshold = 0.2;
   // Tests and benchmarks: told when gradients are in and how long compute took (EngineProbe).
   EngineProbe* probe = nullptr;
+  // Data parallelism across processes (engine/ranks.h, docs/distributed.md); null: one process.
+  // Each rank's train() gets its share of every step, M of the R * M microbatches (rank r's are
+  // the step's r * M to r * M + M - 1: dropout draws from the global index). `steps` sums each
+  // step's target count on the main thread as the step is read, so that every rank's loss is
+  // scaled by the step's whole count; `gradients` sums each layer's gradients on the optimizer
+  // thread as they land (in host memory, fp32), then the loss. Every rank then updates the same
+  // way. Gradients on the NVMe tier are refused. evaluate() and generate() stay per rank.
+  struct DataParallel {
+    Collective* steps = nullptr;
+    Collective* gradients = nullptr;
+  } data_parallel;
 };
 
 // Rows of logits the head computes at a time: `configured` (EngineOptions::head_chunk_tokens); on
@@ -150,10 +162,10 @@ std::int64_t head_chunk_tokens(std::int64_t configured, std::int64_t vocab, bool
 std::int64_t dropout_seed(std::uint64_t run_seed, std::int64_t step, int microbatch);
 
 struct StepResult {
-  std::int64_t step = 0;  // 1-based, counted across train() calls
-  double loss = 0;        // mean cross-entropy over the step's target tokens
-  std::int64_t tokens = 0, targets = 0;
-  double grad_norm = 0;  // of the unscaled gradient, before clipping
+  std::int64_t step = 0;                 // 1-based, counted across train() calls
+  double loss = 0;                       // mean cross-entropy over the step's target tokens
+  std::int64_t tokens = 0, targets = 0;  // data parallel: every rank's
+  double grad_norm = 0;                  // of the unscaled gradient, before clipping
   bool skipped = false;  // fp16 overflow: the update was skipped and the scale lowered
   double loss_scale = 1;
   double seconds = 0;  // wall time since the previous step ended (or train() began)

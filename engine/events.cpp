@@ -102,7 +102,9 @@ void EventSink::emit(const RunStartEvent& e) {
                           {"method", e.method},
                           {"steps_total", e.steps_total},
                           {"config", e.config_toml},
-                          {"resumed_from", e.resumed_from}}
+                          {"resumed_from", e.resumed_from},
+                          {"rank", e.rank},
+                          {"ranks", e.ranks}}
                          .dump());
 }
 

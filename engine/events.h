@@ -1,9 +1,9 @@
 // The event stream: one JSON object per line (events.jsonl, or stdout with `--events -`), the one
-// contract between the engine and every front end (docs/architecture.md §8; schema in docs/events.md).
-// Every event carries the schema version "v", its "type", "t" (seconds since the run started, on
-// a monotonic clock) and "time" (wall clock, UTC, ISO 8601). Thread-safe: workers, the optimizer
-// and the session emit concurrently; each line is written whole and flushed, so a reader tailing
-// the file (the GUI) never sees half an event.
+// contract between the engine and every front end (docs/architecture.md §8; schema in
+// docs/events.md). Every event carries the schema version "v", its "type", "t" (seconds since the
+// run started, on a monotonic clock) and "time" (wall clock, UTC, ISO 8601). Thread-safe: workers,
+// the optimizer and the session emit concurrently; each line is written whole and flushed, so a
+// reader tailing the file (the GUI) never sees half an event.
 //
 //   auto sink = engine::EventSink::open(run_dir + "/events.jsonl");
 //   sink->emit(engine::StepEvent{.step = 1, .steps_total = 100, .loss = 2.31, ...});
@@ -27,6 +27,7 @@ struct RunStartEvent {
   std::int64_t steps_total = 0;
   std::string config_toml;        // the resolved config, as written to config.toml
   std::int64_t resumed_from = 0;  // resuming: the step of the checkpoint it continues from
+  int rank = 0, ranks = 1;        // data parallel: this process's rank and how many run
 };
 
 struct PlanEvent {

@@ -107,19 +107,20 @@ void compute_microbatch(const EngineParts& parts, c10::Device dev, const Microba
     ++step.masked_passes;
   // Training: attention and LoRA dropout (when the model has them) draw from this seed;
   // evaluation has none.
-  if (!work.evaluating) ctx.dropout_seed = dropout_seed(parts.options.seed, step.step_no, m);
+  if (!work.evaluating)
+    ctx.dropout_seed = dropout_seed(parts.options.seed, step.step_no, step.first_microbatch + m);
   ctx.mlp_tile_tokens = js.mlp_tile_tokens;
   // MoE: the first forward of a block records its routing, the backward's recompute replays it;
   // the router load-balancing loss (when the model asks for it) counts each microbatch with
-  // weight 1 / M.
+  // weight 1 / M (M over every rank).
   if (!step.routing.empty()) {
     ctx.routing = step.routing[static_cast<std::size_t>(m)];
     ctx.record_routing = js.kind != JobKind::kBackward;
     // loss_scale is the fp16 scale over the step's targets; the aux loss has the fp16 scale alone.
     if (config.output_router_logits && js.kind != JobKind::kForward)
       ctx.aux_loss_weight = work.loss_scale *
-                            static_cast<double>(std::max<std::int64_t>(step.in.targets, 1)) *
-                            config.router_aux_loss_coef / static_cast<double>(step.in.mb.size());
+                            static_cast<double>(std::max<std::int64_t>(step.all_targets, 1)) *
+                            config.router_aux_loss_coef / step.all_microbatches;
   }
   const at::Tensor& tokens = mbi.tokens;
   const int head = static_cast<int>(specs.size()) - 1;

@@ -4,8 +4,11 @@
 
 #include <algorithm>
 #include <cmath>
+#include <deque>
+#include <limits>
 
 #include "engine/events.h"
+#include "engine/ranks.h"
 #include "kernels/error.h"
 
 namespace rondo::engine {
@@ -58,7 +61,14 @@ OptimizerDriver::OptimizerDriver(EngineParts& parts, Board& board, const JobList
       scaler_(scaler),
       reports_(reports),
       steps_done_(steps_done),
-      last_step_end_(std::chrono::steady_clock::now()) {}
+      last_step_end_(std::chrono::steady_clock::now()) {
+  if (!parts_.options.data_parallel.gradients) return;
+  std::vector<std::size_t> bytes;
+  for (std::size_t l = 0; l < parts_.store.layers(); ++l)
+    bytes.push_back(parts_.store.grad_bytes(l).bytes);
+  for (std::vector<int>& layers : gradient_buckets(bytes))
+    buckets_.push_back({.layers = layers, .lowest = layers.back()});
+}
 
 void OptimizerDriver::run(std::int64_t steps) {
   for (std::int64_t s = 0; s < steps; ++s) {
@@ -83,6 +93,34 @@ StepResult OptimizerDriver::step(std::int64_t s) {
   // The gradient norm's sums of squares, layer by layer as the gradients land: off the critical
   // path except for the last job's layers.
   std::vector<double> partial(store.layers(), 0.0);
+  Collective* ranks = options.data_parallel.gradients;
+  // Data parallel: the next bucket to start, and those started (in order).
+  std::size_t next_bucket = 0;
+  struct InFlight {
+    std::unique_ptr<Collective::Pending> sum;
+    std::size_t bucket;
+  };
+  std::deque<InFlight> in_flight;
+  auto finish_front = [&] {
+    in_flight.front().sum->wait();
+    for (int l : buckets_[in_flight.front().bucket].layers) {
+      const auto ul = static_cast<std::size_t>(l);
+      partial[ul] = optimizer_.partial_sum_squares(ul);  // data parallel: host memory only
+    }
+    in_flight.pop_front();
+  };
+  // A failure with sums in flight waits for them: their buffers are the store's gradients.
+  struct Drain {
+    std::deque<InFlight>& in_flight;
+    ~Drain() {
+      for (InFlight& f : in_flight)
+        try {
+          f.sum->wait();
+        } catch (...) {
+        }
+    }
+  } drain{in_flight};
+  int landed_down_to = std::numeric_limits<int>::max();  // every layer from here up is in
   for (std::int64_t j = forward_jobs_; j < J; ++j) {
     std::shared_ptr<JobRun> r = board_.wait_enqueued(s * J + j, s);
     r->done_down->synchronize();
@@ -90,15 +128,33 @@ StepResult OptimizerDriver::step(std::int64_t s) {
     const JobSpec& js = jobs_[static_cast<std::size_t>(j)];
     // Gradients on NVMe: summed by the gradient writer as they went to the drive (Note
     // [Gradients on NVMe] in offload/transfer.cpp), bit for bit this sum.
-    for (int l = js.range.begin; l < js.range.end; ++l) {
+    auto sum_squares = [&](int l) {
       const auto ul = static_cast<std::size_t>(l);
-      if (store.grad_bytes(ul).bytes == 0) continue;
       partial[ul] = store.grad_tier(ul) == offload::Tier::kNvme
                         ? parts_.transfers->gradients_written(l)
                         : optimizer_.partial_sum_squares(ul);
+    };
+    if (ranks) {
+      // Backward jobs hand layers over from the last to the first, on every rank whatever its
+      // plan: a bucket is summed once its lowest layer is in.
+      RONDO_ASSERT_MSG(js.range.end <= landed_down_to, "gradients landed out of order");
+      landed_down_to = js.range.begin;
+      for (; next_bucket < buckets_.size() && buckets_[next_bucket].lowest >= landed_down_to;
+           ++next_bucket)
+        in_flight.push_back({start_bucket(*ranks, buckets_[next_bucket], s), next_bucket});
+      // Those already summed: their squares now, off the critical path.
+      while (!in_flight.empty() && in_flight.front().sum->done())
+        finish_front();
+    } else {
+      for (int l = js.range.begin; l < js.range.end; ++l)
+        if (store.grad_bytes(static_cast<std::size_t>(l)).bytes > 0) sum_squares(l);
     }
     board_.consumed(s * J + j);
   }
+  RONDO_ASSERT_MSG(!ranks || next_bucket == buckets_.size(),
+                   "a bucket of gradients was not summed");
+  while (!in_flight.empty())
+    finish_front();
   // Every job of the step has been enqueued, so its data is on the board until drop_step.
   const std::shared_ptr<StepData> data = board_.step(s);
   RONDO_ASSERT(data);
@@ -107,16 +163,21 @@ StepResult OptimizerDriver::step(std::int64_t s) {
   const models::ModelConfig& config = parts_.config;
   StepResult res;
   res.step = step_no;
-  res.tokens = data->in.tokens;
-  res.targets = data->in.targets;
   res.attention_per_document = data->per_document_passes;
   res.attention_masked = data->masked_passes;
-  res.loss = static_cast<double>(*data->loss->as<float>()) /
-             static_cast<double>(std::max<std::int64_t>(data->in.targets, 1));
+  // The loss sum, the router's auxiliary losses and the tokens, over every rank.
+  double sums[3] = {static_cast<double>(*data->loss->as<float>()), 0.0,
+                    static_cast<double>(data->in.tokens)};
   if (config.output_router_logits)
     for (const auto& routing : data->routing)
-      res.loss += config.router_aux_loss_coef * models::router_aux_loss(config, *routing) /
-                  static_cast<double>(data->routing.size());
+      sums[1] += models::router_aux_loss(config, *routing);
+  if (Collective* ranks = options.data_parallel.gradients)
+    ranks->all_reduce_sum(sums, 3, "step " + std::to_string(step_no) + "'s loss");
+  res.tokens = static_cast<std::int64_t>(sums[2]);
+  res.targets = data->all_targets;
+  res.loss = sums[0] / static_cast<double>(std::max<std::int64_t>(data->all_targets, 1));
+  if (config.output_router_logits)
+    res.loss += config.router_aux_loss_coef * sums[1] / data->all_microbatches;
   res.loss_scale = data->loss_scale;
   optimizer_.set_grad_unscale(1.0 / data->loss_scale);
   const double norm = optimizer_.begin_step(&partial);
@@ -142,6 +203,30 @@ StepResult OptimizerDriver::step(std::int64_t s) {
     }
   }
   return res;
+}
+
+std::unique_ptr<Collective::Pending> OptimizerDriver::start_bucket(Collective& ranks,
+                                                                   const Bucket& bucket,
+                                                                   std::int64_t s) {
+  const offload::LayerStore& store = parts_.store;
+  RONDO_ASSERT(store.grad_dtype() == kernels::FloatDType::kF32);  // as the engine makes the store
+  // The store keeps the layers' gradients back to back, in layer order: a bucket of consecutive
+  // layers is one buffer, summed in place.
+  const offload::ByteRange low = store.grad_bytes(static_cast<std::size_t>(bucket.lowest));
+  const offload::ByteRange high = store.grad_bytes(static_cast<std::size_t>(bucket.layers.front()));
+  const auto bytes = static_cast<std::size_t>(high.data - low.data) + high.bytes;
+  std::size_t sum = 0;
+  for (int l : bucket.layers)
+    sum += store.grad_bytes(static_cast<std::size_t>(l)).bytes;
+  RONDO_ASSERT_MSG(sum == bytes, "a bucket's gradients are not back to back in the store");
+  const std::vector<Collective::Floats> parts = {
+      {reinterpret_cast<float*>(low.data), bytes / sizeof(float)}};
+  return ranks.start_sum(
+      parts, "the gradients of layer" +
+                 (bucket.layers.size() == 1 ? " " + std::to_string(bucket.layers[0])
+                                            : "s " + std::to_string(bucket.layers.front()) +
+                                                  " to " + std::to_string(bucket.lowest)) +
+                 " at step " + std::to_string(steps_done_ + s + 1));
 }
 
 void OptimizerDriver::publish_stale(std::int64_t s) {

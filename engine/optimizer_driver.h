@@ -10,12 +10,16 @@
 #pragma once
 
 #include <chrono>
+#include <cstddef>
 #include <cstdint>
+#include <memory>
+#include <vector>
 
 #include "engine/board.h"
 #include "engine/engine_parts.h"
 #include "engine/jobs.h"
 #include "engine/optimizer.h"
+#include "engine/ranks.h"
 
 namespace rondo::engine {
 
@@ -64,6 +68,14 @@ class OptimizerDriver {
   // One-step-stale mode, first half of step s's pass: each layer's master (θ_s) to its streaming
   // copy as soon as step s has finished uploading that layer.
   void publish_stale(std::int64_t s);
+  // Data parallel: layers whose gradients are summed across the ranks in one collective
+  // (gradient_buckets in ranks.h).
+  struct Bucket {
+    std::vector<int> layers;  // descending
+    int lowest = 0;           // the last to land
+  };
+  std::unique_ptr<Collective::Pending> start_bucket(Collective& ranks, const Bucket& bucket,
+                                                    std::int64_t s);
 
   EngineParts& parts_;
   Board& board_;
@@ -74,6 +86,7 @@ class OptimizerDriver {
   DeviceReports& reports_;
   const std::int64_t steps_done_;
   std::chrono::steady_clock::time_point last_step_end_;
+  std::vector<Bucket> buckets_;
 };
 
 }  // namespace rondo::engine

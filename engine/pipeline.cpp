@@ -278,7 +278,7 @@ void Pipeline::run_job(int d, std::int64_t g) {
     if (m == 0 && backward) {
       if (js.kind == JobKind::kTail) step->loss_scale = board_.wait_scale(s);
       loss_scale =
-          step->loss_scale / static_cast<double>(std::max<std::int64_t>(step->in.targets, 1));
+          step->loss_scale / static_cast<double>(std::max<std::int64_t>(step->all_targets, 1));
     }
     work.loss_scale = loss_scale;
     // Outputs.

@@ -143,7 +143,7 @@ std::vector<std::string> RunLock::foreign_entries(const std::string& run_dir) {
     const bool dir = it->is_directory(ignored) && !it->is_symlink(ignored);
     const bool ours = name == kFile || name == "config.toml" || name == "config.toml.tmp" ||
                       name == "events.jsonl" ||
-                      (dir && (name == "checkpoints" || is_export_folder(name)));
+                      (dir && (name == "checkpoints" || name == "ranks" || is_export_folder(name)));
     if (!ours) foreign.push_back(name);
   }
   std::sort(foreign.begin(), foreign.end());

@@ -41,10 +41,11 @@ class RunLock {
   bool read_only() const { return read_only_; }
 
   // What in `run_dir` Rondo did not make: every entry but its own names (rondo.lock, config.toml
-  // and config.toml.tmp, events.jsonl, checkpoints/, the export folders adapter/, merged/, gguf/,
-  // gguf-adapter/ and export-*/), sorted; empty for a missing folder. A new run never goes into a
-  // folder holding any, and only a folder with Rondo's lock file and nothing else is a run that
-  // never started (a model folder, $HOME or an empty folder is not a run).
+  // and config.toml.tmp, events.jsonl, checkpoints/, ranks/ (a data-parallel run's other ranks),
+  // the export folders adapter/, merged/, gguf/, gguf-adapter/ and export-*/), sorted; empty for a
+  // missing folder. A new run never goes into a folder holding any, and only a folder with Rondo's
+  // lock file and nothing else is a run that never started (a model folder, $HOME or an empty
+  // folder is not a run).
   static std::vector<std::string> foreign_entries(const std::string& run_dir);
   // "a, b, c and 4 more": the first entries of such a list, for a message.
   static std::string list_some(const std::vector<std::string>& names);

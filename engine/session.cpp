@@ -255,10 +255,11 @@ struct Session::Impl {
   std::string fingerprint;
   std::atomic<bool> stop{false};
   std::mutex engine_mu;
-  Engine* engine = nullptr;                  // while run() trains
-  std::optional<RunLock> lock;               // held from the first look at the run folder
-  std::string from_checkpoint;               // resuming: the checkpoint it continues from
-  std::int64_t resumed_from = 0;             // its step
+  Engine* engine = nullptr;        // while run() trains
+  std::optional<RunLock> lock;     // held from the first look at the run folder
+  std::string from_checkpoint;     // resuming: the checkpoint it continues from
+  std::int64_t resumed_from = 0;   // its step
+  bool checkpoint_checked = true;  // its hashes were checked when chosen (not by ranks > 0)
   std::vector<std::string> resume_warnings;  // newer checkpoints skipped (emitted at the start)
   // The last step trained (run_end reports it, even on failure); read by end_interrupted().
   std::atomic<std::int64_t> steps_done{0};
@@ -273,6 +274,35 @@ struct Session::Impl {
   void log(const std::string& line) const {
     if (o.log) o.log(line);
   }
+
+  // Data parallel (SessionOptions::ranks): this process's rank and how many there are.
+  int rank() const { return o.ranks ? o.ranks->rank() : 0; }
+  int world() const { return o.ranks ? o.ranks->size() : 1; }
+  // Where this rank writes: the run folder for rank 0, <run_dir>/ranks/rank-r for the others.
+  fs::path rank_dir() const {
+    return rank() == 0 ? run_dir() : run_dir() / "ranks" / ("rank-" + std::to_string(rank()));
+  }
+  // Rank 0 runs `f`; the other ranks wait for it and fail with it (rank 0's own error says why),
+  // so that none goes on into a run folder rank 0 refused. One process: `f`.
+  template <typename F>
+  void led_by_rank_0(const std::string& what, F f) {
+    if (world() == 1) return f();
+    std::uint8_t ok = 1;
+    if (rank() == 0) {
+      try {
+        f();
+      } catch (...) {
+        ok = 0;
+        try {
+          o.ranks->steps().broadcast(&ok, 1, 0, what);
+        } catch (...) {  // the others will time out; rank 0's error is the one to report
+        }
+        throw;
+      }
+    }
+    o.ranks->steps().broadcast(&ok, 1, 0, what);
+    if (!ok) throw Error("rank 0 failed while " + what + "; its output says why");
+  }
   fs::path run_dir() const { return fs::path(c.output.run_dir); }
 
   void prepare() {
@@ -284,6 +314,13 @@ struct Session::Impl {
           "hardware.gpu: plans for a card this machine need not have (rondo plan "
           "answers for it); rondo train runs on this machine's devices: remove "
           "hardware.gpu");
+    if (world() > 1 && c.training.grad_accum % world() != 0) {
+      const int up = (c.training.grad_accum / world() + 1) * world();
+      problems.push_back(fmt::format(
+          "training.grad_accum: the {} microbatches of a step are shared by the {} ranks, so it "
+          "must be a multiple of {} (got {}); {} gives each rank {}",
+          c.training.grad_accum, world(), world(), c.training.grad_accum, up, up / world()));
+    }
     if (!problems.empty())
       throw Error(join_problems(fmt::format("The config has {} problem{}:", problems.size(),
                                             problems.size() == 1 ? "" : "s"),
@@ -336,18 +373,34 @@ struct Session::Impl {
     devices = plan_devices(sel);
     std::optional<ResumePoint> resume_point;
     if (o.resume && !o.plan_only) {
-      // The lock first: the checkpoints are looked at only once no other process writes them.
-      if (!o.dry_run) {
-        lock.emplace(run_dir().string(), "rondo train --resume");
-        for (const std::string& f : lock->remove_stale_temporaries())
-          log("Removed " + f + ", left by a process that was stopped while writing it");
+      led_by_rank_0("choosing the checkpoint to resume from", [&] {
+        // The lock first: the checkpoints are looked at only once no other process writes them.
+        if (!o.dry_run) {
+          lock.emplace(run_dir().string(), "rondo train --resume");
+          for (const std::string& f : lock->remove_stale_temporaries())
+            log("Removed " + f + ", left by a process that was stopped while writing it");
+        }
+        choose_checkpoint();
+      });
+      if (world() > 1) {  // every rank continues from rank 0's choice
+        std::string chosen = from_checkpoint;
+        broadcast_string(o.ranks->steps(), chosen, 0, "the checkpoint to resume from");
+        std::int64_t step = resumed_from;
+        o.ranks->steps().broadcast(&step, sizeof step, 0, "the checkpoint to resume from");
+        if (rank() > 0) {
+          from_checkpoint = chosen;
+          resumed_from = step;
+          checkpoint_checked = false;
+        }
       }
-      choose_checkpoint();
       resume_point = ResumePoint{.step = resumed_from,
                                  .checkpoints = list_checkpoints(run_dir().string()).size()};
     }
-    est = estimate_run(c, summary, devices, steps, tokens_per_step, o.host_free, o.disk_free,
-                       resume_point);
+    // Each rank plans its share of a step: grad_accum / ranks microbatches.
+    TrainConfig per_rank = c;
+    per_rank.training.grad_accum = c.training.grad_accum / world();
+    est = estimate_run(per_rank, summary, devices, steps, tokens_per_step / world(), o.host_free,
+                       o.disk_free, resume_point);
     if (batcher) est.steps_per_epoch = batcher->steps_per_epoch();
     // A plan that does not fit says what would, each change planned (an NVMe folder proposed
     // beside the run folder, on its drive).
@@ -477,6 +530,10 @@ struct Session::Impl {
                                                        : "data.train not set",
                        c.training.batch_rows * c.training.grad_accum, c.data.seq_len);
     }
+    if (world() > 1)
+      s << fmt::format(
+          "Ranks       {} processes share each step ({} microbatches each); this is rank {}\n",
+          world(), c.training.grad_accum / world(), rank());
     s << est.text();
     return s.str();
   }
@@ -510,8 +567,22 @@ struct Session::Impl {
 
   // ---- the run ----
 
-  SessionResult run() {
-    RONDO_ASSERT(!o.dry_run && !o.plan_only);  // a dry run or a plan only looks
+  // This rank's microbatches of a step (all of them for one process): rank r's share of the step's
+  // R * M is the r-th run of M (EngineOptions::data_parallel).
+  std::vector<Microbatch> rank_share(std::vector<Microbatch> all) const {
+    if (world() == 1) return all;
+    const std::size_t m = all.size() / static_cast<std::size_t>(world());
+    RONDO_ASSERT(m * static_cast<std::size_t>(world()) == all.size());
+    std::vector<Microbatch> mine;
+    for (std::size_t i = 0; i < m; ++i)
+      mine.push_back(std::move(all[static_cast<std::size_t>(rank()) * m + i]));
+    return mine;
+  }
+
+  // Rank 0 (or the one process), before the run's events: the run folder checked (a new run: a new
+  // or empty folder, locked; a resume: prepare() locked it and chose the checkpoint), config.toml
+  // written.
+  void prepare_run_dir() {
     const fs::path dir = run_dir();
     std::error_code ec;
     if (o.resume) {
@@ -548,19 +619,34 @@ struct Session::Impl {
           throw Error("cannot remove " + (dir / "events.jsonl").string() + ": " + ec.message());
       }
     }
-    steps_done = resumed_from;
     fs::create_directories(dir / "checkpoints", ec);
     if (ec) throw Error(dir.string() + ": cannot create the run folder: " + ec.message());
     if (!o.resume || o.resume_settings_changed)
       models::write_file_durably((dir / "config.toml").string(), o.config_toml);
+  }
+
+  SessionResult run() {
+    RONDO_ASSERT(!o.dry_run && !o.plan_only);  // a dry run or a plan only looks
+    const fs::path dir = run_dir();
+    std::error_code ec;
+    led_by_rank_0("preparing the run folder " + dir.string(), [&] { prepare_run_dir(); });
+    if (rank() > 0) {
+      fs::create_directories(rank_dir(), ec);
+      if (ec)
+        throw Error(rank_dir().string() + ": cannot create this rank's folder: " + ec.message());
+      lock.emplace(rank_dir().string(), "rondo train, rank " + std::to_string(rank()));
+    }
+    steps_done = resumed_from;
     std::unique_ptr<EventSink> sink =
-        EventSink::open(o.events.empty() ? (dir / "events.jsonl").string() : o.events);
+        EventSink::open(o.events.empty() ? (rank_dir() / "events.jsonl").string() : o.events);
     sink->emit(RunStartEvent{.run_dir = dir.string(),
                              .model = c.model.path,
                              .method = c.training.method,
                              .steps_total = steps,
                              .config_toml = o.config_toml,
-                             .resumed_from = resumed_from});
+                             .resumed_from = resumed_from,
+                             .rank = rank(),
+                             .ranks = world()});
     for (const std::string& w : resume_warnings)
       sink->warning(w);
     run_t0 = std::chrono::steady_clock::now();
@@ -706,7 +792,7 @@ struct Session::Impl {
       const std::string& path = from_checkpoint;
       // choose_checkpoint checked it (under the run lock): not hashed a second time.
       nlohmann::json meta = naming_io_errors("resuming from " + path, [&] {
-        return read_checkpoint(path, store, specs, /*verified=*/true);
+        return read_checkpoint(path, store, specs, /*verified=*/checkpoint_checked);
       });
       const std::string where = path + "/state.json";
       try {
@@ -727,12 +813,18 @@ struct Session::Impl {
           Plan saved = plan_from_json(meta.at("plan"));
           const auto devices_then = meta.at("plan").at("devices").get<std::size_t>();
           if (devices_then != devices.devices.size() ||
-              !saved.problems(static_cast<int>(specs.size())).empty()) {
+              !saved.problems(static_cast<int>(specs.size())).empty() ||
+              saved.microbatches != est.plan.microbatches) {
             const std::string why = fmt::format(
-                "{} was trained on {} devices with the plan {}; this machine has {} devices, so "
+                "{} was trained on {} devices with the plan {}; this machine has {} devices{}, so "
                 "the run goes on with a new plan ({}) and will not be bit-identical to an "
                 "uninterrupted one",
-                path, devices_then, saved.describe(), devices.devices.size(), est.plan.describe());
+                path, devices_then, saved.describe(), devices.devices.size(),
+                saved.microbatches != est.plan.microbatches
+                    ? fmt::format(" and runs {} microbatches a step on each of {} ranks",
+                                  est.plan.microbatches, world())
+                    : "",
+                est.plan.describe());
             log("Warning: " + why);
             sink.warning(why);
           } else {
@@ -774,12 +866,15 @@ struct Session::Impl {
     // (for est.plan; a resumed plan that saves more keeps the rest in host memory).
     eo.spill_checkpoint_bytes = est.placement.spill_bytes;
     eo.share_frozen_weights = eo.share_trained_state = devices.mode == DeviceMode::kCpu;
+    if (o.ranks && world() > 1) eo.data_parallel = {&o.ranks->steps(), &o.ranks->gradients()};
     Engine eng(summary.config, specs, store, arena, raw, resume_plan ? *resume_plan : est.plan, eo);
     if (!from_checkpoint.empty()) eng.restore(state);
     const Published<Engine> published_engine(engine_mu, engine, &eng);
     if (stop) eng.request_stop();
 
+    // Every rank holds the same state after a step: rank 0 writes it for all.
     auto checkpoint = [&](std::int64_t step) {
+      if (rank() > 0) return;
       const EngineCounters st = eng.counters();
       const Batcher::Position pos = batcher->position(step + 1);
       nlohmann::json meta = {
@@ -791,6 +886,7 @@ struct Session::Impl {
            std::isfinite(result.last_loss) ? nlohmann::json(result.last_loss) : nlohmann::json()},
           {"steps_total", steps},
           {"plan", plan_json(eng.plan(), devices.devices.size())},
+          {"ranks", world()},  // data parallel: how many processes shared each step
           {"data_fingerprint", fingerprint},
           {"data_position", {{"epoch", pos.epoch}, {"row", pos.row}}},
           {"lr_next", step < steps ? schedule.at(step + 1) : 0.0},
@@ -826,6 +922,7 @@ struct Session::Impl {
     };
     // Validation: forward-only jobs through the engine, on the run's devices.
     auto evaluate = [&](std::int64_t step) {
+      if (rank() > 0) return;  // every rank's weights are the same
       const EvalResult v =
           with_settings_advice([&] { return eng.evaluate(val_batcher->all_rows()); });
       const double loss = v.loss();
@@ -835,7 +932,7 @@ struct Session::Impl {
     };
     // Samples: every prompt at once on the devices (Engine::generate).
     auto sample = [&](std::int64_t step) {
-      if (c.eval.prompts.empty()) return;
+      if (c.eval.prompts.empty() || rank() > 0) return;
       for (auto& [prompt, text] : samples(eng)) {
         sink.emit(SampleEvent{.step = step, .prompt = prompt, .text = text});
         log(fmt::format("Sample at step {}:\n  > {}\n  {}", step, prompt, text));
@@ -890,7 +987,7 @@ struct Session::Impl {
         if (every > 0) next = std::min(next, (s / every + 1) * every);
       std::vector<StepResult> done = with_settings_advice([&] {
         return eng.train(
-            next - s, [&](std::int64_t step) { return batcher->step(step); }, on_step);
+            next - s, [&](std::int64_t step) { return rank_share(batcher->step(step)); }, on_step);
       });
       s += static_cast<std::int64_t>(done.size());
       say_pin_failures();
@@ -912,6 +1009,7 @@ struct Session::Impl {
     result.status = "completed";
     result.steps = s;
     for (const std::string& x : c.output.exports) {
+      if (rank() > 0) break;  // rank 0 exports what every rank holds
       const std::string path = (run_dir() / x).string();
       std::string written = path;
       // The run's last checkpoint holds what the export would have: `rondo export` writes it.

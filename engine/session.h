@@ -19,6 +19,7 @@
 
 #include "engine/estimate.h"
 #include "engine/events.h"
+#include "engine/ranks.h"
 #include "engine/train_config.h"
 #include "offload/io_faults.h"
 
@@ -63,6 +64,13 @@ struct SessionOptions {
   // resume tests' hook SIGKILLs the process there, so that a resume meets a real crash.
   std::vector<offload::FaultRule> io_faults;
   std::function<void(FaultPoint, std::int64_t step)> on_fault_point;
+  // Data parallelism (engine/ranks.h, docs/distributed.md): this process's place among the run's
+  // ranks, connected; null = one process. Every rank runs the same config on its share of each
+  // step (training.grad_accum microbatches a step over all ranks: a multiple of their number).
+  // Rank 0 keeps the run folder as one process would (lock, config.toml, events, checkpoints,
+  // validation, samples, exports); rank r > 0 writes only its events and its lock, under
+  // <run_dir>/ranks/rank-r/, and resumes from the checkpoint rank 0 chose.
+  Ranks* ranks = nullptr;
 };
 
 struct SessionResult {

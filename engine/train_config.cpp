@@ -124,6 +124,13 @@ std::vector<std::string> TrainConfig::validate(bool planning) const {
 
   if (checkpoint.every < 0)
     add("checkpoint.every", "must be >= 0 (got " + str(checkpoint.every) + "); 0 = at the end");
+  if (distributed.backend != "gloo")
+    add("distributed.backend",
+        "must be \"gloo\" (got \"" + distributed.backend +
+            "\"): gradients are summed in host memory, where Gloo over TCP is the way");
+  if (!(distributed.timeout > 0) || distributed.timeout > 1e7)
+    add("distributed.timeout",
+        "must be a positive number of seconds (got " + str(distributed.timeout) + ")");
   if (checkpoint.keep < 0)
     add("checkpoint.keep", "must be >= 0 (got " + str(checkpoint.keep) + ")");
 

@@ -126,6 +126,14 @@ struct OutputSection {
   std::vector<std::string> exports = {"adapter"};
 };
 
+// Data parallelism across processes (docs/distributed.md): how many and which rank come from the
+// launcher (torchrun, Slurm) or `rondo train --nodes N --node-rank R --master HOST:PORT`.
+struct DistributedSection {
+  std::string backend = "gloo";  // the only one: gradients are summed in host memory, over TCP
+  double timeout = 600;          // seconds a collective or the rendezvous waits for the others
+  std::string interface;         // network interface for Gloo; "" = the one that reaches the master
+};
+
 struct TrainConfig {
   ModelSection model;
   DataSection data;
@@ -135,6 +143,7 @@ struct TrainConfig {
   EvalSection eval;
   HardwareSection hardware;
   OutputSection output;
+  DistributedSection distributed;
 
   // Every problem, each "section.field: what is wrong (got X); what to do". Checks values only
   // (files are checked when the run opens them).

@@ -12,7 +12,7 @@ PACKAGES=(
   libtbb-dev libtbb12 libtbbmalloc2 libtbbbind-2-5
   libgtest-dev libgmock-dev googletest
   nlohmann-json3-dev libcli11-dev libpcre2-dev libpcre2-8-0
-  libtomlplusplus-dev libtomlplusplus3
+  libtomlplusplus-dev libtomlplusplus3 libgloo-dev
 )
 mkdir -p "$DEST"
 cd "$DEST"

@@ -91,7 +91,7 @@ command -v nvcc >/dev/null && row "nvcc" "$(nvcc --version | grep -o 'release [0
 # first GPU machine had hwloc's but not liburing's).
 NEED_SYSROOT=${RONDO_FORCE_SYSROOT:-}
 for pkg in libhwloc-dev liburing-dev libxxhash-dev libpcre2-dev libtbb-dev libgtest-dev \
-  nlohmann-json3-dev libcli11-dev libtomlplusplus-dev; do
+  nlohmann-json3-dev libcli11-dev libtomlplusplus-dev libgloo-dev; do
   dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "ok installed" || NEED_SYSROOT=1
 done
 if [[ -n "$NEED_SYSROOT" ]]; then

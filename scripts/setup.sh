@@ -30,7 +30,7 @@ PACKAGES=(
   libtbb-dev libhwloc-dev liburing-dev libxxhash-dev nlohmann-json3-dev libpcre2-dev libcli11-dev
   libtomlplusplus-dev libspdlog-dev libfmt-dev libgtest-dev libgmock-dev libbenchmark-dev
   qt6-base-dev qt6-charts-dev libqt6opengl6-dev libgl-dev xvfb libsimdjson-dev
-  clang libclang-rt-14-dev
+  clang libclang-rt-14-dev libgloo-dev
 )
 step "checking Debian packages"
 missing=()

@@ -1,0 +1,115 @@
+// Data parallelism across processes (docs/distributed.md): every process (a rank: a node, or a
+// group of GPUs on one node) runs its own pipeline on its share of each step's microbatches; the
+// gradients, summed in host memory as they land, are summed across ranks before the optimizer, so
+// every rank's update is the same. The collectives are torch's c10d over Gloo (TCP), the engine
+// sees them through `Collective` alone (no torch or gloo in this header).
+//
+//   std::optional<RankEnv> env = rank_env(std::getenv);     // torchrun's, Slurm's or none
+//   std::unique_ptr<Ranks> ranks = Ranks::connect(*env, {}); // rendezvous with the other ranks
+//   options.data_parallel = {.steps = &ranks->steps(), .gradients = &ranks->gradients()};
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "kernels/error.h"
+
+namespace rondo::engine {
+
+// One group of ranks, used by one thread at a time: every rank must call the same collectives in
+// the same order. A failure (a peer that died, or did not answer within the timeout) throws
+// RankError naming this rank, the operation and `what` the caller said it was doing.
+class Collective {
+ public:
+  virtual ~Collective() = default;
+  virtual int rank() const = 0;
+  virtual int size() const = 0;
+  // Sums `n` contiguous values in place across the ranks.
+  virtual void all_reduce_sum(float* data, std::size_t n, const std::string& what) = 0;
+  virtual void all_reduce_sum(double* data, std::size_t n, const std::string& what) = 0;
+  // Starts summing several buffers in one collective (in place where they follow each other in
+  // memory; else c10d's allreduce_coalesced, which copies them into one buffer and back) and
+  // returns at once; every rank passes buffers of the same sizes in the same order. The buffers
+  // must stay untouched until wait() returns. Several may be in flight (the process group's threads
+  // run them concurrently, matched across ranks by the order they were started in).
+  struct Floats {
+    float* data = nullptr;
+    std::size_t n = 0;
+  };
+  class Pending {
+   public:
+    virtual ~Pending() = default;
+    virtual bool done() = 0;  // finished (wait() would not block)
+    virtual void wait() = 0;  // throws RankError as the blocking calls do
+  };
+  virtual std::unique_ptr<Pending> start_sum(const std::vector<Floats>& parts,
+                                             const std::string& what) = 0;
+  // Rank `root`'s `bytes` bytes at `data` on every rank.
+  virtual void broadcast(void* data, std::size_t bytes, int root, const std::string& what) = 0;
+};
+
+class RankError : public Error {
+ public:
+  using Error::Error;
+};
+
+// Data parallel: layers' gradients are summed across ranks in buckets of at least this many bytes
+// (the last may hold less): consecutive layers, whose gradients a store keeps back to back, so a
+// bucket is one buffer summed in place, and a LoRA's many small layers do not pay a collective's
+// latency each. Buckets are summed asynchronously, several in flight.
+inline constexpr std::size_t kGradientBucketBytes = 16ull << 20;
+
+// The buckets of layers whose gradients are summed together, given each layer's gradient bytes
+// (0: no gradients): consecutive layers with gradients, from the last layer to the first (the order
+// backward jobs hand them over), each bucket closed once it holds kGradientBucketBytes (the last
+// may hold less). The same on every rank: they depend on the model alone.
+std::vector<std::vector<int>> gradient_buckets(const std::vector<std::size_t>& layer_bytes);
+
+// Rank `root`'s `text` on every rank.
+void broadcast_string(Collective& ranks, std::string& text, int root, const std::string& what);
+
+// Where this process stands among the ranks, from the launcher's variables or the command line.
+struct RankEnv {
+  int rank = 0, world = 1, local_rank = 0;
+  std::string master_addr = "127.0.0.1";
+  int master_port = 29500;
+  // torchrun's agent already serves the store (TORCHELASTIC_USE_AGENT_STORE): rank 0 joins it as
+  // a client instead of serving one.
+  bool agent_store = false;
+  int restart_count = 0;  // TORCHELASTIC_RESTART_COUNT
+  std::string launcher;   // "torchrun", "slurm" or "command line", for messages
+};
+
+// torchrun's variables (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT, TORCHELASTIC_*),
+// else Slurm's (SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID; the master from MASTER_ADDR or the
+// first host of SLURM_STEP_NODELIST / SLURM_JOB_NODELIST, the port from MASTER_PORT or 29500),
+// else nullopt. Throws Error naming the variable that is malformed or missing.
+std::optional<RankEnv> rank_env(const std::function<const char*(const char*)>& getenv);
+
+struct DistributedSettings {
+  std::string backend = "gloo";  // the only one: gradients live in host memory
+  double timeout_s = 600;        // a collective (or the rendezvous) that waits longer fails
+  std::string interface;         // network interface for Gloo ("" = the master's route)
+};
+
+// The run's ranks: two groups over one rendezvous, so that two threads may each issue their own
+// collectives in their own order. `steps` is the main thread's (each step's target count, resume
+// agreement), `gradients` the optimizer thread's (gradients, loss sums).
+class Ranks {
+ public:
+  virtual ~Ranks() = default;
+  // Meets the other ranks at env.master_addr:env.master_port (rank 0 serves the store unless
+  // torchrun's agent does). Throws Error when they do not all arrive within settings.timeout_s.
+  static std::unique_ptr<Ranks> connect(const RankEnv& env, const DistributedSettings& settings);
+  virtual Collective& steps() = 0;
+  virtual Collective& gradients() = 0;
+  virtual int rank() const = 0;
+  virtual int size() const = 0;
+};
+
+}  // namespace rondo::engine

@@ -1,0 +1,188 @@
+// The ranks of a data-parallel run (engine/ranks.h) on loopback, in threads of one process: sums
+// and broadcasts across 2 and 3 ranks, a rank that leaves, and the layout of c10d's Gloo process
+// group as engine/ranks.cpp compiles it against Debian's gloo headers (Note [Gloo's headers]).
+// This file includes ProcessGroupGloo.hpp too, under the same rules: no gloo object made here.
+#include "engine/ranks.h"
+
+#include <arpa/inet.h>
+#include <gtest/gtest.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <ATen/ATen.h>
+#include <torch/csrc/distributed/c10d/HashStore.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
+
+#include <chrono>
+#include <exception>
+#include <functional>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+namespace {
+
+using rondo::engine::Collective;
+using rondo::engine::DistributedSettings;
+using rondo::engine::RankEnv;
+using rondo::engine::Ranks;
+
+int free_port() {
+  const int s = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t n = sizeof a;
+  if (s < 0 || ::bind(s, reinterpret_cast<sockaddr*>(&a), sizeof a) != 0 ||
+      ::getsockname(s, reinterpret_cast<sockaddr*>(&a), &n) != 0)
+    return 0;
+  ::close(s);
+  return ntohs(a.sin_port);
+}
+
+// Runs body(rank, ranks) for every rank of `world`, each on its own thread with its own connection;
+// the first failure is rethrown.
+void on_ranks(int world, const std::function<void(int, Ranks&)>& body, double timeout_s = 30) {
+  const int port = free_port();
+  ASSERT_GT(port, 0);
+  std::vector<std::exception_ptr> errors(static_cast<std::size_t>(world));
+  std::vector<std::thread> threads;
+  for (int r = 0; r < world; ++r)
+    threads.emplace_back([&, r] {
+      try {
+        std::unique_ptr<Ranks> ranks =
+            Ranks::connect(RankEnv{.rank = r, .world = world, .master_port = port},
+                           DistributedSettings{.timeout_s = timeout_s});
+        body(r, *ranks);
+      } catch (...) {
+        errors[static_cast<std::size_t>(r)] = std::current_exception();
+      }
+    });
+  for (auto& t : threads)
+    t.join();
+  for (auto& e : errors)
+    if (e) std::rethrow_exception(e);
+}
+
+TEST(Ranks, SumAndBroadcastOverTwoAndThreeRanks) {
+  for (int world : {2, 3}) {
+    on_ranks(world, [world](int rank, Ranks& ranks) {
+      EXPECT_EQ(ranks.rank(), rank);
+      EXPECT_EQ(ranks.size(), world);
+      // Value i of rank r is r + i / 4: every partial sum is exact in fp32 and fp64, so the sum
+      // must be world * (world - 1) / 2 + world * i / 4 whatever order Gloo adds in. An odd count,
+      // so that no chunk boundary of the ring lines up with a power of two.
+      const std::size_t n = 1'000'003;
+      std::vector<float> f(n);
+      std::vector<double> d(n);
+      for (std::size_t i = 0; i < n; ++i) {
+        f[i] = static_cast<float>(rank) + static_cast<float>(i % 1024) / 4;
+        d[i] = rank + static_cast<double>(i) / 4;
+      }
+      ranks.gradients().all_reduce_sum(f.data(), n, "test floats");
+      ranks.steps().all_reduce_sum(d.data(), n, "test doubles");
+      const double base = world * (world - 1) / 2.0;
+      std::size_t wrong_f = 0, wrong_d = 0;
+      for (std::size_t i = 0; i < n; ++i) {
+        wrong_f += f[i] != static_cast<float>(base + world * static_cast<double>(i % 1024) / 4);
+        wrong_d += d[i] != base + world * static_cast<double>(i) / 4;
+      }
+      EXPECT_EQ(wrong_f, 0u) << "rank " << rank;
+      EXPECT_EQ(wrong_d, 0u) << "rank " << rank;
+      // Broadcasts from the last rank.
+      std::string text = rank == world - 1 ? "from the last rank, " + std::string(5000, 'x') : "";
+      rondo::engine::broadcast_string(ranks.steps(), text, world - 1, "test text");
+      EXPECT_EQ(text, "from the last rank, " + std::string(5000, 'x'));
+      std::int64_t step = rank == 0 ? 123456789012345 : -1;
+      ranks.steps().broadcast(&step, sizeof step, 0, "test step");
+      EXPECT_EQ(step, 123456789012345);
+    });
+  }
+}
+
+TEST(Ranks, BuffersSummedTogetherInPlaceOrCopied) {
+  on_ranks(3, [](int rank, Ranks& ranks) {
+    // Two buffers back to back (summed as one) and one elsewhere (summed with them through c10d's
+    // coalesced all-reduce), all started before any is waited for.
+    std::vector<float> a(3000), c(777);
+    for (std::size_t i = 0; i < a.size(); ++i)
+      a[i] = static_cast<float>(rank * 1000 + static_cast<int>(i));
+    for (std::size_t i = 0; i < c.size(); ++i)
+      c[i] = static_cast<float>(rank) - static_cast<float>(i);
+    auto first = ranks.gradients().start_sum(
+        {{a.data() + 1000, 2000}, {a.data(), 1000}, {c.data(), 777}}, "three buffers");
+    std::vector<float> d(7, static_cast<float>(rank + 1));
+    auto second = ranks.gradients().start_sum({{d.data(), 7}}, "after them");
+    second->wait();  // in order of starting or not, both finish
+    first->wait();
+    EXPECT_TRUE(first->done());
+    for (std::size_t i = 0; i < a.size(); ++i)
+      ASSERT_EQ(a[i], 3000.0f + 3.0f * static_cast<float>(i)) << i;
+    for (std::size_t i = 0; i < c.size(); ++i)
+      ASSERT_EQ(c[i], 3.0f - 3.0f * static_cast<float>(i)) << i;
+    for (float x : d)
+      ASSERT_EQ(x, 6.0f);
+  });
+}
+
+TEST(Ranks, GradientBucketsRunFromTheLastLayerAndCloseAtTheirSize) {
+  const std::size_t big = rondo::engine::kGradientBucketBytes;
+  const std::size_t small = big / 4 + 1;
+  using B = std::vector<std::vector<int>>;
+  // Layer 0 (an embedding without gradients) is in no bucket; four small layers reach the size.
+  EXPECT_EQ(rondo::engine::gradient_buckets({0, small, small, small, small, small, small}),
+            (B{{6, 5, 4, 3}, {2, 1}}));
+  EXPECT_EQ(rondo::engine::gradient_buckets({big, small, big, 0, small}), (B{{4, 2}, {1, 0}}));
+  EXPECT_EQ(rondo::engine::gradient_buckets({0, 0}), B{});
+}
+
+TEST(Ranks, ARankThatLeavesEndsTheOthersCollectiveWithANamedError) {
+  std::string said;
+  const auto t0 = std::chrono::steady_clock::now();
+  on_ranks(
+      2,
+      [&](int rank, Ranks& ranks) {
+        std::vector<float> x(1000, 1.0f);
+        ranks.gradients().all_reduce_sum(x.data(), x.size(), "the first sum");
+        if (rank == 1) return;  // leaves: its connections close when its Ranks is destroyed
+        try {
+          ranks.gradients().all_reduce_sum(x.data(), x.size(), "layer 7's gradients");
+          ADD_FAILURE() << "the sum went through without rank 1";
+        } catch (const rondo::engine::RankError& e) {
+          said = e.what();
+        }
+      },
+      /*timeout_s=*/10);
+  EXPECT_NE(said.find("rank 0 of 2: the all-reduce of layer 7's gradients (gradients group) "
+                      "failed"),
+            std::string::npos)
+      << said;
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(30));
+}
+
+TEST(Ranks, TheGlooProcessGroupIsLaidOutAsTheWheelLaysItOut) {
+  // Made with this file's view of the class (Debian's gloo headers), initialised by libtorch's
+  // constructor (the wheel's gloo): the fields read back through this file's inline accessors
+  // must be the ones the constructor wrote. A layout that differed would read other bytes.
+  auto options = c10d::ProcessGroupGloo::Options::create(std::chrono::milliseconds(4321));
+  options->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1"));
+  options->threads = 3;
+  auto store = c10::make_intrusive<c10d::HashStore>();
+  auto group = c10::make_intrusive<c10d::ProcessGroupGloo>(store, 0, 1, options);
+  EXPECT_EQ(group->getRank(), 0);
+  EXPECT_EQ(group->getSize(), 1);
+  EXPECT_EQ(group->getOptions().get(), options.get());
+  EXPECT_EQ(group->getNumThreads(), 3);
+  EXPECT_EQ(group->getBackendName(), "gloo");
+  EXPECT_EQ(group->getOptions()->timeout, std::chrono::milliseconds(4321));
+  // And it works: a sum over one rank, a broadcast.
+  std::vector<at::Tensor> t{at::arange(10, at::kFloat)};
+  group->allreduce(t)->wait();
+  EXPECT_TRUE(t[0].equal(at::arange(10, at::kFloat)));
+  group->broadcast(t)->wait();
+  EXPECT_TRUE(t[0].equal(at::arange(10, at::kFloat)));
+}
+
+}  // namespace
