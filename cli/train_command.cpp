@@ -380,6 +380,9 @@ void add_plan_options(CLI::App& cmd, TrainOptions& o) {
   cmd.add_option("--data", o.data, "Shorthand for --set data.train=...");
   cmd.add_option("--steps", o.steps, "Shorthand for --set training.steps=...");
   cmd.add_flag("--json", o.json, "Print the estimate as JSON");
+  cmd.add_option("--nodes", o.nodes,
+                 "Plan for N ranks (data parallel) sharing each step, with "
+                 "distributed.link_speed between them");
   cmd.add_flag("--max-seq-len", o.max_seq_len,
                "Also find the longest sequence (data.seq_len) that fits, the rest as set");
 }
@@ -485,8 +488,12 @@ int run_train(const TrainOptions& o) {
 
 int run_plan(const TrainOptions& o) {
   ConfigFile f = resolve(o, /*planning=*/true);
-  engine::SessionOptions so{
-      .config_toml = to_toml(f.config), .plan_only = true, .find_longest = o.max_seq_len};
+  if (o.nodes < 0 || o.nodes > (1 << 16))
+    throw Error("--nodes " + std::to_string(o.nodes) + ": expected the number of ranks, 1 or more");
+  engine::SessionOptions so{.config_toml = to_toml(f.config),
+                            .plan_only = true,
+                            .find_longest = o.max_seq_len,
+                            .plan_ranks = o.nodes};
   engine::Session session(f.config, so);
   if (o.json)
     std::fputs((session.estimate().json() + "\n").c_str(), stdout);

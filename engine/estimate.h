@@ -117,6 +117,15 @@ struct RunEstimate {
   // (max_position_embeddings) end there, not the memory.
   std::int64_t longest_seq_len = -1;
   bool longest_is_positions = false;
+  // Data parallel (add_ranks; docs/distributed.md): the ranks that share each step, the link
+  // between them, and the gradients summed across them a step (ring all-reduce: every rank sends
+  // and receives 2 (R - 1) / R of them). The step time and speed above are then the whole run's:
+  // one rank's step or the sums, whichever is longer, plus the last bucket's sum (the rest
+  // overlaps the backward).
+  int ranks = 1;
+  double link_bytes_per_s = 0;
+  std::string link_speed_source;  // "set" (distributed.link_speed) or what is assumed
+  double gradient_bytes = 0, allreduce_s = 0, step_time_one_rank_s = 0;
 
   std::string text() const;  // the report `rondo plan` prints
   std::string json() const;  // the same as one JSON object (`rondo plan --json`, the GUI)
@@ -125,6 +134,11 @@ struct RunEstimate {
 // Compute speed a GPU is assumed to have (FLOP/s in the run's dtype): a table by GPU generation.
 // The CPU's (and simulated GPUs') is measured: engine::cpu_flops (speed.h).
 double device_flops(const kernels::DeviceInfo& device, DeviceMode mode, const std::string& dtype);
+
+// An estimate of one rank's share of a step (grad_accum / ranks microbatches) turned into the
+// run's on `ranks` ranks joined by a link of `link_bytes_per_s` (RunEstimate::ranks): the
+// gradients' sums added to the step time, the tokens per step and speed over every rank.
+void add_ranks(RunEstimate& e, int ranks, double link_bytes_per_s, const std::string& source);
 
 // A resume: the step it continues from and the checkpoints already in the run folder (their bytes
 // are on the disk already; only what is left to write counts against the free space).

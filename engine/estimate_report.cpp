@@ -6,6 +6,7 @@
 #include <sstream>
 
 #include "engine/estimate.h"
+#include "engine/ranks.h"
 
 namespace rondo::engine {
 namespace {
@@ -80,6 +81,20 @@ std::string RunEstimate::text() const {
         format_bytes(static_cast<std::uint64_t>(prediction.bytes_nvme_write)),
         rate_text(placement.disk_bytes_per_s), tokens_per_step_to_hide_drive,
         grad_accum_to_hide_drive);
+  if (ranks > 1 && allreduce_s > 0) {
+    const double last = std::min(gradient_bytes, static_cast<double>(kGradientBucketBytes)) * 2.0 *
+                        (ranks - 1) / ranks / link_bytes_per_s;
+    o << fmt::format(
+        "Ranks       {} ranks, each the step above on its share; {} of gradients summed across "
+        "them "
+        "a step over a {} link ({}): {:.3g} s, overlapped with the backward but the last {}; a "
+        "step of the run about {:.3g} s\n",
+        ranks, format_bytes(static_cast<std::uint64_t>(gradient_bytes)),
+        rate_text(link_bytes_per_s), link_speed_source, allreduce_s,
+        format_bytes(std::min<std::uint64_t>(static_cast<std::uint64_t>(gradient_bytes),
+                                             kGradientBucketBytes)),
+        std::max(step_time_one_rank_s, allreduce_s) + last);
+  }
   if (tokens_per_s > 0) {
     if (steps > 0)
       o << fmt::format(
@@ -204,6 +219,13 @@ std::string RunEstimate::json() const {
                       {"tokens_per_step", tokens_per_step},
                       {"tokens_per_s", tokens_per_s},
                       {"speed_probe_busy", speed_probe_busy},
+                      {"distributed",
+                       {{"ranks", ranks},
+                        {"link_bytes_per_s", link_bytes_per_s},
+                        {"link_speed_source", link_speed_source},
+                        {"gradient_bytes", gradient_bytes},
+                        {"allreduce_seconds", allreduce_s},
+                        {"step_seconds_one_rank", step_time_one_rank_s}}},
                       {"seconds", seconds}};
   return j.dump(2);
 }

@@ -277,7 +277,7 @@ struct Session::Impl {
 
   // Data parallel (SessionOptions::ranks): this process's rank and how many there are.
   int rank() const { return o.ranks ? o.ranks->rank() : 0; }
-  int world() const { return o.ranks ? o.ranks->size() : 1; }
+  int world() const { return o.ranks ? o.ranks->size() : std::max(o.plan_ranks, 1); }
   // Where this rank writes: the run folder for rank 0, <run_dir>/ranks/rank-r for the others.
   fs::path rank_dir() const {
     return rank() == 0 ? run_dir() : run_dir() / "ranks" / ("rank-" + std::to_string(rank()));
@@ -401,6 +401,11 @@ struct Session::Impl {
     per_rank.training.grad_accum = c.training.grad_accum / world();
     est = estimate_run(per_rank, summary, devices, steps, tokens_per_step / world(), o.host_free,
                        o.disk_free, resume_point);
+    if (world() > 1)
+      add_ranks(est, world(), link_bytes_per_s(c.distributed.link_speed),
+                c.distributed.link_speed.empty() ? "assumed: 10 Gbit/s Ethernet; set "
+                                                   "distributed.link_speed"
+                                                 : "distributed.link_speed");
     if (batcher) est.steps_per_epoch = batcher->steps_per_epoch();
     // A plan that does not fit says what would, each change planned (an NVMe folder proposed
     // beside the run folder, on its drive).

@@ -52,6 +52,9 @@ struct SessionOptions {
   bool plan_only = false;
   // `rondo plan --max-seq-len`: also the longest sequence that fits (RunEstimate::longest).
   bool find_longest = false;
+  // `rondo plan --nodes N`: plan each of N ranks' share of a step and the gradients' sums across
+  // them (RunEstimate::ranks; `ranks` below is for a run, which knows its ranks).
+  int plan_ranks = 0;
   // `--dry-run`: look, change nothing. A resume takes no lock (a run training meanwhile may be
   // looked at), removes no stale temporaries and sets no damaged checkpoint aside (it names them);
   // run() is refused.

@@ -1,7 +1,9 @@
 #include "engine/train_config.h"
 
 #include <algorithm>
+#include <cctype>
 #include <cmath>
+#include <cstdlib>
 #include <sstream>
 
 #include "engine/lr_schedule.h"
@@ -22,6 +24,36 @@ bool one_of(const std::string& v, std::initializer_list<const char*> allowed) {
 }
 
 }  // namespace
+
+double link_bytes_per_s(const std::string& link_speed) {
+  if (link_speed.empty()) return 10e9 / 8;
+  std::string t;
+  for (char ch : link_speed)
+    if (ch != ' ') t += static_cast<char>(std::tolower(static_cast<unsigned char>(ch)));
+  if (t.ends_with("bit") || t.ends_with("bit/s") || t.ends_with("bps")) {
+    t.resize(t.find('b'));
+    double scale = 1;
+    if (!t.empty() && (t.back() == 'k' || t.back() == 'm' || t.back() == 'g' || t.back() == 't')) {
+      scale = t.back() == 'k' ? 1e3 : t.back() == 'm' ? 1e6 : t.back() == 'g' ? 1e9 : 1e12;
+      t.pop_back();
+    }
+    char* end = nullptr;
+    const double v = std::strtod(t.c_str(), &end);
+    if (t.empty() || *end != '\0' || !(v > 0))
+      throw Error("distributed.link_speed = \"" + link_speed +
+                  "\": expected a speed such as \"10Gbit\" or \"1.25GB\" (per second)");
+    return v * scale / 8;
+  }
+  double bytes = 0;
+  try {
+    bytes = static_cast<double>(parse_bytes(link_speed, "distributed.link_speed"));
+  } catch (const Error&) {
+  }
+  if (!(bytes > 0))
+    throw Error("distributed.link_speed = \"" + link_speed +
+                "\": expected a speed such as \"10Gbit\" or \"1.25GB\" (per second)");
+  return bytes;
+}
 
 models::LoraConfig TrainConfig::lora_config() const {
   return {.rank = lora.rank,
@@ -128,6 +160,11 @@ std::vector<std::string> TrainConfig::validate(bool planning) const {
     add("distributed.backend",
         "must be \"gloo\" (got \"" + distributed.backend +
             "\"): gradients are summed in host memory, where Gloo over TCP is the way");
+  try {
+    link_bytes_per_s(distributed.link_speed);
+  } catch (const Error& e) {
+    p.push_back(e.what());
+  }
   if (!(distributed.timeout > 0) || distributed.timeout > 1e7)
     add("distributed.timeout",
         "must be a positive number of seconds (got " + str(distributed.timeout) + ")");

@@ -132,7 +132,13 @@ struct DistributedSection {
   std::string backend = "gloo";  // the only one: gradients are summed in host memory, over TCP
   double timeout = 600;          // seconds a collective or the rendezvous waits for the others
   std::string interface;         // network interface for Gloo; "" = the one that reaches the master
+  // The link between the ranks, for planning: "10Gbit" (bits per second, decimal prefixes, as
+  // networks are sold) or "1.25GB" (bytes per second, as hardware.disk_speed); "" = 10 Gbit/s.
+  std::string link_speed;
 };
+
+// distributed.link_speed in bytes per second (10 Gbit/s when empty). Throws Error naming the key.
+double link_bytes_per_s(const std::string& link_speed);
 
 struct TrainConfig {
   ModelSection model;

@@ -300,6 +300,38 @@ TEST_F(DataParallel, TorchrunStartsTheRanks) {
   EXPECT_TRUE(fs::exists(dir / "two" / "ranks" / "rank-1" / "events.jsonl"));
 }
 
+TEST_F(DataParallel, PlanForRanksAddsTheGradientSumsToTheStep) {
+  // 4 microbatches a step over 2 ranks: each rank plans 2, as one process with grad_accum = 2.
+  const fs::path cfg = write_config("run.toml", config("run"));
+  const std::string four = " --set training.grad_accum=4 --set distributed.link_speed=1Gbit";
+  const rondo::test::Result two = run_rondo("plan " + cfg.string() + four + " --nodes 2 --json");
+  ASSERT_EQ(two.code, 0) << two.out;
+  const rondo::test::Result one =
+      run_rondo("plan " + cfg.string() + " --set training.grad_accum=2 --json");
+  ASSERT_EQ(one.code, 0) << one.out;
+  const auto j2 = nlohmann::json::parse(two.out.substr(two.out.find('{')));
+  const auto j1 = nlohmann::json::parse(one.out.substr(one.out.find('{')));
+  const auto& d = j2["distributed"];
+  EXPECT_EQ(d["ranks"], 2);
+  EXPECT_DOUBLE_EQ(d["link_bytes_per_s"].get<double>(), 1e9 / 8);
+  // fp32 gradients of every trained parameter; a ring all-reduce over 2 ranks sends and receives
+  // (2 - 1) / 2 * 2 of them.
+  const double bytes = 4.0 * j2["trained_params"].get<double>();
+  EXPECT_DOUBLE_EQ(d["gradient_bytes"].get<double>(), bytes);
+  EXPECT_NEAR(d["allreduce_seconds"].get<double>(), bytes / (1e9 / 8), 1e-12);
+  EXPECT_EQ(j2["tokens_per_step"].get<std::int64_t>(),
+            2 * j1["tokens_per_step"].get<std::int64_t>());
+  EXPECT_NEAR(d["step_seconds_one_rank"].get<double>(), j1["step_seconds"].get<double>(),
+              0.05 * j1["step_seconds"].get<double>());
+  const rondo::test::Result text = run_rondo("plan " + cfg.string() + four + " --nodes 2");
+  EXPECT_TRUE(contains(text.out, "Ranks       2 ranks")) << text.out;
+  const rondo::test::Result bad =
+      run_rondo("plan " + cfg.string() + " --set distributed.link_speed=fast --nodes 2");
+  EXPECT_NE(bad.code, 0);
+  EXPECT_TRUE(contains(bad.out, "distributed.link_speed = \"fast\": expected a speed such as"))
+      << bad.out;
+}
+
 // The launcher's variables, read as torchrun and Slurm set them.
 std::function<const char*(const char*)> env_of(const std::map<std::string, std::string>& vars) {
   return [vars](const char* name) -> const char* {
