@@ -95,6 +95,8 @@ std::vector<Field> fields(engine::TrainConfig& c) {
       {"distributed.backend", &c.distributed.backend, "gloo (ranks: torchrun, srun or --nodes)"},
       {"distributed.timeout", &c.distributed.timeout,
        "seconds a rank waits for the others before the run fails"},
+      {"distributed.meet_timeout", &c.distributed.meet_timeout,
+       "seconds ranks wait for one loading the model or writing a checkpoint alone"},
       {"distributed.link_speed", &c.distributed.link_speed,
        "link between the ranks for rondo plan: \"10Gbit\", \"1.25GB\"; \"\" = 10 Gbit/s"},
       {"distributed.interface", &c.distributed.interface,

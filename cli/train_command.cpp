@@ -251,6 +251,7 @@ std::unique_ptr<engine::Ranks> connect_ranks(const TrainOptions& o, engine::Trai
   std::unique_ptr<engine::Ranks> ranks =
       engine::Ranks::connect(*env, {.backend = config.distributed.backend,
                                     .timeout_s = config.distributed.timeout,
+                                    .meet_timeout_s = config.distributed.meet_timeout,
                                     .interface = config.distributed.interface});
   engine::broadcast_string(ranks->steps(), config.output.run_dir, 0, "the run folder");
   return ranks;

@@ -167,8 +167,11 @@ class GlooRanks final : public Ranks {
     if (settings.backend != "gloo")
       throw Error("distributed.backend = \"" + settings.backend +
                   "\": only \"gloo\" is supported (gradients are summed in host memory)");
-    const auto timeout = std::chrono::milliseconds(
-        static_cast<std::int64_t>(std::min(settings.timeout_s, 1e9) * 1000.0));
+    auto ms = [](double s) {
+      return std::chrono::milliseconds(static_cast<std::int64_t>(std::min(s, 1e9) * 1000.0));
+    };
+    const auto timeout = ms(settings.timeout_s);
+    meet_timeout_ = ms(settings.meet_timeout_s);
     c10::intrusive_ptr<c10d::Store> store;
     try {
       c10d::TCPStoreOptions so;
@@ -176,12 +179,13 @@ class GlooRanks final : public Ranks {
       so.isServer = env.rank == 0 && !env.agent_store;
       so.numWorkers = static_cast<std::size_t>(env.world);
       so.waitWorkers = !env.agent_store;
-      so.timeout = timeout;
+      // Ranks start when their launcher gets to them: the rendezvous waits as meetings do.
+      so.timeout = meet_timeout_;
       store = c10::make_intrusive<c10d::TCPStore>(env.master_addr, so);
     } catch (const std::exception& e) {
       throw Error(rank_text(env.rank, env.world) + ": could not meet the other ranks at " +
                   env.master_addr + ":" + std::to_string(env.master_port) + " within " +
-                  std::to_string(static_cast<int>(settings.timeout_s)) + " s (" + e.what() +
+                  std::to_string(static_cast<int>(settings.meet_timeout_s)) + " s (" + e.what() +
                   "). Check that every rank was started with the same master address and port, "
                   "that rank 0 is running and that the port is free");
     }
@@ -217,6 +221,29 @@ class GlooRanks final : public Ranks {
     };
     steps_ = group("steps");
     gradients_ = group("gradients");
+    meetings_ = c10::make_intrusive<c10d::PrefixStore>(attempt + "meet", store);
+  }
+
+  void meet(const std::string& what) override {
+    const std::string key = std::to_string(++meetings_held_);
+    at_store(what, [&] {
+      if (meetings_->add(key, 1) == env_.world) meetings_->set(key + "/all", std::string("1"));
+      meetings_->wait({key + "/all"}, meet_timeout_);
+    });
+  }
+
+  bool rank_0_says(const std::string& what, bool ok) override {
+    const std::string key = "says/" + std::to_string(++meetings_held_);
+    at_store(what, [&] {
+      if (env_.rank == 0) {
+        meetings_->set(key, std::string(ok ? "1" : "0"));
+      } else {
+        meetings_->wait({key}, meet_timeout_);
+        const std::vector<std::uint8_t> v = meetings_->get(key);
+        ok = v.size() == 1 && v[0] == '1';
+      }
+    });
+    return ok;
   }
 
   Collective& steps() override { return *steps_; }
@@ -225,8 +252,23 @@ class GlooRanks final : public Ranks {
   int size() const override { return env_.world; }
 
  private:
+  template <typename F>
+  void at_store(const std::string& what, F f) {
+    try {
+      f();
+    } catch (const std::exception& e) {
+      throw RankError(rank_text(env_.rank, env_.world) + ": waiting for the other ranks (" + what +
+                      ") failed: " + std::string(e.what()).substr(0, 300) +
+                      ". A rank has stopped, died or taken longer than distributed.meet_timeout; "
+                      "its own output says why");
+    }
+  }
+
   RankEnv env_;
   std::unique_ptr<GlooCollective> steps_, gradients_;
+  c10::intrusive_ptr<c10d::Store> meetings_;
+  std::chrono::milliseconds meet_timeout_{0};
+  std::int64_t meetings_held_ = 0;
 };
 
 int int_var(const std::function<const char*(const char*)>& getenv, const char* name, int lo,

@@ -94,7 +94,10 @@ std::optional<RankEnv> rank_env(const std::function<const char*(const char*)>& g
 struct DistributedSettings {
   std::string backend = "gloo";  // the only one: gradients live in host memory
   double timeout_s = 600;        // a collective (or the rendezvous) that waits longer fails
-  std::string interface;         // network interface for Gloo ("" = the master's route)
+  // Where a rank works alone for long (loading the model, rank 0 writing a checkpoint or samples),
+  // the others wait at a meeting (Ranks::meet) up to this long.
+  double meet_timeout_s = 7200;
+  std::string interface;  // network interface for Gloo ("" = the master's route)
 };
 
 // The run's ranks: two groups over one rendezvous, so that two threads may each issue their own
@@ -108,6 +111,14 @@ class Ranks {
   static std::unique_ptr<Ranks> connect(const RankEnv& env, const DistributedSettings& settings);
   virtual Collective& steps() = 0;
   virtual Collective& gradients() = 0;
+  // Every rank arrives here before any goes on (`what`, e.g. "the model loaded", for errors).
+  // Through the rendezvous store, not the collectives: it waits up to meet_timeout_s, as long as a
+  // rank may take to load a model or write a checkpoint alone. Call from the main thread, between
+  // steps, in the same order on every rank.
+  virtual void meet(const std::string& what) = 0;
+  // Rank 0's `ok` on every rank (rank 0 passes its own; the others' is ignored), the others waiting
+  // for it as meet() waits: whether rank 0 accepted something only it checks.
+  virtual bool rank_0_says(const std::string& what, bool ok) = 0;
   virtual int rank() const = 0;
   virtual int size() const = 0;
 };

@@ -286,22 +286,24 @@ struct Session::Impl {
   // so that none goes on into a run folder rank 0 refused. One process: `f`.
   template <typename F>
   void led_by_rank_0(const std::string& what, F f) {
-    if (world() == 1) return f();
-    std::uint8_t ok = 1;
+    if (!o.ranks || world() == 1) return f();
     if (rank() == 0) {
       try {
         f();
       } catch (...) {
-        ok = 0;
         try {
-          o.ranks->steps().broadcast(&ok, 1, 0, what);
-        } catch (...) {  // the others will time out; rank 0's error is the one to report
+          o.ranks->rank_0_says(what, false);
+        } catch (...) {  // rank 0's own error is the one to report
         }
         throw;
       }
     }
-    o.ranks->steps().broadcast(&ok, 1, 0, what);
-    if (!ok) throw Error("rank 0 failed while " + what + "; its output says why");
+    if (!o.ranks->rank_0_says(what, true))
+      throw Error("rank 0 failed while " + what + "; its output says why");
+  }
+  // Several ranks: every one arrives here before any goes on (Ranks::meet). One process: nothing.
+  void meet(const std::string& what) const {
+    if (o.ranks && world() > 1) o.ranks->meet(what);
   }
   fs::path run_dir() const { return fs::path(c.output.run_dir); }
 
@@ -925,11 +927,32 @@ struct Session::Impl {
       log(fmt::format("Checkpoint {} ({})", path, format_bytes(bytes)));
       result.checkpoint = path;
     };
+    // The others wait for it (its write may take longer than a collective's timeout).
+    auto checkpoint_all = [&](std::int64_t step) {
+      checkpoint(step);
+      meet("rank 0's checkpoint of step " + std::to_string(step));
+    };
     // Validation: forward-only jobs through the engine, on the run's devices.
+    // Several ranks: each evaluates its share of the rows (every rank's weights are the same), and
+    // the sums are added.
     auto evaluate = [&](std::int64_t step) {
-      if (rank() > 0) return;  // every rank's weights are the same
-      const EvalResult v =
-          with_settings_advice([&] { return eng.evaluate(val_batcher->all_rows()); });
+      std::vector<Microbatch> rows = val_batcher->all_rows();
+      if (world() > 1) {
+        std::vector<Microbatch> mine;
+        for (std::size_t i = static_cast<std::size_t>(rank()); i < rows.size();
+             i += static_cast<std::size_t>(world()))
+          mine.push_back(std::move(rows[i]));
+        rows = std::move(mine);
+      }
+      EvalResult v = with_settings_advice([&] { return eng.evaluate(std::move(rows)); });
+      if (world() > 1) {
+        const std::string what = "the validation loss at step " + std::to_string(step);
+        meet(what);
+        double sums[2] = {v.loss_sum, static_cast<double>(v.targets)};
+        o.ranks->steps().all_reduce_sum(sums, 2, what);
+        v = {.loss_sum = sums[0], .targets = static_cast<std::int64_t>(sums[1])};
+      }
+      if (rank() > 0) return;
       const double loss = v.loss();
       const std::int64_t n = v.targets;
       sink.emit(EvalEvent{.step = step, .loss = loss, .tokens = n});
@@ -937,12 +960,17 @@ struct Session::Impl {
     };
     // Samples: every prompt at once on the devices (Engine::generate).
     auto sample = [&](std::int64_t step) {
-      if (c.eval.prompts.empty() || rank() > 0) return;
-      for (auto& [prompt, text] : samples(eng)) {
-        sink.emit(SampleEvent{.step = step, .prompt = prompt, .text = text});
-        log(fmt::format("Sample at step {}:\n  > {}\n  {}", step, prompt, text));
-      }
+      if (c.eval.prompts.empty()) return;
+      if (rank() == 0)
+        for (auto& [prompt, text] : samples(eng)) {
+          sink.emit(SampleEvent{.step = step, .prompt = prompt, .text = text});
+          log(fmt::format("Sample at step {}:\n  > {}\n  {}", step, prompt, text));
+        }
+      meet("rank 0's samples at step " + std::to_string(step));
     };
+
+    // Every rank has loaded the model (some may take longer than a collective's timeout).
+    meet("loading the model");
 
     std::int64_t s = state.steps_done;
     if (s == 0 && c.eval.sample_every > 0) sample(0);
@@ -1000,7 +1028,7 @@ struct Session::Impl {
       if (stopped) break;
       if (due(s, c.eval.every) && val_batcher) evaluate(s);
       if (due(s, c.eval.sample_every)) sample(s);
-      if (due(s, c.checkpoint.every) || s == steps) checkpoint(s);
+      if (due(s, c.checkpoint.every) || s == steps) checkpoint_all(s);
     }
     if (s < steps) {
       if (result.checkpoint.empty() || !result.checkpoint.ends_with("step-" + std::to_string(s)))

@@ -165,6 +165,9 @@ std::vector<std::string> TrainConfig::validate(bool planning) const {
   } catch (const Error& e) {
     p.push_back(e.what());
   }
+  if (!(distributed.meet_timeout > 0) || distributed.meet_timeout > 1e7)
+    add("distributed.meet_timeout",
+        "must be a positive number of seconds (got " + str(distributed.meet_timeout) + ")");
   if (!(distributed.timeout > 0) || distributed.timeout > 1e7)
     add("distributed.timeout",
         "must be a positive number of seconds (got " + str(distributed.timeout) + ")");

@@ -131,7 +131,10 @@ struct OutputSection {
 struct DistributedSection {
   std::string backend = "gloo";  // the only one: gradients are summed in host memory, over TCP
   double timeout = 600;          // seconds a collective or the rendezvous waits for the others
-  std::string interface;         // network interface for Gloo; "" = the one that reaches the master
+  // Seconds a rank waits for the others where one works alone for long: loading the model, rank
+  // 0 writing a checkpoint or samples.
+  double meet_timeout = 7200;
+  std::string interface;  // network interface for Gloo; "" = the one that reaches the master
   // The link between the ranks, for planning: "10Gbit" (bits per second, decimal prefixes, as
   // networks are sold) or "1.25GB" (bytes per second, as hardware.disk_speed); "" = 10 Gbit/s.
   std::string link_speed;

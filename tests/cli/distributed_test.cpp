@@ -171,6 +171,71 @@ TEST_F(DataParallel, LoraOnTwoRanksEqualsOneProcess) {
     }
 }
 
+TEST_F(DataParallel, ValidationSamplesAndCheckpointsOnTwoRanks) {
+  // Each rank evaluates half of the validation rows and the sums are added; rank 0 alone writes
+  // samples and checkpoints while rank 1 waits for it.
+  const std::vector<std::string> eval = {
+      "--set", "data.validation_split=0.25", "--set", "eval.every=4",
+      "--set", "eval.sample_every=6",        "--set", "eval.prompts=[\"hi\"]",
+      "--set", "eval.sample_tokens=8"};
+  const fs::path one = write_config("one.toml", config("one"));
+  const fs::path two = write_config("two.toml", config("two"));
+  std::string flags;
+  for (const std::string& e : eval)
+    flags += " '" + e + "'";
+  const rondo::test::Result r = run_rondo("train " + one.string() + flags);
+  ASSERT_EQ(r.code, 0) << r.out;
+  std::vector<std::string> args = {two.string()};
+  args.insert(args.end(), eval.begin(), eval.end());
+  train_on_ranks(2, args, "two");
+  expect_close_runs(dir / "one", dir / "two", "adapter/adapter_model.safetensors");
+  auto of_type = [](const fs::path& events, const std::string& type) {
+    std::vector<nlohmann::json> out;
+    for (const auto& e : rondo::test::events(events))
+      if (e["type"] == type) out.push_back(e);
+    return out;
+  };
+  const auto eval_one = of_type(dir / "one" / "events.jsonl", "eval");
+  const auto eval_two = of_type(dir / "two" / "events.jsonl", "eval");
+  ASSERT_EQ(eval_one.size(), 4u);  // steps 0, 4, 8, 12
+  ASSERT_EQ(eval_two.size(), eval_one.size());
+  for (std::size_t i = 0; i < eval_one.size(); ++i) {
+    EXPECT_EQ(eval_two[i]["tokens"], eval_one[i]["tokens"]);
+    EXPECT_NEAR(eval_two[i]["loss"].get<double>(), eval_one[i]["loss"].get<double>(), kLossBound);
+  }
+  const auto samples_one = of_type(dir / "one" / "events.jsonl", "sample");
+  const auto samples_two = of_type(dir / "two" / "events.jsonl", "sample");
+  ASSERT_EQ(samples_one.size(), 3u);  // steps 0, 6, 12
+  ASSERT_EQ(samples_two.size(), samples_one.size());
+  for (std::size_t i = 0; i < samples_one.size(); ++i)  // greedy, on the same adapter
+    EXPECT_EQ(samples_two[i]["text"], samples_one[i]["text"]);
+  const fs::path rank1 = dir / "two" / "ranks" / "rank-1" / "events.jsonl";
+  EXPECT_TRUE(of_type(rank1, "eval").empty());
+  EXPECT_TRUE(of_type(rank1, "sample").empty());
+  EXPECT_TRUE(of_type(rank1, "checkpoint").empty());
+  EXPECT_EQ(of_type(dir / "two" / "events.jsonl", "checkpoint").size(), 4u);  // 3, 6, 9, 12
+}
+
+TEST_F(DataParallel, RanksStartedApartStillMeet) {
+  // Rank 1 starts 4 s after rank 0, longer than a collective may wait (2 s): the rendezvous waits
+  // as long as distributed.meet_timeout allows.
+  const fs::path cfg = write_config("run.toml", config("run"));
+  const std::vector<std::string> args = {
+      "train", cfg.string(), "--set", "distributed.timeout=2", "--set", "training.steps=3"};
+  const int port = free_port();
+  auto env = [&](int rank) {
+    return std::vector<std::pair<std::string, std::string>>{{"RANK", std::to_string(rank)},
+                                                            {"WORLD_SIZE", "2"},
+                                                            {"MASTER_ADDR", "127.0.0.1"},
+                                                            {"MASTER_PORT", std::to_string(port)}};
+  };
+  const pid_t first = spawn(args, dir / "run-rank-0.log", env(0));
+  std::this_thread::sleep_for(std::chrono::seconds(4));
+  const pid_t second = spawn(args, dir / "run-rank-1.log", env(1));
+  EXPECT_EQ(wait_for(first), 0) << log_of("run", 0);
+  EXPECT_EQ(wait_for(second), 0) << log_of("run", 1);
+}
+
 TEST_F(DataParallel, FullFineTuningOnTwoRanksEqualsOneProcess) {
   // One simulated device a rank; the merged checkpoint holds every trained weight.
   const fs::path one = write_config("one.toml", config("one"));
