@@ -403,6 +403,15 @@ struct Session::Impl {
     per_rank.training.grad_accum = c.training.grad_accum / world();
     est = estimate_run(per_rank, summary, devices, steps, tokens_per_step / world(), o.host_free,
                        o.disk_free, resume_point);
+    if (world() > 1 &&
+        std::any_of(est.placement.layers.begin(), est.placement.layers.end(),
+                    [](const offload::LayerDesc& l) { return l.grads == offload::Tier::kNvme; }))
+      est.problems.push_back(fmt::format(
+          "gradients: host memory is short, so the plan keeps some layers' gradients on the NVMe "
+          "tier; the {} ranks sum gradients in host memory. Give each rank more host memory "
+          "(hardware.host_memory), or train on one rank",
+          world()));
+    if (!est.problems.empty()) est.verdict = "does not fit";
     if (world() > 1)
       add_ranks(est, world(), link_bytes_per_s(c.distributed.link_speed),
                 c.distributed.link_speed.empty() ? "assumed: 10 Gbit/s Ethernet; set "

@@ -625,9 +625,9 @@ TEST_F(TrainCli, OnlyAFolderRondoMadeIsARun) {
 }
 
 // A resume takes --set for settings that do not change the training (where state lives, budgets,
-// devices, checkpoint.keep: an NVMe error's advice is "choose another hardware.offload_dir"), keeps
-// them in config.toml for later resumes, and trains exactly as before; anything else is refused,
-// named (before: every override was refused).
+// devices, distributed.*, checkpoint.keep: an NVMe error's advice is "choose another
+// hardware.offload_dir"), keeps them in config.toml for later resumes, and trains exactly as
+// before; anything else is refused, named (before: every override was refused).
 TEST_F(TrainCli, AResumeTakesSettingsThatDoNotChangeTheTraining) {
   write(dir / "a.toml", config("a"));
   Result r = run_rondo("train " + (dir / "a.toml").string());
@@ -641,12 +641,12 @@ TEST_F(TrainCli, AResumeTakesSettingsThatDoNotChangeTheTraining) {
   EXPECT_EQ(r.code, 1) << r.out;
   EXPECT_TRUE(contains(r.out, "training.lr changes the training: leave it out")) << r.out;
   EXPECT_TRUE(contains(r.out,
-                       "hardware.* (where state lives, memory budgets, devices, I/O) and "
-                       "checkpoint.keep"))
+                       "hardware.* (where state lives, memory budgets, devices, I/O), "
+                       "distributed.* and checkpoint.keep"))
       << r.out;
   fs::create_directories(dir / "offload");
   r = run_rondo("train --resume " + b + " --set checkpoint.keep=1 --set hardware.offload_dir=" +
-                (dir / "offload").string());
+                (dir / "offload").string() + " --set distributed.timeout=900");
   ASSERT_EQ(r.code, 0) << r.out;
   expect_same_run(dir / "a", dir / "b");
   std::vector<std::string> left;
@@ -656,6 +656,7 @@ TEST_F(TrainCli, AResumeTakesSettingsThatDoNotChangeTheTraining) {
   const std::string kept = slurp(dir / "b" / "config.toml");
   EXPECT_TRUE(contains(kept, "keep = 1")) << kept;
   EXPECT_TRUE(contains(kept, "offload_dir = \"" + (dir / "offload").string() + "\"")) << kept;
+  EXPECT_TRUE(contains(kept, "timeout = 900")) << kept;
 }
 
 // What runs measure corrects the speed cache: a figure cached from a bad moment (here: every

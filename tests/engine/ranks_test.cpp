@@ -42,9 +42,25 @@ int free_port() {
   return ntohs(a.sin_port);
 }
 
+// libtorch's process groups share lazily made singletons (c10d's FlightRecorder); several ranks
+// made at once in threads of one process (only these tests do that: a run is one rank a process)
+// race to make them, under a lock ThreadSanitizer cannot see in the uninstrumented wheel. One
+// group made first, on this thread, makes them before any rank's thread starts.
+void make_c10d_singletons() {
+  static const bool made = [] {
+    auto options = c10d::ProcessGroupGloo::Options::create();
+    options->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1"));
+    c10::make_intrusive<c10d::ProcessGroupGloo>(c10::make_intrusive<c10d::HashStore>(), 0, 1,
+                                                options);
+    return true;
+  }();
+  (void)made;
+}
+
 // Runs body(rank, ranks) for every rank of `world`, each on its own thread with its own connection;
 // the first failure is rethrown.
 void on_ranks(int world, const std::function<void(int, Ranks&)>& body, double timeout_s = 30) {
+  make_c10d_singletons();
   const int port = free_port();
   ASSERT_GT(port, 0);
   std::vector<std::exception_ptr> errors(static_cast<std::size_t>(world));
