@@ -2,11 +2,8 @@
 // or 3 ranks (RANK/WORLD_SIZE/MASTER_* as torchrun sets them, or --nodes/--node-rank/--master)
 // ends where one process running the same global batch ends; a rank that dies or stops ends the
 // others with a named error; a run started on 2 ranks resumes on 3; torchrun runs it unchanged.
-#include <arpa/inet.h>
 #include <gtest/gtest.h>
-#include <netinet/in.h>
 #include <signal.h>
-#include <sys/socket.h>
 #include <unistd.h>
 
 #include <ATen/ATen.h>
@@ -20,6 +17,7 @@
 #include <thread>
 #include <vector>
 
+#include "../support/free_port.h"
 #include "engine/ranks.h"
 #include "models/safetensors.h"
 #include "train_fixture.h"
@@ -29,6 +27,7 @@ namespace {
 namespace fs = std::filesystem;
 using rondo::test::contains;
 using rondo::test::events;
+using rondo::test::free_port;
 using rondo::test::run_rondo;
 using rondo::test::slurp;
 using rondo::test::spawn;
@@ -41,21 +40,6 @@ template <typename... A>
 void say(const char* format, A... args) {
   std::printf(format, args...);
   std::fflush(stdout);
-}
-
-// A port nobody listens on now (the kernel's choice for a socket bound to port 0).
-int free_port() {
-  const int s = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  a.sin_port = 0;
-  socklen_t n = sizeof a;
-  if (s < 0 || ::bind(s, reinterpret_cast<sockaddr*>(&a), sizeof a) != 0 ||
-      ::getsockname(s, reinterpret_cast<sockaddr*>(&a), &n) != 0)
-    return 0;
-  ::close(s);
-  return ntohs(a.sin_port);
 }
 
 // The largest difference between the same tensors of two safetensors files (every tensor of `a`

@@ -4,11 +4,7 @@
 // This file includes ProcessGroupGloo.hpp too, under the same rules: no gloo object made here.
 #include "engine/ranks.h"
 
-#include <arpa/inet.h>
 #include <gtest/gtest.h>
-#include <netinet/in.h>
-#include <sys/socket.h>
-#include <unistd.h>
 
 #include <ATen/ATen.h>
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
@@ -22,25 +18,15 @@
 #include <thread>
 #include <vector>
 
+#include "../support/free_port.h"
+
 namespace {
 
 using rondo::engine::Collective;
 using rondo::engine::DistributedSettings;
 using rondo::engine::RankEnv;
 using rondo::engine::Ranks;
-
-int free_port() {
-  const int s = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  socklen_t n = sizeof a;
-  if (s < 0 || ::bind(s, reinterpret_cast<sockaddr*>(&a), sizeof a) != 0 ||
-      ::getsockname(s, reinterpret_cast<sockaddr*>(&a), &n) != 0)
-    return 0;
-  ::close(s);
-  return ntohs(a.sin_port);
-}
+using rondo::test::free_port;
 
 // libtorch's process groups share lazily made singletons (c10d's FlightRecorder); several ranks
 // made at once in threads of one process (only these tests do that: a run is one rank a process)
