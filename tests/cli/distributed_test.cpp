@@ -114,6 +114,10 @@ struct DataParallel : rondo::test::TrainFixture {
     write(dir / file, text);
     return dir / file;
   }
+  // The fixture's config with `settings` (--set pairs) run to the end by one process (run folder
+  // "one") and by `ranks` ranks ("ranks"); their step losses and their `result` files compared.
+  void expect_ranks_equal_one_process(int ranks, const std::vector<std::string>& settings,
+                                      const std::string& result);
 };
 
 // Summed across ranks, each layer's gradient is rounded differently from one process's sum of the
@@ -135,21 +139,29 @@ void expect_close_runs(const fs::path& a, const fs::path& b, const std::string& 
   EXPECT_LT(weights, kWeightBound);
 }
 
+void DataParallel::expect_ranks_equal_one_process(int ranks,
+                                                  const std::vector<std::string>& settings,
+                                                  const std::string& result) {
+  std::vector<std::string> one = {"train", write_config("one.toml", config("one")).string()};
+  one.insert(one.end(), settings.begin(), settings.end());
+  ASSERT_EQ(wait_for(spawn(one, dir / "one.log")), 0) << slurp(dir / "one.log");
+  std::vector<std::string> many = {write_config("ranks.toml", config("ranks")).string()};
+  many.insert(many.end(), settings.begin(), settings.end());
+  train_on_ranks(ranks, many, "ranks");
+  expect_close_runs(dir / "one", dir / "ranks", result);
+}
+
 TEST_F(DataParallel, LoraOnTwoRanksEqualsOneProcess) {
   // The fixture's grad_accum = 2: one process runs both microbatches of a step, each rank one.
-  const fs::path one = write_config("one.toml", config("one"));
-  const fs::path two = write_config("two.toml", config("two"));
-  const rondo::test::Result r = run_rondo("train " + one.string());
-  ASSERT_EQ(r.code, 0) << r.out;
-  train_on_ranks(2, {two.string()}, "two");
-  expect_close_runs(dir / "one", dir / "two", "adapter/adapter_model.safetensors");
+  expect_ranks_equal_one_process(2, {}, "adapter/adapter_model.safetensors");
+  const fs::path two = dir / "ranks";
   // Rank 0 wrote the run folder; rank 1 only its own events, each step's loss the same as rank 0's
   // (the loss is summed over both ranks' microbatches).
-  EXPECT_TRUE(fs::exists(dir / "two" / "ranks" / "rank-1" / "events.jsonl"));
-  EXPECT_FALSE(fs::exists(dir / "two" / "ranks" / "rank-1" / "checkpoints"));
-  EXPECT_EQ(step_losses(dir / "two" / "ranks" / "rank-1" / "events.jsonl"),
-            step_losses(dir / "two" / "events.jsonl"));
-  for (const auto& e : events(dir / "two" / "ranks" / "rank-1" / "events.jsonl"))
+  EXPECT_TRUE(fs::exists(two / "ranks" / "rank-1" / "events.jsonl"));
+  EXPECT_FALSE(fs::exists(two / "ranks" / "rank-1" / "checkpoints"));
+  EXPECT_EQ(step_losses(two / "ranks" / "rank-1" / "events.jsonl"),
+            step_losses(two / "events.jsonl"));
+  for (const auto& e : events(two / "ranks" / "rank-1" / "events.jsonl"))
     if (e["type"] == "run_start") {
       EXPECT_EQ(e["rank"], 1);
       EXPECT_EQ(e["ranks"], 2);
@@ -163,17 +175,7 @@ TEST_F(DataParallel, ValidationSamplesAndCheckpointsOnTwoRanks) {
       "--set", "data.validation_split=0.25", "--set", "eval.every=4",
       "--set", "eval.sample_every=6",        "--set", "eval.prompts=[\"hi\"]",
       "--set", "eval.sample_tokens=8"};
-  const fs::path one = write_config("one.toml", config("one"));
-  const fs::path two = write_config("two.toml", config("two"));
-  std::string flags;
-  for (const std::string& e : eval)
-    flags += " '" + e + "'";
-  const rondo::test::Result r = run_rondo("train " + one.string() + flags);
-  ASSERT_EQ(r.code, 0) << r.out;
-  std::vector<std::string> args = {two.string()};
-  args.insert(args.end(), eval.begin(), eval.end());
-  train_on_ranks(2, args, "two");
-  expect_close_runs(dir / "one", dir / "two", "adapter/adapter_model.safetensors");
+  expect_ranks_equal_one_process(2, eval, "adapter/adapter_model.safetensors");
   auto of_type = [](const fs::path& events, const std::string& type) {
     std::vector<nlohmann::json> out;
     for (const auto& e : rondo::test::events(events))
@@ -181,7 +183,7 @@ TEST_F(DataParallel, ValidationSamplesAndCheckpointsOnTwoRanks) {
     return out;
   };
   const auto eval_one = of_type(dir / "one" / "events.jsonl", "eval");
-  const auto eval_two = of_type(dir / "two" / "events.jsonl", "eval");
+  const auto eval_two = of_type(dir / "ranks" / "events.jsonl", "eval");
   ASSERT_EQ(eval_one.size(), 4u);  // steps 0, 4, 8, 12
   ASSERT_EQ(eval_two.size(), eval_one.size());
   for (std::size_t i = 0; i < eval_one.size(); ++i) {
@@ -189,16 +191,16 @@ TEST_F(DataParallel, ValidationSamplesAndCheckpointsOnTwoRanks) {
     EXPECT_NEAR(eval_two[i]["loss"].get<double>(), eval_one[i]["loss"].get<double>(), kLossBound);
   }
   const auto samples_one = of_type(dir / "one" / "events.jsonl", "sample");
-  const auto samples_two = of_type(dir / "two" / "events.jsonl", "sample");
+  const auto samples_two = of_type(dir / "ranks" / "events.jsonl", "sample");
   ASSERT_EQ(samples_one.size(), 3u);  // steps 0, 6, 12
   ASSERT_EQ(samples_two.size(), samples_one.size());
   for (std::size_t i = 0; i < samples_one.size(); ++i)  // greedy, on the same adapter
     EXPECT_EQ(samples_two[i]["text"], samples_one[i]["text"]);
-  const fs::path rank1 = dir / "two" / "ranks" / "rank-1" / "events.jsonl";
+  const fs::path rank1 = dir / "ranks" / "ranks" / "rank-1" / "events.jsonl";
   EXPECT_TRUE(of_type(rank1, "eval").empty());
   EXPECT_TRUE(of_type(rank1, "sample").empty());
   EXPECT_TRUE(of_type(rank1, "checkpoint").empty());
-  EXPECT_EQ(of_type(dir / "two" / "events.jsonl", "checkpoint").size(), 4u);  // 3, 6, 9, 12
+  EXPECT_EQ(of_type(dir / "ranks" / "events.jsonl", "checkpoint").size(), 4u);  // 3, 6, 9, 12
 }
 
 TEST_F(DataParallel, RanksStartedApartStillMeet) {
@@ -223,26 +225,15 @@ TEST_F(DataParallel, RanksStartedApartStillMeet) {
 
 TEST_F(DataParallel, FullFineTuningOnTwoRanksEqualsOneProcess) {
   // One simulated device a rank; the merged checkpoint holds every trained weight.
-  const fs::path one = write_config("one.toml", config("one"));
-  const fs::path two = write_config("two.toml", config("two"));
-  const std::string full = " --set training.method=full --set hardware.sim_devices=1";
-  const rondo::test::Result r = run_rondo("train " + one.string() + full);
-  ASSERT_EQ(r.code, 0) << r.out;
-  train_on_ranks(
-      2, {two.string(), "--set", "training.method=full", "--set", "hardware.sim_devices=1"}, "two");
-  expect_close_runs(dir / "one", dir / "two", "merged/model.safetensors");
+  expect_ranks_equal_one_process(
+      2, {"--set", "training.method=full", "--set", "hardware.sim_devices=1"},
+      "merged/model.safetensors");
 }
 
 TEST_F(DataParallel, ThreeRanksEqualOneProcess) {
   // 6 microbatches a step: 6 in one process, 2 on each of 3 ranks.
-  const std::string six = " --set training.grad_accum=6 --set training.steps=6";
-  const fs::path one = write_config("one.toml", config("one"));
-  const fs::path three = write_config("three.toml", config("three"));
-  const rondo::test::Result r = run_rondo("train " + one.string() + six);
-  ASSERT_EQ(r.code, 0) << r.out;
-  train_on_ranks(3, {three.string(), "--set", "training.grad_accum=6", "--set", "training.steps=6"},
-                 "three");
-  expect_close_runs(dir / "one", dir / "three", "adapter/adapter_model.safetensors");
+  expect_ranks_equal_one_process(3, {"--set", "training.grad_accum=6", "--set", "training.steps=6"},
+                                 "adapter/adapter_model.safetensors");
 }
 
 TEST_F(DataParallel, ARunKilledOnTwoRanksResumesOnThreeAndEndsAsTheUninterruptedOne) {
