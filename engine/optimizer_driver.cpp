@@ -171,8 +171,7 @@ StepResult OptimizerDriver::step(std::int64_t s) {
   if (config.output_router_logits)
     for (const auto& routing : data->routing)
       sums[1] += models::router_aux_loss(config, *routing);
-  if (Collective* ranks = options.data_parallel.gradients)
-    ranks->all_reduce_sum(sums, 3, "step " + std::to_string(step_no) + "'s loss");
+  if (ranks) ranks->all_reduce_sum(sums, 3, "step " + std::to_string(step_no) + "'s loss");
   res.tokens = static_cast<std::int64_t>(sums[2]);
   res.targets = data->all_targets;
   res.loss = sums[0] / static_cast<double>(std::max<std::int64_t>(data->all_targets, 1));

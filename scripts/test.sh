@@ -36,11 +36,13 @@ if [[ ! -f "$TSAN_BUILD/build.ninja" ]]; then
 fi
 if ninja -C "$TSAN_BUILD" kernels_test offload_test engine_test; then
   # halt_on_error: a data race fails the test instead of scrolling past.
+  # Ranks.* runs several ranks of c10d's Gloo process groups in threads of one process: their
+  # threads live in the uninstrumented torch wheel, whose atomics (work objects' reference counts,
+  # lazily made singletons) ThreadSanitizer cannot see, so it reports their own hand-overs as
+  # races. Rondo's side of them uses each group from one thread; those tests run in the plain build.
   for t in kernels_test offload_test engine_test; do
-    # tests/tsan.supp: races inside the uninstrumented wheel's c10d (it says why).
-    OMP_NUM_THREADS=1 \
-      TSAN_OPTIONS="halt_on_error=1 second_deadlock_stack=1 suppressions=$ROOT/tests/tsan.supp" \
-      "$TSAN_BUILD/tests/$t" --gtest_brief=1 || failed+=("tsan-$t")
+    OMP_NUM_THREADS=1 TSAN_OPTIONS="halt_on_error=1 second_deadlock_stack=1" \
+      "$TSAN_BUILD/tests/$t" --gtest_brief=1 --gtest_filter=-Ranks.* || failed+=("tsan-$t")
   done
 else
   failed+=("tsan-build")

@@ -30,8 +30,8 @@ using rondo::test::free_port;
 
 // libtorch's process groups share lazily made singletons (c10d's FlightRecorder); several ranks
 // made at once in threads of one process (only these tests do that: a run is one rank a process)
-// race to make them, under a lock ThreadSanitizer cannot see in the uninstrumented wheel. One
-// group made first, on this thread, makes them before any rank's thread starts.
+// race to make them. One group made first, on this thread, makes them before any rank's thread
+// starts. (These tests are not run under ThreadSanitizer: scripts/test.sh says why.)
 void make_c10d_singletons() {
   static const bool made = [] {
     auto options = c10d::ProcessGroupGloo::Options::create();
