@@ -231,9 +231,12 @@ TEST_F(DataParallel, FullFineTuningOnTwoRanksEqualsOneProcess) {
 }
 
 TEST_F(DataParallel, ThreeRanksEqualOneProcess) {
-  // 6 microbatches a step: 6 in one process, 2 on each of 3 ranks.
-  expect_ranks_equal_one_process(3, {"--set", "training.grad_accum=6", "--set", "training.steps=6"},
-                                 "adapter/adapter_model.safetensors");
+  // 6 microbatches a step: 6 in one process, 2 on each of 3 ranks. With LoRA dropout: each
+  // microbatch's mask is drawn from its index in the whole step, whichever rank runs it.
+  expect_ranks_equal_one_process(
+      3,
+      {"--set", "training.grad_accum=6", "--set", "training.steps=6", "--set", "lora.dropout=0.1"},
+      "adapter/adapter_model.safetensors");
 }
 
 TEST_F(DataParallel, ARunKilledOnTwoRanksResumesOnThreeAndEndsAsTheUninterruptedOne) {
