@@ -31,8 +31,8 @@
 //     GlooStore by ProcessGroupGloo's constructor): no gloo constructor, inline method or vtable
 //     is instantiated here. Do not construct GlooStore or call a gloo method in this file;
 //   - gloo's errors reach us as std::exception (gloo::IoException derives from it).
-// DistributedGloo.LayoutOfTheProcessGroupMatchesTheWheel checks the sizes this file computes
-// against the ones libtorch's own code allocates.
+// Ranks.TheGlooProcessGroupIsLaidOutAsTheWheelLaysItOut checks that the fields libtorch's
+// constructor writes are the ones this layout reads.
 
 namespace rondo::engine {
 namespace {
