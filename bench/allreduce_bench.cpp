@@ -25,6 +25,7 @@
 #include <string>
 #include <vector>
 
+#include "cli/rank_env.h"
 #include "engine/ranks.h"
 
 namespace {
@@ -57,7 +58,7 @@ int main(int argc, char** argv) {
     }
   }
   try {
-    auto env = rondo::engine::rank_env([](const char* n) { return std::getenv(n); });
+    auto env = rondo::cli::rank_env([](const char* n) { return std::getenv(n); });
     if (!env || env->world < 2) {
       std::fprintf(stderr, "start it as 2 or more ranks (bench/distributed_bench.py)\n");
       return 2;

@@ -16,6 +16,7 @@
 #include <thread>
 
 #include "cli/config_file.h"
+#include "cli/rank_env.h"
 #include "cli/test_faults.h"
 #include "engine/checkpoint.h"
 #include "engine/estimate.h"
@@ -245,7 +246,7 @@ std::unique_ptr<engine::Ranks> connect_ranks(const TrainOptions& o, engine::Trai
                           .master_port = port,
                           .launcher = "--nodes"};
   } else {
-    env = engine::rank_env([](const char* name) { return std::getenv(name); });
+    env = rank_env([](const char* name) { return std::getenv(name); });
   }
   if (!env || env->world == 1 || o.dry_run) return nullptr;
   std::unique_ptr<engine::Ranks> ranks =

@@ -1,5 +1,7 @@
 #include "engine/batching.h"
 
+#include "kernels/checksum.h"
+
 #include <ATen/ATen.h>
 
 #include <algorithm>
@@ -221,6 +223,25 @@ Microbatch Batcher::make_microbatch(const std::vector<std::int64_t>& row_ids) co
   mb.batch.doc_ids = doc_ids;
   mb.targets = models::next_token_targets(mb.batch, mask);
   return mb;
+}
+
+// data_fingerprint: FNV-1a 64 over the tokenized examples and the batching
+// options, as 16 hex digits. A resume compares it with the value the checkpoint holds, so it must
+// stay this function, with these bytes in this order: anything else would refuse to resume every
+// run an older binary started (kernels::fnv1a64 is kept for it; new checksums use XXH3).
+std::string data_fingerprint(const Dataset& d, const BatchingOptions& b) {
+  std::uint64_t h = kernels::kFnv1a64Basis;
+  for (const Example& e : d.examples) {
+    h = kernels::fnv1a64(h, e.ids.data(), e.ids.size() * sizeof(e.ids[0]));
+    h = kernels::fnv1a64(h, e.loss_mask.data(), e.loss_mask.size());
+    const std::uint64_t n = e.ids.size();
+    h = kernels::fnv1a64(h, &n, sizeof(n));
+  }
+  for (std::int64_t v : {b.seq_len, b.rows, static_cast<std::int64_t>(b.microbatches),
+                         static_cast<std::int64_t>(b.pack), static_cast<std::int64_t>(b.shuffle),
+                         static_cast<std::int64_t>(b.seed)})
+    h = kernels::fnv1a64(h, &v, sizeof(v));
+  return kernels::hex64(h);
 }
 
 }  // namespace rondo::engine

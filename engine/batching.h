@@ -9,6 +9,7 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "engine/data.h"
@@ -84,5 +85,9 @@ class Batcher {
   std::vector<std::int64_t> row_begin_;
   std::int64_t truncated_ = 0;
 };
+
+// A checkpoint's data_fingerprint: FNV-1a 64 over the tokenized examples and the batching options,
+// as 16 hex digits (batching.cpp says why it must stay this function).
+std::string data_fingerprint(const Dataset& d, const BatchingOptions& b);
 
 }  // namespace rondo::engine

@@ -674,4 +674,36 @@ std::string set_aside_checkpoint(const std::string& dir) {
   return to.string();
 }
 
+nlohmann::json plan_to_json(const Plan& p, std::size_t devices) {
+  auto ranges = [](const std::vector<LayerRange>& rs) {
+    nlohmann::json a = nlohmann::json::array();
+    for (const LayerRange& r : rs)
+      a.push_back({r.begin, r.end});
+    return a;
+  };
+  return {{"forward", ranges(p.forward)},         {"tail", {p.tail.begin, p.tail.end}},
+          {"backward", ranges(p.backward)},       {"microbatches", p.microbatches},
+          {"grain", to_string(p.grain)},          {"devices", devices},
+          {"mlp_tile_tokens", p.mlp_tile_tokens}, {"describe", p.describe()}};
+}
+
+Plan plan_from_json(const nlohmann::json& j) {
+  auto ranges = [](const nlohmann::json& a) {
+    std::vector<LayerRange> out;
+    for (const auto& r : a)
+      out.push_back({r.at(0).get<int>(), r.at(1).get<int>()});
+    return out;
+  };
+  Plan p;
+  p.forward = ranges(j.at("forward"));
+  p.tail = {j.at("tail").at(0).get<int>(), j.at("tail").at(1).get<int>()};
+  p.backward = ranges(j.at("backward"));
+  p.microbatches = j.at("microbatches").get<int>();
+  p.grain = j.at("grain").get<std::string>() == to_string(RecomputeGrain::kLayer)
+                ? RecomputeGrain::kLayer
+                : RecomputeGrain::kStage;
+  p.mlp_tile_tokens = j.value("mlp_tile_tokens", std::int64_t{0});  // absent before tiling
+  return p;
+}
+
 }  // namespace rondo::engine

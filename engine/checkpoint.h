@@ -21,6 +21,7 @@
 #include <nlohmann/json_fwd.hpp>
 
 #include "engine/checkpoint_format.h"
+#include "engine/plan.h"
 #include "models/layers.h"
 #include "models/safetensors.h"
 #include "offload/layer_store.h"
@@ -100,5 +101,11 @@ void prune_checkpoints(const std::string& run_dir, int keep,
 // ("step-N.damaged.2" and on if taken), kept for a look but never resumed from, counted by
 // checkpoint.keep or pruned. Returns the new path.
 std::string set_aside_checkpoint(const std::string& dir);
+
+// The plan a checkpoint was trained with, in its state.json ("plan"): the stages, microbatches,
+// grain and tile, the devices it ran on, and describe() for people. plan_from_json throws
+// (nlohmann) on a malformed entry.
+nlohmann::json plan_to_json(const Plan& p, std::size_t devices);
+Plan plan_from_json(const nlohmann::json& j);
 
 }  // namespace rondo::engine

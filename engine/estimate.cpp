@@ -1,5 +1,4 @@
 #include "engine/estimate.h"
-#include "engine/ranks.h"
 
 #include <ATen/ATen.h>
 #include <fmt/format.h>
@@ -89,22 +88,6 @@ std::string why_unwritable(const std::string& path) {
   if (s.f_blocks == 0) return p.string() + " is on a virtual file system (no disk behind it)";
   if (::access(p.c_str(), W_OK) != 0) return p.string() + ": " + std::strerror(errno);
   return "";
-}
-
-void add_ranks(RunEstimate& e, int ranks, double link_bytes_per_s, const std::string& source) {
-  e.ranks = ranks;
-  e.link_bytes_per_s = link_bytes_per_s;
-  e.link_speed_source = source;
-  if (ranks <= 1 || e.prediction.step_time_s <= 0 || link_bytes_per_s <= 0) return;
-  e.gradient_bytes = static_cast<double>(e.trained_params) * sizeof(float);  // fp32, host memory
-  const double share = 2.0 * (ranks - 1) / ranks / link_bytes_per_s;
-  e.allreduce_s = e.gradient_bytes * share;
-  const double last = std::min(e.gradient_bytes, static_cast<double>(kGradientBucketBytes)) * share;
-  e.step_time_one_rank_s = e.prediction.step_time_s;
-  const double step = std::max(e.step_time_one_rank_s, e.allreduce_s) + last;
-  e.tokens_per_step *= ranks;
-  e.tokens_per_s = static_cast<double>(e.tokens_per_step) / step;
-  e.seconds = step * static_cast<double>(e.steps);
 }
 
 double device_flops(const kernels::DeviceInfo& device, DeviceMode mode, const std::string& dtype) {

@@ -53,4 +53,10 @@ std::vector<std::string> LrSchedule::problems() const {
   return out;
 }
 
+LrScheduleKind schedule_kind(const std::string& name) {
+  return name == "constant" ? LrScheduleKind::kConstant
+         : name == "linear" ? LrScheduleKind::kLinear
+                            : LrScheduleKind::kCosine;
+}
+
 }  // namespace rondo::engine

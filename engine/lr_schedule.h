@@ -28,4 +28,7 @@ struct LrSchedule {
   std::vector<std::string> problems() const;  // every problem, for config validation
 };
 
+// training.schedule's name ("constant", "linear", else cosine) as a kind.
+LrScheduleKind schedule_kind(const std::string& name);
+
 }  // namespace rondo::engine

@@ -341,4 +341,10 @@ void load_weights(offload::LayerStore& store, const std::vector<models::LayerSpe
                             .progress = progress});
 }
 
+kernels::FloatDType stream_dtype(const std::string& dtype) {
+  return dtype == "fp32"   ? kernels::FloatDType::kF32
+         : dtype == "fp16" ? kernels::FloatDType::kF16
+                           : kernels::FloatDType::kBF16;
+}
+
 }  // namespace rondo::engine

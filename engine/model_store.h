@@ -32,6 +32,8 @@ std::vector<offload::LayerDesc> layer_descs(
     const std::function<bool(const models::ParamSpec&)>& trainable);
 
 at::ScalarType scalar_type(kernels::FloatDType dtype);
+// model.dtype's name ("fp32", "fp16", else bf16) as the store's streaming dtype.
+kernels::FloatDType stream_dtype(const std::string& dtype);
 
 // Where load_weights gets each tensor.
 struct WeightSource {

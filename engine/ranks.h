@@ -4,8 +4,8 @@
 // every rank's update is the same. The collectives are torch's c10d over Gloo (TCP), the engine
 // sees them through `Collective` alone (no torch or gloo in this header).
 //
-//   std::optional<RankEnv> env = rank_env(std::getenv);     // torchrun's, Slurm's or none
-//   std::unique_ptr<Ranks> ranks = Ranks::connect(*env, {}); // rendezvous with the other ranks
+//   RankEnv env{.rank = 1, .world = 2, .master_addr = "node0"};  // the CLI reads the launcher's
+//   std::unique_ptr<Ranks> ranks = Ranks::connect(env, {});       // rendezvous with the others
 //   options.data_parallel = {.steps = &ranks->steps(), .gradients = &ranks->gradients()};
 #pragma once
 
@@ -73,23 +73,18 @@ std::vector<std::vector<int>> gradient_buckets(const std::vector<std::size_t>& l
 // Rank `root`'s `text` on every rank.
 void broadcast_string(Collective& ranks, std::string& text, int root, const std::string& what);
 
-// Where this process stands among the ranks, from the launcher's variables or the command line.
+// Where this process stands among the ranks: the CLI fills it from the launcher's variables
+// (cli/rank_env.h) or its command line.
 struct RankEnv {
   int rank = 0, world = 1, local_rank = 0;
   std::string master_addr = "127.0.0.1";
   int master_port = 29500;
-  // torchrun's agent already serves the store (TORCHELASTIC_USE_AGENT_STORE): rank 0 joins it as
+  // The launcher already serves the store (torchrun's agent): rank 0 joins it as
   // a client instead of serving one.
   bool agent_store = false;
-  int restart_count = 0;  // TORCHELASTIC_RESTART_COUNT
+  int restart_count = 0;  // the launcher's attempt (each attempt's store keys are its own)
   std::string launcher;   // "torchrun", "slurm" or "command line", for messages
 };
-
-// torchrun's variables (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT, TORCHELASTIC_*),
-// else Slurm's (SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID; the master from MASTER_ADDR or the
-// first host of SLURM_STEP_NODELIST / SLURM_JOB_NODELIST, the port from MASTER_PORT or 29500),
-// else nullopt. Throws Error naming the variable that is malformed or missing.
-std::optional<RankEnv> rank_env(const std::function<const char*(const char*)>& getenv);
 
 struct DistributedSettings {
   std::string backend = "gloo";  // the only one: gradients live in host memory

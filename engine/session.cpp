@@ -25,6 +25,7 @@
 #include "engine/export.h"
 #include "engine/lr_schedule.h"
 #include "engine/model_store.h"
+#include "engine/run_errors.h"
 #include "engine/run_lock.h"
 #include "engine/speed.h"
 #include "engine/torch_device.h"
@@ -70,39 +71,6 @@ namespace fs = std::filesystem;
 namespace rondo::engine {
 namespace {
 
-// Runs `body` (engine work), its errors in the run's words (rethrow_with_settings).
-template <typename F>
-auto with_settings_advice(F&& body) {
-  try {
-    return body();
-  } catch (...) {
-    rethrow_with_settings(std::current_exception());
-  }
-}
-
-// Runs `body`; an NVMe tier error from it (whose message names the file, the region and what to
-// do, but not what the run was doing) gets `doing` in front and `then` after it.
-template <typename F>
-auto naming_io_errors(const std::string& doing, F&& body, const std::string& then = "") {
-  try {
-    return body();
-  } catch (const offload::IoError& e) {
-    throw Error(doing + ": " + e.what() + then);
-  }
-}
-
-// Runs `body`, which writes a checkpoint or an export; any error from it (a full disk, an NVMe
-// tier fault) gets `doing` in front and `then` after it: what is safe, and the command that
-// continues once the cause is gone.
-template <typename F>
-auto naming_write_errors(const std::string& doing, F&& body, const std::string& then) {
-  try {
-    return body();
-  } catch (const Error& e) {
-    throw Error(doing + ": " + e.what() + then);
-  }
-}
-
 // `slot` = `value` under `mu` for the scope's life, nullptr again after: what another thread
 // reaches through it while run() works (request_stop, end_interrupted).
 template <typename T>
@@ -132,113 +100,7 @@ std::uint64_t host_peak_bytes() {
   return 0;
 }
 
-nlohmann::json plan_json(const Plan& p, std::size_t devices) {
-  auto ranges = [](const std::vector<LayerRange>& rs) {
-    nlohmann::json a = nlohmann::json::array();
-    for (const LayerRange& r : rs)
-      a.push_back({r.begin, r.end});
-    return a;
-  };
-  return {{"forward", ranges(p.forward)},         {"tail", {p.tail.begin, p.tail.end}},
-          {"backward", ranges(p.backward)},       {"microbatches", p.microbatches},
-          {"grain", to_string(p.grain)},          {"devices", devices},
-          {"mlp_tile_tokens", p.mlp_tile_tokens}, {"describe", p.describe()}};
-}
-
-// The plan a checkpoint was trained with; throws (nlohmann) on a malformed entry.
-Plan plan_from_json(const nlohmann::json& j) {
-  auto ranges = [](const nlohmann::json& a) {
-    std::vector<LayerRange> out;
-    for (const auto& r : a)
-      out.push_back({r.at(0).get<int>(), r.at(1).get<int>()});
-    return out;
-  };
-  Plan p;
-  p.forward = ranges(j.at("forward"));
-  p.tail = {j.at("tail").at(0).get<int>(), j.at("tail").at(1).get<int>()};
-  p.backward = ranges(j.at("backward"));
-  p.microbatches = j.at("microbatches").get<int>();
-  p.grain = j.at("grain").get<std::string>() == to_string(RecomputeGrain::kLayer)
-                ? RecomputeGrain::kLayer
-                : RecomputeGrain::kStage;
-  p.mlp_tile_tokens = j.value("mlp_tile_tokens", std::int64_t{0});  // absent before tiling
-  return p;
-}
-
-// The checkpoint's data_fingerprint: FNV-1a 64 over the tokenized examples and the batching
-// options, as 16 hex digits. A resume compares it with the value the checkpoint holds, so it must
-// stay this function, with these bytes in this order: anything else would refuse to resume every
-// run an older binary started (kernels::fnv1a64 is kept for it; new checksums use XXH3).
-std::string data_fingerprint(const Dataset& d, const BatchingOptions& b) {
-  std::uint64_t h = kernels::kFnv1a64Basis;
-  for (const Example& e : d.examples) {
-    h = kernels::fnv1a64(h, e.ids.data(), e.ids.size() * sizeof(e.ids[0]));
-    h = kernels::fnv1a64(h, e.loss_mask.data(), e.loss_mask.size());
-    const std::uint64_t n = e.ids.size();
-    h = kernels::fnv1a64(h, &n, sizeof(n));
-  }
-  for (std::int64_t v : {b.seq_len, b.rows, static_cast<std::int64_t>(b.microbatches),
-                         static_cast<std::int64_t>(b.pack), static_cast<std::int64_t>(b.shuffle),
-                         static_cast<std::int64_t>(b.seed)})
-    h = kernels::fnv1a64(h, &v, sizeof(v));
-  return kernels::hex64(h);
-}
-
-kernels::FloatDType stream_dtype(const std::string& d) {
-  return d == "fp32"   ? kernels::FloatDType::kF32
-         : d == "fp16" ? kernels::FloatDType::kF16
-                       : kernels::FloatDType::kBF16;
-}
-
-// Rows longer than the model's positions: what to add to its config.json for them (the rope
-// scaling its family is extended with), or for a GGUF file, that its metadata holds it.
-std::string positions_error(std::int64_t seq_len, const std::string& path,
-                            const models::ModelSummary& model, std::int64_t positions) {
-  const std::string head = fmt::format("data.seq_len: {} is more than {} supports ({} positions{})",
-                                       seq_len, path, positions,
-                                       positions == model.config.max_position_embeddings
-                                           ? ", max_position_embeddings in its config"
-                                           : ": its YaRN factor times its original context");
-  if (model.format == "gguf")
-    return head +
-           "; lower data.seq_len (a GGUF file's rope scaling is in its metadata: a Hugging "
-           "Face folder of the model can be given one in its config.json)";
-  const models::RopeAdvice a = models::rope_scaling_advice(model.config, seq_len);
-  return head + fmt::format(
-                    ". Lower data.seq_len, or let rope scaling stretch the positions: {} is what "
-                    "{} is extended with; set in {}/config.json\n  {}\nand the run, its exports "
-                    "and chat use it (transformers and vLLM read it too, and llama.cpp's "
-                    "converter). Fine-tuning "
-                    "at the new length is what teaches the model to use it",
-                    a.name, models::to_string(model.config.family), path, a.json);
-}
-
-LrScheduleKind schedule_kind(const std::string& s) {
-  return s == "constant" ? LrScheduleKind::kConstant
-         : s == "linear" ? LrScheduleKind::kLinear
-                         : LrScheduleKind::kCosine;
-}
-
 }  // namespace
-
-void rethrow_with_settings(std::exception_ptr error) {
-  try {
-    std::rethrow_exception(error);
-  } catch (const DeviceMemoryError& e) {
-    if (e.whose == DeviceMemoryError::Whose::kTorch)
-      throw Error(std::string(e.what()) +
-                  "; use fewer rows per microbatch (training.batch_rows) and more microbatches "
-                  "(training.grad_accum), shorter sequences (data.seq_len) or a larger "
-                  "hardware.memory_cap");
-    throw Error(std::string(e.what()) +
-                " (the settings: training.grad_accum for more microbatches, data.seq_len for "
-                "shorter sequences, hardware.memory_cap)");
-  } catch (const NondeterministicOpError& e) {
-    throw Error(std::string(e.what()) +
-                " (exact runs use deterministic kernels only; training.deterministic = false runs "
-                "this op, and the run is then not bit-exact on GPUs)");
-  }
-}
 
 struct Session::Impl {
   TrainConfig c;
@@ -901,7 +763,7 @@ struct Session::Impl {
           {"loss",
            std::isfinite(result.last_loss) ? nlohmann::json(result.last_loss) : nlohmann::json()},
           {"steps_total", steps},
-          {"plan", plan_json(eng.plan(), devices.devices.size())},
+          {"plan", plan_to_json(eng.plan(), devices.devices.size())},
           {"ranks", world()},  // data parallel: how many processes shared each step
           {"data_fingerprint", fingerprint},
           {"data_position", {{"epoch", pos.epoch}, {"row", pos.row}}},

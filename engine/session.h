@@ -20,6 +20,7 @@
 #include "engine/estimate.h"
 #include "engine/events.h"
 #include "engine/ranks.h"
+#include "engine/run_errors.h"  // rethrow_with_settings
 #include "engine/train_config.h"
 #include "offload/io_faults.h"
 
@@ -30,11 +31,6 @@ enum class FaultPoint : std::uint8_t {
   kAfterStep,     // step N's event is out; nothing after it (checkpoint, evaluation) has run
   kInCheckpoint,  // step N's checkpoint is written and synced under its temporary name, not renamed
 };
-
-// Rethrows an engine error in a run's words: a DeviceMemoryError or NondeterministicOpError (which
-// say what ran out or could not run exactly, in the engine's terms) with the config settings that
-// change it; any other error as it is.
-[[noreturn]] void rethrow_with_settings(std::exception_ptr error);
 
 struct SessionOptions {
   std::string config_toml;  // the resolved config, written to <run_dir>/config.toml

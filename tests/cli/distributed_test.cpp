@@ -18,7 +18,7 @@
 #include <vector>
 
 #include "../support/free_port.h"
-#include "engine/ranks.h"
+#include "cli/rank_env.h"
 #include "models/safetensors.h"
 #include "train_fixture.h"
 
@@ -385,15 +385,15 @@ std::function<const char*(const char*)> env_of(const std::map<std::string, std::
 }
 
 TEST(RankEnv, ReadsTorchrunsAndSlurmsVariables) {
-  EXPECT_FALSE(rondo::engine::rank_env(env_of({})).has_value());
-  auto t = rondo::engine::rank_env(env_of({{"RANK", "1"},
-                                           {"WORLD_SIZE", "4"},
-                                           {"LOCAL_RANK", "1"},
-                                           {"MASTER_ADDR", "node0"},
-                                           {"MASTER_PORT", "29511"},
-                                           {"TORCHELASTIC_RUN_ID", "x"},
-                                           {"TORCHELASTIC_USE_AGENT_STORE", "True"},
-                                           {"TORCHELASTIC_RESTART_COUNT", "2"}}));
+  EXPECT_FALSE(rondo::cli::rank_env(env_of({})).has_value());
+  auto t = rondo::cli::rank_env(env_of({{"RANK", "1"},
+                                        {"WORLD_SIZE", "4"},
+                                        {"LOCAL_RANK", "1"},
+                                        {"MASTER_ADDR", "node0"},
+                                        {"MASTER_PORT", "29511"},
+                                        {"TORCHELASTIC_RUN_ID", "x"},
+                                        {"TORCHELASTIC_USE_AGENT_STORE", "True"},
+                                        {"TORCHELASTIC_RESTART_COUNT", "2"}}));
   ASSERT_TRUE(t.has_value());
   EXPECT_EQ(t->rank, 1);
   EXPECT_EQ(t->world, 4);
@@ -402,10 +402,10 @@ TEST(RankEnv, ReadsTorchrunsAndSlurmsVariables) {
   EXPECT_TRUE(t->agent_store);
   EXPECT_EQ(t->restart_count, 2);
   EXPECT_EQ(t->launcher, "torchrun");
-  auto s = rondo::engine::rank_env(env_of({{"SLURM_PROCID", "3"},
-                                           {"SLURM_NTASKS", "8"},
-                                           {"SLURM_LOCALID", "1"},
-                                           {"SLURM_JOB_NODELIST", "gpu[07-10,12],cpu01"}}));
+  auto s = rondo::cli::rank_env(env_of({{"SLURM_PROCID", "3"},
+                                        {"SLURM_NTASKS", "8"},
+                                        {"SLURM_LOCALID", "1"},
+                                        {"SLURM_JOB_NODELIST", "gpu[07-10,12],cpu01"}}));
   ASSERT_TRUE(s.has_value());
   EXPECT_EQ(s->rank, 3);
   EXPECT_EQ(s->world, 8);
@@ -418,7 +418,7 @@ TEST(RankEnv, ReadsTorchrunsAndSlurmsVariables) {
 TEST(RankEnv, NamesTheVariableThatIsWrong) {
   auto says = [](const std::map<std::string, std::string>& vars, const std::string& what) {
     try {
-      rondo::engine::rank_env(env_of(vars));
+      rondo::cli::rank_env(env_of(vars));
       ADD_FAILURE() << "accepted; expected: " << what;
     } catch (const rondo::Error& e) {
       EXPECT_TRUE(contains(e.what(), what)) << e.what();

@@ -1,0 +1,26 @@
+// A run's estimate on several ranks (add_ranks in estimate.h; docs/distributed.md, "Planning"):
+// one rank's planned share of a step, and the gradients' sums across the ranks over their link.
+#include <algorithm>
+
+#include "engine/estimate.h"
+#include "engine/ranks.h"
+
+namespace rondo::engine {
+
+void add_ranks(RunEstimate& e, int ranks, double link_bytes_per_s, const std::string& source) {
+  e.ranks = ranks;
+  e.link_bytes_per_s = link_bytes_per_s;
+  e.link_speed_source = source;
+  if (ranks <= 1 || e.prediction.step_time_s <= 0 || link_bytes_per_s <= 0) return;
+  e.gradient_bytes = static_cast<double>(e.trained_params) * sizeof(float);  // fp32, host memory
+  const double share = 2.0 * (ranks - 1) / ranks / link_bytes_per_s;
+  e.allreduce_s = e.gradient_bytes * share;
+  const double last = std::min(e.gradient_bytes, static_cast<double>(kGradientBucketBytes)) * share;
+  e.step_time_one_rank_s = e.prediction.step_time_s;
+  const double step = std::max(e.step_time_one_rank_s, e.allreduce_s) + last;
+  e.tokens_per_step *= ranks;
+  e.tokens_per_s = static_cast<double>(e.tokens_per_step) / step;
+  e.seconds = step * static_cast<double>(e.steps);
+}
+
+}  // namespace rondo::engine
