@@ -101,6 +101,8 @@ std::vector<Field> fields(engine::TrainConfig& c) {
        "link between the ranks for rondo plan: \"10Gbit\", \"1.25GB\"; \"\" = 10 Gbit/s"},
       {"distributed.interface", &c.distributed.interface,
        "network interface for Gloo; \"\" = the route to the master"},
+      {"distributed.shard_optimizer", &c.distributed.shard_optimizer,
+       "each rank holds its share of the optimizer state (ZeRO-1)"},
   };
 }
 

@@ -116,8 +116,9 @@ class InterruptWatch {
     std::lock_guard<std::mutex> lock(mu_);
     return requested_;
   }
-  // The exit code of a run the signal stopped: 128 + its number.
-  static int exit_code() { return 128 + g_signal.load(); }
+  // The exit code of a run the signal stopped: 128 + its number (a rank of several that stopped
+  // with the others, one of which had the signal: as for Ctrl-C).
+  static int exit_code() { return 128 + (g_signal.load() != 0 ? g_signal.load() : SIGINT); }
 
  private:
   void stop_thread() {

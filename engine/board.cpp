@@ -174,6 +174,13 @@ void Board::stop_early() {
   cv_.notify_all();
 }
 
+void Board::stop_after(std::int64_t steps) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!training_) return;
+  stop_steps_ = std::min(stop_steps_, steps);
+  cv_.notify_all();
+}
+
 bool Board::stopped(std::int64_t s) {
   std::lock_guard<std::mutex> lock(mu_);
   return s >= stop_steps_;

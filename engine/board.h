@@ -153,6 +153,9 @@ class Board {
   // of them, the one-step-stale optimizer has not published for them) will not run, handed out or
   // not; the steps begun run to their update. Nothing in an evaluation.
   void stop_early();
+  // Steps from `steps` on (0-based) will not run; those before it run to their update (data
+  // parallel: every rank stops after the same step, begun or not).
+  void stop_after(std::int64_t steps);
   bool stopped(std::int64_t s);
   // Blocks until step s is handed out (Stopped when it never will be).
   void wait_handed_out(std::int64_t s);

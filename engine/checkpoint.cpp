@@ -505,7 +505,11 @@ nlohmann::json read_checkpoint(const std::string& dir, offload::LayerStore& stor
         open ? (*open)[owned[k].index] : store.layer(layer)[owned[k].index];
     const Source& s = sources[k];
     const std::vector<MomentEntry> moments = moment_entries(store.moments(layer));
-    for (const auto& [c, p] : store.tensor_pieces(layer, owned[k].index)) {
+    // Sharded optimizer state another rank holds: only the streaming copy, from the master.
+    const std::vector<std::pair<std::size_t, std::size_t>> pieces_here =
+        store.holds_optimizer(layer) ? store.tensor_pieces(layer, owned[k].index)
+                                     : std::vector<std::pair<std::size_t, std::size_t>>{};
+    for (const auto& [c, p] : pieces_here) {
       if (!chunk || chunk_layer != layer || chunk_no != c) {
         chunk.reset();
         chunk = store.access_chunk(layer, c, offload::AccessMode::kOverwrite);

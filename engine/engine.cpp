@@ -66,6 +66,21 @@ struct Engine::Impl {
   std::int64_t steps_done = 0;
   bool plan_emitted = false;
   std::atomic<bool> stop_requested{false};
+  // Data parallel: whether the ranks have agreed to stop (agree_stop); main thread only.
+  bool stop_agreed = false;
+
+  Collective* ranks() const { return parts.options.data_parallel.steps; }
+  // Whether to stop. On several ranks, whether any rank was asked to: every rank asks at the same
+  // points (the start of train(), after each step), on the main thread, until they agree.
+  bool agree_stop() {
+    if (!ranks()) return stop_requested;
+    if (!stop_agreed) {
+      double asked = stop_requested ? 1 : 0;
+      ranks()->all_reduce_sum(&asked, 1, "whether a rank was asked to stop");
+      stop_agreed = asked > 0;
+    }
+    return stop_agreed;
+  }
   PlanInputs costs;  // the costs the current plan was made from (options.plan_inputs, updated)
 
   Impl(EngineParts p, Plan pl)
@@ -169,7 +184,7 @@ struct Engine::Impl {
     const std::int64_t J = static_cast<std::int64_t>(seg.jobs->size());
     board.begin_segment(parts.store.layers(), scaler.scale(), !seg.evaluating);
     // A stop asked for before this segment began (Engine::request_stop found none running).
-    if (stop_requested) board.stop_early();
+    if (ranks() ? stop_agreed : stop_requested.load()) board.stop_early();
     if (seg.evaluating) board.open_every_layer();
     for (auto& dc : parts.devs) {
       dc->clock = dc->dev->create_event(kernels::EventTiming::kOn);
@@ -202,10 +217,23 @@ struct Engine::Impl {
       if (!seg.wait_done(s)) break;
       ++done;
       if (seg.after) seg.after(s);
-      if (!seg.evaluating && stop_requested)
+      if (!seg.evaluating && ranks()) {
+        // Several ranks stop together: step s + 1, handed out on every rank and perhaps begun on
+        // some, runs everywhere; no step is handed out after it. A rank that is gone fails the
+        // segment as any thread's failure does (the threads are joined below).
+        bool stop = false;
+        guarded(board, "after step " + std::to_string(steps_done + s + 1) + ", agreeing on a stop",
+                [&] { stop = agree_stop(); });
+        if (board.failed()) break;
+        if (stop)
+          board.stop_after(handed);
+        else if (s + 2 < seg.steps)
+          hand_out(s + 2);
+      } else if (!seg.evaluating && stop_requested) {
         board.stop_early();
-      else if (s + 2 < seg.steps)
+      } else if (s + 2 < seg.steps) {
         hand_out(s + 2);
+      }
     }
     for (auto& t : threads)
       t.join();
@@ -249,7 +277,7 @@ struct Engine::Impl {
   std::vector<StepResult> train(std::int64_t steps, const BatchSource& batches,
                                 const std::function<void(const StepResult&)>& on_step) {
     std::vector<StepResult> all;
-    if (stop_requested) return all;
+    if (agree_stop()) return all;
     if (!plan_emitted) emit_plan(parts.options.partitioner.c_str());
     plan_emitted = true;
     const bool replanning = parts.options.replan_every > 0 && parts.options.plan_inputs;
@@ -282,7 +310,7 @@ struct Engine::Impl {
       }
       all.insert(all.end(), results.begin(), results.end());
       steps -= n;
-      if (stop_requested) break;
+      if (ranks() ? stop_agreed : stop_requested.load()) break;
       if (steps > 0 && replanning) replan_now();
     }
     return all;
@@ -358,6 +386,26 @@ Engine::Engine(const models::ModelConfig& config, const std::vector<models::Laye
                            "in host memory (keep gradients in host memory)");
         break;
       }
+  if (const std::vector<int>& owners = options.data_parallel.optimizer_owners; !owners.empty()) {
+    const int rank = options.data_parallel.gradients ? options.data_parallel.gradients->rank() : 0;
+    if (!options.data_parallel.gradients)
+      problems.push_back("sharded optimizer state needs the ranks (data_parallel.gradients)");
+    if (options.one_step_stale)
+      problems.push_back(
+          "sharded optimizer state with one-step-stale training: the stale update publishes "
+          "masters every rank would need; turn one of them off");
+    if (owners.size() != store.layers())
+      problems.push_back("the optimizer state's owners name " + std::to_string(owners.size()) +
+                         " layers, the store holds " + std::to_string(store.layers()));
+    for (std::size_t l = 0; l < std::min(owners.size(), store.layers()); ++l)
+      if (store.optimizer_chunks(l) > 0 && store.holds_optimizer(l) != (owners[l] == rank)) {
+        problems.push_back("layer " + std::to_string(l) + "'s optimizer state is owned by rank " +
+                           std::to_string(owners[l]) + " but the store of rank " +
+                           std::to_string(rank) + (store.holds_optimizer(l) ? " holds" : " lacks") +
+                           " it");
+        break;
+      }
+  }
   if (!problems.empty()) throw Error(join_problems("The engine cannot run this plan:", problems));
   if (options.plan_inputs && (options.plan_inputs->layers.size() != specs.size() ||
                               options.plan_inputs->devices.size() != devices.size()))
@@ -435,7 +483,8 @@ void Engine::restore(const EngineCounters& c) {
 void Engine::request_stop() {
   impl_->stop_requested = true;
   // At once, not after the step under way: the step handed out ahead of it has usually not begun.
-  impl_->board.stop_early();
+  // Several ranks agree on the step first (Impl::agree_stop).
+  if (!impl_->ranks()) impl_->board.stop_early();
 }
 
 const Plan& Engine::plan() const {

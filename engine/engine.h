@@ -145,9 +145,16 @@ struct EngineOptions {
   // scaled by the step's whole count; `gradients` sums each layer's gradients on the optimizer
   // thread as they land (in host memory, fp32), then the loss. Every rank then updates the same
   // way. Gradients on the NVMe tier are refused. evaluate() and generate() stay per rank.
+  // A stop (request_stop) is agreed: `steps` tells every rank after each step whether any was
+  // asked to stop, and all stop after the same step.
   struct DataParallel {
     Collective* steps = nullptr;
     Collective* gradients = nullptr;
+    // Sharded optimizer state (engine/sharding.h): each layer's owner among the ranks (-1: no
+    // trained state), empty = every rank holds every layer's. The store must hold exactly the
+    // layers this rank owns (shard_layers). Each rank updates its layers, then the new streaming
+    // copies are broadcast from their owners, in layer order. Not with one_step_stale.
+    std::vector<int> optimizer_owners;
   } data_parallel;
 };
 

@@ -285,6 +285,8 @@ std::string Placement::lines() const {
     if (p == kOptimizer && !layers.empty() &&
         layers.front().moments == offload::MomentFormat::kBlockwise8)
       out += " (AdamW moments in 8 bits)";
+    if (p == kOptimizer && !optimizer_owners.empty())
+      out += fmt::format(", rank {}'s share of {} (distributed.shard_optimizer)", rank, ranks);
     if (p == kOptimizer && nvme_part[p] > 0)
       out += fmt::format(", staged in chunks of {} at most (hardware.offload_chunk)",
                          format_bytes(chunk_bytes));
@@ -361,6 +363,7 @@ RunEstimate estimate_run(const TrainConfig& config, const models::ModelSummary& 
   const bool eight_bit = config.training.optimizer == "adamw_8bit";
   for (offload::LayerDesc& d : pl.layers)
     d.moments = eight_bit ? offload::MomentFormat::kBlockwise8 : offload::MomentFormat::kF32;
+  shard_placement(pl, config.distributed);
   std::map<std::string, std::uint64_t> format_bytes_of;  // frozen base bytes by kept format
   std::uint64_t largest_tensor = 0;
   e.experts = model.config.num_experts;

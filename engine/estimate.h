@@ -21,6 +21,10 @@
 #include "models/inspect.h"
 #include "offload/layer_store.h"
 
+namespace rondo::offload {
+class NvmeStore;
+}
+
 namespace rondo::engine {
 
 struct HostNeeds {
@@ -66,7 +70,12 @@ struct Placement {
   std::uint64_t host_activations = 0, activation_checkpoint_bytes = 0, spill_bytes = 0;
   double disk_bytes_per_s = 0;    // read speed assumed for offload_dir
   std::string disk_speed_source;  // where it comes from: set, measured (when, where) or assumed
-  std::string lines() const;      // one line per class for `rondo plan`
+  // Sharded optimizer state (distributed.shard_optimizer on several ranks): each layer's owner
+  // (engine/sharding.h), the layers of other ranks marked optimizer_elsewhere in `layers`; empty:
+  // not sharded.
+  std::vector<int> optimizer_owners;
+  int ranks = 1, rank = 0;    // sharded: among how many, and which this plan is
+  std::string lines() const;  // one line per class for `rondo plan`
 };
 
 // One change of settings that makes a run fit: the keys to set (as `--set key=value` spells
@@ -126,6 +135,10 @@ struct RunEstimate {
   double link_bytes_per_s = 0;
   std::string link_speed_source;  // "set" (distributed.link_speed) or what is assumed
   double gradient_bytes = 0, allreduce_s = 0, step_time_one_rank_s = 0;
+  // Sharded optimizer state: the trained weights broadcast from their owners after each update
+  // (every rank receives (R - 1) / R of them), counted whole on top of the step (not overlapped);
+  // and the run's step time with everything.
+  double broadcast_bytes = 0, broadcast_s = 0, step_time_ranks_s = 0;
 
   std::string text() const;  // the report `rondo plan` prints
   std::string json() const;  // the same as one JSON object (`rondo plan --json`, the GUI)
@@ -139,6 +152,14 @@ double device_flops(const kernels::DeviceInfo& device, DeviceMode mode, const st
 // run's on `ranks` ranks joined by a link of `link_bytes_per_s` (RunEstimate::ranks): the
 // gradients' sums added to the step time, the tokens per step and speed over every rank.
 void add_ranks(RunEstimate& e, int ranks, double link_bytes_per_s, const std::string& source);
+// Sharded optimizer state (distributed.shard_optimizer, d.ranks > 1): the owners of the layers'
+// optimizer state, the layers rank d.rank does not own marked optimizer_elsewhere, before the
+// planner places the parts. No-op otherwise.
+void shard_placement(Placement& pl, const DistributedSection& d);
+
+// The plan event's `placement`: where each class of state lives, as what, and the NVMe tier's
+// backend (a run says which one it uses; null: none).
+std::string placement_json(const RunEstimate& est, const offload::NvmeStore* nvme);
 
 // A resume: the step it continues from and the checkpoints already in the run folder (their bytes
 // are on the disk already; only what is left to write counts against the free space).

@@ -4,8 +4,17 @@
 
 #include "engine/estimate.h"
 #include "engine/ranks.h"
+#include "engine/sharding.h"
 
 namespace rondo::engine {
+
+void shard_placement(Placement& pl, const DistributedSection& d) {
+  if (!d.shard_optimizer || d.ranks <= 1) return;
+  pl.optimizer_owners = optimizer_owners(pl.layers, d.ranks);
+  pl.ranks = d.ranks;
+  pl.rank = d.rank;
+  shard_layers(pl.layers, pl.optimizer_owners, pl.rank);
+}
 
 void add_ranks(RunEstimate& e, int ranks, double link_bytes_per_s, const std::string& source) {
   e.ranks = ranks;
@@ -17,7 +26,12 @@ void add_ranks(RunEstimate& e, int ranks, double link_bytes_per_s, const std::st
   e.allreduce_s = e.gradient_bytes * share;
   const double last = std::min(e.gradient_bytes, static_cast<double>(kGradientBucketBytes)) * share;
   e.step_time_one_rank_s = e.prediction.step_time_s;
-  const double step = std::max(e.step_time_one_rank_s, e.allreduce_s) + last;
+  if (!e.placement.optimizer_owners.empty()) {
+    e.broadcast_bytes = static_cast<double>(e.placement.host_part[1] + e.placement.nvme_part[1]);
+    e.broadcast_s = e.broadcast_bytes * (ranks - 1) / ranks / link_bytes_per_s;
+  }
+  const double step = std::max(e.step_time_one_rank_s, e.allreduce_s) + last + e.broadcast_s;
+  e.step_time_ranks_s = step;
   e.tokens_per_step *= ranks;
   e.tokens_per_s = static_cast<double>(e.tokens_per_step) / step;
   e.seconds = step * static_cast<double>(e.steps);

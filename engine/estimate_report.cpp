@@ -7,6 +7,7 @@
 
 #include "engine/estimate.h"
 #include "engine/ranks.h"
+#include "offload/nvme_store.h"
 
 namespace rondo::engine {
 namespace {
@@ -81,20 +82,22 @@ std::string RunEstimate::text() const {
         format_bytes(static_cast<std::uint64_t>(prediction.bytes_nvme_write)),
         rate_text(placement.disk_bytes_per_s), tokens_per_step_to_hide_drive,
         grad_accum_to_hide_drive);
-  if (ranks > 1 && allreduce_s > 0) {
-    const double last = std::min(gradient_bytes, static_cast<double>(kGradientBucketBytes)) * 2.0 *
-                        (ranks - 1) / ranks / link_bytes_per_s;
+  if (ranks > 1 && allreduce_s > 0)
     o << fmt::format(
         "Ranks       {} ranks, each the step above on its share; {} of gradients summed across "
         "them "
-        "a step over a {} link ({}): {:.3g} s, overlapped with the backward but the last {}; a "
+        "a step over a {} link ({}): {:.3g} s, overlapped with the backward but the last {}{}; a "
         "step of the run about {:.3g} s\n",
         ranks, format_bytes(static_cast<std::uint64_t>(gradient_bytes)),
         rate_text(link_bytes_per_s), link_speed_source, allreduce_s,
         format_bytes(std::min<std::uint64_t>(static_cast<std::uint64_t>(gradient_bytes),
                                              kGradientBucketBytes)),
-        std::max(step_time_one_rank_s, allreduce_s) + last);
-  }
+        broadcast_s > 0
+            ? fmt::format("; optimizer state sharded, {} of new weights broadcast from their "
+                          "owners: {:.3g} s",
+                          format_bytes(static_cast<std::uint64_t>(broadcast_bytes)), broadcast_s)
+            : std::string(),
+        step_time_ranks_s);
   if (tokens_per_s > 0) {
     if (steps > 0)
       o << fmt::format(
@@ -194,6 +197,7 @@ std::string RunEstimate::json() const {
                         {"trained_weights", part(1)},
                         {"optimizer_state", part(2)},
                         {"gradients", part(3)},
+                        {"optimizer_owners", placement.optimizer_owners},
                         {"activation_checkpoints",
                          {{"tier", offload::to_string(placement.activations)},
                           {"host_bytes", placement.host_activations},
@@ -225,9 +229,26 @@ std::string RunEstimate::json() const {
                         {"link_speed_source", link_speed_source},
                         {"gradient_bytes", gradient_bytes},
                         {"allreduce_seconds", allreduce_s},
-                        {"step_seconds_one_rank", step_time_one_rank_s}}},
+                        {"step_seconds_one_rank", step_time_one_rank_s},
+                        {"optimizer_sharded", !placement.optimizer_owners.empty()},
+                        {"broadcast_bytes", broadcast_bytes},
+                        {"broadcast_seconds", broadcast_s},
+                        {"step_seconds", step_time_ranks_s}}},
                       {"seconds", seconds}};
   return j.dump(2);
+}
+
+std::string placement_json(const RunEstimate& est, const offload::NvmeStore* nvme) {
+  nlohmann::json j = nlohmann::json::parse(est.json()).at("placement");
+  if (nvme) {
+    const offload::NvmeStoreInfo i = nvme->info();
+    j["backend"] = i.backend;
+    j["backend_note"] = i.backend_note;
+    j["direct"] = i.direct;
+    j["direct_note"] = i.direct_note;
+  }
+  j["host_budget_bytes"] = est.host_available;
+  return j.dump();
 }
 
 }  // namespace rondo::engine

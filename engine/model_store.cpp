@@ -270,14 +270,16 @@ void load_weights(offload::LayerStore& store, const std::vector<models::LayerSpe
               source.done_range(p.name, static_cast<std::int64_t>(begin),
                                 static_cast<std::int64_t>(n));
           };
-          if (!t.trainable) {
+          // Sharded optimizer state another rank holds: the streaming copy only.
+          const bool with_master = t.trainable && store.holds_optimizer(l);
+          if (!with_master) {
             const std::size_t slice = std::max<std::size_t>(store.piece_bytes() / 4, 1);
             for (std::size_t b = 0; b < t.numel; b += slice) {
               copy(b, std::min(slice, t.numel - b));
               copied(b, std::min(slice, t.numel - b));
             }
           }
-          for (const auto& [k, pi] : t.trainable
+          for (const auto& [k, pi] : with_master
                                          ? store.tensor_pieces(l, i)
                                          : std::vector<std::pair<std::size_t, std::size_t>>{}) {
             if (!chunk || chunk_no != k) {

@@ -9,6 +9,7 @@
 
 #include "engine/events.h"
 #include "engine/ranks.h"
+#include "engine/sharding.h"
 #include "kernels/error.h"
 
 namespace rondo::engine {
@@ -63,11 +64,28 @@ OptimizerDriver::OptimizerDriver(EngineParts& parts, Board& board, const JobList
       steps_done_(steps_done),
       last_step_end_(std::chrono::steady_clock::now()) {
   if (!parts_.options.data_parallel.gradients) return;
+  const offload::LayerStore& store = parts_.store;
   std::vector<std::size_t> bytes;
-  for (std::size_t l = 0; l < parts_.store.layers(); ++l)
-    bytes.push_back(parts_.store.grad_bytes(l).bytes);
+  for (std::size_t l = 0; l < store.layers(); ++l)
+    bytes.push_back(store.grad_bytes(l).bytes);
   for (std::vector<int>& layers : gradient_buckets(bytes))
     buckets_.push_back({.layers = layers, .lowest = layers.back()});
+  const std::vector<int>& owners = parts_.options.data_parallel.optimizer_owners;
+  std::size_t group_bytes = 0;
+  for (int l = 0; l < static_cast<int>(owners.size()); ++l) {
+    const auto ul = static_cast<std::size_t>(l);
+    const int owner = store.optimizer_chunks(ul) > 0 ? owners[ul] : -1;
+    const bool pieces = owner >= 0 && store.tier(ul, offload::kStreamPart) == offload::Tier::kNvme;
+    WeightGroup* last = weight_groups_.empty() ? nullptr : &weight_groups_.back();
+    if (last && last->owner == owner && !pieces && !last->pieces &&
+        (owner < 0 || group_bytes < kWeightGroupBytes)) {
+      last->end = l + 1;
+    } else {
+      weight_groups_.push_back({.first = l, .end = l + 1, .owner = owner, .pieces = pieces});
+      group_bytes = 0;
+    }
+    group_bytes += store.stream_bytes(ul, offload::kStreamPart).bytes;
+  }
 }
 
 void OptimizerDriver::run(std::int64_t steps) {
@@ -196,12 +214,94 @@ StepResult OptimizerDriver::step(std::int64_t s) {
     board_.every_layer_updated(s);
   } else {
     if (options.lr) optimizer_.set_lr(options.lr(step_no));
-    for (std::size_t l = 0; l < store.layers(); ++l) {
-      optimizer_.update_layer(l, /*write_stream=*/!options.one_step_stale);
-      board_.layer_updated(l, s);
+    if (!weight_groups_.empty()) {
+      update_sharded(s);
+    } else {
+      for (std::size_t l = 0; l < store.layers(); ++l) {
+        optimizer_.update_layer(l, /*write_stream=*/!options.one_step_stale);
+        board_.layer_updated(l, s);
+      }
     }
   }
   return res;
+}
+
+// Note [Sharded updates]
+// Each rank updates the layers it owns and the new streaming copies go out from their owners, in
+// layer order, as broadcasts started without waiting: a rank starts the broadcasts of the layers
+// others own at once (its receiving side), and those of its own layers as each group is updated,
+// so that while one rank updates its run of layers the others update theirs. The process group
+// runs the broadcasts in the order every rank started them, so no rank waits on a broadcast whose
+// owner is waiting for a later one. Each layer is handed back to the next step's loaders as its
+// broadcast completes (in order), as the unsharded loop hands it back as its update ends. Trained
+// copies on the NVMe tier go a weight piece at a time, read on the owner and written on the
+// others, blocking (the owner's update of that layer is then on every rank's path).
+void OptimizerDriver::update_sharded(std::int64_t s) {
+  offload::LayerStore& store = parts_.store;
+  Collective& ranks = *parts_.options.data_parallel.gradients;
+  const int me = ranks.rank();
+  const std::string at_step = " at step " + std::to_string(steps_done_ + s + 1);
+  struct InFlight {
+    std::unique_ptr<Collective::Pending> sent;  // null: nothing to wait for
+    const WeightGroup* group;
+  };
+  std::deque<InFlight> in_flight;
+  // A failure with broadcasts in flight waits for them: their buffers are the store's copies.
+  struct Drain {
+    std::deque<InFlight>& in_flight;
+    ~Drain() {
+      for (InFlight& f : in_flight)
+        try {
+          if (f.sent) f.sent->wait();
+        } catch (...) {
+        }
+    }
+  } drain{in_flight};
+  auto finish_front = [&] {
+    if (in_flight.front().sent) in_flight.front().sent->wait();
+    const WeightGroup& g = *in_flight.front().group;
+    for (int l = g.first; l < g.end; ++l)
+      board_.layer_updated(static_cast<std::size_t>(l), s);
+    in_flight.pop_front();
+  };
+  for (const WeightGroup& g : weight_groups_) {
+    if (g.owner == me)
+      for (int l = g.first; l < g.end; ++l)
+        optimizer_.update_layer(static_cast<std::size_t>(l));
+    const std::string what = "the new weights of layer" +
+                             (g.end - g.first == 1 ? " " + std::to_string(g.first)
+                                                   : "s " + std::to_string(g.first) + " to " +
+                                                         std::to_string(g.end - 1)) +
+                             " from rank " + std::to_string(g.owner) + at_step;
+    std::unique_ptr<Collective::Pending> sent;
+    if (g.pieces) {
+      const auto l = static_cast<std::size_t>(g.first);
+      for (std::size_t k = 0; k < store.pieces(l, offload::kStreamPart); ++k) {
+        offload::HostBuffer piece = g.owner == me ? store.read_piece(l, offload::kStreamPart, k)
+                                                  : store.piece_buffer(l, offload::kStreamPart, k);
+        ranks.broadcast(piece.data(), store.piece_size(l, offload::kStreamPart, k), g.owner, what);
+        if (g.owner != me) store.write_piece(l, offload::kStreamPart, k, std::move(piece));
+      }
+    } else if (g.owner >= 0) {
+      // Host-resident trained copies of consecutive layers lie back to back in the store.
+      const offload::ByteRange low =
+          store.stream_bytes(static_cast<std::size_t>(g.first), offload::kStreamPart);
+      const offload::ByteRange high =
+          store.stream_bytes(static_cast<std::size_t>(g.end - 1), offload::kStreamPart);
+      std::size_t sum = 0;
+      for (int l = g.first; l < g.end; ++l)
+        sum += store.stream_bytes(static_cast<std::size_t>(l), offload::kStreamPart).bytes;
+      const auto bytes = static_cast<std::size_t>(high.data - low.data) + high.bytes;
+      RONDO_ASSERT_MSG(low.data && sum == bytes,
+                       "a group's streaming copies are not back to back in the store");
+      sent = ranks.start_broadcast(low.data, bytes, g.owner, what);
+    }
+    in_flight.push_back({std::move(sent), &g});
+    while (!in_flight.empty() && (!in_flight.front().sent || in_flight.front().sent->done()))
+      finish_front();
+  }
+  while (!in_flight.empty())
+    finish_front();
 }
 
 std::unique_ptr<Collective::Pending> OptimizerDriver::start_bucket(Collective& ranks,

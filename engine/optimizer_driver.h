@@ -76,6 +76,18 @@ class OptimizerDriver {
   };
   std::unique_ptr<Collective::Pending> start_bucket(Collective& ranks, const Bucket& bucket,
                                                     std::int64_t s);
+  // Sharded optimizer state (EngineOptions::data_parallel.optimizer_owners): this rank's layers
+  // updated, every layer's new streaming copies broadcast from its owner, each layer handed back
+  // to the loaders as its broadcast completes.
+  void update_sharded(std::int64_t s);
+  // Consecutive layers whose new streaming copies one broadcast carries: one owner (-1: nothing
+  // trained, nothing to send), back to back in host memory, kWeightGroupBytes or so; or one layer
+  // whose trained copies are on the NVMe tier, sent a weight piece at a time.
+  struct WeightGroup {
+    int first = 0, end = 0;  // layers [first, end)
+    int owner = -1;
+    bool pieces = false;
+  };
 
   EngineParts& parts_;
   Board& board_;
@@ -87,6 +99,7 @@ class OptimizerDriver {
   const std::int64_t steps_done_;
   std::chrono::steady_clock::time_point last_step_end_;
   std::vector<Bucket> buckets_;
+  std::vector<WeightGroup> weight_groups_;
 };
 
 }  // namespace rondo::engine

@@ -60,7 +60,7 @@ class GlooCollective final : public Collective {
     std::vector<at::Tensor> t;
     for (const Floats& p : parts)
       t.push_back(at::from_blob(p.data, {static_cast<std::int64_t>(p.n)}, at::kFloat));
-    if (t.empty() || size_ == 1) return std::make_unique<Started>(*this, nullptr, what);
+    if (t.empty() || size_ == 1) return std::make_unique<Started>(*this, nullptr, "", what);
     return std::make_unique<Started>(*this,
                                      start("all-reduce", what,
                                            [&] {
@@ -73,18 +73,42 @@ class GlooCollective final : public Collective {
                                              o.reduceOp = c10d::ReduceOp::SUM;
                                              return group_->allreduce_coalesced(t, o);
                                            }),
-                                     what);
+                                     "all-reduce", what);
   }
 
   void broadcast(void* data, std::size_t bytes, int root, const std::string& what) override {
-    if (bytes == 0 || size_ == 1) return;
-    std::vector<at::Tensor> t{at::from_blob(data, {static_cast<std::int64_t>(bytes)}, at::kByte)};
+    start_broadcast(data, bytes, root, what)->wait();
+  }
+
+  std::unique_ptr<Pending> start_broadcast(void* data, std::size_t bytes, int root,
+                                           const std::string& what) override {
+    if (bytes == 0 || size_ == 1) return std::make_unique<Started>(*this, nullptr, "", what);
+    std::vector<at::Tensor> t{bytes_of(data, bytes)};
     c10d::BroadcastOptions o;
     o.rootRank = root;
-    run("broadcast", what, [&] { return group_->broadcast(t, o); });
+    return std::make_unique<Started>(
+        *this, start("broadcast", what, [&] { return group_->broadcast(t, o); }), "broadcast",
+        what);
+  }
+
+  void send(const void* data, std::size_t bytes, int to, const std::string& what) override {
+    if (bytes == 0) return;
+    std::vector<at::Tensor> t{bytes_of(const_cast<void*>(data), bytes)};
+    run("send", what, [&] { return group_->send(t, to, /*tag=*/0); });
+  }
+
+  void recv(void* data, std::size_t bytes, int from, const std::string& what) override {
+    if (bytes == 0) return;
+    std::vector<at::Tensor> t{bytes_of(data, bytes)};
+    run("receive", what, [&] { return group_->recv(t, from, /*tag=*/0); });
   }
 
  private:
+  // Gloo ignores strides: only a contiguous buffer may be passed (from_blob's is).
+  static at::Tensor bytes_of(void* data, std::size_t bytes) {
+    return at::from_blob(data, {static_cast<std::int64_t>(bytes)}, at::kByte);
+  }
+
   void all_reduce(void* data, std::size_t n, at::ScalarType type, const std::string& what) {
     if (n == 0 || size_ == 1) return;
     // Gloo ignores strides: only a contiguous buffer may be passed (from_blob's is).
@@ -96,15 +120,16 @@ class GlooCollective final : public Collective {
 
   class Started final : public Pending {
    public:
-    Started(GlooCollective& group, c10::intrusive_ptr<c10d::Work> work, std::string what)
-        : group_(group), work_(std::move(work)), what_(std::move(what)) {}
+    Started(GlooCollective& group, c10::intrusive_ptr<c10d::Work> work, const char* op,
+            std::string what)
+        : group_(group), work_(std::move(work)), op_(op), what_(std::move(what)) {}
     bool done() override { return !work_ || work_->isCompleted(); }
     void wait() override {
       if (!work_) return;
       try {
         work_->wait();
       } catch (const std::exception& e) {
-        group_.fail("all-reduce", what_, e);
+        group_.fail(op_, what_, e);
       }
       work_.reset();
     }
@@ -112,6 +137,7 @@ class GlooCollective final : public Collective {
    private:
     GlooCollective& group_;
     c10::intrusive_ptr<c10d::Work> work_;
+    const char* op_;
     std::string what_;
   };
 

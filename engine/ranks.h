@@ -51,6 +51,14 @@ class Collective {
                                              const std::string& what) = 0;
   // Rank `root`'s `bytes` bytes at `data` on every rank.
   virtual void broadcast(void* data, std::size_t bytes, int root, const std::string& what) = 0;
+  // The same, started (as start_sum): several in flight, matched across ranks by the order they
+  // were started in; `data` untouched (root) or unread (the others) until wait() returns.
+  virtual std::unique_ptr<Pending> start_broadcast(void* data, std::size_t bytes, int root,
+                                                   const std::string& what) = 0;
+  // Point to point: `bytes` bytes to rank `to`, or from rank `from` (blocking; the sizes must
+  // match). Messages between two ranks arrive in the order they were sent.
+  virtual void send(const void* data, std::size_t bytes, int to, const std::string& what) = 0;
+  virtual void recv(void* data, std::size_t bytes, int from, const std::string& what) = 0;
 };
 
 class RankError : public Error {

@@ -27,6 +27,7 @@
 #include "engine/model_store.h"
 #include "engine/run_errors.h"
 #include "engine/run_lock.h"
+#include "engine/sharding.h"
 #include "engine/speed.h"
 #include "engine/torch_device.h"
 #include "kernels/checksum.h"
@@ -263,6 +264,8 @@ struct Session::Impl {
     // Each rank plans its share of a step: grad_accum / ranks microbatches.
     TrainConfig per_rank = c;
     per_rank.training.grad_accum = c.training.grad_accum / world();
+    per_rank.distributed.ranks = world();
+    per_rank.distributed.rank = rank();
     est = estimate_run(per_rank, summary, devices, steps, tokens_per_step / world(), o.host_free,
                        o.disk_free, resume_point);
     if (world() > 1 &&
@@ -577,21 +580,6 @@ struct Session::Impl {
     ended = true;
   }
 
-  // The plan event's `placement`: where each class of state lives, as what, and the NVMe tier's
-  // backend (the run says which one it uses).
-  std::string placement_json(const offload::NvmeStore* nvme) const {
-    nlohmann::json j = nlohmann::json::parse(est.json()).at("placement");
-    if (nvme) {
-      const offload::NvmeStoreInfo i = nvme->info();
-      j["backend"] = i.backend;
-      j["backend_note"] = i.backend_note;
-      j["direct"] = i.direct;
-      j["direct_note"] = i.direct_note;
-    }
-    j["host_budget_bytes"] = est.host_available;
-    return j.dump();
-  }
-
   SessionResult train_loop(EventSink& sink) {
     // Before any GPU work: cuBLAS reads its workspace setting once (Note [Exact resume]).
     use_deterministic_torch(c.training.deterministic);
@@ -739,20 +727,35 @@ struct Session::Impl {
     eo.seed = c.training.seed;
     eo.events = &sink;
     eo.plan_inputs = &est.inputs;
-    eo.placement_json = placement_json(nvme.get());
+    eo.placement_json = placement_json(est, nvme.get());
     // Activation checkpoints on the NVMe tier: the space the planner set aside in the store's file
     // (for est.plan; a resumed plan that saves more keeps the rest in host memory).
     eo.spill_checkpoint_bytes = est.placement.spill_bytes;
     eo.share_frozen_weights = eo.share_trained_state = devices.mode == DeviceMode::kCpu;
-    if (o.ranks && world() > 1) eo.data_parallel = {&o.ranks->steps(), &o.ranks->gradients()};
+    if (o.ranks && world() > 1)
+      eo.data_parallel = {.steps = &o.ranks->steps(),
+                          .gradients = &o.ranks->gradients(),
+                          .optimizer_owners = est.placement.optimizer_owners};
     Engine eng(summary.config, specs, store, arena, raw, resume_plan ? *resume_plan : est.plan, eo);
     if (!from_checkpoint.empty()) eng.restore(state);
     const Published<Engine> published_engine(engine_mu, engine, &eng);
     if (stop) eng.request_stop();
 
-    // Every rank holds the same state after a step: rank 0 writes it for all.
+    // Rank 0 runs `work` reading the whole optimizer state: sharded, the others serve it the
+    // layers they own meanwhile (engine/sharding.h). Every rank calls it.
+    auto gathered = [&](const std::function<void()>& work) {
+      if (eo.data_parallel.optimizer_owners.empty()) return work();
+      with_gathered_state(o.ranks->steps(), store, eo.data_parallel.optimizer_owners, work);
+    };
+    // Every rank holds the same state after a step (sharded: gathered by rank 0): rank 0 writes
+    // it for all.
     auto checkpoint = [&](std::int64_t step) {
-      if (rank() > 0) return;
+      const std::string path =
+          (run_dir() / "checkpoints" / ("step-" + std::to_string(step))).string();
+      if (rank() > 0) {
+        result.checkpoint = path;
+        return;
+      }
       const EngineCounters st = eng.counters();
       const Batcher::Position pos = batcher->position(step + 1);
       nlohmann::json meta = {
@@ -774,8 +777,6 @@ struct Session::Impl {
             {"shuffle", "per epoch: (seed, epoch)"},
             {"lora_init", "(seed)"}}},
       };
-      const std::string path =
-          (run_dir() / "checkpoints" / ("step-" + std::to_string(step))).string();
       // What a failed write leaves: the last checkpoint (this run's, or the one it resumed from).
       const std::string last = !result.checkpoint.empty() ? result.checkpoint : from_checkpoint;
       const std::string resume = "`rondo train --resume " + run_dir().string() + "`";
@@ -800,7 +801,7 @@ struct Session::Impl {
     };
     // The others wait for it (its write may take longer than a collective's timeout).
     auto checkpoint_all = [&](std::int64_t step) {
-      checkpoint(step);
+      gathered([&] { checkpoint(step); });
       meet("rank 0's checkpoint of step " + std::to_string(step));
     };
     // Validation: forward-only jobs through the engine, on the run's devices.
@@ -902,8 +903,9 @@ struct Session::Impl {
       if (due(s, c.checkpoint.every) || s == steps) checkpoint_all(s);
     }
     if (s < steps) {
+      // Several ranks stop after the same step (Engine::request_stop).
       if (result.checkpoint.empty() || !result.checkpoint.ends_with("step-" + std::to_string(s)))
-        checkpoint(s);
+        checkpoint_all(s);
       result.status = "stopped";
       result.steps = s;
       log(fmt::format("Stopped at step {} of {}; continue with `rondo train --resume {}`", s, steps,
@@ -912,37 +914,40 @@ struct Session::Impl {
     }
     result.status = "completed";
     result.steps = s;
-    for (const std::string& x : c.output.exports) {
-      if (rank() > 0) break;  // rank 0 exports what every rank holds
-      const std::string path = (run_dir() / x).string();
-      std::string written = path;
-      // The run's last checkpoint holds what the export would have: `rondo export` writes it.
-      naming_write_errors(
-          "exporting " + x + " to " + path,
-          [&] {
-            if (x == "adapter") {
-              export_peft_adapter(path, store, specs, lc, c.model.path);
-            } else if (x == "merged") {
-              export_merged(
-                  path, store, specs, c.model.path,
-                  sd == kernels::FloatDType::kF32 ? models::DType::kF32 : models::DType::kBF16);
-            } else if (x == "gguf-adapter") {
-              written = path + "/adapter.gguf";
-              export_gguf_adapter(written, store, specs, summary.config, lc);
-            } else {
-              written = path + "/model-q8_0.gguf";
-              export_gguf_merged(written, store, specs, summary.config, c.model.path,
-                                 models::GgufExportType::kQ8_0);
-            }
-          },
-          result.checkpoint.empty()
-              ? std::string()
-              : ". The training is complete and saved in " + result.checkpoint +
-                    ": once there is room, `rondo export " + run_dir().string() + " --format " + x +
-                    "` writes it from there");
-      log("Exported " + written);
-      if (result.export_path.empty()) result.export_path = written;
-    }
+    // Sharded: the others serve rank 0 the masters they hold while it exports.
+    gathered([&] {
+      for (const std::string& x : c.output.exports) {
+        if (rank() > 0) break;  // rank 0 exports what every rank holds
+        const std::string path = (run_dir() / x).string();
+        std::string written = path;
+        // The run's last checkpoint holds what the export would have: `rondo export` writes it.
+        naming_write_errors(
+            "exporting " + x + " to " + path,
+            [&] {
+              if (x == "adapter") {
+                export_peft_adapter(path, store, specs, lc, c.model.path);
+              } else if (x == "merged") {
+                export_merged(
+                    path, store, specs, c.model.path,
+                    sd == kernels::FloatDType::kF32 ? models::DType::kF32 : models::DType::kBF16);
+              } else if (x == "gguf-adapter") {
+                written = path + "/adapter.gguf";
+                export_gguf_adapter(written, store, specs, summary.config, lc);
+              } else {
+                written = path + "/model-q8_0.gguf";
+                export_gguf_merged(written, store, specs, summary.config, c.model.path,
+                                   models::GgufExportType::kQ8_0);
+              }
+            },
+            result.checkpoint.empty()
+                ? std::string()
+                : ". The training is complete and saved in " + result.checkpoint +
+                      ": once there is room, `rondo export " + run_dir().string() + " --format " +
+                      x + "` writes it from there");
+        log("Exported " + written);
+        if (result.export_path.empty()) result.export_path = written;
+      }
+    });
     return result;
   }
 };

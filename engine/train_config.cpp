@@ -168,6 +168,10 @@ std::vector<std::string> TrainConfig::validate(bool planning) const {
   if (!(distributed.meet_timeout > 0) || distributed.meet_timeout > 1e7)
     add("distributed.meet_timeout",
         "must be a positive number of seconds (got " + str(distributed.meet_timeout) + ")");
+  if (distributed.shard_optimizer && training.one_step_stale)
+    add("distributed.shard_optimizer",
+        "cannot be combined with training.one_step_stale (the stale update publishes masters "
+        "that only their owner holds); turn one of them off");
   if (!(distributed.timeout > 0) || distributed.timeout > 1e7)
     add("distributed.timeout",
         "must be a positive number of seconds (got " + str(distributed.timeout) + ")");

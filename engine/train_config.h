@@ -138,6 +138,11 @@ struct DistributedSection {
   // The link between the ranks, for planning: "10Gbit" (bits per second, decimal prefixes, as
   // networks are sold) or "1.25GB" (bytes per second, as hardware.disk_speed); "" = 10 Gbit/s.
   std::string link_speed;
+  // Sharded optimizer state (ZeRO-1, engine/sharding.h): each rank holds the masters and moments
+  // of its share of the layers, updates them, and broadcasts their new weights.
+  bool shard_optimizer = false;
+  // Not keys: the run's ranks and this one, set by the session on the copy it plans with.
+  int ranks = 1, rank = 0;
 };
 
 // distributed.link_speed in bytes per second (10 Gbit/s when empty). Throws Error naming the key.

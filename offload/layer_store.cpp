@@ -84,7 +84,8 @@ LayerLayout layout_of(const LayerDesc& layer, std::size_t l, kernels::FloatDType
     }
     if (t.trainable) o.grad += align_up(n * gs);
   }
-  o.bytes[2] = optimizer_bytes(o.opt_elems, o.opt_blocks, layer.moments);
+  o.bytes[2] =
+      layer.optimizer_elsewhere ? 0 : optimizer_bytes(o.opt_elems, o.opt_blocks, layer.moments);
   return o;
 }
 
@@ -98,7 +99,7 @@ bool has_ties(const std::vector<LayerDesc>& layers, std::size_t l) {
 }
 
 std::array<Tier, 3> tiers_of(const LayerDesc& d) {
-  return {d.base, d.weights, d.optimizer};
+  return {d.base, d.weights, d.optimizer_elsewhere ? Tier::kHost : d.optimizer};
 }
 
 // A trainable tensor's master and moments in a layer's optimizer region at `base` (the layer's
@@ -286,11 +287,13 @@ LayerStore::LayerStore(HostArena& arena, const std::vector<LayerDesc>& layers,
     opt_elems_.push_back(o.opt_elems);
     opt_blocks_.push_back(o.opt_blocks);
     moments_.push_back(layers[l].moments);
+    elsewhere_.push_back(layers[l].optimizer_elsewhere);
     device_bytes_.push_back(o.device);
     std::uint8_t* part_host[3] = {
         tier[0] == Tier::kHost && wbase ? wbase + base[l][0] : nullptr,
         tier[1] == Tier::kHost && wbase ? wbase + total[0] + base[l][1] : nullptr,
-        tier[2] == Tier::kHost && obase ? obase + base[l][2] : nullptr};
+        tier[2] == Tier::kHost && obase && !layers[l].optimizer_elsewhere ? obase + base[l][2]
+                                                                          : nullptr};
     std::map<std::string, std::size_t> seen;
     for (std::size_t i = 0; i < layers[l].tensors.size(); ++i) {
       const TensorDesc& t = layers[l].tensors[i];
@@ -413,7 +416,7 @@ LayerStore::HostBytes LayerStore::host_bytes(const std::vector<LayerDesc>& layer
     const std::array<Tier, 3> t = tiers_of(layers[l]);
     if (t[0] == Tier::kHost) b.weights += o.bytes[0];
     if (t[1] == Tier::kHost) b.weights += o.bytes[1];
-    if (t[2] == Tier::kHost) {
+    if (t[2] == Tier::kHost && !layers[l].optimizer_elsewhere) {
       b.optimizer += o.bytes[2];
       b.masters += o.opt_elems * sizeof(float);
     }
@@ -556,11 +559,14 @@ void LayerStore::prefetch_piece(std::size_t layer, unsigned part, std::size_t in
                    std::min(piece_bytes_, region.bytes - offset));
 }
 
-HostBuffer LayerStore::piece_buffer(std::size_t layer, unsigned part, std::size_t index) {
+std::uint64_t LayerStore::piece_size(std::size_t layer, unsigned part, std::size_t index) const {
   RONDO_ASSERT(index < pieces(layer, part));
   const Region& region = regions_->region[layer][part_index(part)];
-  return arena_.allocate(std::min(piece_bytes_, region.bytes - index * piece_bytes_),
-                         Purpose::kStaging);
+  return std::min(piece_bytes_, region.bytes - index * piece_bytes_);
+}
+
+HostBuffer LayerStore::piece_buffer(std::size_t layer, unsigned part, std::size_t index) {
+  return arena_.allocate(piece_size(layer, part, index), Purpose::kStaging);
 }
 
 void LayerStore::write_piece(std::size_t layer, unsigned part, std::size_t index, HostBuffer data) {
@@ -604,6 +610,9 @@ LayerAccess LayerStore::access(std::size_t layer, unsigned parts, AccessMode mod
   a.tensors_ = layers_[layer];
   a.base_ = base_ranges_[layer];
   a.stream_ = stream_ranges_[layer];
+  if ((parts & kOptimizerPart) && elsewhere_[layer] && !chunks_[layer].empty())
+    throw Error("layer " + std::to_string(layer) +
+                "'s optimizer state is held by another rank (sharded): this store has none");
   for (unsigned part : kParts) {
     const int p = part_index(part);
     if (!(parts & part) || tiers_[layer][p] != Tier::kNvme) continue;
@@ -658,7 +667,16 @@ LayerAccess LayerStore::access_chunk(std::size_t layer, std::size_t chunk, Acces
   a.write_ = mode != AccessMode::kRead;
   a.pieces_ = chunks_[layer][chunk];
   std::uint8_t* record = nullptr;
-  if (tiers_[layer][2] == Tier::kNvme) {
+  if (elsewhere_[layer]) {
+    if (mode != AccessMode::kRead || with_grads || !fetch_)
+      throw Error("layer " + std::to_string(layer) +
+                  "'s optimizer state is held by another rank (sharded): this store can only "
+                  "read it, through that rank");
+    a.write_ = false;
+    a.staged_[2] = arena_.allocate(chunk_bytes(layer, chunk), Purpose::kStaging);
+    record = a.staged_[2].as<std::uint8_t>();
+    fetch_(layer, chunk, record);
+  } else if (tiers_[layer][2] == Tier::kNvme) {
     Regions& r = *regions_;
     a.staged_[2] =
         r.stage(nvme_, arena_, {layer, kOptimizerPart, chunk}, r.chunk[layer][chunk], mode);
@@ -685,6 +703,16 @@ LayerAccess LayerStore::access_chunk(std::size_t layer, std::size_t chunk, Acces
     }
   }
   return a;
+}
+
+HostBuffer LayerStore::pack_chunk(std::size_t layer, std::size_t chunk) {
+  RONDO_ASSERT(layer < layers_.size() && chunk < chunks_[layer].size() && !elsewhere_[layer]);
+  HostBuffer record = arena_.allocate(chunk_bytes(layer, chunk), Purpose::kStaging);
+  const LayerAccess from = access_chunk(layer, chunk, AccessMode::kRead);
+  const std::vector<TensorState> to = chunk_views(layer, chunk, record.as<std::uint8_t>());
+  for (std::size_t i = 0; i < to.size(); ++i)
+    copy_piece(from[i], to[i], 0, /*into_piece=*/true);
+  return record;
 }
 
 std::uint64_t LayerStore::grad_record_bytes(std::size_t layer, std::size_t chunk) const {

@@ -38,6 +38,7 @@
 #include <array>
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -82,6 +83,11 @@ struct LayerDesc {
   // chunk, written as they come down and read once by the optimizer (Note [Gradients on NVMe]).
   Tier grads = Tier::kHost;
   MomentFormat moments = MomentFormat::kF32;
+  // Data parallel with sharded optimizer state (docs/distributed.md): another rank owns this
+  // layer's masters and moments, so this store holds none (`optimizer` is ignored); its trained
+  // streaming copies and gradients are here as usual. Its chunks still describe the layout, so
+  // that access_chunk can read another rank's chunk through the store's ChunkFetch.
+  bool optimizer_elsewhere = false;
 };
 
 struct TensorState {
@@ -230,8 +236,24 @@ class LayerStore {
   // Throws Error naming the layer and tensor when absent.
   const TensorState& tensor(std::size_t layer, const std::string& name) const;
 
-  // Where a part of a layer lives.
+  // Where a part of a layer lives (a layer whose optimizer state is elsewhere: kHost, holding
+  // none).
   Tier tier(std::size_t layer, unsigned part) const;
+  // Whether this store holds the layer's masters and moments (LayerDesc::optimizer_elsewhere).
+  bool holds_optimizer(std::size_t layer) const { return !elsewhere_.at(layer); }
+  // Sharded optimizer state: how access_chunk(kRead) reads a chunk of a layer this store does not
+  // hold — fills `record` (chunk_record_bytes of the chunk) with the chunk's record as pack_chunk
+  // made it on the rank that holds it. Unset: such an access throws Error.
+  using ChunkFetch =
+      std::function<void(std::size_t layer, std::size_t chunk, std::uint8_t* record)>;
+  void set_chunk_fetch(ChunkFetch fetch) { fetch_ = std::move(fetch); }
+  // A chunk this store holds as a record (its pieces' masters and moments, laid out as on the
+  // NVMe tier) in fresh staging memory: what another rank's ChunkFetch receives.
+  HostBuffer pack_chunk(std::size_t layer, std::size_t chunk);
+  // Bytes of a chunk's record (pack_chunk's, ChunkFetch's).
+  std::uint64_t chunk_bytes(std::size_t layer, std::size_t chunk) const {
+    return chunk_record_bytes(chunks_.at(layer).at(chunk), moments_.at(layer));
+  }
   // How the layer's AdamW moments are kept.
   MomentFormat moments(std::size_t layer) const { return moments_.at(layer); }
   // The layer's streaming copies of one part (kBasePart or kStreamPart) as stored (tied ones
@@ -282,6 +304,8 @@ class LayerStore {
   // none.
   std::size_t pieces(std::size_t layer, unsigned part) const;
   std::uint64_t piece_bytes() const { return piece_bytes_; }
+  // Bytes of piece `index` of the part (piece_bytes(), or fewer for the last).
+  std::uint64_t piece_size(std::size_t layer, unsigned part, std::size_t index) const;
   // Piece bytes for a store of this chunk size on an NVMe store of these blocks: the chunk
   // size on the blocks (one block at least).
   static std::uint64_t piece_bytes_for(std::uint64_t chunk_bytes, std::uint64_t block_bytes);
@@ -336,6 +360,8 @@ class LayerStore {
   std::vector<std::size_t> opt_elems_;   // per layer: elements of each of master, m, v
   std::vector<std::size_t> opt_blocks_;  // per layer, 8-bit moments: absmax entries of each
   std::vector<MomentFormat> moments_;    // per layer
+  std::vector<bool> elsewhere_;          // per layer: LayerDesc::optimizer_elsewhere
+  ChunkFetch fetch_;
   std::vector<std::vector<std::vector<OptimizerPiece>>> chunks_;  // per layer, per chunk
   std::uint64_t max_chunk_bytes_ = 0;
   std::uint64_t piece_bytes_ = 0;

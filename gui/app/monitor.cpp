@@ -314,7 +314,17 @@ MonitorWidget::MonitorWidget(QWidget* parent) : QWidget(parent) {
   m_log = new QListView;
   m_log->setObjectName("log");
   m_log->setModel(m_state->log());
+  m_ranks = new QTableWidget(0, 6);
+  m_ranks->setObjectName("rankTable");
+  m_ranks->setHorizontalHeaderLabels(
+      {"Rank", "Status", "Step", "Loss", "Tokens/s", "Device peak (largest)"});
+  m_ranks->horizontalHeaderItem(3)->setToolTip(
+      "Every rank reports the loss of the whole step (summed over the ranks), so they agree");
+  m_ranks->horizontalHeader()->setStretchLastSection(true);
+  m_ranks->verticalHeader()->hide();
+  m_ranks->hide();  // a tab only for a run on several ranks
   auto* tabs = new QTabWidget;
+  m_tabs = tabs;
   tabs->addTab(m_samples, "Samples");
   tabs->addTab(m_log, "Log");
   m_chat = new ChatPanel;
@@ -378,6 +388,7 @@ bool MonitorWidget::attach(const QString& runDir, QString* error) {
   }
   m_tail->close();
   m_state->reset();
+  closeRanks();
   m_runDir = runDir;
   m_eventsPath =
       info.eventsPath.isEmpty() ? QDir(runDir).filePath("events.jsonl") : info.eventsPath;
@@ -398,6 +409,7 @@ bool MonitorWidget::launch(const QString& configPath, const QString& runDir, QSt
   }
   m_tail->close();
   m_state->reset();
+  closeRanks();
   m_runDir = runDir;
   m_eventsPath = QDir(runDir).filePath("events.jsonl");
   m_title->setText(QDir::cleanPath(runDir));
@@ -604,6 +616,55 @@ void MonitorWidget::refresh() {
   for (int c = 0; c + 1 < m_devices->columnCount(); ++c)  // the last one stretches
     m_devices->resizeColumnToContents(c);
   m_timeline->update();
+  refreshRanks();
+}
+
+void MonitorWidget::closeRanks() {
+  for (EventTail* t : m_rankTails)
+    delete t;
+  for (RunState* s : m_rankStates)
+    delete s;
+  m_rankTails.clear();
+  m_rankStates.clear();
+  if (const int tab = m_tabs->indexOf(m_ranks); tab >= 0) m_tabs->removeTab(tab);
+  m_ranks->setRowCount(0);
+}
+
+void MonitorWidget::refreshRanks() {
+  const int ranks = m_state->ranks();
+  if (ranks <= 1 || m_runDir.isEmpty()) return;
+  if (m_tabs->indexOf(m_ranks) < 0) m_tabs->insertTab(0, m_ranks, "Ranks");
+  while (static_cast<int>(m_rankStates.size()) + 1 < ranks) {
+    auto* state = new RunState(this);
+    connect(state, &RunState::changed, this, &MonitorWidget::scheduleRefresh);
+    m_rankStates.push_back(state);
+    m_rankTails.push_back(new EventTail(state, this));
+  }
+  const QLocale locale;
+  m_ranks->setRowCount(ranks);
+  for (int r = 0; r < ranks; ++r) {
+    RunState* s = m_state;
+    if (r > 0) {
+      s = m_rankStates[static_cast<std::size_t>(r - 1)];
+      EventTail* tail = m_rankTails[static_cast<std::size_t>(r - 1)];
+      const QString path = QDir(m_runDir).filePath(QString("ranks/rank-%1/events.jsonl").arg(r));
+      if (!tail->isOpen() && QFileInfo::exists(path) && tail->open(path)) tail->setFollowing(true);
+    }
+    quint64 peak = 0;
+    for (const DeviceStatus& d : s->devices())
+      peak = std::max(peak, d.bytesPeak);
+    const QStringList cells = {
+        QString::number(r),
+        s->status() == "empty" ? QString("not started") : s->status(),
+        QString("%1/%2").arg(locale.toString(s->lastStep()), locale.toString(s->stepsTotal())),
+        num(s->lastLoss()),
+        rate(s->tokensPerSecond()),
+        peak > 0 ? bytesText(static_cast<double>(peak)) : QString("–")};
+    for (int c = 0; c < cells.size(); ++c)
+      m_ranks->setItem(r, c, new QTableWidgetItem(cells[c]));
+  }
+  for (int c = 0; c + 1 < m_ranks->columnCount(); ++c)
+    m_ranks->resizeColumnToContents(c);
 }
 
 }  // namespace rondo::gui

@@ -10,12 +10,14 @@
 #include <QProcess>
 #include <QString>
 #include <QWidget>
+#include <vector>
 
 class QLabel;
 class QListView;
 class QProgressBar;
 class QPushButton;
 class QTableWidget;
+class QTabWidget;
 class QTimer;
 class QChart;
 class QChartView;
@@ -61,6 +63,10 @@ class MonitorWidget : public QWidget {
   void onChildFinished(int code, QProcess::ExitStatus status);
   void tryOpenEvents();
   void scheduleRefresh();
+  // Data parallel: a Ranks tab, one row per rank, the ranks other than 0 read from their own
+  // events (<run>/ranks/rank-r/events.jsonl, docs/distributed.md).
+  void refreshRanks();
+  void closeRanks();
 
   RunState* m_state;
   EventTail* m_tail;
@@ -88,6 +94,10 @@ class MonitorWidget : public QWidget {
   QLineSeries* m_norm;
   QLineSeries* m_speed;
   QTableWidget* m_devices;
+  QTableWidget* m_ranks;
+  QTabWidget* m_tabs;
+  std::vector<RunState*> m_rankStates;  // ranks 1, 2, ...
+  std::vector<EventTail*> m_rankTails;
   TimelineView* m_timeline;
   QListView* m_samples;
   QListView* m_log;

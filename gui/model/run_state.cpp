@@ -77,7 +77,9 @@ const TypeRules kRules[] = {
       {"method", Expect::String},
       {"steps_total", Expect::IntOpt},
       {"config", Expect::String},
-      {"resumed_from", Expect::IntOpt}}},
+      {"resumed_from", Expect::IntOpt},
+      {"rank", Expect::IntOpt},
+      {"ranks", Expect::IntOpt}}},
     {"checkpoint", {{"step", Expect::Int}, {"path", Expect::String}, {"bytes", Expect::UIntOpt}}},
     {"load", {{"layers_done", Expect::Int}, {"layers_total", Expect::Int}}},
     {"warning", {{"message", Expect::String}}},
@@ -178,6 +180,8 @@ void RunState::reset() {
   m_errorMessage.clear();
   m_exportPath.clear();
   m_stepsTotal = m_lastStep = m_resumedFrom = 0;
+  m_rank = 0;
+  m_ranks = 1;
   m_runStarts = 0;
   m_lastLoss = m_lastEvalLoss = m_lastLr = m_lastGradNorm = m_tokensPerSecond = m_etaSeconds = kNaN;
   m_lastT = kNaN;
@@ -348,6 +352,8 @@ void RunState::onRunStart() {
   m_configToml = m_line.string("config");
   if (auto total = m_line.integer("steps_total")) m_stepsTotal = *total;
   m_resumedFrom = resumed;
+  m_rank = static_cast<int>(std::max<qint64>(0, m_line.integer("rank").value_or(0)));
+  m_ranks = static_cast<int>(std::clamp<qint64>(m_line.integer("ranks").value_or(1), 1, 4096));
   m_layersLoaded = m_layersTotal = 0;  // a resume loads again
   m_status = QStringLiteral("running");
   m_errorMessage.clear();

@@ -68,6 +68,10 @@ class RunState : public QObject {
            m_layersLoaded < m_layersTotal;
   }
   qint64 resumedFrom() const { return m_resumedFrom; }
+  // Data parallel (docs/distributed.md): this stream's rank and how many ranks share the run, as
+  // the latest run_start says (0 and 1 for one process; a resume may change them).
+  int rank() const { return m_rank; }
+  int ranks() const { return m_ranks; }
 
   // NaN when unknown. Elapsed adds up the segments of a resumed run.
   double lastLoss() const { return m_lastLoss; }
@@ -141,6 +145,7 @@ class RunState : public QObject {
   QString m_runDir, m_model, m_method, m_configToml, m_plan, m_errorMessage, m_exportPath;
   QList<double> m_plannedPeaks;
   qint64 m_stepsTotal = 0, m_lastStep = 0, m_resumedFrom = 0;
+  int m_rank = 0, m_ranks = 1;
   qint64 m_layersLoaded = 0, m_layersTotal = 0;
   int m_runStarts = 0;
   double m_lastLoss, m_lastEvalLoss, m_lastLr, m_lastGradNorm, m_tokensPerSecond, m_etaSeconds;

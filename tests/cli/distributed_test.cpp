@@ -13,6 +13,7 @@
 #include <cstdlib>
 #include <functional>
 #include <map>
+#include <set>
 #include <string>
 #include <thread>
 #include <vector>
@@ -311,6 +312,91 @@ TEST_F(DataParallel, ARankStoppedMidRunEndsTheOthersWithinTheTimeoutAndTheRunRes
   // as the uninterrupted one.
   train_on_ranks(2, {"--resume", (dir / "run").string()}, "resumed");
   expect_close_runs(dir / "whole", dir / "run", "adapter/adapter_model.safetensors");
+}
+
+// The placement a run's plan event says (its first).
+nlohmann::json placement_of(const fs::path& events) {
+  for (const auto& e : rondo::test::events(events))
+    if (e["type"] == "plan" && e.contains("placement")) return e["placement"];
+  ADD_FAILURE() << "no plan event with a placement in " << events;
+  return {};
+}
+
+TEST_F(DataParallel, ShardedOptimizerStateOnTwoRanksEqualsOneProcess) {
+  // LoRA: each rank holds the masters and moments of about half the layers, updates them and
+  // broadcasts their new weights; the adapter, exported by rank 0 from state gathered from both,
+  // is the one process's.
+  expect_ranks_equal_one_process(2, {"--set", "distributed.shard_optimizer=true"},
+                                 "adapter/adapter_model.safetensors");
+  const auto one = placement_of(dir / "one" / "events.jsonl");
+  const auto r0 = placement_of(dir / "ranks" / "events.jsonl");
+  const auto r1 = placement_of(dir / "ranks" / "ranks" / "rank-1" / "events.jsonl");
+  const auto bytes = [](const nlohmann::json& p) {
+    return p["optimizer_state"]["host_bytes"].get<std::uint64_t>();
+  };
+  say("[ measured ] optimizer state in host memory: one process %llu bytes, rank 0 %llu, rank 1 "
+      "%llu\n",
+      static_cast<unsigned long long>(bytes(one)), static_cast<unsigned long long>(bytes(r0)),
+      static_cast<unsigned long long>(bytes(r1)));
+  EXPECT_EQ(bytes(r0) + bytes(r1), bytes(one));
+  EXPECT_GT(bytes(r0), bytes(one) / 4);
+  EXPECT_GT(bytes(r1), bytes(one) / 4);
+  EXPECT_TRUE(one["optimizer_owners"].empty());
+  EXPECT_EQ(r0["optimizer_owners"], r1["optimizer_owners"]);
+  // Every checkpoint holds the whole state, as one process's does.
+  for (const char* step : {"step-3", "step-12"})
+    EXPECT_LT(max_difference(dir / "one" / "checkpoints" / step / "state.safetensors",
+                             dir / "ranks" / "checkpoints" / step / "state.safetensors"),
+              kWeightBound)
+        << step;
+}
+
+TEST_F(DataParallel, ShardedFullFineTuningStopsTogetherAndResumesOnThreeRanks) {
+  // Full fine-tuning on 2 ranks with sharded optimizer state; Ctrl-C reaches rank 1 only: both
+  // ranks stop after the same step, rank 0 writes the checkpoint with rank 1's layers, and the
+  // run resumes on 3 ranks (sharded three ways) to end as one process's uninterrupted run.
+  const std::vector<std::string> full = {
+      "--set", "training.method=full", "--set", "hardware.sim_devices=1",
+      "--set", "training.steps=40",    "--set", "checkpoint.every=100",
+      "--set", "training.grad_accum=6"};
+  const fs::path whole = write_config("whole.toml", config("whole"));
+  std::vector<std::string> one = {"train", whole.string()};
+  one.insert(one.end(), full.begin(), full.end());
+  ASSERT_EQ(wait_for(spawn(one, dir / "whole.log")), 0) << slurp(dir / "whole.log");
+  const fs::path run = write_config("run.toml", config("run"));
+  std::vector<std::string> args = {"train", run.string(), "--set",
+                                   "distributed.shard_optimizer=true"};
+  args.insert(args.end(), full.begin(), full.end());
+  std::vector<pid_t> pids = start_ranks(2, args, "run");
+  const fs::path rank1_events = dir / "run" / "ranks" / "rank-1" / "events.jsonl";
+  const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(120);
+  while (std::chrono::steady_clock::now() < give_up &&
+         (!fs::exists(rank1_events) || step_losses(rank1_events).size() < 2))
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  ::kill(pids[1], SIGINT);
+  EXPECT_EQ(wait_for(pids[0]), 130) << log_of("run", 0);
+  EXPECT_EQ(wait_for(pids[1]), 130) << log_of("run", 1);
+  const auto ev0 = events(dir / "run" / "events.jsonl");
+  const auto ev1 = events(rank1_events);
+  ASSERT_FALSE(ev0.empty());
+  ASSERT_FALSE(ev1.empty());
+  EXPECT_EQ(ev0.back()["type"], "run_end");
+  EXPECT_EQ(ev0.back()["status"], "stopped");
+  EXPECT_EQ(ev1.back()["status"], "stopped");
+  const std::int64_t stopped_at = ev0.back()["steps"];
+  EXPECT_EQ(ev1.back()["steps"], stopped_at);
+  say("[ measured ] both ranks stopped after step %lld\n", static_cast<long long>(stopped_at));
+  ASSERT_LT(stopped_at, 40);
+  EXPECT_TRUE(fs::exists(dir / "run" / "checkpoints" / ("step-" + std::to_string(stopped_at))));
+  train_on_ranks(3, {"--resume", (dir / "run").string()}, "resumed");
+  expect_close_runs(dir / "whole", dir / "run", "merged/model.safetensors");
+  // Resumed, the layers are owned three ways.
+  std::set<int> owners;
+  for (int owner :
+       placement_of(dir / "run" / "ranks" / "rank-2" / "events.jsonl")["optimizer_owners"]
+           .get<std::vector<int>>())
+    if (owner >= 0) owners.insert(owner);
+  EXPECT_EQ(owners, (std::set<int>{0, 1, 2}));
 }
 
 TEST_F(DataParallel, MicrobatchesThatTheRanksCannotShareAreRefused) {

@@ -3,6 +3,7 @@
 // group as engine/ranks.cpp compiles it against Debian's gloo headers (Note [Gloo's headers]).
 // This file includes ProcessGroupGloo.hpp too, under the same rules: no gloo object made here.
 #include "engine/ranks.h"
+#include "engine/sharding.h"
 
 #include <gtest/gtest.h>
 
@@ -138,6 +139,66 @@ TEST(Ranks, GradientBucketsRunFromTheLastLayerAndCloseAtTheirSize) {
             (B{{6, 5, 4, 3}, {2, 1}}));
   EXPECT_EQ(rondo::engine::gradient_buckets({big, small, big, 0, small}), (B{{4, 2}, {1, 0}}));
   EXPECT_EQ(rondo::engine::gradient_buckets({0, 0}), B{});
+}
+
+TEST(Ranks, BroadcastsStartedTogetherAndMessagesBetweenTwoRanks) {
+  on_ranks(3, [](int rank, Ranks& ranks) {
+    Collective& c = ranks.gradients();
+    // Each rank owns one buffer: the owners' broadcasts started in buffer order on every rank,
+    // before any is waited for (as sharded updates start them).
+    std::vector<std::vector<std::uint8_t>> bufs(3, std::vector<std::uint8_t>(100'003));
+    std::vector<std::unique_ptr<Collective::Pending>> started;
+    for (int owner = 0; owner < 3; ++owner) {
+      auto& b = bufs[static_cast<std::size_t>(owner)];
+      for (std::size_t i = 0; i < b.size(); ++i)
+        b[i] = owner == rank ? static_cast<std::uint8_t>(i * 7 + owner) : 0;
+      started.push_back(c.start_broadcast(b.data(), b.size(), owner, "buffer of its owner"));
+    }
+    for (auto& s : started)
+      s->wait();
+    for (int owner = 0; owner < 3; ++owner)
+      for (std::size_t i = 0; i < bufs[static_cast<std::size_t>(owner)].size(); ++i)
+        ASSERT_EQ(bufs[static_cast<std::size_t>(owner)][i],
+                  static_cast<std::uint8_t>(i * 7 + owner))
+            << "rank " << rank << ", owner " << owner << ", byte " << i;
+    // Rank 0 asks rank 2 twice; rank 1 stays out of it. In order, each answer its question's.
+    Collective& m = ranks.steps();
+    if (rank == 0)
+      for (std::int64_t q : {5, 9}) {
+        m.send(&q, sizeof q, 2, "a question");
+        std::vector<double> a(1000);
+        m.recv(a.data(), a.size() * sizeof(double), 2, "its answer");
+        for (std::size_t i = 0; i < a.size(); ++i)
+          ASSERT_EQ(a[i], static_cast<double>(q) * static_cast<double>(i));
+      }
+    if (rank == 2)
+      for (int k = 0; k < 2; ++k) {
+        std::int64_t q = 0;
+        m.recv(&q, sizeof q, 0, "a question");
+        std::vector<double> a(1000);
+        for (std::size_t i = 0; i < a.size(); ++i)
+          a[i] = static_cast<double>(q) * static_cast<double>(i);
+        m.send(a.data(), a.size() * sizeof(double), 0, "its answer");
+      }
+  });
+}
+
+TEST(Ranks, OptimizerStateIsOwnedByRunsOfLayersOfAboutEqualBytes) {
+  using rondo::engine::optimizer_owners;
+  using V = std::vector<int>;
+  // Layer 0 (nothing trained) has no owner; eight equal layers on 2 and 3 ranks (3 + 3 + 2:
+  // squares 9 + 9 + 4 as for 3 + 2 + 3, the earlier ranks taking the longer runs).
+  EXPECT_EQ(optimizer_owners({0, 10, 10, 10, 10, 10, 10, 10, 10}, 2),
+            (V{-1, 0, 0, 0, 0, 1, 1, 1, 1}));
+  EXPECT_EQ(optimizer_owners({0, 10, 10, 10, 10, 10, 10, 10, 10}, 3),
+            (V{-1, 0, 0, 0, 1, 1, 1, 2, 2}));
+  // A large embedding first: alone on rank 0 (60² + 40² < 70² + 30²), and on 3 ranks the rest
+  // shared by the other two (60² + 20² + 20²).
+  EXPECT_EQ(optimizer_owners({60, 10, 10, 10, 10}, 2), (V{0, 1, 1, 1, 1}));
+  EXPECT_EQ(optimizer_owners({60, 10, 10, 10, 10}, 3), (V{0, 1, 1, 2, 2}));
+  // More ranks than layers: the first ranks own them; one rank: every trained layer.
+  EXPECT_EQ(optimizer_owners({10, 10}, 4), (V{0, 1}));
+  EXPECT_EQ(optimizer_owners({10, 0, 10}, 1), (V{0, -1, 0}));
 }
 
 TEST(Ranks, ARankThatLeavesEndsTheOthersCollectiveWithANamedError) {

@@ -16,6 +16,7 @@
 #include <set>
 #include <thread>
 
+#include "kernels/cpu/adamw8bit.h"
 #include "offload/nvme_store.h"
 
 namespace fs = std::filesystem;
@@ -113,6 +114,94 @@ TEST(LayerStore, FrozenTensorsHaveNoOptimizerState) {
   EXPECT_EQ(f.grad, nullptr);
   EXPECT_EQ(store.tensor(2, "embed").grad, nullptr);
   EXPECT_EQ(store.grad_bytes(0).bytes, 0u);
+}
+
+TEST(LayerStore, OptimizerStateElsewhereIsReadFromTheStoreThatHoldsIt) {
+  // Sharded optimizer state: the second store holds layer 1's masters and moments nowhere and
+  // reads them, chunk by chunk, as the first (their owner) packs them.
+  for (MomentFormat format : {MomentFormat::kF32, MomentFormat::kBlockwise8}) {
+    SCOPED_TRACE(to_string(format));
+    std::vector<LayerDesc> whole(2);
+    whole[0].tensors = {{"a", 2000, true, -1}};
+    whole[1].tensors = {{"b", 1500, true, -1}, {"f", 100, false, -1}, {"c", 300, true, -1}};
+    for (LayerDesc& d : whole)
+      d.moments = format;
+    std::vector<LayerDesc> sharded = whole;
+    sharded[1].optimizer_elsewhere = true;
+    const std::uint64_t chunk_bytes = (format == MomentFormat::kF32 ? 12 : 6) * 512;
+    HostArena owner_arena({.pinning = Pinning::kOff}), arena({.pinning = Pinning::kOff});
+    LayerStore owner(owner_arena, whole, FloatDType::kBF16, FloatDType::kF32, nullptr, chunk_bytes);
+    LayerStore store(arena, sharded, FloatDType::kBF16, FloatDType::kF32, nullptr, chunk_bytes);
+    // Only layer 0's state is allocated; the layer's streaming copies and gradients are there.
+    EXPECT_TRUE(store.holds_optimizer(0));
+    EXPECT_FALSE(store.holds_optimizer(1));
+    EXPECT_EQ(arena.usage()[Purpose::kOptimizerState].bytes,
+              LayerStore::host_bytes(sharded, FloatDType::kBF16, FloatDType::kF32).optimizer);
+    EXPECT_EQ(LayerStore::part_bytes(sharded, 1, FloatDType::kBF16)[2], 0u);
+    EXPECT_LT(arena.usage()[Purpose::kOptimizerState].bytes,
+              owner_arena.usage()[Purpose::kOptimizerState].bytes);
+    EXPECT_EQ(store.tensor(1, "b").master, nullptr);
+    EXPECT_NE(store.tensor(1, "b").stream, nullptr);
+    EXPECT_NE(store.tensor(1, "b").grad, nullptr);
+    ASSERT_EQ(store.optimizer_chunks(1), owner.optimizer_chunks(1));
+    ASSERT_GT(store.optimizer_chunks(1), 2u);
+    // Without a way to reach the owner, or for writing, its state cannot be opened.
+    EXPECT_THROW(store.access_chunk(1, 0, AccessMode::kRead), Error);
+    EXPECT_THROW(store.access(1, kOptimizerPart, AccessMode::kRead), Error);
+    // The owner's state, every byte its own.
+    std::mt19937 rng(7);
+    for (std::size_t k = 0; k < owner.optimizer_chunks(1); ++k) {
+      const LayerAccess a = owner.access_chunk(1, k, AccessMode::kReadWrite);
+      for (std::size_t i = 0; i < a.size(); ++i) {
+        const TensorState& t = a[i];
+        for (std::size_t e = 0; e < t.numel; ++e) {
+          t.master[e] = static_cast<float>(rng() % 100000);
+          if (t.m) {
+            t.m[e] = static_cast<float>(rng() % 1000);
+            t.v[e] = static_cast<float>(rng() % 1000);
+          } else {
+            t.m_codes[e] = static_cast<std::uint8_t>(rng());
+            t.v_codes[e] = static_cast<std::uint8_t>(rng());
+          }
+        }
+        if (t.m_absmax)
+          for (std::size_t b = 0; b < kernels::adamw8bit_blocks(t.numel); ++b) {
+            t.m_absmax[b] = static_cast<float>(rng() % 77);
+            t.v_absmax[b] = static_cast<float>(rng() % 77);
+          }
+      }
+    }
+    int fetched = 0;
+    store.set_chunk_fetch([&](std::size_t layer, std::size_t chunk, std::uint8_t* record) {
+      ++fetched;
+      const HostBuffer packed = owner.pack_chunk(layer, chunk);
+      std::memcpy(record, packed.data(), store.chunk_bytes(layer, chunk));
+    });
+    EXPECT_THROW(store.access_chunk(1, 0, AccessMode::kReadWrite), Error);
+    for (std::size_t k = 0; k < owner.optimizer_chunks(1); ++k) {
+      const LayerAccess want = owner.access_chunk(1, k, AccessMode::kRead);
+      const LayerAccess got = store.access_chunk(1, k, AccessMode::kRead);
+      ASSERT_EQ(got.size(), want.size());
+      for (std::size_t i = 0; i < got.size(); ++i) {
+        const TensorState &g = got[i], &w = want[i];
+        ASSERT_EQ(g.numel, w.numel);
+        EXPECT_EQ(got.piece(i).begin, want.piece(i).begin);
+        EXPECT_EQ(std::memcmp(g.master, w.master, g.numel * 4), 0) << "chunk " << k;
+        if (w.m) {
+          EXPECT_EQ(std::memcmp(g.m, w.m, g.numel * 4), 0);
+          EXPECT_EQ(std::memcmp(g.v, w.v, g.numel * 4), 0);
+        } else {
+          const std::size_t nb = kernels::adamw8bit_blocks(g.numel);
+          EXPECT_EQ(std::memcmp(g.m_codes, w.m_codes, g.numel), 0);
+          EXPECT_EQ(std::memcmp(g.v_codes, w.v_codes, g.numel), 0);
+          EXPECT_EQ(std::memcmp(g.m_absmax, w.m_absmax, nb * 4), 0);
+          EXPECT_EQ(std::memcmp(g.v_absmax, w.v_absmax, nb * 4), 0);
+        }
+      }
+    }
+    EXPECT_EQ(fetched, static_cast<int>(owner.optimizer_chunks(1)));
+    EXPECT_EQ(arena.usage()[Purpose::kStaging].bytes, 0u);  // each fetched record given back
+  }
 }
 
 TEST(LayerStore, InconsistentDescriptionsAreRefused) {

@@ -30,7 +30,10 @@
 #include <QTest>
 #include <QTextEdit>
 #include <cmath>
+#include <memory>
+#include <vector>
 
+#include "../../support/free_port.h"
 #include "gui/app/chat_panel.h"
 #include "gui/app/export_dialog.h"
 #include "gui/app/format.h"
@@ -372,6 +375,64 @@ class Screens : public QObject {
 
   // A run that does not fit: Review offers the change the plan found (planned: it fits with it)
   // as a button, in the wizard's words; one click sets the field and the run fits.
+  void monitorOfARunOnTwoRanks() {
+    // A real data-parallel run: 2 ranks started as torchrun starts them, sharded optimizer state.
+    // The monitor follows rank 0's folder and shows both ranks in a Ranks tab.
+    const QString config =
+        test::writeRunConfig(m_dir, "ranks",
+                             {{"training", "steps = 6\nbatch_rows = 2\ngrad_accum = 2\nlr = 0.01"},
+                              {"hardware", "sim_devices = 1"},
+                              {"distributed", "shard_optimizer = true"}});
+    QVERIFY(!config.isEmpty());
+    const QString port = QString::number(rondo::test::free_port());
+    std::vector<std::unique_ptr<QProcess>> ranks;
+    for (int r = 0; r < 2; ++r) {
+      auto p = std::make_unique<QProcess>();
+      QProcessEnvironment env = QProcessEnvironment::systemEnvironment();
+      env.insert("RANK", QString::number(r));
+      env.insert("WORLD_SIZE", "2");
+      env.insert("MASTER_ADDR", "127.0.0.1");
+      env.insert("MASTER_PORT", port);
+      p->setProcessEnvironment(env);
+      p->setProcessChannelMode(QProcess::MergedChannels);
+      p->start(RondoCli::program(), {"train", config});
+      ranks.push_back(std::move(p));
+    }
+    for (int r = 0; r < 2; ++r) {
+      QVERIFY(ranks[r]->waitForFinished(180000));
+      QVERIFY2(ranks[r]->exitCode() == 0, ranks[r]->readAll().constData());
+    }
+    MonitorWidget m;
+    m.resize(1100, 860);
+    QString error;
+    QVERIFY2(m.attach(m_dir + "/ranks", &error), qPrintable(error));
+    m.show();
+    QVERIFY(QTest::qWaitForWindowExposed(&m));
+    QTRY_COMPARE(m.state()->status(), QString("completed"));
+    QCOMPARE(m.state()->ranks(), 2);
+    auto* table = m.findChild<QTableWidget*>("rankTable");
+    QVERIFY(table);
+    QTRY_VERIFY(table->rowCount() == 2 && table->item(1, 1) &&
+                table->item(1, 1)->text() == "completed");
+    auto* tabs = m.findChild<QTabWidget*>();
+    QVERIFY(tabs);
+    tabs->setCurrentWidget(table);
+    for (int r = 0; r < 2; ++r) {
+      QCOMPARE(table->item(r, 0)->text(), QString::number(r));
+      QCOMPARE(table->item(r, 2)->text(), QString("6/6"));
+      QVERIFY2(table->item(r, 5)->text() != "–", qPrintable(table->item(r, 5)->text()));
+    }
+    // Every rank reports the loss of the whole step.
+    QCOMPARE(table->item(1, 3)->text(), table->item(0, 3)->text());
+    QImage img = test::screenshot(&m, "monitor_ranks");
+    QVERIFY(test::colours(img) > 30);
+    // Another run (one process) has no Ranks tab.
+    QVERIFY(m.attach(m_dir + "/recorded", &error));
+    QTRY_COMPARE(m.state()->status(), QString("completed"));
+    m.refresh();
+    QCOMPARE(tabs->indexOf(table), -1);
+  }
+
   void reviewAppliesTheChangeThatMakesItFit() {
     SetupWizard w;
     w.resize(900, 720);
