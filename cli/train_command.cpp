@@ -10,8 +10,11 @@
 #include <csignal>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <ctime>
 #include <filesystem>
+#include <fstream>
+#include <iterator>
 #include <mutex>
 #include <thread>
 
@@ -259,6 +262,24 @@ std::unique_ptr<engine::Ranks> connect_ranks(const TrainOptions& o, engine::Trai
   return ranks;
 }
 
+// torchrun --max-restarts starts the same command again after a rank failed: an attempt after the
+// first (TORCHELASTIC_RESTART_COUNT > 0) whose run folder holds a run started with exactly this
+// config (an earlier attempt's) continues it from its last checkpoint, as `--resume` would. Any
+// other folder that holds a run is refused as always.
+bool restarted_attempt(const std::string& run_dir, const std::string& config_toml) {
+  const char* count = std::getenv("TORCHELASTIC_RESTART_COUNT");
+  if (count == nullptr || std::strtol(count, nullptr, 10) <= 0 || run_dir.empty()) return false;
+  std::ifstream saved(fs::path(run_dir) / "config.toml", std::ios::binary);
+  if (!saved) return false;
+  const std::string text((std::istreambuf_iterator<char>(saved)), std::istreambuf_iterator<char>());
+  if (text != config_toml) return false;
+  std::fprintf(stderr,
+               "rondo: torchrun's attempt %s: %s holds this run, started by an earlier attempt; "
+               "continuing it from its last checkpoint\n",
+               count, run_dir.c_str());
+  return true;
+}
+
 int train_with(const engine::TrainConfig& config, const std::string& config_toml, bool resume,
                const std::string& events, bool dry_run, const std::string& checkpoint = "",
                bool resume_settings_changed = false, engine::Ranks* ranks = nullptr) {
@@ -485,8 +506,9 @@ int run_train(const TrainOptions& o) {
     throw Error("--checkpoint chooses where a resume continues from: use it with --resume RUN");
   ConfigFile f = resolve(o);
   std::unique_ptr<engine::Ranks> ranks = connect_ranks(o, f.config);
-  return train_with(f.config, to_toml(f.config), false, o.events, o.dry_run, "", false,
-                    ranks.get());
+  const std::string toml = to_toml(f.config);
+  return train_with(f.config, toml, restarted_attempt(f.config.output.run_dir, toml), o.events,
+                    o.dry_run, "", false, ranks.get());
 }
 
 int run_plan(const TrainOptions& o) {

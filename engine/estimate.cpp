@@ -624,8 +624,7 @@ RunEstimate estimate_run(const TrainConfig& config, const models::ModelSummary& 
   size_checkpoints();
 
   // --- Host memory and the NVMe tier ----------------------------------------------------------
-  // The drive's read speed: as set, else as `rondo devices --disk` measured this drive, else
-  // assumed.
+  // The drive's read speed: as set, else as `rondo devices --disk` measured it, else assumed.
   if (!config.hardware.disk_speed.empty()) {
     pl.disk_bytes_per_s =
         static_cast<double>(parse_bytes(config.hardware.disk_speed, "hardware.disk_speed"));
@@ -721,7 +720,8 @@ RunEstimate estimate_run(const TrainConfig& config, const models::ModelSummary& 
     // per step, but on the backward's path: read one microbatch ahead of it), then trained
     // weights (written and read every step); the last layers first (the first stage's layers are
     // needed first after an update). Layers with tied tensors stay (their owner and the tying
-    // layer share a copy).
+    // layer share a copy), and so do gradients that several ranks sum (in host memory).
+    const bool summed = config.distributed.ranks > 1;
     for (int p : {kOptimizer, kGrads, kBase, kActivations, kTrained}) {
       if (p == kActivations) {
         if (e.host.total() > target && spill_window < pl.host_activations) {
@@ -732,7 +732,7 @@ RunEstimate estimate_run(const TrainConfig& config, const models::ModelSummary& 
       }
       for (std::size_t l = pl.layers.size(); l-- > 0;) {
         if (e.host.total() <= target) break;
-        if (parts[l][p] == 0 || layer_has_ties(pl.layers, l)) continue;
+        if (parts[l][p] == 0 || layer_has_ties(pl.layers, l) || (p == kGrads && summed)) continue;
         tier_of(pl.layers[l], p) = offload::Tier::kNvme;
         e.host = needs(pl.layers);
       }

@@ -177,9 +177,11 @@ RunEstimate estimate_run(const TrainConfig& config, const models::ModelSummary& 
                          const std::optional<ResumePoint>& resume = std::nullopt);
 
 // Fills `e.fixes` for a run that does not fit: each candidate change that applies to it (a
-// quantised frozen base, bf16, 8-bit moments, an NVMe folder `offload_dir` next to the run, half
-// the rows per microbatch with twice the microbatches, LoRA for a full run, half the sequence)
-// planned again with the same arguments, kept when it fits or is tight; at most `most`.
+// quantised frozen base, sharded optimizer state on several ranks, bf16, 8-bit moments, an NVMe
+// folder `offload_dir` next to the run, half the rows per microbatch with twice the microbatches,
+// LoRA for a full run, half the sequence) planned again with the same arguments, kept when it fits
+// or is tight; at most `most`. On several ranks `config` is one rank's share (the session's), and
+// a fix names the whole run's values.
 void find_fixes(RunEstimate& e, const TrainConfig& config, const models::ModelSummary& model,
                 const DevicePlan& devices, std::int64_t steps, std::uint64_t host_free,
                 std::uint64_t disk_free, const std::optional<ResumePoint>& resume,

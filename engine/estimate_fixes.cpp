@@ -29,6 +29,15 @@ void find_fixes(RunEstimate& e, const TrainConfig& config, const models::ModelSu
                                 : "the frozen base in 4 bits, NF4: about 0.56 bytes per parameter"},
                           [gguf](TrainConfig& c) { c.model.quantize = gguf ? "gguf" : "nf4"; }});
   }
+  // Several ranks (`config` is one rank's share, TrainConfig::distributed): the optimizer state
+  // shared among them changes nothing of the training.
+  const int ranks = config.distributed.ranks;
+  if (!lora && ranks > 1 && !config.distributed.shard_optimizer && !config.training.one_step_stale)
+    candidates.push_back(
+        {{{{"distributed.shard_optimizer", "true"}},
+          fmt::format("each of the {} ranks holds the optimizer state of 1/{} of the layers", ranks,
+                      ranks)},
+         [](TrainConfig& c) { c.distributed.shard_optimizer = true; }});
   if (config.hardware.offload_dir.empty() && !offload_dir.empty())
     candidates.push_back({{{{"hardware.offload_dir", offload_dir}},
                            "what host memory cannot hold goes to a folder on the run's drive"},
@@ -43,7 +52,7 @@ void find_fixes(RunEstimate& e, const TrainConfig& config, const models::ModelSu
   if (rows > 1 && rows % 2 == 0)  // the same tokens per step: half the rows, twice as often
     candidates.push_back(
         {{{{"training.batch_rows", std::to_string(rows / 2)},
-           {"training.grad_accum", std::to_string(config.training.grad_accum * 2)}},
+           {"training.grad_accum", std::to_string(config.training.grad_accum * 2 * ranks)}},
           fmt::format("{} rows per microbatch instead of {}, twice the microbatches: the same "
                       "tokens per step",
                       rows / 2, rows)},

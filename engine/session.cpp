@@ -286,10 +286,11 @@ struct Session::Impl {
     // A plan that does not fit says what would, each change planned (an NVMe folder proposed
     // beside the run folder, on its drive).
     if (o.plan_only)
-      find_fixes(est, c, summary, devices, steps, o.host_free, o.disk_free, resume_point,
+      find_fixes(est, per_rank, summary, devices, steps, o.host_free, o.disk_free, resume_point,
                  c.output.run_dir.empty() ? "" : c.output.run_dir + "-offload");
     if (o.plan_only && o.find_longest)
-      find_longest_seq_len(est, c, summary, devices, steps, o.host_free, o.disk_free, resume_point);
+      find_longest_seq_len(est, per_rank, summary, devices, steps, o.host_free, o.disk_free,
+                           resume_point);
     if (!est.problems.empty() && !o.plan_only)
       throw Error(join_problems("This run does not fit:", est.problems));
   }

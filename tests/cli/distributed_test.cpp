@@ -399,6 +399,59 @@ TEST_F(DataParallel, ShardedFullFineTuningStopsTogetherAndResumesOnThreeRanks) {
   EXPECT_EQ(owners, (std::set<int>{0, 1, 2}));
 }
 
+TEST_F(DataParallel, ShardedStateOnTheNvmeTierEqualsOneProcessInHostMemory) {
+  // 16 blocks (4 M parameters) of full fine-tuning, each rank under a 45 MB budget with an NVMe
+  // tier: its share of the optimizer state and the trained weights go to the drive, the gradients
+  // (summed across the ranks) stay in host memory. The owners update chunks read from the drive,
+  // broadcast weights read from it a piece at a time, and serve rank 0's checkpoints from it.
+  const fs::path big = dir / "model16";
+  rondo::test::write_tiny_model_folder(big.string(), 5, 16, 512, 128, 512);
+  const std::vector<std::string> common = {"--set", "model.path=" + big.string(),
+                                           "--set", "training.method=full",
+                                           "--set", "hardware.sim_devices=1",
+                                           "--set", "data.seq_len=32",
+                                           "--set", "training.steps=4",
+                                           "--set", "checkpoint.every=2",
+                                           "--set", "training.lr=1e-3"};
+  std::vector<std::string> one = {"train", write_config("one.toml", config("one")).string()};
+  one.insert(one.end(), common.begin(), common.end());
+  ASSERT_EQ(wait_for(spawn(one, dir / "one.log")), 0) << slurp(dir / "one.log");
+  std::vector<std::string> ranks = {write_config("ranks.toml", config("ranks")).string(),
+                                    "--set",
+                                    "distributed.shard_optimizer=true",
+                                    "--set",
+                                    "hardware.host_memory=45MB",
+                                    "--set",
+                                    "hardware.offload_dir=" + (dir / "nvme").string()};
+  ranks.insert(ranks.end(), common.begin(), common.end());
+  train_on_ranks(2, ranks, "ranks");
+  for (const fs::path& events :
+       {dir / "ranks" / "events.jsonl", dir / "ranks" / "ranks" / "rank-1" / "events.jsonl"}) {
+    const auto p = placement_of(events);
+    say("[ measured ] %s: optimizer state %llu bytes on NVMe, trained weights %llu on NVMe, "
+        "gradients %llu in host memory\n",
+        events.parent_path().filename().c_str(),
+        p["optimizer_state"]["nvme_bytes"].get<unsigned long long>(),
+        p["trained_weights"]["nvme_bytes"].get<unsigned long long>(),
+        p["gradients"]["host_bytes"].get<unsigned long long>());
+    EXPECT_GT(p["optimizer_state"]["nvme_bytes"].get<std::uint64_t>(), 0u);
+    EXPECT_GT(p["trained_weights"]["nvme_bytes"].get<std::uint64_t>(), 0u);
+    EXPECT_EQ(p["gradients"]["nvme_bytes"].get<std::uint64_t>(), 0u);
+  }
+  expect_close_runs(dir / "one", dir / "ranks", "merged/model.safetensors");
+  EXPECT_LT(max_difference(dir / "one" / "checkpoints" / "step-2" / "state.safetensors",
+                           dir / "ranks" / "checkpoints" / "step-2" / "state.safetensors"),
+            kWeightBound);
+  // Without a drive, 64 MB a rank holds the model's state only sharded: `rondo plan` says so.
+  const rondo::test::Result plan = run_rondo(
+      "plan " + (dir / "one.toml").string() + " --nodes 2 --set hardware.host_memory=64MB" +
+      " --set model.path=" + big.string() + " --set training.method=full --set data.seq_len=32");
+  EXPECT_TRUE(contains(plan.out,
+                       "To fit      --set distributed.shard_optimizer=true (each of "
+                       "the 2 ranks holds the optimizer state of 1/2 of the layers)"))
+      << plan.out;
+}
+
 TEST_F(DataParallel, MicrobatchesThatTheRanksCannotShareAreRefused) {
   const fs::path cfg = write_config("run.toml", config("run"));
   std::vector<pid_t> pids =
@@ -428,6 +481,41 @@ TEST_F(DataParallel, TorchrunStartsTheRanks) {
   ASSERT_EQ(std::system(cmd.c_str()), 0) << slurp(dir / "torchrun.log");
   expect_close_runs(dir / "one", dir / "two", "adapter/adapter_model.safetensors");
   EXPECT_TRUE(fs::exists(dir / "two" / "ranks" / "rank-1" / "events.jsonl"));
+}
+
+TEST_F(DataParallel, TorchrunsRestartContinuesTheRunFromItsLastCheckpoint) {
+  // torchrun --max-restarts 1 runs the same command again when a rank fails: rank 0 of the first
+  // attempt is killed after step 4 (the checkpoint of step 3 written); the second attempt finds
+  // the folder the first started, with the same config, and continues from step 3.
+  const fs::path torchrun = fs::path(RONDO_VENV_DIR) / "bin" / "torchrun";
+  if (!fs::exists(torchrun)) GTEST_SKIP() << "no " << torchrun << " (scripts/setup.sh installs it)";
+  const fs::path one = write_config("one.toml", config("one"));
+  const fs::path two = write_config("two.toml", config("two"));
+  const rondo::test::Result r = run_rondo("train " + one.string());
+  ASSERT_EQ(r.code, 0) << r.out;
+  // The fault only in the first attempt, only on rank 0: the command itself never changes.
+  const std::string script =
+      "if [ \"$TORCHELASTIC_RESTART_COUNT\" = 0 ] && [ \"$RANK\" = 0 ]; then export "
+      "RONDO_FAULT_KILL_AFTER_STEP=4; fi; exec " +
+      std::string(RONDO_BIN) + " train " + two.string();
+  write(dir / "attempt.sh", script + "\n");
+  const std::string cmd =
+      torchrun.string() + " --nproc-per-node 2 --max-restarts 1 --master-port " +
+      std::to_string(free_port()) + " --no-python /bin/sh " + (dir / "attempt.sh").string() +
+      " > " + (dir / "torchrun.log").string() + " 2>&1";
+  ASSERT_EQ(std::system(cmd.c_str()), 0) << slurp(dir / "torchrun.log");
+  const std::string log = slurp(dir / "torchrun.log");
+  EXPECT_TRUE(contains(log, "torchrun's attempt 1: " + (dir / "two").string() +
+                                " holds this run, started by an earlier attempt; continuing it "
+                                "from its last checkpoint"))
+      << log;
+  EXPECT_TRUE(contains(log, "Resuming from " + (dir / "two" / "checkpoints" / "step-3").string()))
+      << log;
+  expect_close_runs(dir / "one", dir / "two", "adapter/adapter_model.safetensors");
+  // Started again by hand (no restart), the same folder is refused as always.
+  const rondo::test::Result again = run_rondo("train " + two.string());
+  EXPECT_NE(again.code, 0);
+  EXPECT_TRUE(contains(again.out, "already holds a run")) << again.out;
 }
 
 TEST_F(DataParallel, PlanForRanksAddsTheGradientSumsToTheStep) {
