@@ -54,6 +54,8 @@ std::optional<engine::RankEnv> rank_env(const std::function<const char*(const ch
     env.world = int_var(getenv, "WORLD_SIZE", 1, kMaxRanks);
     env.rank = int_var(getenv, "RANK", 0, env.world - 1);
     env.local_rank = getenv("LOCAL_RANK") ? int_var(getenv, "LOCAL_RANK", 0, kMaxRanks) : 0;
+    if (getenv("LOCAL_WORLD_SIZE"))
+      env.local_world = int_var(getenv, "LOCAL_WORLD_SIZE", env.local_rank + 1, kMaxRanks);
     if (!getenv("MASTER_ADDR") && env.world > 1)
       throw Error("RANK and WORLD_SIZE are set but MASTER_ADDR is not: set it to rank 0's host");
     if (getenv("MASTER_ADDR")) env.master_addr = getenv("MASTER_ADDR");
@@ -70,6 +72,10 @@ std::optional<engine::RankEnv> rank_env(const std::function<const char*(const ch
     env.world = int_var(getenv, "SLURM_NTASKS", 1, kMaxRanks);
     env.rank = int_var(getenv, "SLURM_PROCID", 0, env.world - 1);
     env.local_rank = getenv("SLURM_LOCALID") ? int_var(getenv, "SLURM_LOCALID", 0, kMaxRanks) : 0;
+    // SLURM_NTASKS_PER_NODE is a plain count only when --ntasks-per-node was given.
+    if (const char* n = getenv("SLURM_NTASKS_PER_NODE");
+        n && *n && std::string(n).find_first_not_of("0123456789") == std::string::npos)
+      env.local_world = int_var(getenv, "SLURM_NTASKS_PER_NODE", env.local_rank + 1, kMaxRanks);
     if (getenv("MASTER_ADDR")) {
       env.master_addr = getenv("MASTER_ADDR");
     } else {

@@ -253,6 +253,12 @@ std::unique_ptr<engine::Ranks> connect_ranks(const TrainOptions& o, engine::Trai
     env = rank_env([](const char* name) { return std::getenv(name); });
   }
   if (!env || env->world == 1 || o.dry_run) return nullptr;
+  // Several ranks on this node share its GPUs unless the user (or Slurm's binding) split them.
+  const char* visible = std::getenv("CUDA_VISIBLE_DEVICES");
+  if ((visible == nullptr || *visible == '\0') && env->local_world > 1) {
+    config.distributed.gpu_share = env->local_rank;
+    config.distributed.gpu_shares = env->local_world;
+  }
   std::unique_ptr<engine::Ranks> ranks =
       engine::Ranks::connect(*env, {.backend = config.distributed.backend,
                                     .timeout_s = config.distributed.timeout,

@@ -26,6 +26,13 @@ const char* to_string(DeviceMode mode) {
   return "?";
 }
 
+std::pair<int, int> gpu_share(int gpus, int index, int count) {
+  if (count < 1 || index < 0 || index >= count || gpus < 0) return {0, 0};
+  const int base = gpus / count, extra = gpus % count;
+  const int first = index * base + std::min(index, extra);
+  return {first, first + base + (index < extra ? 1 : 0)};
+}
+
 std::vector<std::string> DeviceSelection::validate() const {
   std::vector<std::string> problems;
   if (sim_devices < 0 || sim_devices > 64)
@@ -37,6 +44,9 @@ std::vector<std::string> DeviceSelection::validate() const {
   if (gpu_count < 1 || gpu_count > 64)
     problems.push_back("gpu_count must be between 1 and 64 (got " + std::to_string(gpu_count) +
                        ")");
+  if (share_count < 1 || share_index < 0 || share_index >= share_count)
+    problems.push_back("GPU share " + std::to_string(share_index) + " of " +
+                       std::to_string(share_count) + " does not exist");
   if (memory_cap != 0 && memory_cap < (256ull << 20))
     problems.push_back("memory_cap of " + format_bytes(memory_cap) +
                        " is too small to hold a stage; use at least 256MiB, or 0 for the whole "
@@ -99,7 +109,15 @@ DevicePlan plan_devices(const DeviceSelection& selection) {
     if (plan.why_no_gpu.empty()) plan.why_no_gpu = "simulated devices were requested";
   } else if (!probe.devices.empty()) {
     plan.mode = DeviceMode::kCuda;
-    for (kernels::DeviceInfo d : probe.devices) {
+    const int found = static_cast<int>(probe.devices.size());
+    const auto [first, end] = gpu_share(found, selection.share_index, selection.share_count);
+    if (first == end)
+      throw Error(std::to_string(found) + " GPU" + (found == 1 ? "" : "s") + " for " +
+                  std::to_string(selection.share_count) +
+                  " ranks on this node: each rank needs one at least. Start fewer ranks a node "
+                  "(torchrun --nproc-per-node), or give each its GPUs with CUDA_VISIBLE_DEVICES");
+    for (int i = first; i < end; ++i) {
+      kernels::DeviceInfo d = probe.devices[static_cast<std::size_t>(i)];
       if (selection.memory_cap) d.bytes_cap = std::min(selection.memory_cap, d.bytes_total);
       plan.devices.push_back(d);
     }

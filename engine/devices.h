@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "kernels/device.h"
@@ -20,6 +21,9 @@ struct DeviceSelection {
                                  // 0 = whole device
   std::string gpu;  // plan for `gpu_count` of this card from engine/gpus.h instead (not opened)
   int gpu_count = 1;
+  // Several ranks on one node (docs/distributed.md): this one takes its share of the CUDA GPUs
+  // found, gpu_share(found, share_index, share_count); 1 = all of them.
+  int share_index = 0, share_count = 1;
   std::vector<std::string> validate() const;  // every problem, for the CLI to print at once
 };
 
@@ -40,6 +44,11 @@ struct DevicePlan {
   int cpu_cores = 0;
   std::uint64_t host_bytes = 0;  // physical host memory
 };
+
+// Of `gpus` GPUs, the ones share `index` of `count` takes: [first, end), as even as whole GPUs
+// allow (the first shares take one more when they do not divide evenly); empty when there are
+// fewer GPUs than shares.
+std::pair<int, int> gpu_share(int gpus, int index, int count);
 
 // Looks, opens nothing. Throws Error when the selection is invalid.
 DevicePlan plan_devices(const DeviceSelection& selection);

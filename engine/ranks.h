@@ -85,6 +85,7 @@ void broadcast_string(Collective& ranks, std::string& text, int root, const std:
 // (cli/rank_env.h) or its command line.
 struct RankEnv {
   int rank = 0, world = 1, local_rank = 0;
+  int local_world = 1;  // ranks on this node (torchrun's LOCAL_WORLD_SIZE), when the launcher says
   std::string master_addr = "127.0.0.1";
   int master_port = 29500;
   // The launcher already serves the store (torchrun's agent): rank 0 joins it as

@@ -233,6 +233,8 @@ struct Session::Impl {
     sel.sim_devices = c.hardware.sim_devices;
     sel.gpu = c.hardware.gpu;
     sel.gpu_count = c.hardware.gpu_count;
+    sel.share_index = c.distributed.gpu_share;
+    sel.share_count = c.distributed.gpu_shares;
     if (!c.hardware.memory_cap.empty())
       sel.memory_cap = parse_bytes(c.hardware.memory_cap, "hardware.memory_cap");
     devices = plan_devices(sel);

@@ -141,8 +141,11 @@ struct DistributedSection {
   // Sharded optimizer state (ZeRO-1, engine/sharding.h): each rank holds the masters and moments
   // of its share of the layers, updates them, and broadcasts their new weights.
   bool shard_optimizer = false;
-  // Not keys: the run's ranks and this one, set by the session on the copy it plans with.
+  // Not keys: the run's ranks and this one, set by the session on the copy it plans with; and
+  // this rank's share of the node's GPUs (DeviceSelection::share_index, share_count), set by the
+  // CLI from the launcher (LOCAL_RANK of LOCAL_WORLD_SIZE) unless CUDA_VISIBLE_DEVICES is set.
   int ranks = 1, rank = 0;
+  int gpu_share = 0, gpu_shares = 1;
 };
 
 // distributed.link_speed in bytes per second (10 Gbit/s when empty). Throws Error naming the key.

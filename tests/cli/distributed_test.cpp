@@ -115,6 +115,14 @@ struct DataParallel : rondo::test::TrainFixture {
     write(dir / file, text);
     return dir / file;
   }
+  // The fixture's run to the end by one process (run folder "one"); returns the same config for
+  // run folder `other`.
+  fs::path one_process_then_config(const std::string& other) {
+    const rondo::test::Result r =
+        run_rondo("train " + write_config("one.toml", config("one")).string());
+    EXPECT_EQ(r.code, 0) << r.out;
+    return write_config(other + ".toml", config(other));
+  }
   // The fixture's config with `settings` (--set pairs) run to the end by one process (run folder
   // "one") and by `ranks` ranks ("ranks"); their step losses and their `result` files compared.
   void expect_ranks_equal_one_process(int ranks, const std::vector<std::string>& settings,
@@ -471,10 +479,7 @@ TEST_F(DataParallel, MicrobatchesThatTheRanksCannotShareAreRefused) {
 TEST_F(DataParallel, TorchrunStartsTheRanks) {
   const fs::path torchrun = fs::path(RONDO_VENV_DIR) / "bin" / "torchrun";
   if (!fs::exists(torchrun)) GTEST_SKIP() << "no " << torchrun << " (scripts/setup.sh installs it)";
-  const fs::path one = write_config("one.toml", config("one"));
-  const fs::path two = write_config("two.toml", config("two"));
-  const rondo::test::Result r = run_rondo("train " + one.string());
-  ASSERT_EQ(r.code, 0) << r.out;
+  const fs::path two = one_process_then_config("two");
   const std::string cmd = torchrun.string() + " --nproc-per-node 2 --master-port " +
                           std::to_string(free_port()) + " --no-python " + RONDO_BIN + " train " +
                           two.string() + " > " + (dir / "torchrun.log").string() + " 2>&1";
@@ -489,10 +494,7 @@ TEST_F(DataParallel, TorchrunsRestartContinuesTheRunFromItsLastCheckpoint) {
   // the folder the first started, with the same config, and continues from step 3.
   const fs::path torchrun = fs::path(RONDO_VENV_DIR) / "bin" / "torchrun";
   if (!fs::exists(torchrun)) GTEST_SKIP() << "no " << torchrun << " (scripts/setup.sh installs it)";
-  const fs::path one = write_config("one.toml", config("one"));
-  const fs::path two = write_config("two.toml", config("two"));
-  const rondo::test::Result r = run_rondo("train " + one.string());
-  ASSERT_EQ(r.code, 0) << r.out;
+  const fs::path two = one_process_then_config("two");
   // The fault only in the first attempt, only on rank 0: the command itself never changes.
   const std::string script =
       "if [ \"$TORCHELASTIC_RESTART_COUNT\" = 0 ] && [ \"$RANK\" = 0 ]; then export "
@@ -576,14 +578,25 @@ TEST(RankEnv, ReadsTorchrunsAndSlurmsVariables) {
   EXPECT_TRUE(t->agent_store);
   EXPECT_EQ(t->restart_count, 2);
   EXPECT_EQ(t->launcher, "torchrun");
+  EXPECT_EQ(t->local_world, 1);  // LOCAL_WORLD_SIZE not given
+  auto two_here = rondo::cli::rank_env(env_of({{"RANK", "3"},
+                                               {"WORLD_SIZE", "4"},
+                                               {"LOCAL_RANK", "1"},
+                                               {"LOCAL_WORLD_SIZE", "2"},
+                                               {"MASTER_ADDR", "node0"}}));
+  ASSERT_TRUE(two_here.has_value());
+  EXPECT_EQ(two_here->local_rank, 1);
+  EXPECT_EQ(two_here->local_world, 2);
   auto s = rondo::cli::rank_env(env_of({{"SLURM_PROCID", "3"},
                                         {"SLURM_NTASKS", "8"},
                                         {"SLURM_LOCALID", "1"},
+                                        {"SLURM_NTASKS_PER_NODE", "2"},
                                         {"SLURM_JOB_NODELIST", "gpu[07-10,12],cpu01"}}));
   ASSERT_TRUE(s.has_value());
   EXPECT_EQ(s->rank, 3);
   EXPECT_EQ(s->world, 8);
   EXPECT_EQ(s->local_rank, 1);
+  EXPECT_EQ(s->local_world, 2);
   EXPECT_EQ(s->master_addr, "gpu07");
   EXPECT_EQ(s->master_port, 29500);
   EXPECT_EQ(s->launcher, "slurm");
@@ -605,6 +618,12 @@ TEST(RankEnv, NamesTheVariableThatIsWrong) {
   says({{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"MASTER_ADDR", "a"}, {"MASTER_PORT", "70000"}},
        "MASTER_PORT=\"70000\"");
   says({{"SLURM_PROCID", "0"}, {"SLURM_NTASKS", "2"}}, "SLURM_JOB_NODELIST");
+  says({{"RANK", "1"},
+        {"WORLD_SIZE", "2"},
+        {"MASTER_ADDR", "a"},
+        {"LOCAL_RANK", "1"},
+        {"LOCAL_WORLD_SIZE", "1"}},
+       "LOCAL_WORLD_SIZE=\"1\": expected a whole number in 2..");
 }
 
 }  // namespace

@@ -3,6 +3,7 @@
 // group as engine/ranks.cpp compiles it against Debian's gloo headers (Note [Gloo's headers]).
 // This file includes ProcessGroupGloo.hpp too, under the same rules: no gloo object made here.
 #include "engine/ranks.h"
+#include "engine/devices.h"
 #include "engine/sharding.h"
 
 #include <gtest/gtest.h>
@@ -199,6 +200,27 @@ TEST(Ranks, OptimizerStateIsOwnedByRunsOfLayersOfAboutEqualBytes) {
   // More ranks than layers: the first ranks own them; one rank: every trained layer.
   EXPECT_EQ(optimizer_owners({10, 10}, 4), (V{0, 1}));
   EXPECT_EQ(optimizer_owners({10, 0, 10}, 1), (V{0, -1, 0}));
+}
+
+TEST(Ranks, RanksOnOneNodeShareItsGpus) {
+  using rondo::engine::gpu_share;
+  using P = std::pair<int, int>;
+  // 4 GPUs for 2 ranks: two each; 3 for 2: the first rank takes the extra one; 8 for 3: 3, 3, 2.
+  EXPECT_EQ(gpu_share(4, 0, 2), P(0, 2));
+  EXPECT_EQ(gpu_share(4, 1, 2), P(2, 4));
+  EXPECT_EQ(gpu_share(3, 0, 2), P(0, 2));
+  EXPECT_EQ(gpu_share(3, 1, 2), P(2, 3));
+  EXPECT_EQ(gpu_share(8, 0, 3), P(0, 3));
+  EXPECT_EQ(gpu_share(8, 1, 3), P(3, 6));
+  EXPECT_EQ(gpu_share(8, 2, 3), P(6, 8));
+  EXPECT_EQ(gpu_share(5, 0, 1), P(0, 5));
+  // Fewer GPUs than ranks: the last ones get none (plan_devices then refuses, naming both).
+  EXPECT_EQ(gpu_share(1, 1, 2), P(1, 1));
+  // A share that does not exist is refused by the selection.
+  rondo::engine::DeviceSelection beyond;
+  beyond.share_index = 2;
+  beyond.share_count = 2;
+  EXPECT_FALSE(beyond.validate().empty());
 }
 
 TEST(Ranks, ARankThatLeavesEndsTheOthersCollectiveWithANamedError) {

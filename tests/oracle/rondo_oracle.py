@@ -42,3 +42,32 @@ def driver(*args, timeout=600):
     if p.returncode != 0:
         raise DriverError(p.returncode, p.stderr)
     return p.stdout
+
+
+def lora_chat_config(path, model, data, run, steps, batch_rows, lr, seed, sim_devices, exports):
+    """Writes `path`: a `rondo train` config of fp32 LoRA (rank 4, alpha 8, every linear layer)
+    on chat data in rows of 64 tokens, 2 microbatches a step."""
+    path.write_text(f"""
+[model]
+path = "{model}"
+dtype = "fp32"
+[data]
+train = "{data}"
+seq_len = 64
+[lora]
+rank = 4
+alpha = 8
+targets = ["all-linear"]
+[training]
+steps = {steps}
+batch_rows = {batch_rows}
+grad_accum = 2
+lr = {lr}
+seed = {seed}
+[hardware]
+sim_devices = {sim_devices}
+[output]
+run_dir = "{run}"
+exports = {exports}
+""")
+    return path

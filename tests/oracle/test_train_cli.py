@@ -16,7 +16,7 @@ import transformers as T
 from safetensors.numpy import load_file
 
 import tokenizer_builders as tb
-from rondo_oracle import RONDO, driver
+from rondo_oracle import RONDO, driver, lora_chat_config
 
 QA = [("hello", "hi there"), ("two plus two", "four"), ("colour of the sky", "blue"),
       ("opposite of hot", "cold"), ("a baby cat", "a kitten"), ("days in a week", "seven"),
@@ -47,29 +47,8 @@ def test_trained_adapter_and_merged_checkpoint_load_in_peft_and_transformers(tmp
                             for q, a in QA))
     run = tmp_path / "run"
     cfg = tmp_path / "run.toml"
-    cfg.write_text(f"""
-[model]
-path = "{base_dir}"
-dtype = "fp32"
-[data]
-train = "{data}"
-seq_len = 64
-[lora]
-rank = 4
-alpha = 8
-targets = ["all-linear"]
-[training]
-steps = 8
-batch_rows = 2
-grad_accum = 2
-lr = 0.02
-seed = {seed % 100000}
-[hardware]
-sim_devices = 2
-[output]
-run_dir = "{run}"
-exports = ["adapter", "merged"]
-""")
+    lora_chat_config(cfg, base_dir, data, run, steps=8, batch_rows=2, lr=0.02, seed=seed % 100000,
+                     sim_devices=2, exports='["adapter", "merged"]')
     rondo("train", cfg)
     losses = [json.loads(l)["loss"] for l in (run / "events.jsonl").read_text().splitlines()
               if json.loads(l)["type"] == "step"]
