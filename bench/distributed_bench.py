@@ -11,7 +11,8 @@ baseline measured in the same run:
    each rank pinned to its own core (taskset, one thread) so that the ranks do not share one, the
    runs alternating (1 rank, R ranks, 1 rank, ...), the median of the steady steps. The ratio
    (1 rank's step time / R ranks') is what the gradient sums and the ranks' waiting for each other
-   cost: 1.0 would be free.
+   cost: 1.0 would be free. And R ranks with sharded optimizer state (distributed.shard_optimizer:
+   each rank updates 1/R of the layers and broadcasts their new weights) against the same 1 rank.
 
     bench/distributed_bench.py [--build build] [--ranks 2] [--rounds 2] [--steps 8]
 """
@@ -74,7 +75,7 @@ def steps(args):
                         str(args.intermediate)], check=True)
         write_word_documents(tmp / "train.jsonl", 2000)
 
-        def run(ranks, n):
+        def run(ranks, n, shard=False):
             folder = tmp / f"run-{n}"
             cmd = [str(rondo), "train", "--set", f"model.path={model}",
                    "--set", f"data.train={tmp / 'train.jsonl'}", "--set", "data.seq_len=512",
@@ -82,7 +83,8 @@ def steps(args):
                    "--set", f"training.steps={args.steps}", "--set", "training.batch_rows=2",
                    "--set", f"training.grad_accum={2 * ranks}",
                    "--set", "checkpoint.every=0", "--set", "hardware.sim_devices=1",
-                   "--set", f"output.run_dir={folder}", "--set", "output.exports=[]"]
+                   "--set", f"output.run_dir={folder}", "--set", "output.exports=[]",
+                   "--set", f"distributed.shard_optimizer={'true' if shard else 'false'}"]
             # One rank: RANK=0 WORLD_SIZE=1, a single process as always.
             start_ranks(cmd, ranks, pin=True, extra_env={"OMP_NUM_THREADS": "1"})
             events = [json.loads(line) for line in open(folder / "events.jsonl")]
@@ -90,17 +92,21 @@ def steps(args):
             shutil.rmtree(folder)
             return [b - a for a, b in zip(t[1:], t[2:])]
 
-        times = {1: [], args.ranks: []}
+        # 1 rank, R ranks, R ranks with sharded optimizer state (each updates 1/R of the layers
+        # and broadcasts their weights), alternating.
+        kinds = [(1, False), (args.ranks, False), (args.ranks, True)]
+        times = {k: [] for k in kinds}
         n = 0
         for _ in range(args.rounds):
-            for ranks in times:
-                times[ranks] += run(ranks, n)
+            for ranks, shard in kinds:
+                times[(ranks, shard)] += run(ranks, n, shard)
                 n += 1
-        one, many = statistics.median(times[1]), statistics.median(times[args.ranks])
+        one, many, sharded = (statistics.median(times[k]) for k in kinds)
         print(f"step time, {args.method}, tiny model C={args.hidden} I={args.intermediate} 4 "
               f"blocks, 2 microbatches of 2 x 512 tokens per rank, one core per rank: 1 rank "
-              f"{one * 1e3:.0f} ms, {args.ranks} ranks {many * 1e3:.0f} ms (median of "
-              f"{len(times[1])} and {len(times[args.ranks])} steps), ratio {one / many:.3f}")
+              f"{one * 1e3:.0f} ms, {args.ranks} ranks {many * 1e3:.0f} ms, sharded "
+              f"{sharded * 1e3:.0f} ms (medians of {len(times[kinds[0]])} steps each); ratio "
+              f"{one / many:.3f}, sharded {one / sharded:.3f}")
 
 
 def main():
