@@ -13,8 +13,6 @@
 #include <cstring>
 #include <ctime>
 #include <filesystem>
-#include <fstream>
-#include <iterator>
 #include <mutex>
 #include <thread>
 
@@ -33,6 +31,7 @@
 #include "models/inspect.h"
 #include "models/layers.h"
 #include "models/lora.h"
+#include "models/mapped_file.h"
 #include "models/model.h"
 #include "models/safetensors.h"
 
@@ -275,10 +274,10 @@ std::unique_ptr<engine::Ranks> connect_ranks(const TrainOptions& o, engine::Trai
 bool restarted_attempt(const std::string& run_dir, const std::string& config_toml) {
   const char* count = std::getenv("TORCHELASTIC_RESTART_COUNT");
   if (count == nullptr || std::strtol(count, nullptr, 10) <= 0 || run_dir.empty()) return false;
-  std::ifstream saved(fs::path(run_dir) / "config.toml", std::ios::binary);
-  if (!saved) return false;
-  const std::string text((std::istreambuf_iterator<char>(saved)), std::istreambuf_iterator<char>());
-  if (text != config_toml) return false;
+  const fs::path saved = fs::path(run_dir) / "config.toml";
+  if (!fs::is_regular_file(saved) ||
+      models::read_text_file(saved.string(), "the run's config") != config_toml)
+    return false;
   std::fprintf(stderr,
                "rondo: torchrun's attempt %s: %s holds this run, started by an earlier attempt; "
                "continuing it from its last checkpoint\n",

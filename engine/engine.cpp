@@ -81,6 +81,8 @@ struct Engine::Impl {
     }
     return stop_agreed;
   }
+  // A stop decided so far, without asking the other ranks again.
+  bool stop_decided() const { return ranks() ? stop_agreed : stop_requested.load(); }
   PlanInputs costs;  // the costs the current plan was made from (options.plan_inputs, updated)
 
   Impl(EngineParts p, Plan pl)
@@ -184,7 +186,7 @@ struct Engine::Impl {
     const std::int64_t J = static_cast<std::int64_t>(seg.jobs->size());
     board.begin_segment(parts.store.layers(), scaler.scale(), !seg.evaluating);
     // A stop asked for before this segment began (Engine::request_stop found none running).
-    if (ranks() ? stop_agreed : stop_requested.load()) board.stop_early();
+    if (stop_decided()) board.stop_early();
     if (seg.evaluating) board.open_every_layer();
     for (auto& dc : parts.devs) {
       dc->clock = dc->dev->create_event(kernels::EventTiming::kOn);
@@ -310,7 +312,7 @@ struct Engine::Impl {
       }
       all.insert(all.end(), results.begin(), results.end());
       steps -= n;
-      if (ranks() ? stop_agreed : stop_requested.load()) break;
+      if (stop_decided()) break;
       if (steps > 0 && replanning) replan_now();
     }
     return all;
