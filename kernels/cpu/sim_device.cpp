@@ -25,16 +25,39 @@ namespace {
 using Clock = std::chrono::steady_clock;
 constexpr std::size_t kAlignment = 256;  // like cudaMalloc, so SIMD and casts see aligned rows
 
+// A stream's failure, kept as text, never as the exception object: each thread that reports it
+// throws its own fresh Error. A thrown std::runtime_error holds a reference-counted string whose
+// count lives in the uninstrumented libstdc++, so one object read by a waiting thread and freed by
+// the stream's thread (or the other way round) is a race to ThreadSanitizer (CI saw one in
+// ADeviceFaultIsTheErrorTheRunReports); offload/nvme_store.cpp does the same for its transfers.
+struct Failure {
+  std::string what;
+
+  static std::shared_ptr<const Failure> of(std::exception_ptr error) {
+    auto f = std::make_shared<Failure>();
+    try {
+      std::rethrow_exception(error);
+    } catch (const std::exception& e) {
+      f->what = e.what();
+    } catch (...) {
+      f->what = "an unknown error";
+    }
+    return f;
+  }
+  [[noreturn]] void raise() const { throw Error(std::string(what)); }
+};
+
 // One completion point. An Event points at the marker of its latest record(); waits capture the
 // marker current when they are issued, so a later re-record does not change what they wait for.
 struct Marker {
   std::mutex mutex;
   std::condition_variable cv;
   bool done = false;
-  Clock::time_point at{};    // when it completed
-  std::exception_ptr error;  // the stream had failed before it: a sticky error, as CUDA's
+  Clock::time_point at{};  // when it completed
+  // The stream had failed before it: a sticky error, as CUDA's (immutable once set).
+  std::shared_ptr<const Failure> error;
 
-  void complete(std::exception_ptr failure = nullptr) {
+  void complete(std::shared_ptr<const Failure> failure = nullptr) {
     {
       std::lock_guard lock(mutex);
       done = true;
@@ -48,8 +71,12 @@ struct Marker {
     cv.wait(lock, [&] { return done; });
   }
   void rethrow() {
-    std::lock_guard lock(mutex);
-    if (error) std::rethrow_exception(error);
+    std::shared_ptr<const Failure> failure;
+    {
+      std::lock_guard lock(mutex);
+      failure = error;
+    }
+    if (failure) failure->raise();
   }
   bool query() {
     std::lock_guard lock(mutex);
@@ -155,11 +182,12 @@ class SimStream final : public Stream {
   std::deque<Task> queue_;
   std::size_t pending_ = 0;  // queued or running
   bool stopping_ = false;
-  std::exception_ptr error_;  // first failure, rethrown by synchronize() and events after it
+  // The first failure, reported by synchronize() and by events recorded after it.
+  std::shared_ptr<const Failure> error_;
   std::thread thread_;
 
  public:
-  std::exception_ptr error() {
+  std::shared_ptr<const Failure> error() {
     std::lock_guard lock(mutex_);
     return error_;
   }
@@ -436,7 +464,7 @@ void SimStream::serve() {
     }
     task.fn = nullptr;  // destroy captures outside the lock
     lock.lock();
-    if (failure && !error_) error_ = failure;
+    if (failure && !error_) error_ = Failure::of(failure);
     --pending_;
     cv_.notify_all();
   }
@@ -544,7 +572,11 @@ void SimStream::wait(Event& event) {
 void SimStream::synchronize() {
   std::unique_lock lock(mutex_);
   cv_.wait(lock, [&] { return pending_ == 0; });
-  if (error_) std::rethrow_exception(error_);
+  if (error_) {
+    const std::shared_ptr<const Failure> failure = error_;
+    lock.unlock();
+    failure->raise();
+  }
 }
 
 bool SimStream::query() {
