@@ -16,9 +16,17 @@ void add_data_options(CLI::App& cmd, DataOptions& o) {
   cmd.add_option("file", o.file, "Training data: JSONL, or a JSON file holding a list")->required();
   cmd.add_option("--model", o.model, "The model whose tokenizer and chat template to use")
       ->required();
-  cmd.add_option("--format", o.format, "auto, text, alpaca, chat or sharegpt")
+  cmd.add_option("--format", o.format, "auto, text, alpaca, chat, sharegpt or preference")
       ->capture_default_str()
-      ->check(CLI::IsMember({"auto", "text", "alpaca", "chat", "sharegpt"}));
+      ->check(CLI::IsMember({"auto", "text", "alpaca", "chat", "sharegpt", "preference"}));
+  cmd.add_option("--objective", o.objective,
+                 "sft, or dpo, orpo, simpo: read preference pairs as that objective tokenises them")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"sft", "dpo", "orpo", "simpo"}));
+  cmd.add_option("--max-length", o.max_length,
+                 "Preference pairs: tokens per sequence (preference.max_length)")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
   cmd.add_option("--chat-format", o.chat_format, "Instead of the model's own chat template");
   cmd.add_flag("--train-on-everything", o.train_on_everything, "Loss on prompts too");
   cmd.add_flag("--skip-bad-lines", o.skip_bad_lines, "Skip and count bad lines");
@@ -42,6 +50,8 @@ int run_data(const DataOptions& o) {
                                          .skip_bad_lines = o.skip_bad_lines,
                                          .train_on_everything = o.train_on_everything,
                                          .max_lines = o.max_lines,
+                                         .objective = engine::objective_from(o.objective),
+                                         .max_length = o.max_length,
                                          .max_line_bytes = parse_bytes(o.max_line, "--max-line")});
   if (o.example >= static_cast<long long>(d.examples.size()))
     throw Error(
@@ -56,7 +66,10 @@ int run_data(const DataOptions& o) {
   bool truncated = false;
   for (std::size_t i = 0; i < e.ids.size() && shown_bytes < kShownBytes;) {
     std::size_t j = i;
-    while (j < e.ids.size() && e.loss_mask[j] == e.loss_mask[i])
+    // A pair's rejected sequence starts a run of its own.
+    const std::size_t split = static_cast<std::size_t>(e.second);
+    while (j < e.ids.size() && e.loss_mask[j] == e.loss_mask[i] &&
+           (split == 0 || j != split || j == i))
       ++j;
     // The run's first n tokens, n doubling until they make enough text (decoded from the run's
     // start each time: a decoder treats a sequence's first token apart).
@@ -78,33 +91,45 @@ int run_data(const DataOptions& o) {
     }
     shown_bytes += text.size();
     shown_tokens += k - i;
-    pieces.push_back({{"text", text}, {"trained", e.loss_mask[i] == 1}, {"tokens", k - i}});
+    pieces.push_back({{"text", text},
+                      {"trained", (e.loss_mask[i] & 1) != 0},
+                      {"tokens", k - i},
+                      {"rejected", e.second != 0 && i >= split}});
     i = k;
   }
   const bool cut = truncated || shown_tokens < e.ids.size();
   if (o.json) {
-    nlohmann::json j = {
-        {"path", d.path},
-        {"format", engine::to_string(d.format)},
-        {"examples", d.examples.size()},
-        {"lines", d.lines},
-        {"skipped", d.skipped},
-        {"skipped_reasons", d.skipped_reasons},
-        {"tokens", d.tokens()},
-        {"trained_tokens", d.trained_tokens()},
-        {"stats", d.stats_text()},
-        {"partial", d.partial},
-        {"first_prompt", d.first_prompt},
-        {"example",
-         {{"index", o.example}, {"pieces", pieces}, {"tokens", e.ids.size()}, {"cut", cut}}}};
+    nlohmann::json j = {{"path", d.path},
+                        {"format", engine::to_string(d.format)},
+                        {"examples", d.examples.size()},
+                        {"lines", d.lines},
+                        {"skipped", d.skipped},
+                        {"skipped_reasons", d.skipped_reasons},
+                        {"tokens", d.tokens()},
+                        {"trained_tokens", d.trained_tokens()},
+                        {"stats", d.stats_text()},
+                        {"partial", d.partial},
+                        {"first_prompt", d.first_prompt},
+                        {"example",
+                         {{"index", o.example},
+                          {"pieces", pieces},
+                          {"tokens", e.ids.size()},
+                          {"chosen_tokens", e.second != 0 ? e.second : 0},
+                          {"cut", cut}}}};
     fmt::print("{}\n", j.dump(2));
     return 0;
   }
   fmt::print("{}{}\n\nExample {} (trained text {}):\n", d.stats_text(),
              d.partial ? fmt::format(" (the first {} lines only)", o.max_lines) : "", o.example,
              ::isatty(STDOUT_FILENO) ? "in green" : "between [[ and ]]");
+  if (e.second != 0) fmt::print("Chosen ({} tokens):\n", e.second);
+  bool rejected = false;
   for (const auto& p : pieces) {
     const std::string text = p["text"];
+    if (p["rejected"].get<bool>() && !rejected) {
+      rejected = true;
+      fmt::print("\nRejected ({} tokens):\n", e.ids.size() - static_cast<std::size_t>(e.second));
+    }
     if (!p["trained"].get<bool>())
       fmt::print("{}", text);
     else if (::isatty(STDOUT_FILENO))

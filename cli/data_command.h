@@ -21,6 +21,8 @@ struct DataOptions {
   long long example = 0;    // which example to show (0-based)
   long long max_lines = 0;  // > 0: read only this many lines (a quick preview of a large file)
   std::string max_line = "16MiB";  // the longest line read (data.max_line)
+  std::string objective = "sft";   // a preference objective reads pairs (training.objective)
+  long long max_length = 512;      // preference pairs: tokens per sequence
   bool json = false;
 };
 

@@ -9,6 +9,7 @@
 #include <limits>
 #include <string>
 
+#include "engine/preference_data.h"
 #include "kernels/error.h"
 #include "models/model.h"
 
@@ -110,6 +111,15 @@ Batcher::Batcher(const Dataset& data, const BatchingOptions& options) : options_
                   " loss-mask entries; they must match");
     auto len = static_cast<std::int64_t>(e.ids.size());
     if (len == 0) continue;
+    if (e.second != 0) {
+      pairs_ = true;
+      if (len > options.seq_len)
+        throw Error("batching " + (data.path.empty() ? std::string("data") : data.path) +
+                    ": preference pair " + std::to_string(i) + " has " + std::to_string(len) +
+                    " tokens, more than a row's " + std::to_string(options.seq_len) +
+                    " (a pair is never split); raise data.seq_len or lower preference.max_length");
+    }
+    second_.push_back(e.second);
     if (len > options.seq_len) {
       len = options.seq_len;
       ++truncated_;
@@ -118,7 +128,7 @@ Batcher::Batcher(const Dataset& data, const BatchingOptions& options) : options_
     loss_mask_.insert(loss_mask_.end(), e.loss_mask.begin(), e.loss_mask.begin() + len);
     example_begin_.push_back(static_cast<std::int64_t>(tokens_.size()));
   }
-  const auto examples = static_cast<std::int64_t>(example_begin_.size()) - 1;
+  const std::int64_t examples = this->examples();
   if (examples == 0)
     throw Error("batching " + (data.path.empty() ? std::string("data") : data.path) +
                 ": no training rows (no example has a token); check the file and its format");
@@ -183,6 +193,12 @@ std::vector<Microbatch> Batcher::step(std::int64_t step) const {
   return out;
 }
 
+void Batcher::set_reference(std::vector<float> logps) {
+  RONDO_ASSERT_MSG(pairs_ && static_cast<std::int64_t>(logps.size()) == 2 * examples(),
+                   "a reference log-probability for each sequence of every pair");
+  reference_ = std::move(logps);
+}
+
 std::vector<Microbatch> Batcher::all_rows() const {
   std::vector<Microbatch> out;
   for (std::int64_t r = 0; r < rows(); r += options_.rows) {
@@ -200,19 +216,43 @@ Microbatch Batcher::make_microbatch(const std::vector<std::int64_t>& row_ids) co
   at::Tensor tokens = at::zeros({B, T}, at::kLong);  // pad token 0
   at::Tensor mask = at::zeros({B, T}, at::kBool);    // pad: no loss
   at::Tensor doc_ids;
-  if (options_.pack) doc_ids = at::empty({B, T}, at::kLong);
+  // Pairs: a pair's two sequences are two documents, packed or not.
+  const bool docs = options_.pack || pairs_;
+  if (docs) doc_ids = at::empty({B, T}, at::kLong);
   auto* tok = tokens.data_ptr<std::int64_t>();
   auto* msk = mask.data_ptr<bool>();
-  std::int64_t* doc = options_.pack ? doc_ids.data_ptr<std::int64_t>() : nullptr;
+  std::int64_t* doc = docs ? doc_ids.data_ptr<std::int64_t>() : nullptr;
+  // Pairs: the sequence each target position scores (-1: none) and the NLL term's positions, per
+  // pair p of the microbatch sequences 2p (chosen) and 2p + 1 (rejected).
+  at::Tensor seq, nll;
+  std::vector<float> reference;
+  if (pairs_) {
+    seq = at::full({B, T}, -1, at::kLong);
+    nll = at::zeros({B, T}, at::kFloat);
+  }
+  auto* sq = pairs_ ? seq.data_ptr<std::int64_t>() : nullptr;
+  auto* nl = pairs_ ? nll.data_ptr<float>() : nullptr;
+  std::int64_t pair = 0;
   for (std::int64_t b = 0; b < B; ++b) {
     const std::int64_t r = row_ids[b];
     std::int64_t t = 0, doc_id = 0;
     for (std::int64_t x = row_begin_[r]; x < row_begin_[r + 1]; ++x, ++doc_id) {
+      const std::int64_t split = example_begin_[x] + second_[static_cast<std::size_t>(x)];
+      if (pairs_)
+        for (int k = 0; k < 2; ++k)
+          reference.push_back(reference_.empty() ? 0.0f : reference_[2 * x + k]);
       for (std::int64_t i = example_begin_[x]; i < example_begin_[x + 1]; ++i, ++t) {
+        if (pairs_ && i == split) ++doc_id;  // the rejected sequence
         tok[b * T + t] = tokens_[i];
         msk[b * T + t] = loss_mask_[i] != 0;
         if (doc) doc[b * T + t] = doc_id;
+        // The target at t - 1 predicts token t: a sequence's first token is never one.
+        if (pairs_ && i != example_begin_[x] && i != split) {
+          if (loss_mask_[i] & kAnswerToken) sq[b * T + t - 1] = 2 * pair + (i >= split ? 1 : 0);
+          if (loss_mask_[i] & kNllToken) nl[b * T + t - 1] = 1;
+        }
       }
+      if (pairs_) ++pair;
     }
     RONDO_ASSERT(t <= T);
     if (doc)
@@ -222,6 +262,9 @@ Microbatch Batcher::make_microbatch(const std::vector<std::int64_t>& row_ids) co
   mb.batch.tokens = tokens;
   mb.batch.doc_ids = doc_ids;
   mb.targets = models::next_token_targets(mb.batch, mask);
+  if (pairs_)
+    mb.pairs = {
+        .seq = seq, .nll = nll, .reference = at::tensor(reference, at::kFloat).reshape({-1})};
   return mb;
 }
 
@@ -236,6 +279,8 @@ std::string data_fingerprint(const Dataset& d, const BatchingOptions& b) {
     h = kernels::fnv1a64(h, e.loss_mask.data(), e.loss_mask.size());
     const std::uint64_t n = e.ids.size();
     h = kernels::fnv1a64(h, &n, sizeof(n));
+    // A pair's split (absent for other examples, so that their fingerprints stay what they were).
+    if (e.second != 0) h = kernels::fnv1a64(h, &e.second, sizeof(e.second));
   }
   for (std::int64_t v : {b.seq_len, b.rows, static_cast<std::int64_t>(b.microbatches),
                          static_cast<std::int64_t>(b.pack), static_cast<std::int64_t>(b.shuffle),

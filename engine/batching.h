@@ -69,8 +69,16 @@ class Batcher {
   double epoch_progress(std::int64_t step) const;
 
   // Every row once, in dataset order, in microbatches of options.rows rows (the last may have
-  // fewer) — for validation loss.
+  // fewer) — for validation loss, and the pass that computes a preference objective's reference.
   std::vector<Microbatch> all_rows() const;
+
+  // Preference pairs (Example::second): every microbatch carries Microbatch::pairs, a pair's
+  // two sequences as two documents of its row (with or without packing). Their reference
+  // log-probabilities: two per kept pair, in dataset order (all_rows()' sequences one after
+  // another); zeros until set.
+  bool pairs() const { return pairs_; }
+  std::int64_t examples() const { return static_cast<std::int64_t>(example_begin_.size()) - 1; }
+  void set_reference(std::vector<float> logps);
 
  private:
   // (B, T) tensors for the given rows (B = row_ids.size()).
@@ -84,6 +92,9 @@ class Batcher {
   // (rows + 1): row r holds examples row_begin_[r] .. row_begin_[r + 1] - 1
   std::vector<std::int64_t> row_begin_;
   std::int64_t truncated_ = 0;
+  bool pairs_ = false;
+  std::vector<std::int64_t> second_;  // per kept example: where its rejected sequence starts
+  std::vector<float> reference_;      // 2 per kept example (pairs), or empty
 };
 
 // A checkpoint's data_fingerprint: FNV-1a 64 over the tokenized examples and the batching options,

@@ -89,9 +89,19 @@ struct StepData {
   mutable std::atomic<std::int64_t> per_document_passes{0}, masked_passes{0};
   std::mutex inputs_mu;
   std::map<int, std::shared_ptr<DeviceInputs>> on_device;  // by device, under inputs_mu
-  // The tail's loss sum (one float), downloaded into staging memory: a pageable destination would
-  // block the worker until the tail's compute has finished.
+  // What the step's loss is a mean over: its target tokens (all_targets), or its microbatches
+  // (all_microbatches) for a preference objective.
+  double loss_denominator = 1;
+  // The tail's values (value_count() floats), downloaded into staging memory (a pageable
+  // destination would block the worker until the tail's compute has finished): [0] the loss sum,
+  // then the preference metrics' sums, then, when an evaluation of pairs asks for them
+  // (sequence_slots > 0), each microbatch's sequences' summed log-probabilities.
   std::shared_ptr<offload::HostBuffer> loss;
+  int sequence_slots = 0;
+  static constexpr std::size_t kStepValues = 1 + kPreferenceMetrics;
+  std::size_t value_count() const {
+    return kStepValues + in.mb.size() * static_cast<std::size_t>(sequence_slots);
+  }
   double loss_scale = 1;  // fp16 scale this step's backward uses (set by the tail)
   // MoE: each microbatch's routing, recorded by its forward and read by its backward.
   std::vector<std::shared_ptr<models::RoutingRecord>> routing;

@@ -28,6 +28,29 @@
 #include "models/safetensors.h"
 #include "offload/layer_store.h"
 
+// Note [Exact resume]
+// (What the session, engine/session.cpp, resumes from and recomputes.)
+// A resumed run must end bit-identical to one never interrupted. Everything a step computes is a
+// function of: the store's trained tensors (masters and moments; the streaming copies are the
+// masters rounded, or saved when one-step-stale training lets them lag), the engine's counters
+// (steps done, AdamW's step, the fp16 loss scale and its growth counter), the step's batches
+// (Batcher::step is a pure function of the data, the options and the step number — the
+// shuffling permutation of each epoch is drawn from (seed, epoch)), the learning rate (a pure
+// function of the step), and the dropout masks (drawn from (seed, step, microbatch) by a
+// counter-based hash, with no generator state) — and the plan: another partition or recompute
+// grain computes the same sums in another order (the fused tail runs under autograd, a separate
+// backward stage recomputes), so it rounds differently. A checkpoint holds the trained tensors,
+// the counters and the plan (the planner's inputs include a speed measured at start, so it is not
+// recomputed); the rest is recomputed from the config, which the run folder keeps, and a
+// fingerprint of the tokenized data guards against the data file changing in between. On other
+// hardware (another number of devices) the run goes on with a new plan and a warning. Checkpoints
+// are only written between engine segments, when no step is in flight.
+// On a GPU the kernels themselves must repeat: atomics (index_add_ in the experts' scatter) and
+// some attention backwards add in whatever order threads arrive. training.deterministic (on by
+// default) turns on torch's deterministic algorithms and cuBLAS's fixed workspace for the whole
+// process before any GPU work (use_deterministic_torch). Its cost on a GPU is not yet measured;
+// CPU kernels are deterministic either way.
+
 namespace rondo::engine {
 namespace {
 

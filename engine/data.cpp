@@ -9,6 +9,7 @@
 #include <cstring>
 #include <nlohmann/json.hpp>
 
+#include "engine/preference_data.h"
 #include "kernels/error.h"
 
 namespace rondo::engine {
@@ -259,6 +260,7 @@ class ExampleReader {
 };
 
 DataFormat detect(const json& j) {
+  if (is_preference_pair(j)) return DataFormat::kPreference;
   if (j.contains("messages")) return DataFormat::kChat;
   if (j.contains("conversations")) return DataFormat::kShareGpt;
   if (j.contains("instruction") || j.contains("output")) return DataFormat::kAlpaca;
@@ -400,6 +402,8 @@ const char* to_string(DataFormat format) {
       return "chat";
     case DataFormat::kShareGpt:
       return "sharegpt";
+    case DataFormat::kPreference:
+      return "preference";
   }
   return "?";
 }
@@ -414,7 +418,8 @@ std::int64_t Dataset::tokens() const {
 std::int64_t Dataset::trained_tokens() const {
   std::int64_t n = 0;
   for (const Example& e : examples)
-    n += std::count(e.loss_mask.begin(), e.loss_mask.end(), std::uint8_t{1});
+    n += std::count_if(e.loss_mask.begin(), e.loss_mask.end(),
+                       [](std::uint8_t m) { return (m & kAnswerToken) != 0; });
   return n;
 }
 
@@ -425,12 +430,22 @@ std::string Dataset::stats_text() const {
     hi = std::max(hi, e.ids.size());
   }
   const std::int64_t n = static_cast<std::int64_t>(examples.size());
-  std::string s = with_commas(n) + (n == 1 ? " example (" : " examples (") + to_string(format) +
-                  (json_list ? ", from a JSON list" : "") + "), " + with_commas(tokens()) +
-                  " tokens, " + with_commas(trained_tokens()) + " trained";
+  const bool pairs = format == DataFormat::kPreference;
+  std::string s =
+      with_commas(n) +
+      (pairs ? (n == 1 ? " pair (" : " pairs (") : (n == 1 ? " example (" : " examples (")) +
+      to_string(format) + (json_list ? ", from a JSON list" : "") + "), " + with_commas(tokens()) +
+      " tokens, " + with_commas(trained_tokens()) + " trained";
   if (n > 0)
     s += "; length " + with_commas(static_cast<std::int64_t>(lo)) + ".." +
          with_commas(static_cast<std::int64_t>(hi)) + ", mean " + with_commas(tokens() / n);
+  if (pairs_dropped > 0)
+    s += "; " + with_commas(pairs_dropped) +
+         (pairs_dropped == 1 ? " pair dropped (its prompt fills max_length)"
+                             : " pairs dropped (their prompt fills max_length)");
+  if (pairs_truncated > 0)
+    s += "; " + with_commas(pairs_truncated) +
+         (pairs_truncated == 1 ? " pair cut to max_length" : " pairs cut to max_length");
   if (skipped > 0)
     s += "; " + with_commas(skipped) +
          (json_list ? (skipped == 1 ? " bad example skipped" : " bad examples skipped")
@@ -496,12 +511,29 @@ Dataset load_data(const std::string& path, const models::Tokenizer& tokenizer,
               "\"content\": \"...\"}, ...]}\n"
               "  sharegpt  {\"conversations\": [{\"from\": \"system\"|\"human\"|\"gpt\", "
               "\"value\": \"...\"}, ...], \"system\": \"...\"}\n"
+              "  preference {\"prompt\": ..., \"chosen\": ..., \"rejected\": ...} (strings or "
+              "lists of messages; for training.objective dpo, orpo or simpo)\n"
               "one example per line (JSONL), or a JSON file holding a list of them ('input' and "
               "'system' may be left out)");
       }
+      const bool pairs = options.objective != Objective::kSft;
+      if (pairs != (d.format == DataFormat::kPreference))
+        throw Error(pairs ? std::string("not a preference pair (no 'chosen' and 'rejected' "
+                                        "fields): training.objective ") +
+                                to_string(options.objective) +
+                                " trains on pairs of a preferred and a rejected answer"
+                          : "a preference pair ('chosen' and 'rejected'): supervised training "
+                            "(training.objective sft) needs one answer per example; set "
+                            "training.objective to dpo, orpo or simpo to train on pairs");
       std::string prompt;
-      Example e = to_example(j, d.format, tokenizer, chat_template, options,
-                             d.examples.empty() ? &prompt : nullptr);
+      std::string* first = d.examples.empty() ? &prompt : nullptr;
+      PairCounts counts{d.pairs_dropped, d.pairs_truncated};
+      Example e = pairs ? preference_example(j, tokenizer, chat_template, options.objective,
+                                             options.max_length, counts, first)
+                        : to_example(j, d.format, tokenizer, chat_template, options, first);
+      d.pairs_dropped = counts.dropped;
+      d.pairs_truncated = counts.truncated;
+      if (pairs && e.ids.empty()) continue;  // dropped (counted)
       if (e.ids.empty()) throw Error("no tokens");
       // Held for the whole run: no growth slack (up to half of a long example's ids).
       e.ids.shrink_to_fit();
@@ -532,7 +564,8 @@ Dataset load_data(const std::string& path, const models::Tokenizer& tokenizer,
 DataFormat data_format_from(const std::string& name) {
   for (DataFormat f : kDataFormats)
     if (name == to_string(f)) return f;
-  throw Error("data format '" + name + "' is not one of auto, text, alpaca, chat, sharegpt");
+  throw Error("data format '" + name +
+              "' is not one of auto, text, alpaca, chat, sharegpt, preference");
 }
 
 }  // namespace rondo::engine

@@ -130,9 +130,19 @@ struct Engine::Impl {
     if (parts.config.num_experts > 0 && !evaluating)
       for (std::size_t m = 0; m < step->in.mb.size(); ++m)
         step->routing.push_back(std::make_shared<models::RoutingRecord>());
+    const bool pairs = parts.options.preference.pairs();
+    for (const Microbatch& b : step->in.mb)
+      if (b.pairs.seq.defined() != pairs)
+        throw Error(where + ": " +
+                    (pairs ? "a microbatch without preference pairs, for the objective '" +
+                                 std::string(to_string(parts.options.preference.objective)) + "'"
+                           : std::string("preference pairs, for a supervised objective")));
+    step->loss_denominator = static_cast<double>(
+        std::max<std::int64_t>(pairs ? step->all_microbatches : step->all_targets, 1));
+    if (pairs && evaluating) step->sequence_slots = step->in.most_sequences;
     step->packed = staging(step->in.layout.bytes);
     pack_into(step->packed->data(), step->in.layout, step->in.tensors);
-    step->loss = staging(sizeof(float));
+    step->loss = staging(step->value_count() * sizeof(float));
     *step->loss->as<float>() = 0;
     return step;
   }
@@ -330,6 +340,10 @@ struct Engine::Impl {
                 .evaluating = true};
     std::vector<std::shared_ptr<offload::HostBuffer>> losses(static_cast<std::size_t>(seg.steps));
     std::vector<std::int64_t> targets(static_cast<std::size_t>(seg.steps), 0);
+    // A preference evaluation's: per batch, its values' slots per microbatch, and how many of them
+    // each microbatch's sequences fill.
+    std::vector<int> slots(static_cast<std::size_t>(seg.steps), 0);
+    std::vector<std::vector<std::int64_t>> sequences(static_cast<std::size_t>(seg.steps));
     seg.make = [&](std::int64_t b) {
       std::vector<Microbatch> mb;
       for (std::size_t i = static_cast<std::size_t>(b) * M;
@@ -337,7 +351,13 @@ struct Engine::Impl {
         mb.push_back(std::move(microbatches[i]));
       auto step = make_step(b + 1, std::move(mb), true);
       losses[static_cast<std::size_t>(b)] = step->loss;
-      targets[static_cast<std::size_t>(b)] = step->in.targets;
+      targets[static_cast<std::size_t>(b)] = parts.options.preference.pairs()
+                                                 ? static_cast<std::int64_t>(step->in.mb.size())
+                                                 : step->in.targets;
+      slots[static_cast<std::size_t>(b)] = step->sequence_slots;
+      if (step->sequence_slots > 0)
+        for (const Microbatch& m : step->in.mb)
+          sequences[static_cast<std::size_t>(b)].push_back(m.pairs.reference.size(0));
       return step;
     };
     seg.wait_done = [&](std::int64_t b) {
@@ -347,8 +367,15 @@ struct Engine::Impl {
     };
     run_segment(seg);
     for (std::size_t b = 0; b < losses.size(); ++b) {
-      result.loss_sum += *losses[b]->as<float>();
+      const float* values = losses[b]->as<float>();
+      result.loss_sum += values[0];
       result.targets += targets[b];
+      for (int k = 0; k < kPreferenceMetrics; ++k)
+        result.preference[static_cast<std::size_t>(k)] += values[1 + k];
+      for (std::size_t m = 0; m < sequences[b].size(); ++m) {
+        const float* at = values + StepData::kStepValues + m * static_cast<std::size_t>(slots[b]);
+        result.sequence_logps.emplace_back(at, at + sequences[b][m]);
+      }
     }
     return result;
   }

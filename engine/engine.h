@@ -26,6 +26,7 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <array>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -33,6 +34,7 @@
 #include <vector>
 
 #include "engine/plan.h"
+#include "engine/preference.h"
 #include "kernels/cpu/adamw.h"
 #include "kernels/device.h"
 #include "models/generate.h"
@@ -51,6 +53,14 @@ class Collective;  // engine/ranks.h
 struct Microbatch {
   models::TokenBatch batch;
   at::Tensor targets;
+  // A preference objective's pairs (EngineOptions::preference; engine/preference.h): per target
+  // position the sequence whose answer it scores (int64, -1: none; sequence 2p is pair p's chosen
+  // answer, 2p + 1 its rejected one), the chosen answers' NLL positions (fp32 0/1, or undefined),
+  // and the reference's summed log-probability of each sequence (2P fp32: DPO; zeros otherwise and
+  // in the pass that computes them). Undefined seq: a supervised microbatch.
+  struct Pairs {
+    at::Tensor seq, nll, reference;
+  } pairs;
 };
 
 struct LossScaling {  // fp16: dynamic loss scaling
@@ -127,6 +137,10 @@ struct EngineOptions {
   // The costs the plan was made from: for the plan event's prediction and for re-planning. May
   // be null (then no prediction and no re-planning).
   const PlanInputs* plan_inputs = nullptr;
+  // The training objective: next-token cross-entropy (kSft), or a preference objective over pairs
+  // (every microbatch then carries Microbatch::pairs). A preference step's loss is the mean of
+  // its microbatches' losses (each the mean over its pairs, as TRL), not a mean over tokens.
+  PreferenceOptions preference;
   std::string partitioner = "ours";  // who made the plan, for the plan event ("reference", ...)
   std::string placement_json;        // for the plan event: where the state lives (a JSON object)
   // Re-planning from measured timings: every `replan_every` steps (0 = never) the engine folds the
@@ -176,6 +190,8 @@ struct StepResult {
   bool skipped = false;  // fp16 overflow: the update was skipped and the scale lowered
   double loss_scale = 1;
   double seconds = 0;  // wall time since the previous step ended (or train() began)
+  // A preference objective's metrics (PreferenceMetric order): means over the step's microbatches.
+  std::array<double, kPreferenceMetrics> preference{};
   // The step's jobs' microbatches (a job runs a stage's forward or backward on one microbatch)
   // whose attention ran per document (packed rows, models::attend_per_document), or under
   // (B, 1, T, T) masks; neither for rows of one document each within the window.
@@ -183,9 +199,13 @@ struct StepResult {
 };
 
 // A loss over an evaluation set: the cross-entropy summed over its target tokens, and their count.
+// A preference objective's: the loss summed over microbatches, and their count in `targets`; the
+// metrics' sums; each microbatch's sequences' summed log-probabilities (the reference pass).
 struct EvalResult {
   double loss_sum = 0;
   std::int64_t targets = 0;
+  std::array<double, kPreferenceMetrics> preference{};
+  std::vector<std::vector<float>> sequence_logps;  // per microbatch given (preference only)
   double loss() const { return targets > 0 ? loss_sum / static_cast<double>(targets) : 0.0; }
 };
 

@@ -124,20 +124,32 @@ void EventSink::emit(const PlanEvent& e) {
   write("plan", j.dump());
 }
 
+namespace {
+
+// A preference objective's metrics as one object (absent for supervised runs).
+void add_metrics(json& j, const std::vector<std::pair<std::string, double>>& metrics) {
+  if (metrics.empty()) return;
+  json m = json::object();
+  for (const auto& [name, value] : metrics)
+    m[name] = value;
+  j["metrics"] = std::move(m);
+}
+
+}  // namespace
+
 void EventSink::emit(const StepEvent& e) {
-  write("step", json{{"step", e.step},
-                     {"steps_total", e.steps_total},
-                     {"loss", e.loss},
-                     {"lr", e.lr},
-                     {"grad_norm", e.grad_norm},
-                     {"tokens_per_s", e.tokens_per_s},
-                     {"eta_s", e.eta_s},
-                     {"tokens", e.tokens}}
-                    .dump());
+  json j{{"step", e.step},           {"steps_total", e.steps_total},
+         {"loss", e.loss},           {"lr", e.lr},
+         {"grad_norm", e.grad_norm}, {"tokens_per_s", e.tokens_per_s},
+         {"eta_s", e.eta_s},         {"tokens", e.tokens}};
+  add_metrics(j, e.metrics);
+  write("step", j.dump());
 }
 
 void EventSink::emit(const EvalEvent& e) {
-  write("eval", json{{"step", e.step}, {"loss", e.loss}, {"tokens", e.tokens}}.dump());
+  json j{{"step", e.step}, {"loss", e.loss}, {"tokens", e.tokens}};
+  add_metrics(j, e.metrics);
+  write("eval", j.dump());
 }
 
 void EventSink::emit(const SampleEvent& e) {

@@ -14,6 +14,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace rondo::engine {
@@ -48,18 +49,21 @@ struct PlanEvent {
 struct StepEvent {
   std::int64_t step = 0;  // 1-based, after the optimizer step
   std::int64_t steps_total = 0;
-  double loss = 0;  // mean over the step's target tokens
+  double loss = 0;  // mean over the step's target tokens (preference: over its microbatches)
   double lr = 0;
   double grad_norm = 0;  // before clipping
   double tokens_per_s = 0;
   double eta_s = 0;
   std::int64_t tokens = 0;  // target tokens in the step
+  // A preference objective's metrics by TRL's names ("rewards/margins", ...): "metrics" in JSON.
+  std::vector<std::pair<std::string, double>> metrics;
 };
 
 struct EvalEvent {
   std::int64_t step = 0;
   double loss = 0;  // validation loss
   std::int64_t tokens = 0;
+  std::vector<std::pair<std::string, double>> metrics;  // as StepEvent's
 };
 
 struct SampleEvent {

@@ -7,6 +7,7 @@
 #include <algorithm>
 
 #include "engine/model_store.h"
+#include "engine/preference.h"
 #include "models/attention_masks.h"
 
 namespace rondo::engine {
@@ -118,9 +119,8 @@ void compute_microbatch(const EngineParts& parts, c10::Device dev, const Microba
     ctx.record_routing = js.kind != JobKind::kBackward;
     // loss_scale is the fp16 scale over the step's targets; the aux loss has the fp16 scale alone.
     if (config.output_router_logits && js.kind != JobKind::kForward)
-      ctx.aux_loss_weight = work.loss_scale *
-                            static_cast<double>(std::max<std::int64_t>(step.all_targets, 1)) *
-                            config.router_aux_loss_coef / step.all_microbatches;
+      ctx.aux_loss_weight = work.loss_scale * step.loss_denominator * config.router_aux_loss_coef /
+                            step.all_microbatches;
   }
   const at::Tensor& tokens = mbi.tokens;
   const int head = static_cast<int>(specs.size()) - 1;
@@ -146,6 +146,24 @@ void compute_microbatch(const EngineParts& parts, c10::Device dev, const Microba
   };
   auto add_loss = [&](const at::Tensor& loss) {
     at::from_blob(work.loss_dev, {}, at::TensorOptions().dtype(at::kFloat).device(dev)).add_(loss);
+  };
+  // A preference microbatch (Microbatch::pairs): the loss and metrics added, its sequences'
+  // log-probabilities written where an evaluation asks for them.
+  const bool pairs = mbi.pair_seq.defined();
+  auto preference = [&](const at::Tensor& ce, bool with_grad) {
+    PreferenceTerms t = preference_terms(parts.options.preference, ce, mbi.pair_seq, mbi.pair_nll,
+                                         mbi.pair_reference, with_grad);
+    const auto f32 = at::TensorOptions().dtype(at::kFloat).device(dev);
+    at::Tensor values =
+        at::from_blob(work.loss_dev, {static_cast<std::int64_t>(StepData::kStepValues)}, f32);
+    values[0].add_(t.loss);
+    values.narrow(0, 1, kPreferenceMetrics).add_(t.metrics);
+    if (step.sequence_slots > 0)
+      at::from_blob(work.loss_dev + StepData::kStepValues +
+                        static_cast<std::size_t>(m) * static_cast<std::size_t>(step.sequence_slots),
+                    {t.sequence_logps.size(0)}, f32)
+          .copy_(t.sequence_logps);
+    return t.token_coef;
   };
   auto head_chunk = [&](const at::Tensor& lm_head) {
     return head_chunk_tokens(parts.options.head_chunk_tokens, lm_head.size(0), dev.is_cpu());
@@ -191,9 +209,22 @@ void compute_microbatch(const EngineParts& parts, c10::Device dev, const Microba
       const std::int64_t chunk_tokens = head_chunk(hw[1]);
       at::Tensor gx = models::blocks_forward_backward(
           config, block_runs(range.begin, range.end), x, ctx, [&](const at::Tensor& h) {
-            models::HeadGrads r = models::head_forward_backward(
-                config, hw[0], hw[1], h, targets, work.loss_scale, lm_trainable, chunk_tokens);
-            add_loss(r.loss_sum);
+            // A preference objective: a forward of the head first, for the pairs' log-probabilities
+            // that weigh each target in the backward.
+            at::Tensor weights;
+            if (pairs) {
+              at::Tensor ce;
+              {
+                c10::AutoGradMode no_grad(false);
+                ce = models::head_token_losses(config, hw[0], hw[1], h.detach(), targets,
+                                               chunk_tokens);
+              }
+              weights = preference(ce, true);
+            }
+            models::HeadGrads r =
+                models::head_forward_backward(config, hw[0], hw[1], h, targets, work.loss_scale,
+                                              lm_trainable, chunk_tokens, weights);
+            if (!pairs) add_loss(r.loss_sum);
             if (hg && (*hg)[0].defined()) head_grad((*hg)[0], r.grad_norm.to(at::kFloat));
             if (lm_trainable) head_grad((*hg)[1], r.grad_lm_head);
             return r.grad_x;
@@ -205,7 +236,12 @@ void compute_microbatch(const EngineParts& parts, c10::Device dev, const Microba
       const at::Tensor x = forward(head);
       c10::AutoGradMode no_grad(false);
       const std::vector<at::Tensor>& hw = w.at(head);
-      add_loss(models::head_loss_sum(config, hw[0], hw[1], x, mbi.targets, head_chunk(hw[1])));
+      if (pairs)
+        preference(
+            models::head_token_losses(config, hw[0], hw[1], x, mbi.targets, head_chunk(hw[1])),
+            false);
+      else
+        add_loss(models::head_loss_sum(config, hw[0], hw[1], x, mbi.targets, head_chunk(hw[1])));
       break;
     }
     case JobKind::kBackward: {

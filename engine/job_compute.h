@@ -57,9 +57,13 @@ struct MicrobatchWork {
   std::map<int, at::Tensor> ckpt;   // forward: where the checkpointed block inputs go, by layer
   const std::map<int, std::vector<at::Tensor>>* weights = nullptr;  // by layer, spec order
   const std::map<int, std::vector<at::Tensor>>* grads = nullptr;    // JobGradients::acc, or null
-  float* loss_dev = nullptr;  // tail and evaluation: the loss sum on the device (added to)
-  double loss_scale = 1;      // tail and backward: the fp16 scale over the step's target tokens
-  bool evaluating = false;    // no dropout, no routing records
+  // Tail and evaluation: the step's values on the device (StepData::loss: the loss sum and the
+  // preference metrics' sums, added to; an evaluation's sequences' log-probabilities, written).
+  float* loss_dev = nullptr;
+  // Tail and backward: the fp16 scale over what the step's loss is a mean over (its target tokens,
+  // or its microbatches: StepData::loss_denominator).
+  double loss_scale = 1;
+  bool evaluating = false;  // no dropout, no routing records
 };
 
 // Runs one microbatch of a job on `device` (the torch device of the compute stream it runs on).

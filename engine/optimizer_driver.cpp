@@ -183,16 +183,23 @@ StepResult OptimizerDriver::step(std::int64_t s) {
   res.step = step_no;
   res.attention_per_document = data->per_document_passes;
   res.attention_masked = data->masked_passes;
-  // The loss sum, the router's auxiliary losses and the tokens, over every rank.
-  double sums[3] = {static_cast<double>(*data->loss->as<float>()), 0.0,
-                    static_cast<double>(data->in.tokens)};
+  // The loss sum, the router's auxiliary losses, the tokens and the preference metrics' sums,
+  // over every rank.
+  const float* values = data->loss->as<float>();
+  double sums[3 + kPreferenceMetrics] = {static_cast<double>(values[0]), 0.0,
+                                         static_cast<double>(data->in.tokens)};
+  for (int k = 0; k < kPreferenceMetrics; ++k)
+    sums[3 + k] = values[1 + k];
   if (config.output_router_logits)
     for (const auto& routing : data->routing)
       sums[1] += models::router_aux_loss(config, *routing);
-  if (ranks) ranks->all_reduce_sum(sums, 3, "step " + std::to_string(step_no) + "'s loss");
+  if (ranks)
+    ranks->all_reduce_sum(sums, std::size(sums), "step " + std::to_string(step_no) + "'s loss");
   res.tokens = static_cast<std::int64_t>(sums[2]);
   res.targets = data->all_targets;
-  res.loss = sums[0] / static_cast<double>(std::max<std::int64_t>(data->all_targets, 1));
+  res.loss = sums[0] / data->loss_denominator;
+  for (int k = 0; k < kPreferenceMetrics; ++k)
+    res.preference[static_cast<std::size_t>(k)] = sums[3 + k] / data->all_microbatches;
   if (config.output_router_logits)
     res.loss += config.router_aux_loss_coef * sums[1] / data->all_microbatches;
   res.loss_scale = data->loss_scale;

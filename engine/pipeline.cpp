@@ -239,12 +239,14 @@ void Pipeline::run_job(int d, std::int64_t g) {
     tensors->weights[l] = parts_.layer_weights(*r->weights, l, dc.torch);
   const bool backward = !forward_only(js.kind);
   if (backward) tensors->grads = job_gradients(parts_, dc, js.range, r->buffers);
-  // The tail's loss, summed over the microbatches on the device.
+  // The tail's values (the loss and the preference metrics summed over the microbatches on the
+  // device; StepData::loss).
   float* loss_dev = nullptr;
+  const std::size_t value_bytes = step->value_count() * sizeof(float);
   if (js.kind == JobKind::kTail || js.kind == JobKind::kEval) {
-    r->buffers.push_back(dc.dev->allocate(sizeof(float), dc.compute));
+    r->buffers.push_back(dc.dev->allocate(value_bytes, dc.compute));
     loss_dev = static_cast<float*>(r->buffers.back().data());
-    dc.compute->fill(loss_dev, 0, sizeof(float));
+    dc.compute->fill(loss_dev, 0, value_bytes);
   }
 
   const bool keep_output = (g + 1) % N == d && js.has_output;
@@ -277,8 +279,7 @@ void Pipeline::run_job(int d, std::int64_t g) {
     // jobs read what the tail set: they run after it (they take its output).
     if (m == 0 && backward) {
       if (js.kind == JobKind::kTail) step->loss_scale = board_.wait_scale(s);
-      loss_scale =
-          step->loss_scale / static_cast<double>(std::max<std::int64_t>(step->all_targets, 1));
+      loss_scale = step->loss_scale / step->loss_denominator;
     }
     work.loss_scale = loss_scale;
     // Outputs.
@@ -358,7 +359,7 @@ void Pipeline::run_job(int d, std::int64_t g) {
         transfers.download_gradients(d, l, data, *ev,
                                      h == held.end() ? nullptr : std::move(h->second));
       }
-    if (loss_dev) transfers.download_value(d, step->loss->data(), loss_dev, sizeof(float), *ev);
+    if (loss_dev) transfers.download_value(d, step->loss->data(), loss_dev, value_bytes, *ev);
   }
   r->done_compute = dc.dev->create_event();
   r->done_up = dc.dev->create_event();

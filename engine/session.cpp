@@ -25,6 +25,7 @@
 #include "engine/export.h"
 #include "engine/lr_schedule.h"
 #include "engine/model_store.h"
+#include "engine/preference_run.h"
 #include "engine/run_errors.h"
 #include "engine/run_lock.h"
 #include "engine/sharding.h"
@@ -41,33 +42,12 @@
 #include "models/mapped_file.h"
 #include "models/model.h"
 #include "models/model_files.h"
+#include "models/peft_adapter.h"
 #include "models/tokenizer.h"
 #include "models/weight_reader.h"
 #include "offload/nvme_store.h"
 
 namespace fs = std::filesystem;
-
-// Note [Exact resume]
-// A resumed run must end bit-identical to one never interrupted. Everything a step computes is a
-// function of: the store's trained tensors (masters and moments; the streaming copies are the
-// masters rounded, or saved when one-step-stale training lets them lag), the engine's counters
-// (steps done, AdamW's step, the fp16 loss scale and its growth counter), the step's batches
-// (Batcher::step is a pure function of the data, the options and the step number — the
-// shuffling permutation of each epoch is drawn from (seed, epoch)), the learning rate (a pure
-// function of the step), and the dropout masks (drawn from (seed, step, microbatch) by a
-// counter-based hash, with no generator state) — and the plan: another partition or recompute
-// grain computes the same sums in another order (the fused tail runs under autograd, a separate
-// backward stage recomputes), so it rounds differently. A checkpoint holds the trained tensors,
-// the counters and the plan (the planner's inputs include a speed measured at start, so it is not
-// recomputed); the rest is recomputed from the config, which the run folder keeps, and a
-// fingerprint of the tokenized data guards against the data file changing in between. On other
-// hardware (another number of devices) the run goes on with a new plan and a warning. Checkpoints
-// are only written between engine segments, when no step is in flight.
-// On a GPU the kernels themselves must repeat: atomics (index_add_ in the experts' scatter) and
-// some attention backwards add in whatever order threads arrive. training.deterministic (on by
-// default) turns on torch's deterministic algorithms and cuBLAS's fixed workspace for the whole
-// process before any GPU work (use_deterministic_torch). Its cost on a GPU is not yet measured;
-// CPU kernels are deterministic either way.
 
 namespace rondo::engine {
 namespace {
@@ -352,6 +332,8 @@ struct Session::Impl {
     DataOptions d{.format = data_format_from(c.data.format),
                   .skip_bad_lines = c.data.skip_bad_lines,
                   .train_on_everything = c.data.train_on_everything,
+                  .objective = objective_from(c.training.objective),
+                  .max_length = c.preference.sequence_tokens(c.data.seq_len),
                   .max_line_bytes = parse_bytes(c.data.max_line, "data.max_line")};
     train = engine::load_data(c.data.train, *tok, *tmpl, d);
     if (!c.data.validation.empty())
@@ -416,8 +398,9 @@ struct Session::Impl {
     }
     if (world() > 1)
       s << fmt::format(
-          "Ranks       {} processes share each step ({} microbatches each); this is rank {}\n",
-          world(), c.training.grad_accum / world(), rank());
+          "Ranks       {} processes share each step ({} microbatch{} each); this is rank {}\n",
+          world(), c.training.grad_accum / world(),
+          c.training.grad_accum / world() == 1 ? "" : "es", rank());
     s << est.text();
     return s.str();
   }
@@ -596,6 +579,8 @@ struct Session::Impl {
     if (lora) {
       specs = models::add_lora(specs, lc);
       adapters = models::init_lora(specs, c.training.seed);
+      if (!c.lora.init_adapter.empty())
+        models::start_from_adapter(c.lora.init_adapter, lc, specs, adapters);
     }
     // Host memory under the budget (Note [Host budget] in estimate.cpp): the arena refuses to
     // pass it with a named error.
@@ -728,6 +713,7 @@ struct Session::Impl {
     eo.loss_scaling.enabled = sd == kernels::FloatDType::kF16;
     eo.one_step_stale = c.training.one_step_stale;
     eo.seed = c.training.seed;
+    eo.preference = preference_options(c);
     eo.events = &sink;
     eo.plan_inputs = &est.inputs;
     eo.placement_json = placement_json(est, nvme.get());
@@ -823,14 +809,22 @@ struct Session::Impl {
       if (world() > 1) {
         const std::string what = "the validation loss at step " + std::to_string(step);
         meet(what);
-        double sums[2] = {v.loss_sum, static_cast<double>(v.targets)};
-        o.ranks->steps().all_reduce_sum(sums, 2, what);
+        double sums[2 + kPreferenceMetrics] = {v.loss_sum, static_cast<double>(v.targets)};
+        std::copy(v.preference.begin(), v.preference.end(), sums + 2);
+        o.ranks->steps().all_reduce_sum(sums, std::size(sums), what);
         v = {.loss_sum = sums[0], .targets = static_cast<std::int64_t>(sums[1])};
+        std::copy(sums + 2, sums + 2 + kPreferenceMetrics, v.preference.begin());
       }
       if (rank() > 0) return;
       const double loss = v.loss();
       const std::int64_t n = v.targets;
-      sink.emit(EvalEvent{.step = step, .loss = loss, .tokens = n});
+      std::array<double, kPreferenceMetrics> means{};
+      for (int k = 0; k < kPreferenceMetrics; ++k)
+        means[k] = v.preference[k] / static_cast<double>(std::max<std::int64_t>(n, 1));
+      sink.emit(EvalEvent{.step = step,
+                          .loss = loss,
+                          .tokens = n,
+                          .metrics = preference_metrics(eo.preference.objective, means)});
       log(fmt::format("Validation loss {:.4f} at step {} ({} tokens)", loss, step, n));
     };
     // Samples: every prompt at once on the devices (Engine::generate).
@@ -848,6 +842,11 @@ struct Session::Impl {
     meet("loading the model");
 
     std::int64_t s = state.steps_done;
+    if (eo.preference.needs_reference())
+      prepare_reference(
+          run_dir(), fingerprint, s == 0, rank() == 0, *batcher, val_batcher.get(),
+          [&](std::vector<Microbatch> mb) { return eng.evaluate(std::move(mb)); },
+          [&](const std::string& m) { log(m); });
     if (s == 0 && c.eval.sample_every > 0) sample(0);
     if (s == 0 && c.eval.every > 0 && val_batcher) evaluate(0);
     double mean_step_s = 0;
@@ -880,7 +879,8 @@ struct Session::Impl {
                   .grad_norm = r.grad_norm,
                   .tokens_per_s = static_cast<double>(r.tokens) / std::max(r.seconds, 1e-9),
                   .eta_s = mean_step_s * static_cast<double>(steps - r.step),
-                  .tokens = r.targets};
+                  .tokens = r.targets,
+                  .metrics = preference_metrics(eo.preference.objective, r.preference)};
       sink.emit(e);
       if (o.on_fault_point) o.on_fault_point(FaultPoint::kAfterStep, r.step);
       if (o.on_step) o.on_step(e);

@@ -3,7 +3,7 @@
 // into the host store, trains with the engine, evaluates, samples, writes checkpoints and exports,
 // and reports through the event stream (run folder layout: docs/architecture.md §8). A run stopped
 // (request_stop) or killed continues exactly with `resume`: everything after a checkpoint is a
-// pure function of what the checkpoint holds (see Note [Exact resume] in session.cpp).
+// pure function of what the checkpoint holds (see Note [Exact resume] in checkpoint.cpp).
 //
 //   engine::Session s(config, {.config_toml = text, .log = print_line});
 //   std::puts(s.describe().c_str());

@@ -4,6 +4,8 @@
 
 #include <ATen/ATen.h>
 
+#include <algorithm>
+
 #include <cstring>
 #include <utility>
 
@@ -66,13 +68,23 @@ StepInputs prepare_step_inputs(const models::ModelConfig& config, at::ScalarType
     if (lo < 0 || hi >= config.vocab_size)
       throw Error(w + ": token id " + std::to_string(lo < 0 ? lo : hi) +
                   " is outside the vocabulary (0.." + std::to_string(config.vocab_size - 1) + ")");
+    Microbatch::Pairs& p = b.pairs;
+    if (p.seq.defined()) {
+      if (p.seq.sizes() != b.targets.sizes() || !p.reference.defined() || p.reference.dim() != 1 ||
+          p.reference.size(0) % 2 != 0 || (p.nll.defined() && p.nll.sizes() != b.targets.sizes()))
+        throw Error(w + ": its pairs' tensors do not match its tokens");
+      p.seq = p.seq.to(at::kCPU, at::kLong).contiguous();
+      p.reference = p.reference.to(at::kCPU, at::kFloat).contiguous();
+      if (p.nll.defined()) p.nll = p.nll.to(at::kCPU, at::kFloat).contiguous();
+      in.most_sequences = std::max(in.most_sequences, static_cast<int>(p.reference.size(0)));
+    }
     const models::AttentionContext ctx =
         models::attention_context_without_masks(config, b.batch, act_dtype);
     const at::Tensor docs = models::packed_doc_ids(b.batch);
     models::DocSpans& spans = in.spans.emplace_back(models::doc_spans(docs));
-    for (const at::Tensor& t :
-         {ctx.positions, ctx.cos, ctx.sin, docs,
-          docs.defined() ? spans.offsets_tensor() : at::Tensor(), b.batch.tokens, b.targets})
+    for (const at::Tensor& t : {ctx.positions, ctx.cos, ctx.sin, docs,
+                                docs.defined() ? spans.offsets_tensor() : at::Tensor(),
+                                b.batch.tokens, b.targets, p.seq, p.nll, p.reference})
       in.tensors.push_back(t.defined() ? t.contiguous() : t);
     in.tokens += b.batch.tokens.numel();
     in.targets += b.targets.ne(-100).sum().item<std::int64_t>();
@@ -96,6 +108,9 @@ std::vector<MicrobatchInputs> microbatch_views(void* base, const PackedLayout& l
     mbi.doc_offsets = views[at + kDocOffsets];
     mbi.tokens = views[at + kTokens];
     mbi.targets = views[at + kTargets];
+    mbi.pair_seq = views[at + kPairSeq];
+    mbi.pair_nll = views[at + kPairNll];
+    mbi.pair_reference = views[at + kPairReference];
   }
   return out;
 }

@@ -47,12 +47,27 @@ std::vector<at::Tensor> packed_views(void* base, const PackedLayout& layout, c10
 
 // The tensors a microbatch packs, in this order. Masks are not among them: a (B, 1, T, T) mask per
 // microbatch would cross the link (T bytes per token); the jobs build them from the documents.
-enum InputPart { kPositions, kCos, kSin, kDocs, kDocOffsets, kTokens, kTargets, kInputParts };
+// The last three only for a preference objective's microbatches (Microbatch::pairs).
+enum InputPart {
+  kPositions,
+  kCos,
+  kSin,
+  kDocs,
+  kDocOffsets,
+  kTokens,
+  kTargets,
+  kPairSeq,
+  kPairNll,
+  kPairReference,
+  kInputParts
+};
 
 // A step's microbatches, checked and prepared on the host.
 struct StepInputs {
   std::vector<Microbatch> mb;  // tokens and targets contiguous int64 on the CPU
   std::int64_t tokens = 0, targets = 0;
+  int most_sequences =
+      0;  // a preference objective: the most sequences (2 per pair) of a microbatch
   std::vector<models::DocSpans> spans;  // per microbatch: its packed rows' documents
   std::vector<at::Tensor> tensors;      // kInputParts per microbatch, microbatch-major
   PackedLayout layout;                  // of `tensors`
@@ -71,6 +86,7 @@ struct MicrobatchInputs {
   at::Tensor tokens, targets;
   at::Tensor docs;         // packed rows' document ids (models::packed_doc_ids); undefined: none
   at::Tensor doc_offsets;  // their models::DocSpans::offsets_tensor(); undefined: none
+  at::Tensor pair_seq, pair_nll, pair_reference;  // Microbatch::pairs (undefined: none)
 };
 
 // Every microbatch's inputs from a copy of the packed step at `base` on `device`.

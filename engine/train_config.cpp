@@ -110,6 +110,32 @@ std::vector<std::string> TrainConfig::validate(bool planning) const {
                                                                          : "lora.targets";
       add(field, problem);
     }
+  if (!one_of(training.objective, {"sft", "dpo", "orpo", "simpo"}))
+    add("training.objective",
+        "must be sft (supervised), dpo, orpo or simpo (preference pairs) (got '" +
+            training.objective + "')");
+  if (training.objective != "sft") {
+    if (!(preference.beta > 0 && preference.beta < 1e4))
+      add("preference.beta", "must be positive (got " + str(preference.beta) + ")");
+    if (!one_of(preference.loss, {"sigmoid", "ipo"}))
+      add("preference.loss", "must be sigmoid or ipo (got '" + preference.loss + "')");
+    if (!(preference.label_smoothing >= 0 && preference.label_smoothing < 0.5))
+      add("preference.label_smoothing",
+          "must be in [0, 0.5) (got " + str(preference.label_smoothing) + ")");
+    if (!std::isfinite(preference.gamma))
+      add("preference.gamma", "must be a number (got " + str(preference.gamma) + ")");
+    if (!(preference.sft_weight >= 0 && preference.sft_weight < 1e4))
+      add("preference.sft_weight", "must be >= 0 (got " + str(preference.sft_weight) + ")");
+    const std::int64_t n = preference.sequence_tokens(data.seq_len);
+    if (preference.max_length < 0 || n < 2 || 2 * n > data.seq_len)
+      add("preference.max_length",
+          "a pair's two sequences must fit one row: at least 2 tokens each and at most half of "
+          "data.seq_len (" +
+              str(data.seq_len) + ") (got " + str(preference.max_length) +
+              "; 0 = half of data.seq_len)");
+  }
+  if (!lora.init_adapter.empty() && training.method != "lora")
+    add("lora.init_adapter", "starts LoRA adapters; training.method is '" + training.method + "'");
   if (training.steps < 0) add("training.steps", "must be >= 0 (got " + str(training.steps) + ")");
   if (training.steps == 0 && !(training.epochs > 0 && training.epochs <= 1e6))
     add("training.epochs",

@@ -54,10 +54,17 @@ struct LoraSection {
   double dropout = 0;
   std::vector<std::string> targets = {"all-linear"};  // PEFT module names, or "all-linear"
   bool rslora = false;                                // scaling alpha / sqrt(rank)
+  // A PEFT adapter folder to start from (e.g. a supervised run's adapter before a DPO run): its
+  // rank, alpha and targets must be these. "" = fresh adapters (A random, B zero, as PEFT).
+  std::string init_adapter;
 };
 
 struct TrainingSection {
-  std::string method = "lora";      // "lora" or "full"
+  std::string method = "lora";  // "lora" or "full"
+  // "sft" (next-token loss on the answers), or a preference objective on pairs of a chosen and a
+  // rejected answer: "dpo" (with a reference: the starting weights), "orpo", "simpo"
+  // (PreferenceSection; docs/preference.md).
+  std::string objective = "sft";
   std::int64_t steps = 0;           // optimizer steps; 0 = from `epochs`
   double epochs = 1;                // used when steps = 0
   std::int64_t batch_rows = 1;      // rows (of seq_len tokens) per microbatch
@@ -81,6 +88,22 @@ struct TrainingSection {
   // a GPU, where atomics (index_add_) and some attention backwards otherwise add in a different
   // order on each run. CPU kernels are deterministic either way.
   bool deterministic = true;
+};
+
+// A preference objective's settings, TRL's names in brackets (engine/preference.h).
+struct PreferenceSection {
+  double beta = 0.1;             // DPO's beta (IPO's tau), ORPO's lambda, SimPO's beta
+  std::string loss = "sigmoid";  // DPO: "sigmoid" or "ipo"
+  double label_smoothing = 0;    // DPO sigmoid and SimPO: conservative labels, [0, 0.5)
+  double gamma = 0.5;            // SimPO: target reward margin (simpo_gamma)
+  double sft_weight = 0;         // SimPO: weight of the chosen answers' NLL (cpo_alpha)
+  // Tokens of one sequence (prompt and answer); 0 = half of data.seq_len, so that a pair fills a
+  // row. DPO drops a pair whose prompt fills it and cuts longer sequences; ORPO and SimPO cut
+  // the answers.
+  std::int64_t max_length = 0;
+  std::int64_t sequence_tokens(std::int64_t seq_len) const {
+    return max_length > 0 ? max_length : seq_len / 2;
+  }
 };
 
 struct CheckpointSection {
@@ -156,6 +179,7 @@ struct TrainConfig {
   DataSection data;
   LoraSection lora;
   TrainingSection training;
+  PreferenceSection preference;
   CheckpointSection checkpoint;
   EvalSection eval;
   HardwareSection hardware;

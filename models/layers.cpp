@@ -563,6 +563,24 @@ at::Tensor head_loss_sum(const ModelConfig& c, const at::Tensor& norm_weight,
   return total;
 }
 
+at::Tensor head_token_losses(const ModelConfig& c, const at::Tensor& norm_weight,
+                             const at::Tensor& lm_head_weight, const at::Tensor& x,
+                             const at::Tensor& targets, std::int64_t chunk_tokens) {
+  RONDO_ASSERT(chunk_tokens > 0);
+  at::Tensor h = rms_norm(c, x, norm_weight).reshape({-1, x.size(-1)});
+  at::Tensor t = targets.reshape({-1}).to(at::kLong);
+  const std::int64_t N = h.size(0);
+  at::Tensor out = at::empty({N}, h.options().dtype(at::kFloat));
+  for (std::int64_t start = 0; start < N; start += chunk_tokens) {
+    const std::int64_t n = std::min(chunk_tokens, N - start);
+    at::Tensor logits = at::linear(h.narrow(0, start, n), lm_head_weight).to(at::kFloat);
+    out.narrow(0, start, n)
+        .copy_(at::cross_entropy_loss(logits, t.narrow(0, start, n), {}, at::Reduction::None,
+                                      /*ignore_index=*/-100));
+  }
+  return out.view(targets.sizes());
+}
+
 namespace {
 
 // Autograd's aliases of blocks [first, end)'s weights (the shared weight tensors stay untouched):
@@ -734,8 +752,10 @@ void embed_backward(const at::Tensor& tokens, const at::Tensor& grad_x, at::Tens
 HeadGrads head_forward_backward(const ModelConfig& c, const at::Tensor& norm_weight,
                                 const at::Tensor& lm_head_weight, const at::Tensor& x,
                                 const at::Tensor& targets, double loss_scale,
-                                bool want_lm_head_grad, std::int64_t chunk_tokens) {
+                                bool want_lm_head_grad, std::int64_t chunk_tokens,
+                                const at::Tensor& token_weights) {
   RONDO_ASSERT(chunk_tokens > 0);
+  const at::Tensor weights = token_weights.defined() ? token_weights.reshape({-1}) : at::Tensor();
   // The final norm runs under autograd (its output is tokens x hidden, small); the LM head and
   // the loss are differentiated by hand, chunk by chunk.
   at::Tensor x_leaf = x.detach().requires_grad_(true);
@@ -770,7 +790,9 @@ HeadGrads head_forward_backward(const ModelConfig& c, const at::Tensor& norm_wei
     // deterministic mode runs on CUDA, unlike scatter_add_ on some versions) subtract the one.
     const at::Tensor at_target = safe.unsqueeze(1);
     d.scatter_(1, at_target, d.gather(1, at_target) - 1);
-    d.mul_((valid.to(d.scalar_type()) * loss_scale).unsqueeze(1));
+    at::Tensor coef = valid.to(d.scalar_type()) * loss_scale;
+    if (weights.defined()) coef = coef * weights.narrow(0, start, n).to(d.scalar_type());
+    d.mul_(coef.unsqueeze(1));
     dh.narrow(0, start, n).copy_(at::matmul(d.to(lm_head_weight.scalar_type()), lm_head_weight));
     if (want_lm_head_grad) out.grad_lm_head.addmm_(d.t(), hc.to(at::kFloat));
   }

@@ -86,11 +86,20 @@ at::Tensor head_loss_sum(const ModelConfig& config, const at::Tensor& norm_weigh
                          const at::Tensor& lm_head_weight, const at::Tensor& x,
                          const at::Tensor& targets, std::int64_t chunk_tokens = 1024);
 
+// The same cross-entropy per token: (B, T) fp32, 0 where targets == -100 (a preference objective
+// sums its negation per sequence: engine/preference.h).
+at::Tensor head_token_losses(const ModelConfig& config, const at::Tensor& norm_weight,
+                             const at::Tensor& lm_head_weight, const at::Tensor& x,
+                             const at::Tensor& targets, std::int64_t chunk_tokens = 1024);
+
 // The head's forward and backward in one pass over token chunks (the fused tail's last layer):
 // for each chunk, fp32 logits, the cross-entropy and its gradient (softmax - one-hot) * loss_scale,
 // which is folded straight into the gradients of the hidden states and of the LM head — so at most
 // `chunk_tokens` rows of logits ever exist, in forward or backward. loss_scale is what the summed
 // loss is multiplied by (1 / target tokens of the whole global batch, times the fp16 loss scale).
+// With `token_weights` ((B, T) fp32, defined): the gradient is that of the sum of each target's
+// cross-entropy times its weight (a preference objective's coefficients); loss_sum stays
+// unweighted.
 struct HeadGrads {
   at::Tensor loss_sum;      // () fp32: sum of the cross-entropy over targets != -100, unscaled
   at::Tensor grad_x;        // like x: gradient of loss_sum * loss_scale w.r.t. the head's input
@@ -100,7 +109,8 @@ struct HeadGrads {
 HeadGrads head_forward_backward(const ModelConfig& config, const at::Tensor& norm_weight,
                                 const at::Tensor& lm_head_weight, const at::Tensor& x,
                                 const at::Tensor& targets, double loss_scale,
-                                bool want_lm_head_grad, std::int64_t chunk_tokens = 1024);
+                                bool want_lm_head_grad, std::int64_t chunk_tokens = 1024,
+                                const at::Tensor& token_weights = {});
 
 // One block of a backward stage: its layer spec, its weights, and where its weight gradients
 // accumulate (same order and shapes as `weights`; an undefined entry, or no vector at all, for

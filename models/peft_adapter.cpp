@@ -109,4 +109,22 @@ Model load_with_trained(const std::string& model_path, const LoraConfig* lora,
                              std::move(keepalive));
 }
 
+void start_from_adapter(const std::string& adapter, const LoraConfig& lora,
+                        const std::vector<LayerSpec>& specs,
+                        std::map<std::string, at::Tensor>& adapters) {
+  const PeftAdapter start = read_peft_adapter(adapter);
+  if (start.lora.rank != lora.rank || start.lora.scaling() != lora.scaling())
+    throw Error("lora.init_adapter " + start.source + ": rank " + std::to_string(start.lora.rank) +
+                ", alpha " + std::to_string(start.lora.alpha) +
+                (start.lora.rslora ? " (rsLoRA)" : "") +
+                ", but the run's lora settings give rank " + std::to_string(lora.rank) +
+                ", alpha " + std::to_string(lora.alpha) + (lora.rslora ? " (rsLoRA)" : "") +
+                "; set lora.rank, lora.alpha and lora.rslora as the adapter has them");
+  const std::vector<std::string> problems = trained_problems(specs, start.tensors, true);
+  if (!problems.empty())
+    throw_trained_problems(problems, "lora.init_adapter " + start.source, "the run's model", true);
+  for (auto& [name, t] : adapters)
+    t = start.tensors.at(name).to(at::kFloat).clone();
+}
+
 }  // namespace rondo::models

@@ -38,6 +38,14 @@ std::vector<std::string> trained_problems(const std::vector<LayerSpec>& specs,
                                          const std::string& source, const std::string& model_path,
                                          bool lora);
 
+// Adapters to train from: `adapter`'s tensors (a PEFT folder, or a run folder holding one) in
+// place of `adapters`' fresh ones (init_lora's, for `specs`). Its scaling must be `lora`'s
+// (rank, alpha, rsLoRA) and it must hold exactly the adapters `specs` has; Error naming what
+// differs otherwise.
+void start_from_adapter(const std::string& adapter, const LoraConfig& lora,
+                        const std::vector<LayerSpec>& specs,
+                        std::map<std::string, at::Tensor>& adapters);
+
 // The base (a Hugging Face folder or a .gguf file) with W + B A * scaling for every adapted
 // projection, merged in fp32, then held in options.dtype (default fp32).
 Model load_with_adapter(const std::string& model_path, const std::string& adapter,

@@ -8,6 +8,7 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 
+#include "engine/preference_data.h"
 #include "kernels/error.h"
 #include "tests/support/tiny_tokenizer.h"
 
@@ -298,6 +299,54 @@ TEST(Data, ALineOverTheLimitSaysHowLongItIs) {
                         {.skip_bad_lines = true, .max_line_bytes = 1024});
   EXPECT_EQ(d.examples.size(), 1u);
   EXPECT_EQ(d.skipped, 1);
+}
+
+}  // namespace
+}  // namespace rondo::engine
+
+namespace rondo::engine {
+namespace {
+
+// Preference pairs: the implicit prompt is the common start (a space before the divergence goes
+// to the answers, as TRL's extract_prompt), the answers alone are scored, ORPO's NLL covers the
+// chosen sequence whole, and the errors name the file, the line and what is wrong.
+TEST(Data, PreferencePairsSplitTheirPromptAndScoreTheAnswers) {
+  const models::Tokenizer tok = test::tiny_tokenizer();
+  const auto chatml = models::chat_template_from_name("chatml");
+  const std::string path = write("p.jsonl", R"({"chosen": "Sky is blue", "rejected": "Sky is red"})"
+                                            "\n");
+  for (Objective o : {Objective::kDpo, Objective::kOrpo, Objective::kSimpo}) {
+    Dataset d = load_data(path, tok, chatml, {.objective = o, .max_length = 64});
+    EXPECT_EQ(d.format, DataFormat::kPreference);
+    ASSERT_EQ(d.examples.size(), 1u);
+    const Example& e = d.examples[0];
+    ASSERT_GT(e.second, 0);
+    std::vector<std::int32_t> chosen, rejected, nll;
+    for (std::size_t i = 0; i < e.ids.size(); ++i) {
+      if (e.loss_mask[i] & kAnswerToken)
+        (static_cast<std::int32_t>(i) < e.second ? chosen : rejected).push_back(e.ids[i]);
+      if (e.loss_mask[i] & kNllToken) nll.push_back(e.ids[i]);
+    }
+    // " blue" / " red": the space before them belongs to the answers; the tiny tokenizer has an
+    // EOS, which every objective ends string answers with.
+    EXPECT_EQ(tok.decode(chosen, true), " blue") << to_string(o);
+    EXPECT_EQ(tok.decode(rejected, true), " red") << to_string(o);
+    const std::vector<std::int32_t> first(e.ids.begin(), e.ids.begin() + e.second);
+    if (o == Objective::kOrpo) EXPECT_EQ(nll, first);  // prompt and answer
+    if (o == Objective::kDpo) EXPECT_TRUE(nll.empty());
+  }
+  EXPECT_NE(error_of(path).find("p.jsonl:1: a preference pair"), std::string::npos)
+      << error_of(path);
+  const std::string sft = write("s.jsonl", R"({"text": "hi"})"
+                                           "\n");
+  EXPECT_NE(error_of(sft, {.objective = Objective::kDpo}).find("s.jsonl:1: not a preference pair"),
+            std::string::npos);
+  const std::string bad = write("b.jsonl", R"({"prompt": "Q", "chosen": 3, "rejected": "x"})"
+                                           "\n");
+  EXPECT_NE(error_of(bad, {.objective = Objective::kOrpo})
+                .find("b.jsonl:1: 'chosen' must be a string or a list of messages"),
+            std::string::npos)
+      << error_of(bad, {.objective = Objective::kOrpo});
 }
 
 }  // namespace
