@@ -21,6 +21,7 @@
 #include "cli/test_faults.h"
 #include "engine/checkpoint.h"
 #include "engine/estimate.h"
+#include "engine/objective.h"
 #include "engine/ranks.h"
 #include "engine/run_lock.h"
 #include "engine/session.h"
@@ -165,6 +166,7 @@ class Progress {
     // (target) tokens are the event's `tokens`.
     status_ = fmt::format("step {}/{}  loss {:.4f}  lr {:.2e}  {:.0f} tok/s (with padding)  ETA {}",
                           e.step, e.steps_total, e.loss, e.lr, e.tokens_per_s, eta_text(e.eta_s));
+    if (std::string p = engine::preference_status(e.metrics); !p.empty()) status_ += "  " + p;
     if (tty_) {
       std::fprintf(out_, "\r\x1b[K%s", status_.c_str());
       shown_ = true;
@@ -437,10 +439,12 @@ void add_export_options(CLI::App& cmd, ExportOptions& o) {
 void add_demo_options(CLI::App& cmd, DemoOptions& o) {
   cmd.add_option("--model", o.model, "Model (default: the bundled SmolLM2-135M-Instruct GGUF)");
   cmd.add_option("--run-dir", o.run_dir, "Run folder (default: runs/demo-<time>)");
-  cmd.add_option("--steps", o.steps, "Optimizer steps")
-      ->capture_default_str()
+  cmd.add_option("--steps", o.steps, "Optimizer steps (default: 30; with --dpo, 20)")
       ->check(CLI::Range(1LL, 100000LL));
   cmd.add_option("--events", o.events, "Event stream: a file, or - for stdout");
+  cmd.add_option("--dpo", o.dpo,
+                 "Continue a finished demo run (its folder) with preference tuning (DPO): the "
+                 "model learns to prefer short answers (docs/preference.md)");
 }
 
 int run_train(const TrainOptions& o) {
@@ -659,7 +663,50 @@ int run_export(const ExportOptions& o) {
   return 0;
 }
 
+namespace {
+
+// `rondo demo --dpo RUN`: the demo run's config (model, adapters, samples), DPO from its adapter on
+// pairs whose chosen answers are short and whose rejected ones are the demo's long answers.
+int run_demo_dpo(const DemoOptions& o) {
+  const fs::path run(o.dpo), adapter = run / "adapter" / "adapter_model.safetensors";
+  if (!fs::exists(run / "config.toml") || !fs::exists(adapter))
+    throw Error(
+        o.dpo + ": not a finished `rondo demo` run (" +
+        (fs::exists(run / "config.toml") ? adapter.string() : (run / "config.toml").string()) +
+        " is missing); run `rondo demo` first and pass its run folder (runs/demo-<time>)");
+  ConfigFile f = read_config((run / "config.toml").string(), {});
+  f.check();
+  engine::TrainConfig c = f.config;
+  if (c.training.method != "lora" || c.training.objective != "sft")
+    throw Error(o.dpo + ": not a `rondo demo` run (LoRA, supervised); --dpo continues one");
+  if (!o.model.empty()) c.model.path = o.model;
+  c.lora.init_adapter = (run / "adapter").string();
+  c.training.objective = "dpo";
+  c.preference.beta = 0.1;
+  c.data.train = (fs::path(RONDO_DATA_DIR) / "demo" / "rondo_prefers.jsonl").string();
+  c.data.validation_split = 0.1;
+  const long long steps = o.steps > 0 ? o.steps : 20;
+  c.training.steps = steps;
+  c.training.lr = 5e-4;
+  c.training.warmup_steps = std::min<long long>(2, steps);
+  c.eval.every = std::max<long long>(1, steps / 4);
+  c.eval.sample_every = steps;
+  c.output.run_dir = o.run_dir.empty() ? default_run_dir("demo-dpo") : o.run_dir;
+  c.output.exports = {"adapter"};
+  std::fprintf(stderr,
+               "rondo demo --dpo: preference tuning (DPO) of %s from %s on %s for %lld steps: the "
+               "model learns to prefer short answers to the long ones it was taught. Samples "
+               "before and after.\n",
+               c.model.path.c_str(), c.lora.init_adapter.c_str(), c.data.train.c_str(), steps);
+  const int rc = train_with(c, to_toml(c), false, o.events, false);
+  if (rc == 0) std::printf("Talk to the result: rondo chat %s\n", c.output.run_dir.c_str());
+  return rc;
+}
+
+}  // namespace
+
 int run_demo(const DemoOptions& o) {
+  if (!o.dpo.empty()) return run_demo_dpo(o);
   engine::TrainConfig c;
   c.model.path = o.model.empty() ? find_demo_model().string() : o.model;
   c.model.dtype = "fp32";  // fastest on a CPU
@@ -669,14 +716,15 @@ int run_demo(const DemoOptions& o) {
   c.lora.rank = 16;
   c.lora.alpha = 32;
   c.lora.targets = {"all-linear"};
-  c.training.steps = o.steps;
+  const long long steps = o.steps > 0 ? o.steps : 30;
+  c.training.steps = steps;
   c.training.batch_rows = 2;
   c.training.lr = 2e-3;
-  c.training.warmup_steps = std::min<long long>(3, o.steps);
+  c.training.warmup_steps = std::min<long long>(3, steps);
   c.training.schedule = "cosine";
   c.training.seed = 7;
-  c.eval.every = o.steps;
-  c.eval.sample_every = o.steps;
+  c.eval.every = steps;
+  c.eval.sample_every = steps;
   c.eval.prompts = {"What is the capital of France?", "Name a colour of the sky."};
   c.eval.sample_tokens = 24;
   c.checkpoint.every = 0;
@@ -684,14 +732,15 @@ int run_demo(const DemoOptions& o) {
   std::fprintf(stderr,
                "rondo demo: LoRA fine-tuning %s on %s for %lld steps on this machine; the model "
                "learns to start its answers with \"Rondo says:\". Samples before and after.\n",
-               c.model.path.c_str(), c.data.train.c_str(), o.steps);
+               c.model.path.c_str(), c.data.train.c_str(), steps);
   const int rc = train_with(c, to_toml(c), false, o.events, false);
   if (rc == 0)
     std::printf(
         "Talk to the result: rondo chat %s\n"
         "Use it in llama.cpp, Ollama or LM Studio: rondo export %s --format gguf (or "
-        "gguf-adapter)\n",
-        c.output.run_dir.c_str(), c.output.run_dir.c_str());
+        "gguf-adapter)\n"
+        "Then teach it to prefer short answers: rondo demo --dpo %s\n",
+        c.output.run_dir.c_str(), c.output.run_dir.c_str(), c.output.run_dir.c_str());
   return rc;
 }
 

@@ -45,8 +45,10 @@ struct ExportOptions {
 struct DemoOptions {
   std::string model;    // "" = the bundled SmolLM2-135M-Instruct GGUF
   std::string run_dir;  // "" = a new folder under runs/
-  long long steps = 30;
+  long long steps = 0;  // 0 = the demo's own: 30 (supervised), 20 (--dpo)
   std::string events;
+  // A finished demo run: continue it with DPO on data/demo/rondo_prefers.jsonl, from its adapter.
+  std::string dpo;
 };
 
 void add_train_options(CLI::App& command, TrainOptions& options);

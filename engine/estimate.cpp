@@ -40,22 +40,6 @@ std::uint64_t dtype_bytes(const std::string& dtype) {
 
 }  // namespace
 
-std::string format_bytes(std::uint64_t bytes) {
-  const double b = static_cast<double>(bytes);
-  if (b >= 1024.0 * 1024 * 1024) return fmt::format("{:.2f} GiB", b / (1024.0 * 1024 * 1024));
-  if (b >= 1024.0 * 1024) return fmt::format("{:.1f} MiB", b / (1024.0 * 1024));
-  if (b >= 1024.0) return fmt::format("{:.1f} KiB", b / 1024.0);
-  return fmt::format("{} B", bytes);
-}
-
-std::string format_count(std::int64_t n) {
-  const double v = static_cast<double>(n);
-  if (v >= 1e9) return fmt::format("{:.2f} B", v / 1e9);
-  if (v >= 1e6) return fmt::format("{:.1f} M", v / 1e6);
-  if (v >= 1e4) return fmt::format("{:.1f} K", v / 1e3);
-  return std::to_string(n);
-}
-
 std::uint64_t host_memory_available() {
   std::ifstream f("/proc/meminfo");
   std::string key;
@@ -311,6 +295,7 @@ RunEstimate estimate_run(const TrainConfig& config, const models::ModelSummary& 
   e.steps = steps;
   e.tokens_per_step = tokens_per_step;
   const bool lora = config.training.method == "lora";
+  const bool pairs = config.training.objective != "sft";  // a preference objective
   const bool gguf = model.format == "gguf";
   bool mxfp4 = false;  // GPT-OSS's experts as its official checkpoints store them
   for (const auto& [name, type] : model.stored_types)
@@ -440,7 +425,9 @@ RunEstimate estimate_run(const TrainConfig& config, const models::ModelSummary& 
   for (std::size_t l = 0; l < specs.size(); ++l) {
     const std::array<std::uint64_t, 3> p = offload::LayerStore::part_bytes(pl.layers, l, sd);
     parts.push_back({p[0], p[1], p[2], 0});
-    const double f = specs[l].flops_forward_per_token(config.data.seq_len) / ref;
+    // A preference objective's tail runs the head forward twice (engine/preference.h).
+    const double f = specs[l].flops_forward_per_token(config.data.seq_len) / ref *
+                     (specs[l].kind == models::LayerKind::kHead && pairs ? 2.0 : 1.0);
     // The backward of a frozen weight computes only the input gradient: about one forward.
     const double b =
         specs[l].flops_backward_per_token(config.data.seq_len) / ref * (lora ? 0.5 : 1.0);

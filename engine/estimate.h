@@ -139,6 +139,12 @@ struct RunEstimate {
   // (every rank receives (R - 1) / R of them), counted whole on top of the step (not overlapped);
   // and the run's step time with everything.
   double broadcast_bytes = 0, broadcast_s = 0, step_time_ranks_s = 0;
+  // DPO (docs/preference.md): the pass that scores every pair with the starting weights once
+  // before step 1, a forward over `reference_tokens` row positions (training and validation), and
+  // its time, estimated as the forward's share of a step's compute over that many tokens (counted
+  // in `seconds`). 0: none (another objective, or a resume, which reads the scores back).
+  std::int64_t reference_tokens = 0;
+  double reference_s = 0;
 
   std::string text() const;  // the report `rondo plan` prints
   std::string json() const;  // the same as one JSON object (`rondo plan --json`, the GUI)
@@ -152,6 +158,9 @@ double device_flops(const kernels::DeviceInfo& device, DeviceMode mode, const st
 // run's on `ranks` ranks joined by a link of `link_bytes_per_s` (RunEstimate::ranks): the
 // gradients' sums added to the step time, the tokens per step and speed over every rank.
 void add_ranks(RunEstimate& e, int ranks, double link_bytes_per_s, const std::string& source);
+// DPO's reference pass over `tokens` row positions (RunEstimate::reference_s): its time added
+// to the run's. Call after add_ranks (every rank scores every pair).
+void add_reference_pass(RunEstimate& e, std::int64_t tokens);
 // Sharded optimizer state (distributed.shard_optimizer, d.ranks > 1): the owners of the layers'
 // optimizer state, the layers rank d.rank does not own marked optimizer_elsewhere, before the
 // planner places the parts. No-op otherwise.

@@ -1,5 +1,6 @@
-// A run's estimate on several ranks (add_ranks in estimate.h; docs/distributed.md, "Planning"):
-// one rank's planned share of a step, and the gradients' sums across the ranks over their link.
+// What a run's estimate adds to its plan's steps (estimate.h): on several ranks (add_ranks;
+// docs/distributed.md, "Planning"), one rank's planned share of a step and the gradients' sums
+// across the ranks over their link; DPO's reference pass before step 1 (add_reference_pass).
 #include <algorithm>
 
 #include "engine/estimate.h"
@@ -35,6 +36,22 @@ void add_ranks(RunEstimate& e, int ranks, double link_bytes_per_s, const std::st
   e.tokens_per_step *= ranks;
   e.tokens_per_s = static_cast<double>(e.tokens_per_step) / step;
   e.seconds = step * static_cast<double>(e.steps);
+}
+
+void add_reference_pass(RunEstimate& e, std::int64_t tokens) {
+  e.reference_tokens = tokens;
+  if (tokens <= 0 || e.prediction.step_time_s <= 0 || e.inputs.tokens_per_step <= 0) return;
+  // A step runs each layer's forward, the backward's recompute of it (all but the tail's) and its
+  // backward: about 2f + b. The pass runs f alone, on as many tokens as it scores.
+  double forward = 0, step = 0;
+  for (const LayerCosts& l : e.inputs.layers) {
+    forward += l.forward_s_per_token;
+    step += 2 * l.forward_s_per_token + l.backward_s_per_token;
+  }
+  if (step <= 0) return;
+  e.reference_s = e.prediction.step_time_s * forward / step * static_cast<double>(tokens) /
+                  static_cast<double>(e.inputs.tokens_per_step);
+  e.seconds += e.reference_s;
 }
 
 }  // namespace rondo::engine

@@ -26,6 +26,22 @@ std::string rate_text(double bytes_per_s) {
 
 }  // namespace
 
+std::string format_bytes(std::uint64_t bytes) {
+  const double b = static_cast<double>(bytes);
+  if (b >= 1024.0 * 1024 * 1024) return fmt::format("{:.2f} GiB", b / (1024.0 * 1024 * 1024));
+  if (b >= 1024.0 * 1024) return fmt::format("{:.1f} MiB", b / (1024.0 * 1024));
+  if (b >= 1024.0) return fmt::format("{:.1f} KiB", b / 1024.0);
+  return fmt::format("{} B", bytes);
+}
+
+std::string format_count(std::int64_t n) {
+  const double v = static_cast<double>(n);
+  if (v >= 1e9) return fmt::format("{:.2f} B", v / 1e9);
+  if (v >= 1e6) return fmt::format("{:.1f} M", v / 1e6);
+  if (v >= 1e4) return fmt::format("{:.1f} K", v / 1e3);
+  return std::to_string(n);
+}
+
 std::string RunEstimate::text() const {
   std::ostringstream o;
   o << fmt::format("Parameters  {}, {} trained\n", format_count(params),
@@ -110,6 +126,11 @@ std::string RunEstimate::text() const {
           "tokens per step\n",
           tokens_per_s, tokens_per_step);
   }
+  if (reference_s > 0)
+    o << fmt::format(
+        "            DPO's reference: every pair scored once with the starting weights before "
+        "step 1, {} tokens: about {}{}\n",
+        reference_tokens, duration_text(reference_s), steps > 0 ? " (in the time above)" : "");
   if (speed_probe_busy > 0)
     o << fmt::format(
         "            measured while other programs kept {:.0f}% of the CPU busy: the speed may be "
@@ -234,6 +255,7 @@ std::string RunEstimate::json() const {
                         {"broadcast_bytes", broadcast_bytes},
                         {"broadcast_seconds", broadcast_s},
                         {"step_seconds", step_time_ranks_s}}},
+                      {"reference", {{"tokens", reference_tokens}, {"seconds", reference_s}}},
                       {"seconds", seconds}};
   return j.dump(2);
 }

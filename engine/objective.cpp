@@ -1,6 +1,8 @@
 // Names of the objectives and preference metrics (objective.h).
 #include "engine/objective.h"
 
+#include <fmt/format.h>
+
 #include "kernels/error.h"
 
 namespace rondo::engine {
@@ -8,6 +10,16 @@ namespace rondo::engine {
 const std::array<const char*, kPreferenceMetrics> kPreferenceMetricNames = {
     "rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
     "logps/rejected", "nll_loss",         "log_odds_ratio",     "log_odds_chosen"};
+
+std::string preference_status(const std::vector<std::pair<std::string, double>>& metrics) {
+  double margin = 0, accuracy = 0;
+  bool found = false;
+  for (const auto& [name, value] : metrics) {
+    if (name == kPreferenceMetricNames[kRewardsMargins]) margin = value, found = true;
+    if (name == kPreferenceMetricNames[kRewardsAccuracies]) accuracy = value;
+  }
+  return found ? fmt::format("margin {:.3g}, accuracy {:.2f}", margin, accuracy) : "";
+}
 
 const char* to_string(Objective o) {
   switch (o) {

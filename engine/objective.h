@@ -5,6 +5,7 @@
 
 #include <array>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace rondo::engine {
@@ -49,6 +50,10 @@ enum PreferenceMetric {
   kPreferenceMetrics
 };
 extern const std::array<const char*, kPreferenceMetrics> kPreferenceMetricNames;
+
+// "margin 0.123, accuracy 0.75" from an event's metrics (by TRL's names), for a status line; ""
+// when they have no margin (a supervised run's).
+std::string preference_status(const std::vector<std::pair<std::string, double>>& metrics);
 // The metrics `objective` reports (TRL's trainer for it logs these).
 std::vector<PreferenceMetric> reported_metrics(Objective objective);
 

@@ -23,18 +23,11 @@ PreferenceOptions preference_options(const TrainConfig& c) {
 }
 
 std::vector<std::pair<std::string, double>> preference_metrics(
-    Objective objective, const std::array<double, kPreferenceMetrics>& values) {
+    Objective objective, const std::array<double, kPreferenceMetrics>& values, double count) {
   std::vector<std::pair<std::string, double>> out;
   for (PreferenceMetric m : reported_metrics(objective))
-    out.emplace_back(kPreferenceMetricNames[m], values[m]);
+    out.emplace_back(kPreferenceMetricNames[m], values[m] / count);
   return out;
-}
-
-std::string preference_status(Objective objective,
-                              const std::array<double, kPreferenceMetrics>& values) {
-  if (objective == Objective::kSft) return "";
-  return fmt::format("margin {:.4g}, accuracy {:.2f}", values[kRewardsMargins],
-                     values[kRewardsAccuracies]);
 }
 
 namespace {
@@ -54,6 +47,12 @@ std::vector<float> sequence_logps(
 }
 
 }  // namespace
+
+std::int64_t reference_tokens(const TrainConfig& c, const Batcher* train,
+                              const Batcher* validation) {
+  if (!train || !preference_options(c).needs_reference()) return 0;
+  return (train->rows() + (validation ? validation->rows() : 0)) * c.data.seq_len;
+}
 
 void prepare_reference(const std::filesystem::path& run_dir, const std::string& fingerprint,
                        bool fresh, bool write, Batcher& train, Batcher* validation,

@@ -22,13 +22,15 @@ namespace rondo::engine {
 
 PreferenceOptions preference_options(const TrainConfig& c);
 
-// The metrics `objective` reports, by TRL's names, from a step's (or an evaluation's means).
+// The metrics `objective` reports, by TRL's names, from a step's means (or an evaluation's sums
+// over `count` microbatches).
 std::vector<std::pair<std::string, double>> preference_metrics(
-    Objective objective, const std::array<double, kPreferenceMetrics>& values);
+    Objective objective, const std::array<double, kPreferenceMetrics>& values, double count = 1);
 
-// "margin 0.12, accuracy 0.75" for a status line; "" for a supervised run.
-std::string preference_status(Objective objective,
-                              const std::array<double, kPreferenceMetrics>& values);
+// The row positions DPO's reference pass scores before step 1 (every row of `train` and of
+// `validation`); 0 for another objective or without data.
+std::int64_t reference_tokens(const TrainConfig& c, const Batcher* train,
+                              const Batcher* validation);
 
 // DPO: gives `train` (and `validation`, when there is one) their reference log-probabilities.
 // A run that has not begun (`fresh`) computes them with `evaluate` (the engine's forward pass

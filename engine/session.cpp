@@ -265,6 +265,8 @@ struct Session::Impl {
                                                    "distributed.link_speed"
                                                  : "distributed.link_speed");
     if (batcher) est.steps_per_epoch = batcher->steps_per_epoch();
+    if (!resume_point)
+      add_reference_pass(est, reference_tokens(c, batcher.get(), val_batcher.get()));
     // A plan that does not fit says what would, each change planned (an NVMe folder proposed
     // beside the run folder, on its drive).
     if (o.plan_only)
@@ -818,14 +820,13 @@ struct Session::Impl {
       if (rank() > 0) return;
       const double loss = v.loss();
       const std::int64_t n = v.targets;
-      std::array<double, kPreferenceMetrics> means{};
-      for (int k = 0; k < kPreferenceMetrics; ++k)
-        means[k] = v.preference[k] / static_cast<double>(std::max<std::int64_t>(n, 1));
-      sink.emit(EvalEvent{.step = step,
-                          .loss = loss,
-                          .tokens = n,
-                          .metrics = preference_metrics(eo.preference.objective, means)});
-      log(fmt::format("Validation loss {:.4f} at step {} ({} tokens)", loss, step, n));
+      const auto metrics = preference_metrics(eo.preference.objective, v.preference,
+                                              static_cast<double>(std::max<std::int64_t>(n, 1)));
+      sink.emit(EvalEvent{.step = step, .loss = loss, .tokens = n, .metrics = metrics});
+      log(fmt::format("Validation loss {:.4f} at step {} ({})", loss, step,
+                      metrics.empty() ? fmt::format("{} tokens", n)
+                                      : fmt::format("{} pairs; {}", val.examples.size(),
+                                                    preference_status(metrics))));
     };
     // Samples: every prompt at once on the devices (Engine::generate).
     auto sample = [&](std::int64_t step) {

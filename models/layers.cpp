@@ -546,38 +546,49 @@ at::Tensor head_logits(const ModelConfig& c, const at::Tensor& norm_weight,
   return at::linear(h, lm_head_weight).to(at::kFloat);
 }
 
-at::Tensor head_loss_sum(const ModelConfig& c, const at::Tensor& norm_weight,
-                         const at::Tensor& lm_head_weight, const at::Tensor& x,
-                         const at::Tensor& targets, std::int64_t chunk_tokens) {
+namespace {
+
+// The head's cross-entropy over `x`'s rows, `chunk_tokens` rows of fp32 logits at a time: `use`
+// gets each chunk's (first row, rows, cross-entropy reduced by `reduction`).
+template <typename Use>
+void head_cross_entropy_chunks(const ModelConfig& c, const at::Tensor& norm_weight,
+                               const at::Tensor& lm_head_weight, const at::Tensor& x,
+                               const at::Tensor& targets, std::int64_t chunk_tokens,
+                               std::int64_t reduction, Use use) {
   RONDO_ASSERT(chunk_tokens > 0);
   at::Tensor h = rms_norm(c, x, norm_weight).reshape({-1, x.size(-1)});
   at::Tensor t = targets.reshape({-1}).to(at::kLong);
   const std::int64_t N = h.size(0);
-  at::Tensor total = at::zeros({}, h.options().dtype(at::kFloat));
   for (std::int64_t start = 0; start < N; start += chunk_tokens) {
     const std::int64_t n = std::min(chunk_tokens, N - start);
     at::Tensor logits = at::linear(h.narrow(0, start, n), lm_head_weight).to(at::kFloat);
-    total = total + at::cross_entropy_loss(logits, t.narrow(0, start, n), {}, at::Reduction::Sum,
-                                           /*ignore_index=*/-100);
+    use(start, n,
+        at::cross_entropy_loss(logits, t.narrow(0, start, n), {}, reduction,
+                               /*ignore_index=*/-100));
   }
+}
+
+}  // namespace
+
+at::Tensor head_loss_sum(const ModelConfig& c, const at::Tensor& norm_weight,
+                         const at::Tensor& lm_head_weight, const at::Tensor& x,
+                         const at::Tensor& targets, std::int64_t chunk_tokens) {
+  at::Tensor total = at::zeros({}, x.options().dtype(at::kFloat));
+  head_cross_entropy_chunks(
+      c, norm_weight, lm_head_weight, x, targets, chunk_tokens, at::Reduction::Sum,
+      [&](std::int64_t, std::int64_t, const at::Tensor& ce) { total = total + ce; });
   return total;
 }
 
 at::Tensor head_token_losses(const ModelConfig& c, const at::Tensor& norm_weight,
                              const at::Tensor& lm_head_weight, const at::Tensor& x,
                              const at::Tensor& targets, std::int64_t chunk_tokens) {
-  RONDO_ASSERT(chunk_tokens > 0);
-  at::Tensor h = rms_norm(c, x, norm_weight).reshape({-1, x.size(-1)});
-  at::Tensor t = targets.reshape({-1}).to(at::kLong);
-  const std::int64_t N = h.size(0);
-  at::Tensor out = at::empty({N}, h.options().dtype(at::kFloat));
-  for (std::int64_t start = 0; start < N; start += chunk_tokens) {
-    const std::int64_t n = std::min(chunk_tokens, N - start);
-    at::Tensor logits = at::linear(h.narrow(0, start, n), lm_head_weight).to(at::kFloat);
-    out.narrow(0, start, n)
-        .copy_(at::cross_entropy_loss(logits, t.narrow(0, start, n), {}, at::Reduction::None,
-                                      /*ignore_index=*/-100));
-  }
+  at::Tensor out = at::empty({targets.numel()}, x.options().dtype(at::kFloat));
+  head_cross_entropy_chunks(c, norm_weight, lm_head_weight, x, targets, chunk_tokens,
+                            at::Reduction::None,
+                            [&](std::int64_t start, std::int64_t n, const at::Tensor& ce) {
+                              out.narrow(0, start, n).copy_(ce);
+                            });
   return out.view(targets.sizes());
 }
 

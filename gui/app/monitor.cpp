@@ -279,11 +279,25 @@ MonitorWidget::MonitorWidget(QWidget* parent) : QWidget(parent) {
   m_lrChart = makeChart("Learning rate", {m_lr});
   m_normChart = makeChart("Gradient norm (before clipping)", {m_norm});
   m_speedChart = makeChart("Tokens/s", {m_speed});
+  // A preference run's: the reward margin (chosen minus rejected) and the accuracy (the share of
+  // pairs whose chosen answer scores higher), training and validation, as TRL logs them.
+  auto named = [](const char* name) {
+    auto* l = new QLineSeries;
+    l->setName(name);
+    return l;
+  };
+  m_margin = named("training");
+  m_evalMargin = named("validation");
+  m_accuracy = named("training");
+  m_evalAccuracy = named("validation");
+  m_marginChart = makeChart("Reward margin (chosen − rejected)", {m_margin, m_evalMargin});
+  m_accuracyChart = makeChart("Preference accuracy", {m_accuracy, m_evalAccuracy});
   auto* chartsPane = new QWidget;
   auto* charts = new QGridLayout(chartsPane);
   charts->setContentsMargins(0, 0, 0, 0);
   int i = 0;
-  for (QChart* c : {m_lossChart, m_lrChart, m_normChart, m_speedChart}) {
+  for (QChart* c :
+       {m_lossChart, m_lrChart, m_normChart, m_speedChart, m_marginChart, m_accuracyChart}) {
     auto* view = new QChartView(c);
     view->setRenderHint(QPainter::Antialiasing);
     // Room for the chart's title, a plot with three value labels, the step axis and its title.
@@ -291,8 +305,14 @@ MonitorWidget::MonitorWidget(QWidget* parent) : QWidget(parent) {
     charts->addWidget(view, i / 2, i % 2);
     connect(
         c, &QChart::plotAreaChanged, this, [c] { refitTicks(c); }, Qt::QueuedConnection);
+    if (c == m_marginChart) m_marginView = view;
+    if (c == m_accuracyChart) m_accuracyView = view;
     ++i;
   }
+  m_marginView->setObjectName("marginChart");
+  m_accuracyView->setObjectName("accuracyChart");
+  m_marginView->hide();  // until a run's events carry preference metrics
+  m_accuracyView->hide();
 
   m_devices = new QTableWidget(0, 6);
   m_devices->setObjectName("deviceTable");
@@ -564,6 +584,9 @@ void MonitorWidget::refresh() {
           .arg(locale.toString(static_cast<qint64>(s.stepsTotal())))
           .arg(num(s.lastLoss()), num(s.lastEvalLoss()), num(s.lastLr(), 3),
                num(s.lastGradNorm(), 3), rate(s.tokensPerSecond()), left);
+  if (s.isPreference() && !s.margin().isEmpty())
+    line += QString("; margin %1, accuracy %2")
+                .arg(num(s.margin().last().y(), 3), num(s.accuracy().last().y(), 3));
   if (s.malformedLines() > 0)
     line += QString(" (%1 malformed event lines skipped; the first, %2)")
                 .arg(s.malformedLines())
@@ -585,6 +608,13 @@ void MonitorWidget::refresh() {
   fill(m_lrChart, {{m_lr, &s.lr()}});
   fill(m_normChart, {{m_norm, &s.gradNorm()}});
   fill(m_speedChart, {{m_speed, &s.throughput()}});
+  const bool pairs = s.isPreference();
+  m_marginView->setVisible(pairs);
+  m_accuracyView->setVisible(pairs);
+  if (pairs) {
+    fill(m_marginChart, {{m_margin, &s.margin()}, {m_evalMargin, &s.evalMargin(), true}});
+    fill(m_accuracyChart, {{m_accuracy, &s.accuracy()}, {m_evalAccuracy, &s.evalAccuracy(), true}});
+  }
   const QList<DeviceStatus> devs = s.devices();
   const QList<double> planned = s.plannedPeaks();
   m_devices->setRowCount(static_cast<int>(devs.size()));

@@ -45,6 +45,11 @@ class MonitorWidget : public QWidget {
   RunState* state() const { return m_state; }
   QLineSeries* lossSeries() const { return m_loss; }
   QLineSeries* evalSeries() const { return m_eval; }
+  // A preference run's charts (hidden for a supervised one): reward margin, and accuracy.
+  QChartView* marginView() const { return m_marginView; }
+  QChartView* accuracyView() const { return m_accuracyView; }
+  QLineSeries* marginSeries() const { return m_margin; }
+  QLineSeries* accuracySeries() const { return m_accuracy; }
   TimelineView* timelineView() const { return m_timeline; }
   ChatPanel* chatPanel() const { return m_chat; }
   QString statusText() const;
@@ -93,6 +98,11 @@ class MonitorWidget : public QWidget {
   QLineSeries* m_lr;
   QLineSeries* m_norm;
   QLineSeries* m_speed;
+  QChart* m_marginChart;
+  QChart* m_accuracyChart;
+  QChartView* m_marginView;
+  QChartView* m_accuracyView;
+  QLineSeries *m_margin, *m_evalMargin, *m_accuracy, *m_evalAccuracy;
   QTableWidget* m_devices;
   QTableWidget* m_ranks;
   QTabWidget* m_tabs;

@@ -123,6 +123,23 @@ QVariant fieldValue(QWidget* field) {
   return {};
 }
 
+// What an objective needs and does, for the line under the Data page's choice.
+QString objectiveNote(const QString& objective) {
+  if (objective == "dpo")
+    return "Needs pairs: a prompt with a chosen and a rejected answer ({prompt, chosen, "
+           "rejected}, strings or chat messages). Compares with the starting model, whose scores "
+           "are computed once before step 1 (no second copy in memory): start from a supervised "
+           "result (LoRA: lora.init_adapter on the Advanced page; full: its merged folder).";
+  if (objective == "orpo")
+    return "Needs pairs ({prompt, chosen, rejected}). No reference model: the chosen answer's own "
+           "loss plus an odds-ratio term, so it can start from a base model.";
+  if (objective == "simpo")
+    return "Needs pairs ({prompt, chosen, rejected}). No reference model: the length-normalised "
+           "score of the chosen answer must beat the rejected one's by a margin (gamma).";
+  return "Needs one answer per example (text, alpaca, chat or ShareGPT): next-token loss on the "
+         "answers.";
+}
+
 }  // namespace
 
 QString WizardConfig::toToml() const {
@@ -143,11 +160,13 @@ QString WizardConfig::toToml() const {
         "targets = " + list(loraTargets), "dropout = " + fmtNumber(loraDropout),
         QString("rslora = ") + (rslora ? "true" : "false")}},
       {"training",
-       {"method = " + tomlString(method), "steps = " + QString::number(steps),
-        "epochs = " + fmtNumber(epochs), "batch_rows = " + QString::number(batchRows),
-        "grad_accum = " + QString::number(gradAccum), "lr = " + fmtNumber(lr),
-        "schedule = " + tomlString(schedule), "warmup_steps = " + QString::number(warmupSteps)}},
+       {"method = " + tomlString(method), "objective = " + tomlString(objective),
+        "steps = " + QString::number(steps), "epochs = " + fmtNumber(epochs),
+        "batch_rows = " + QString::number(batchRows), "grad_accum = " + QString::number(gradAccum),
+        "lr = " + fmtNumber(lr), "schedule = " + tomlString(schedule),
+        "warmup_steps = " + QString::number(warmupSteps)}},
       {"checkpoint", {"every = " + QString::number(checkpointEvery)}},
+      {"preference", {}},
       {"eval",
        {"every = " + QString::number(evalEvery), "sample_every = " + QString::number(sampleEvery),
         "prompts = " + list(prompts)}},
@@ -162,9 +181,12 @@ QString WizardConfig::toToml() const {
     exports = exports || key == "output.exports";
   }
   if (!exports) sections.back().second << "exports = " + list({exportFormat});
+  // A supervised run has no [preference] section (unless the Advanced page sets a key of it).
+  for (auto& [section, lines] : sections)
+    if (section == "preference" && objective != "sft") lines.prepend("beta = " + fmtNumber(beta));
   QString t = "# Written by rondo-gui; run it with `rondo train <this file>`.\n";
   for (const auto& [section, lines] : sections)
-    t += "\n[" + section + "]\n" + lines.join("\n") + "\n";
+    if (!lines.isEmpty()) t += "\n[" + section + "]\n" + lines.join("\n") + "\n";
   return t;
 }
 
@@ -177,7 +199,8 @@ QSet<QString> WizardConfig::pageKeys() {
     else if (line.contains(" = "))
       keys.insert(section + "." + line.section(" = ", 0, 0));
   }
-  keys.remove("output.exports");  // written by default, and the Advanced page's to change
+  keys.remove("output.exports");   // written by default, and the Advanced page's to change
+  keys.insert("preference.beta");  // the Data page's, written for a preference objective
   return keys;
 }
 
@@ -232,14 +255,36 @@ SetupWizard::SetupWizard(QWidget* parent) : QWizard(parent) {
   auto* data = new HookPage;
   data->setTitle("Step 2 of 7: Data");
   data->setSubTitle(
-      "JSONL or a JSON list: text, alpaca (instruction/input/output), chat (messages) or "
-      "ShareGPT (conversations).");
+      "What to learn, and from what: JSONL or a JSON list of text, alpaca "
+      "(instruction/input/output), chat (messages) or ShareGPT (conversations) examples, or of "
+      "preference pairs (prompt/chosen/rejected).");
   m_dataPath = new QLineEdit;
   m_dataPath->setObjectName("dataPath");
   auto* browseData = new QPushButton("File…");
   m_dataFormat = new QComboBox;
   m_dataFormat->setObjectName("dataFormat");
-  m_dataFormat->addItems({"auto", "text", "alpaca", "chat", "sharegpt"});
+  m_dataFormat->addItems({"auto", "text", "alpaca", "chat", "sharegpt", "preference"});
+  m_objective = new QComboBox;
+  m_objective->setObjectName("objective");
+  for (const auto& [value, text] : std::initializer_list<std::pair<const char*, const char*>>{
+           {"sft", "Supervised (SFT): answer like the examples"},
+           {"dpo", "DPO: prefer the chosen answer to the rejected one"},
+           {"orpo", "ORPO: learn the chosen answers and prefer them, in one run"},
+           {"simpo", "SimPO: prefer the chosen answer, no reference model"}})
+    m_objective->addItem(text, value);
+  m_objectiveNote = new QLabel;
+  m_objectiveNote->setObjectName("objectiveNote");
+  m_objectiveNote->setWordWrap(true);
+  m_beta = new QDoubleSpinBox;
+  m_beta->setObjectName("preferenceBeta");
+  m_beta->setRange(0.001, 100);
+  m_beta->setDecimals(3);
+  m_beta->setSingleStep(0.05);
+  m_beta->setValue(0.1);
+  m_beta->setToolTip(
+      "How strongly the preference counts: DPO's and ORPO's beta (TRL's default 0.1); SimPO's "
+      "reward scale (2 to 10 is usual). The other settings are on the Advanced page "
+      "([preference])");
   m_trainOnEverything = new QCheckBox("Train on prompts too, not only on the replies");
   m_skipBadLines = new QCheckBox("Skip bad lines (and count them) instead of stopping");
   m_skipBadLines->setObjectName("skipBadLines");
@@ -265,13 +310,17 @@ SetupWizard::SetupWizard(QWidget* parent) : QWizard(parent) {
     row->addWidget(m_dataPath, 1);
     row->addWidget(browseData);
     auto* form = scrolledForm(data);
+    form->addRow("Objective", m_objective);
+    form->addRow("", m_objectiveNote);
+    form->addRow("Beta", m_beta);
     form->addRow("Training file", row);
     form->addRow("Format", m_dataFormat);
     form->addRow("", m_trainOnEverything);
     form->addRow("", m_skipBadLines);
     form->addRow("Validation share", m_validationSplit);
     form->addRow(m_dataStats);
-    form->addRow(new QLabel("First example — trained text in green, masked text in grey:"));
+    m_previewTitle = new QLabel;
+    form->addRow(m_previewTitle);
     form->addRow(m_dataPreview);
   }
   connect(browseData, &QPushButton::clicked, this, [this] {
@@ -282,6 +331,7 @@ SetupWizard::SetupWizard(QWidget* parent) : QWizard(parent) {
   connect(m_dataPath, &QLineEdit::editingFinished, this, &SetupWizard::refreshData);
   connect(m_dataFormat, &QComboBox::currentTextChanged, this, &SetupWizard::refreshData);
   connect(m_trainOnEverything, &QCheckBox::toggled, this, &SetupWizard::refreshData);
+  connect(m_objective, &QComboBox::currentIndexChanged, this, &SetupWizard::refreshData);
   data->complete = [this] { return m_dataOk; };
   data->init = [this] {
     if (!m_dataPath->text().isEmpty()) refreshData();
@@ -644,6 +694,8 @@ WizardConfig SetupWizard::config() const {
   c.skipBadLines = m_skipBadLines->isChecked();
   c.dataPath = m_dataPath->text().trimmed();
   c.dataFormat = m_dataFormat->currentText();
+  c.objective = m_objective->currentData().toString();
+  c.beta = m_beta->value();
   c.trainOnEverything = m_trainOnEverything->isChecked();
   c.validationSplit = m_validationSplit->value();
   c.seqLen = m_seqLen->value();
@@ -699,6 +751,7 @@ bool SetupWizard::setSetting(const QString& key, const QString& value) {
     (value == "full" ? m_full : m_lora)->setChecked(true);
     return value == "full" || value == "lora";
   }
+  if (key == "training.objective") return combo(m_objective, m_objective->findData(value));
   if (key == "training.batch_rows") return number(m_batchRows);
   if (key == "training.grad_accum") return number(m_gradAccum);
   if (key == "data.seq_len") return number(m_seqLen);
@@ -777,6 +830,13 @@ void SetupWizard::refreshData() {
   const QString file = m_dataPath->text().trimmed();
   m_dataOk = false;
   m_dataPreview->clear();
+  const QString objective = m_objective->currentData().toString();
+  const bool pairs = objective != "sft";
+  m_beta->setEnabled(pairs);
+  m_objectiveNote->setText(objectiveNote(objective));
+  m_previewTitle->setText(pairs ? "First pair — the chosen answer in green, the rejected one in "
+                                  "red, the prompt (not trained) in grey:"
+                                : "First example — trained text in green, masked text in grey:");
   if (file.isEmpty() || m_modelPath->text().trimmed().isEmpty()) {
     m_dataStats->setText("Pick a file to see its format and token statistics.");
   } else {
@@ -788,6 +848,7 @@ void SetupWizard::refreshData() {
                         "--max-lines", QString::number(kPreviewLines),
                         "--json"};
     if (m_trainOnEverything->isChecked()) args << "--train-on-everything";
+    if (pairs) args << "--objective" << objective;
     QString error;
     QJsonObject j = RondoCli::runJson(args, &error);
     if (j.isEmpty()) {
@@ -799,11 +860,23 @@ void SetupWizard::refreshData() {
           (j["partial"].toBool()
                ? QString(" (the first %1 lines; the run reads them all)").arg(kPreviewLines)
                : QString()));
+      // A pair shows its two sequences one after the other, each with its token count.
+      const QJsonObject example = j["example"].toObject();
+      const qint64 chosen = example["chosen_tokens"].toInteger();
       QString html = "<pre style='white-space:pre-wrap'>";
-      for (const QJsonValue& v : j["example"].toObject()["pieces"].toArray()) {
+      if (chosen > 0) html += QString("<b>Chosen</b> (%1 tokens)\n").arg(chosen);
+      bool rejected = false;
+      for (const QJsonValue& v : example["pieces"].toArray()) {
         const QJsonObject p = v.toObject();
+        if (p["rejected"].toBool() && !rejected) {
+          rejected = true;
+          html += QString("\n\n<b>Rejected</b> (%1 tokens)\n")
+                      .arg(example["tokens"].toInteger() - chosen);
+        }
         html += QString("<span style='color:%1'>%2</span>")
-                    .arg(p["trained"].toBool() ? "#1b7f3b" : "#8a8a8a",
+                    .arg(!p["trained"].toBool() ? "#8a8a8a"
+                         : rejected             ? "#b00020"
+                                                : "#1b7f3b",
                          p["text"].toString().toHtmlEscaped());
       }
       m_dataPreview->setHtml(html + "</pre>");

@@ -39,6 +39,8 @@ class AdvancedSettings;
 struct WizardConfig {
   QString modelPath, modelDtype = "bf16", quantize = "auto";
   QString dataPath, dataFormat = "auto";
+  QString objective = "sft";  // training.objective: sft, dpo, orpo or simpo
+  double beta = 0.1;          // preference.beta (a preference objective's)
   bool trainOnEverything = false, skipBadLines = false;
   double validationSplit = 0;
   qint64 seqLen = 1024;
@@ -124,6 +126,10 @@ class SetupWizard : public QWizard {
   QDoubleSpinBox* m_validationSplit;
   QLabel* m_dataStats;
   QTextEdit* m_dataPreview;
+  QLabel* m_previewTitle;
+  QComboBox* m_objective;   // training.objective, its value as item data
+  QLabel* m_objectiveNote;  // what the objective needs and does
+  QDoubleSpinBox* m_beta;
   bool m_dataOk = false;
   // Method
   QRadioButton* m_lora;

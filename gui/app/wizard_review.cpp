@@ -179,6 +179,12 @@ void SetupWizard::refreshReview() {
                  steps == 1 ? "" : "s", epochText,
                  locale.toString(m_plan["tokens_per_step"].toInteger()),
                  durationText(m_plan["seconds"].toDouble())));
+    // DPO scores every pair once before step 1 (in the time above).
+    if (const double ref = m_plan["reference"].toObject()["seconds"].toDouble(); ref > 0)
+      m_speed->setText(m_speed->text() +
+                       QString(" That includes DPO's reference pass: every pair scored once with "
+                               "the starting weights before step 1, about %1.")
+                           .arg(durationText(ref)));
     // The schedule in words, for those who want to know how the run is laid out.
     m_speed->setToolTip("Schedule: " + scheduleInWords(m_plan["plan"].toString(),
                                                        m_plan["devices"].toArray().size(), 0));

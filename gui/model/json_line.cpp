@@ -161,6 +161,16 @@ double JsonLine::number(std::string_view key) const {
   return d;
 }
 
+double JsonLine::number(std::string_view object, std::string_view key) const {
+  const simdjson::dom::element* v = m_impl->find(object);
+  simdjson::dom::object o;
+  double d = 0;
+  if (!v || v->get_object().get(o) != simdjson::SUCCESS ||
+      o.at_key(key).get_double().get(d) != simdjson::SUCCESS)
+    return kNaN;
+  return d;
+}
+
 std::optional<std::int64_t> JsonLine::integer(std::string_view key) const {
   const simdjson::dom::element* v = m_impl->find(key);
   std::int64_t i = 0;

@@ -40,6 +40,9 @@ class JsonLine {
   }
   // The member's value as a number (NaN when null, missing, or not a number).
   double number(std::string_view key) const;
+  // A number inside an object member: {"metrics": {"rewards/margins": 0.5}} gives 0.5 for
+  // ("metrics", "rewards/margins"); NaN when either is missing or not what it should be.
+  double number(std::string_view object, std::string_view key) const;
   // An integer member; nullopt when missing, not an integer, or out of range.
   std::optional<std::int64_t> integer(std::string_view key) const;
   std::optional<std::uint64_t> unsignedInteger(std::string_view key) const;

@@ -189,7 +189,8 @@ void RunState::reset() {
   m_malformedLines = m_unknownVersionLines = 0;
   m_firstMalformed.clear();
   m_linesRead = 0;
-  for (Series* s : {&m_loss, &m_evalLoss, &m_lr, &m_gradNorm, &m_throughput})
+  for (Series* s : {&m_loss, &m_evalLoss, &m_lr, &m_gradNorm, &m_throughput, &m_margin, &m_accuracy,
+                    &m_evalMargin, &m_evalAccuracy})
     s->clear();
   m_devices.clear();
   m_checkpoints.clear();
@@ -369,7 +370,8 @@ void RunState::onRunStart() {
   if (m_runStarts > 1 || resumed > 0) {
     // The steps after the checkpoint come again (all of them when a run restarts from scratch).
     const qint64 cut = resumed > 0 ? resumed + 1 : 0;
-    for (Series* s : {&m_loss, &m_evalLoss, &m_lr, &m_gradNorm, &m_throughput})
+    for (Series* s : {&m_loss, &m_evalLoss, &m_lr, &m_gradNorm, &m_throughput, &m_margin,
+                      &m_accuracy, &m_evalMargin, &m_evalAccuracy})
       s->truncateFrom(static_cast<double>(cut));
     m_samples->removeAfterStep(cut - 1);
     m_lastStep = std::min(m_lastStep, resumed);
@@ -410,11 +412,9 @@ void RunState::onStep() {
                                                {&m_lr, m_lastLr},
                                                {&m_gradNorm, m_lastGradNorm},
                                                {&m_throughput, m_tokensPerSecond}};
-  for (auto [series, y] : points) {
-    // A repeated step (a resumed run) replaces the earlier one and everything after it.
-    if (!series->isEmpty() && series->maxX() >= x) series->truncateFrom(x);
-    series->append(x, y);
-  }
+  for (auto [series, y] : points)
+    put(*series, x, y);
+  putMetrics(m_margin, m_accuracy, x);
   m_lastStep = step;
   if (auto total = m_line.integer("steps_total")) m_stepsTotal = *total;
 }
@@ -422,8 +422,21 @@ void RunState::onStep() {
 void RunState::onEval() {
   const double x = static_cast<double>(*m_line.integer("step"));
   m_lastEvalLoss = m_line.number("loss");
-  if (!m_evalLoss.isEmpty() && m_evalLoss.maxX() >= x) m_evalLoss.truncateFrom(x);
-  m_evalLoss.append(x, m_lastEvalLoss);
+  put(m_evalLoss, x, m_lastEvalLoss);
+  putMetrics(m_evalMargin, m_evalAccuracy, x);
+}
+
+void RunState::put(Series& series, double x, double y) {
+  // A repeated step (a resumed run) replaces the earlier one and everything after it.
+  if (!series.isEmpty() && series.maxX() >= x) series.truncateFrom(x);
+  series.append(x, y);
+}
+
+void RunState::putMetrics(Series& margin, Series& accuracy, double x) {
+  // A supervised run's events have no metrics: its preference series stay empty.
+  for (auto [series, key] :
+       {std::pair{&margin, "rewards/margins"}, std::pair{&accuracy, "rewards/accuracies"}})
+    if (const double y = m_line.number("metrics", key); !std::isnan(y)) put(*series, x, y);
 }
 
 void RunState::onSample() {

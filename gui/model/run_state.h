@@ -95,6 +95,14 @@ class RunState : public QObject {
   const Series& lr() const { return m_lr; }
   const Series& gradNorm() const { return m_gradNorm; }
   const Series& throughput() const { return m_throughput; }  // tokens per second
+  // A preference run's (docs/preference.md) reward margin (chosen minus rejected) and accuracy
+  // (the share of pairs whose chosen answer has the higher reward), on the training steps and on
+  // the validation pairs; empty for a supervised run.
+  const Series& margin() const { return m_margin; }
+  const Series& accuracy() const { return m_accuracy; }
+  const Series& evalMargin() const { return m_evalMargin; }
+  const Series& evalAccuracy() const { return m_evalAccuracy; }
+  bool isPreference() const { return !m_margin.isEmpty() || !m_evalMargin.isEmpty(); }
 
   QList<DeviceStatus> devices() const { return m_devices.values(); }   // latest, by device index
   QList<CheckpointItem> checkpoints() const { return m_checkpoints; }  // by arrival
@@ -115,6 +123,8 @@ class RunState : public QObject {
   void onPlan();
   void onStep();
   void onEval();
+  static void put(Series& series, double x, double y);
+  void putMetrics(Series& margin, Series& accuracy, double x);  // from the line's `metrics`
   void onSample();
   bool onDevice(Line line);
   bool onSpan(Line line);
@@ -155,6 +165,7 @@ class RunState : public QObject {
   QString m_firstMalformed;
   qint64 m_linesRead = 0;
   Series m_loss, m_evalLoss, m_lr, m_gradNorm, m_throughput;
+  Series m_margin, m_accuracy, m_evalMargin, m_evalAccuracy;
   QMap<int, DeviceStatus> m_devices;
   QList<CheckpointItem> m_checkpoints;
   TimelineModel* m_timeline;

@@ -332,8 +332,12 @@ TEST(Data, PreferencePairsSplitTheirPromptAndScoreTheAnswers) {
     EXPECT_EQ(tok.decode(chosen, true), " blue") << to_string(o);
     EXPECT_EQ(tok.decode(rejected, true), " red") << to_string(o);
     const std::vector<std::int32_t> first(e.ids.begin(), e.ids.begin() + e.second);
-    if (o == Objective::kOrpo) EXPECT_EQ(nll, first);  // prompt and answer
-    if (o == Objective::kDpo) EXPECT_TRUE(nll.empty());
+    if (o == Objective::kOrpo) {
+      EXPECT_EQ(nll, first);  // prompt and answer
+    }
+    if (o == Objective::kDpo) {
+      EXPECT_TRUE(nll.empty());
+    }
   }
   EXPECT_NE(error_of(path).find("p.jsonl:1: a preference pair"), std::string::npos)
       << error_of(path);

@@ -123,6 +123,53 @@ TEST(Estimate, TheHeadsBackwardTransientsAreCounted) {
   fs::remove_all(dir);
 }
 
+// A preference objective's tail runs the head forward twice (its per-token scores, then the
+// weighted pass with its backward), and DPO scores every pair once before step 1: the plan
+// counts both (docs/preference.md).
+TEST(Estimate, APreferenceRunCountsTheHeadsSecondForwardAndDposReferencePass) {
+  const fs::path dir = fs::path(::testing::TempDir()) / "estimate_preference";
+  fs::remove_all(dir);
+  const std::int64_t T = 64, M = 2;
+  test::write_model_folder(dir.string(), 1,
+                           {.layers = 2, .hidden = 64, .intermediate = 128, .vocab = 1000});
+  const models::ModelSummary summary = models::inspect_model(dir.string(), T);
+  const DevicePlan devices = plan_devices({});
+  auto estimate = [&](const std::string& objective) {
+    TrainConfig c;
+    c.model.path = dir.string();
+    c.data.seq_len = T;
+    c.training.objective = objective;
+    c.training.grad_accum = M;
+    return estimate_run(c, summary, devices, 10, M * T, /*host_free=*/1ull << 40,
+                        /*disk_free=*/1ull << 40);
+  };
+  const RunEstimate sft = estimate("sft"), dpo = estimate("dpo");
+  ASSERT_EQ(sft.inputs.layers.size(), dpo.inputs.layers.size());
+  const std::size_t head = sft.inputs.layers.size() - 1;
+  for (std::size_t l = 0; l < head; ++l)
+    EXPECT_EQ(dpo.inputs.layers[l].forward_s_per_token, sft.inputs.layers[l].forward_s_per_token);
+  EXPECT_EQ(dpo.inputs.layers[head].forward_s_per_token,
+            2 * sft.inputs.layers[head].forward_s_per_token);
+  EXPECT_EQ(dpo.inputs.layers[head].backward_s_per_token,
+            sft.inputs.layers[head].backward_s_per_token);
+
+  // The pass: forward only, so less than training steps over as many tokens take; in proportion
+  // to the tokens; in the run's time, and in the report.
+  ASSERT_GT(dpo.prediction.step_time_s, 0);
+  RunEstimate once = dpo, twice = dpo;
+  add_reference_pass(once, 5 * M * T);
+  add_reference_pass(twice, 10 * M * T);
+  EXPECT_GT(once.reference_s, 0);
+  EXPECT_LT(once.reference_s, 5 * dpo.prediction.step_time_s);
+  EXPECT_DOUBLE_EQ(twice.reference_s, 2 * once.reference_s);
+  EXPECT_DOUBLE_EQ(once.seconds, dpo.seconds + once.reference_s);
+  EXPECT_NE(once.text().find("DPO's reference: every pair scored once"), std::string::npos)
+      << once.text();
+  EXPECT_EQ(nlohmann::json::parse(once.json())["reference"]["tokens"], 5 * M * T);
+  EXPECT_EQ(dpo.text().find("DPO's reference"), std::string::npos);  // not asked for
+  fs::remove_all(dir);
+}
+
 // The head's logits go in chunks of 1024 rows on a GPU, but the CPU (and simulated GPUs, which
 // compute in host memory) keep a chunk's fp32 logits within 16 MiB (half the tuned heap's block
 // limit, offload/process_heap.h): the planner counts the chunk the device will use.

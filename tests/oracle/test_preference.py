@@ -91,6 +91,19 @@ def write_pairs(family, path):
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
 
 
+def write_init_adapter(model, folder):
+    """A PEFT adapter (rank 4, alpha 8, every linear layer) with B != 0 written to `folder`: the
+    starting adapter of a LoRA run (lora.init_adapter), and TRL's reference when it is given.
+    `model` gets the adapters (PEFT wraps it in place)."""
+    pm = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0,
+                                                     target_modules="all-linear"))
+    with torch.no_grad():
+        for name, p in pm.named_parameters():
+            if "lora_B" in name:
+                p.copy_(0.1 * torch.randn_like(p))
+    pm.save_pretrained(folder)
+
+
 def rondo_config(path, model, data, run, method, loss, lora, init, beta, gamma):
     lora_section = (f'[lora]\nrank = 4\nalpha = 8\ntargets = ["all-linear"]\n'
                     f'init_adapter = "{init}"\n') if lora else ""
@@ -143,13 +156,7 @@ def test_three_steps_equal_trl(family, method, loss, lora, tmp_path):
     write_pairs(family, data)
     init = tmp_path / "init"
     if lora:
-        pm = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0,
-                                                         target_modules="all-linear"))
-        with torch.no_grad():
-            for name, p in pm.named_parameters():
-                if "lora_B" in name:
-                    p.copy_(0.1 * torch.randn_like(p))
-        pm.save_pretrained(init)
+        write_init_adapter(model, init)
     beta = {"dpo": 0.1 if loss == "sigmoid" else 0.5, "orpo": 0.1, "simpo": 2.0}[method]
     gamma = 0.5
 
@@ -208,13 +215,7 @@ def test_three_devices_and_a_kill_and_resume_equal_one_uninterrupted_device(tmp_
     data = tmp_path / "pairs.jsonl"
     write_pairs("qwen2", data)
     init = tmp_path / "init"
-    pm = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0,
-                                                     target_modules="all-linear"))
-    with torch.no_grad():
-        for name, p in pm.named_parameters():
-            if "lora_B" in name:
-                p.copy_(0.1 * torch.randn_like(p))
-    pm.save_pretrained(init)
+    write_init_adapter(model, init)
 
     def run(name, devices, env=None, resume=False):
         cfg = tmp_path / f"{name}.toml"

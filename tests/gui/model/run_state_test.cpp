@@ -526,6 +526,73 @@ class RunStateTest : public QObject {
     QCOMPARE(s.loss().last(), QPointF(9, 1.25));
   }
 
+  // A preference run's margin and accuracy from the `metrics` objects of its step and eval
+  // events (docs/events.md); a supervised run has none; a resume replaces repeated steps.
+  void preferenceMetricsAreCharted() {
+    RunState sft;
+    sft.feed(generateRun(RunSpec{}));
+    QVERIFY(!sft.isPreference());
+    QVERIFY(sft.margin().isEmpty() && sft.evalAccuracy().isEmpty());
+
+    QByteArray bytes;
+    RunSpec spec;
+    spec.stepsTotal = 4;
+    writeRunStart(bytes, spec);
+    auto metrics = [](double margin, double accuracy) {
+      return QStringLiteral(
+                 R"({"rewards/chosen":0.5,"rewards/margins":%1,"rewards/accuracies":%2})")
+          .arg(num(margin), num(accuracy))
+          .toStdString();
+    };
+    Line(bytes, "eval", 1)
+        .integer("step", 0)
+        .num("loss", 0.69)
+        .raw("metrics", metrics(0, 0).c_str())
+        .end();
+    for (int step = 1; step <= 4; ++step)
+      Line(bytes, "step", 1 + step)
+          .integer("step", step)
+          .num("loss", 0.7 - 0.1 * step)
+          .raw("metrics", metrics(0.25 * step, step >= 2 ? 1.0 : 0.5).c_str())
+          .end();
+    Line(bytes, "eval", 6)
+        .integer("step", 4)
+        .num("loss", 0.3)
+        .raw("metrics", metrics(1.5, 0.75).c_str())
+        .end();
+    RunState s;
+    s.feed(bytes);
+    QVERIFY(s.isPreference());
+    QCOMPARE(s.margin().size(), 4);
+    QCOMPARE(s.margin().at(2), QPointF(3, 0.75));
+    QCOMPARE(s.accuracy().at(0), QPointF(1, 0.5));
+    QCOMPARE(s.accuracy().at(3), QPointF(4, 1.0));
+    QCOMPARE(s.evalMargin().size(), 2);
+    QCOMPARE(s.evalMargin().at(1), QPointF(4, 1.5));
+    QCOMPARE(s.evalAccuracy().at(1), QPointF(4, 0.75));
+    // A metric that is missing or not a number leaves no point; the other still counts.
+    QByteArray odd;
+    Line(odd, "step", 7)
+        .integer("step", 5)
+        .num("loss", 0.2)
+        .raw("metrics", R"({"rewards/margins":"x","rewards/accuracies":1})")
+        .end();
+    s.feed(odd);
+    QCOMPARE(s.margin().size(), 4);
+    QCOMPARE(s.accuracy().size(), 5);
+    // Step 3 again (a resume from step 2): it and everything after are replaced.
+    QByteArray again;
+    Line(again, "step", 8)
+        .integer("step", 3)
+        .num("loss", 0.1)
+        .raw("metrics", metrics(9, 0.25).c_str())
+        .end();
+    s.feed(again);
+    QCOMPARE(s.margin().size(), 3);
+    QCOMPARE(s.margin().last(), QPointF(3, 9));
+    QCOMPARE(s.accuracy().last(), QPointF(3, 0.25));
+  }
+
   void restartedRunStartsTheChartsAgain() {
     RunSpec spec;
     spec.steps = 20;
