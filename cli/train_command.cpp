@@ -684,6 +684,8 @@ int run_demo_dpo(const DemoOptions& o) {
   c.training.objective = "dpo";
   c.preference.beta = 0.1;
   c.data.train = (fs::path(RONDO_DATA_DIR) / "demo" / "rondo_prefers.jsonl").string();
+  c.data.format = "auto";
+  c.data.validation.clear();
   c.data.validation_split = 0.1;
   const long long steps = o.steps > 0 ? o.steps : 20;
   c.training.steps = steps;

@@ -199,9 +199,10 @@ void Batcher::set_reference(std::vector<float> logps) {
   reference_ = std::move(logps);
 }
 
-std::vector<Microbatch> Batcher::all_rows() const {
+std::vector<Microbatch> Batcher::all_rows(std::int64_t first, std::int64_t count) const {
   std::vector<Microbatch> out;
-  for (std::int64_t r = 0; r < rows(); r += options_.rows) {
+  const std::int64_t end = std::min(rows(), (first + count) * options_.rows);
+  for (std::int64_t r = first * options_.rows; r < end; r += options_.rows) {
     std::vector<std::int64_t> ids;
     for (std::int64_t i = r; i < std::min(rows(), r + options_.rows); ++i)
       ids.push_back(i);

@@ -69,8 +69,11 @@ class Batcher {
   double epoch_progress(std::int64_t step) const;
 
   // Every row once, in dataset order, in microbatches of options.rows rows (the last may have
-  // fewer) — for validation loss, and the pass that computes a preference objective's reference.
-  std::vector<Microbatch> all_rows() const;
+  // fewer) — for validation loss, and the pass that computes a preference objective's reference:
+  // all of them, or `count` from microbatch `first` on (fewer at the end), a long pass's part.
+  std::vector<Microbatch> all_rows() const { return all_rows(0, row_microbatches()); }
+  std::vector<Microbatch> all_rows(std::int64_t first, std::int64_t count) const;
+  std::int64_t row_microbatches() const { return (rows() + options_.rows - 1) / options_.rows; }
 
   // Preference pairs (Example::second): every microbatch carries Microbatch::pairs, a pair's
   // two sequences as two documents of its row (with or without packing). Their reference

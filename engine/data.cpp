@@ -259,13 +259,16 @@ class ExampleReader {
   std::int64_t count_ = 0;  // elements of a JSON list begun
 };
 
-DataFormat detect(const json& j) {
-  if (is_preference_pair(j)) return DataFormat::kPreference;
+// A record may hold pairs and a supervised layout's fields both (UltraFeedback's `messages`
+// beside `chosen` and `rejected`): the pair for a preference objective, the other for sft.
+DataFormat detect(const json& j, Objective objective) {
+  const bool pair = is_preference_pair(j);
+  if (pair && objective != Objective::kSft) return DataFormat::kPreference;
   if (j.contains("messages")) return DataFormat::kChat;
   if (j.contains("conversations")) return DataFormat::kShareGpt;
   if (j.contains("instruction") || j.contains("output")) return DataFormat::kAlpaca;
   if (j.contains("text")) return DataFormat::kText;
-  return DataFormat::kAuto;
+  return pair ? DataFormat::kPreference : DataFormat::kAuto;
 }
 
 // Moves the string out of `j` (a long text is not copied: the line is parsed once, then left).
@@ -499,7 +502,7 @@ Dataset load_data(const std::string& path, const models::Tokenizer& tokenizer,
       if (text.capacity() > (std::size_t{1} << 20)) std::string().swap(text);
       if (!j.is_object()) throw Error("not a JSON object");
       if (d.format == DataFormat::kAuto) {
-        d.format = detect(j);
+        d.format = detect(j, options.objective);
         if (d.format == DataFormat::kAuto)
           throw Error(
               "no 'text', 'instruction'/'output', 'messages' or 'conversations' field: cannot "
@@ -518,13 +521,17 @@ Dataset load_data(const std::string& path, const models::Tokenizer& tokenizer,
       }
       const bool pairs = options.objective != Objective::kSft;
       if (pairs != (d.format == DataFormat::kPreference))
-        throw Error(pairs ? std::string("not a preference pair (no 'chosen' and 'rejected' "
-                                        "fields): training.objective ") +
-                                to_string(options.objective) +
-                                " trains on pairs of a preferred and a rejected answer"
-                          : "a preference pair ('chosen' and 'rejected'): supervised training "
-                            "(training.objective sft) needs one answer per example; set "
-                            "training.objective to dpo, orpo or simpo to train on pairs");
+        throw Error(!pairs ? "a preference pair ('chosen' and 'rejected'): supervised training "
+                             "(training.objective sft) needs one answer per example; set "
+                             "training.objective to dpo, orpo or simpo to train on pairs"
+                    : options.format != DataFormat::kAuto
+                        ? std::string("data.format is ") + to_string(options.format) +
+                              ": training.objective " + to_string(options.objective) +
+                              " trains on preference pairs; set data.format to auto or preference"
+                        : std::string("not a preference pair (no 'chosen' and 'rejected' fields): "
+                                      "training.objective ") +
+                              to_string(options.objective) +
+                              " trains on pairs of a preferred and a rejected answer");
       std::string prompt;
       std::string* first = d.examples.empty() ? &prompt : nullptr;
       PairCounts counts{d.pairs_dropped, d.pairs_truncated};
@@ -550,6 +557,12 @@ Dataset load_data(const std::string& path, const models::Tokenizer& tokenizer,
       if (d.skipped_reasons.size() < 5) d.skipped_reasons.push_back(what);
     }
   }
+  if (d.examples.empty() && d.pairs_dropped > 0)
+    throw Error(path + ": every pair was dropped (" + std::to_string(d.pairs_dropped) +
+                "): each prompt fills preference.max_length (" +
+                std::to_string(options.max_length) +
+                " tokens a sequence); raise preference.max_length (and data.seq_len, which holds "
+                "two sequences)");
   if (d.examples.empty())
     throw Error(path + ": no examples" +
                 (d.skipped ? " (" + std::to_string(d.skipped) +

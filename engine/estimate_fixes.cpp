@@ -73,6 +73,10 @@ void find_fixes(RunEstimate& e, const TrainConfig& config, const models::ModelSu
     if (e.fixes.size() >= most) break;
     TrainConfig with = config;
     k.apply(with);
+    // A change that another setting forbids (half the rows under a preference.max_length that
+    // needs them whole) is no fix.
+    if (with.validate(/*planning=*/true).size() > config.validate(/*planning=*/true).size())
+      continue;
     const std::int64_t tokens =
         with.data.seq_len * with.training.batch_rows * with.training.grad_accum;
     const RunEstimate probe =

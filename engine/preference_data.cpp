@@ -57,8 +57,10 @@ bool conversational(const Part& p) {
 // TRL's extract_prompt (DU:548-632): the longest common start of chosen and rejected, element by
 // element (characters or messages), a space before the divergence moved into the answers; as
 // its loop leaves it when one is a prefix of the other (the last common element stays out).
+// The index is Python's: -1 (a space moved back from a divergence at the very start) splits
+// each sequence before its own last element (slice_at).
 template <typename Seq>
-std::size_t implicit_prompt_end(const Seq& chosen, const Seq& rejected) {
+std::ptrdiff_t implicit_prompt_end(const Seq& chosen, const Seq& rejected) {
   const std::size_t n = std::min(chosen.size(), rejected.size());
   if (n == 0) throw Error("'chosen' and 'rejected' must not be empty");
   for (std::size_t i = 0; i < n; ++i)
@@ -66,11 +68,17 @@ std::size_t implicit_prompt_end(const Seq& chosen, const Seq& rejected) {
       // Python's chosen[i - 1] reads the last element when i == 0.
       const auto& before = chosen[i == 0 ? chosen.size() - 1 : i - 1];
       if constexpr (std::is_same_v<Seq, std::string>) {
-        if (before == ' ') return i == 0 ? chosen.size() - 1 : i - 1;
+        if (before == ' ') return static_cast<std::ptrdiff_t>(i) - 1;
       }
-      return i;
+      return static_cast<std::ptrdiff_t>(i);
     }
-  return n - 1;
+  return static_cast<std::ptrdiff_t>(n) - 1;
+}
+
+// Where Python's x[:k] ends and x[k:] begins in a sequence of `size` elements.
+std::size_t slice_at(std::ptrdiff_t k, std::size_t size) {
+  return k < 0 ? size - std::min(size, static_cast<std::size_t>(-k))
+               : std::min(size, static_cast<std::size_t>(k));
 }
 
 void extract_prompt(Part& prompt, Part& chosen, Part& rejected) {
@@ -79,17 +87,18 @@ void extract_prompt(Part& prompt, Part& chosen, Part& rejected) {
   if (conversational(chosen)) {
     auto& c = std::get<Messages>(chosen);
     auto& r = std::get<Messages>(rejected);
-    const std::size_t end = implicit_prompt_end(c, r);
-    prompt = Messages(c.begin(), c.begin() + static_cast<std::ptrdiff_t>(end));
-    c.erase(c.begin(), c.begin() + static_cast<std::ptrdiff_t>(end));
-    r.erase(r.begin(), r.begin() + static_cast<std::ptrdiff_t>(end));
+    const std::ptrdiff_t end = implicit_prompt_end(c, r);
+    const auto at_c = static_cast<std::ptrdiff_t>(slice_at(end, c.size()));
+    prompt = Messages(c.begin(), c.begin() + at_c);
+    c.erase(c.begin(), c.begin() + at_c);
+    r.erase(r.begin(), r.begin() + static_cast<std::ptrdiff_t>(slice_at(end, r.size())));
   } else {
     auto& c = std::get<std::string>(chosen);
     auto& r = std::get<std::string>(rejected);
-    const std::size_t end = implicit_prompt_end(c, r);
-    prompt = c.substr(0, end);
-    c.erase(0, end);
-    r.erase(0, end);
+    const std::ptrdiff_t end = implicit_prompt_end(c, r);
+    prompt = c.substr(0, slice_at(end, c.size()));
+    c.erase(0, slice_at(end, c.size()));
+    r.erase(0, slice_at(end, r.size()));
   }
 }
 

@@ -34,13 +34,31 @@ namespace {
 
 constexpr const char* kReferenceFile = "reference_logps.safetensors";
 
-// Every sequence's summed log-probability over `b`'s rows in dataset order (two per pair).
+// The microbatches' inputs one part of the pass holds in host memory at most (a row position's
+// tokens, targets, positions, documents and pair data take about 40 bytes): a large data set's
+// rows are not all built at once.
+constexpr std::int64_t kPassPartBytes = 256ll << 20;
+
+// Every sequence's summed log-probability over `b`'s rows in dataset order (two per pair), in
+// parts; a pass of several parts says how far it is about ten times.
 std::vector<float> sequence_logps(
-    const Batcher& b, const std::function<EvalResult(std::vector<Microbatch>)>& evaluate) {
-  EvalResult r = evaluate(b.all_rows());
+    const Batcher& b, const std::function<EvalResult(std::vector<Microbatch>)>& evaluate,
+    std::int64_t seq_len, const std::function<void(const std::string&)>& log) {
+  const std::int64_t total = b.row_microbatches();
+  const std::int64_t rows = (b.rows() + total - 1) / std::max<std::int64_t>(total, 1);
+  const std::int64_t part = std::max<std::int64_t>(1, kPassPartBytes / (40 * rows * seq_len));
   std::vector<float> out;
-  for (const std::vector<float>& m : r.sequence_logps)
-    out.insert(out.end(), m.begin(), m.end());
+  std::int64_t said = 0;
+  for (std::int64_t first = 0; first < total; first += part) {
+    const EvalResult r = evaluate(b.all_rows(first, part));
+    for (const std::vector<float>& m : r.sequence_logps)
+      out.insert(out.end(), m.begin(), m.end());
+    const std::int64_t done = std::min(total, first + part);
+    if (done < total && done * 10 >= (said + 1) * total) {
+      said = done * 10 / total;
+      log(fmt::format("  {} of {} pairs scored", out.size() / 2, b.examples()));
+    }
+  }
   RONDO_ASSERT_MSG(static_cast<std::int64_t>(out.size()) == 2 * b.examples(),
                    "a reference log-probability for each sequence");
   return out;
@@ -56,6 +74,7 @@ std::int64_t reference_tokens(const TrainConfig& c, const Batcher* train,
 
 void prepare_reference(const std::filesystem::path& run_dir, const std::string& fingerprint,
                        bool fresh, bool write, Batcher& train, Batcher* validation,
+                       std::int64_t seq_len,
                        const std::function<EvalResult(std::vector<Microbatch>)>& evaluate,
                        const std::function<void(const std::string&)>& log) {
   const std::filesystem::path path = run_dir / kReferenceFile;
@@ -68,7 +87,7 @@ void prepare_reference(const std::filesystem::path& run_dir, const std::string& 
                     train.examples() + (validation ? validation->examples() : 0)));
     std::vector<std::pair<std::string, at::Tensor>> tensors;
     for (auto& [name, b] : parts) {
-      std::vector<float> logps = sequence_logps(*b, evaluate);
+      std::vector<float> logps = sequence_logps(*b, evaluate, seq_len, log);
       tensors.emplace_back(name, at::tensor(logps, at::kFloat));
       b->set_reference(std::move(logps));
     }

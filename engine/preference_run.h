@@ -35,11 +35,13 @@ std::int64_t reference_tokens(const TrainConfig& c, const Batcher* train,
 // DPO: gives `train` (and `validation`, when there is one) their reference log-probabilities.
 // A run that has not begun (`fresh`) computes them with `evaluate` (the engine's forward pass
 // over microbatches: Engine::evaluate; every rank computes all of them) and, when `write` (rank
-// 0), writes them to `run_dir`; a resumed one reads them
-// back, and refuses (Error) when the file is missing or was written for other data. `log` says
-// what it does.
+// 0), writes them to `run_dir` with `fingerprint` (the training and validation data's); a resumed
+// one reads them back, and refuses (Error) when the file is missing or was written for other
+// data. The pass goes in parts (rows of `seq_len` tokens), so that a large data set's inputs are
+// not all built at once. `log` says what it does, and how far a long pass is.
 void prepare_reference(const std::filesystem::path& run_dir, const std::string& fingerprint,
                        bool fresh, bool write, Batcher& train, Batcher* validation,
+                       std::int64_t seq_len,
                        const std::function<EvalResult(std::vector<Microbatch>)>& evaluate,
                        const std::function<void(const std::string&)>& log);
 

@@ -265,7 +265,7 @@ struct Session::Impl {
                                                    "distributed.link_speed"
                                                  : "distributed.link_speed");
     if (batcher) est.steps_per_epoch = batcher->steps_per_epoch();
-    if (!resume_point)
+    if (!resume_point || resume_point->step == 0)  // else read back
       add_reference_pass(est, reference_tokens(c, batcher.get(), val_batcher.get()));
     // A plan that does not fit says what would, each change planned (an NVMe folder proposed
     // beside the run folder, on its drive).
@@ -581,11 +581,11 @@ struct Session::Impl {
     if (lora) {
       specs = models::add_lora(specs, lc);
       adapters = models::init_lora(specs, c.training.seed);
-      if (!c.lora.init_adapter.empty())
+      // A resume's adapters come from its checkpoint (the starting one may be gone by then).
+      if (!c.lora.init_adapter.empty() && from_checkpoint.empty())
         models::start_from_adapter(c.lora.init_adapter, lc, specs, adapters);
     }
-    // Host memory under the budget (Note [Host budget] in estimate.cpp): the arena refuses to
-    // pass it with a named error.
+    // Host memory under the budget (Note [Host budget], estimate.cpp): the arena refuses more.
     const std::uint64_t outside_arena = est.host.loading + est.host.cpu_device;
     offload::HostArena arena(offload::HostArenaOptions{
         .bytes_limit = est.host_available > outside_arena ? est.host_available - outside_arena
@@ -845,7 +845,8 @@ struct Session::Impl {
     std::int64_t s = state.steps_done;
     if (eo.preference.needs_reference())
       prepare_reference(
-          run_dir(), fingerprint, s == 0, rank() == 0, *batcher, val_batcher.get(),
+          run_dir(), fingerprint + (val_batcher ? "+" + data_fingerprint(val, batching) : ""),
+          s == 0, rank() == 0, *batcher, val_batcher.get(), c.data.seq_len,
           [&](std::vector<Microbatch> mb) { return eng.evaluate(std::move(mb)); },
           [&](const std::string& m) { log(m); });
     if (s == 0 && c.eval.sample_every > 0) sample(0);

@@ -124,6 +124,11 @@ std::vector<std::string> TrainConfig::validate(bool planning) const {
           "must be in [0, 0.5) (got " + str(preference.label_smoothing) + ")");
     if (!std::isfinite(preference.gamma))
       add("preference.gamma", "must be a number (got " + str(preference.gamma) + ")");
+    // The policy must score pairs as the reference pass does; TRL turns dropout off too (its
+    // disable_dropout, on by default).
+    if (training.method == "lora" && lora.dropout > 0)
+      add("lora.dropout", "must be 0 for a preference objective (got " + str(lora.dropout) +
+                              "): pairs are scored without dropout, as TRL does");
     if (!(preference.sft_weight >= 0 && preference.sft_weight < 1e4))
       add("preference.sft_weight", "must be >= 0 (got " + str(preference.sft_weight) + ")");
     const std::int64_t n = preference.sequence_tokens(data.seq_len);

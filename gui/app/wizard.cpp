@@ -286,6 +286,7 @@ SetupWizard::SetupWizard(QWidget* parent) : QWizard(parent) {
       "reward scale (2 to 10 is usual). The other settings are on the Advanced page "
       "([preference])");
   m_trainOnEverything = new QCheckBox("Train on prompts too, not only on the replies");
+  m_trainOnEverything->setObjectName("trainOnEverything");
   m_skipBadLines = new QCheckBox("Skip bad lines (and count them) instead of stopping");
   m_skipBadLines->setObjectName("skipBadLines");
   m_skipBadLines->setToolTip(
@@ -331,6 +332,24 @@ SetupWizard::SetupWizard(QWidget* parent) : QWizard(parent) {
   connect(m_dataPath, &QLineEdit::editingFinished, this, &SetupWizard::refreshData);
   connect(m_dataFormat, &QComboBox::currentTextChanged, this, &SetupWizard::refreshData);
   connect(m_trainOnEverything, &QCheckBox::toggled, this, &SetupWizard::refreshData);
+  // What the objective needs, and the fields that mean nothing for it, at once (the data is read
+  // again after).
+  const auto showObjective = [this] {
+    const QString objective = m_objective->currentData().toString();
+    const bool pairs = objective != "sft";
+    m_beta->setEnabled(pairs);
+    m_trainOnEverything->setEnabled(!pairs);  // a pair's loss is on its answers
+    m_objectiveNote->setText(objectiveNote(objective));
+    m_previewTitle->setText(
+        !pairs ? "First example — trained text in green, masked text in grey:"
+        : objective == "orpo"
+            ? "First pair — the answers scored: the chosen one in green, the rejected one in red "
+              "(ORPO's NLL term also trains on the chosen answer's prompt, in grey):"
+            : "First pair — the answers scored: the chosen one in green, the rejected one in red; "
+              "the prompt in grey:");
+  };
+  showObjective();
+  connect(m_objective, &QComboBox::currentIndexChanged, this, showObjective);
   connect(m_objective, &QComboBox::currentIndexChanged, this, &SetupWizard::refreshData);
   data->complete = [this] { return m_dataOk; };
   data->init = [this] {
@@ -696,7 +715,7 @@ WizardConfig SetupWizard::config() const {
   c.dataFormat = m_dataFormat->currentText();
   c.objective = m_objective->currentData().toString();
   c.beta = m_beta->value();
-  c.trainOnEverything = m_trainOnEverything->isChecked();
+  c.trainOnEverything = m_trainOnEverything->isChecked() && c.objective == "sft";
   c.validationSplit = m_validationSplit->value();
   c.seqLen = m_seqLen->value();
   c.method = m_lora->isChecked() ? "lora" : "full";
@@ -832,11 +851,6 @@ void SetupWizard::refreshData() {
   m_dataPreview->clear();
   const QString objective = m_objective->currentData().toString();
   const bool pairs = objective != "sft";
-  m_beta->setEnabled(pairs);
-  m_objectiveNote->setText(objectiveNote(objective));
-  m_previewTitle->setText(pairs ? "First pair — the chosen answer in green, the rejected one in "
-                                  "red, the prompt (not trained) in grey:"
-                                : "First example — trained text in green, masked text in grey:");
   if (file.isEmpty() || m_modelPath->text().trimmed().isEmpty()) {
     m_dataStats->setText("Pick a file to see its format and token statistics.");
   } else {
@@ -847,8 +861,15 @@ void SetupWizard::refreshData() {
                         "--format",    m_dataFormat->currentText(),
                         "--max-lines", QString::number(kPreviewLines),
                         "--json"};
-    if (m_trainOnEverything->isChecked()) args << "--train-on-everything";
-    if (pairs) args << "--objective" << objective;
+    if (m_trainOnEverything->isChecked() && !pairs) args << "--train-on-everything";
+    if (pairs) {
+      // Tokens per sequence as the run will cut them: preference.max_length, or half a row.
+      qint64 maxLength = std::max(2, m_seqLen->value() / 2);
+      for (const auto& [key, value] : m_advanced->changed())
+        if (key == "preference.max_length" && value.toLongLong() > 0)
+          maxLength = value.toLongLong();
+      args << "--objective" << objective << "--max-length" << QString::number(maxLength);
+    }
     QString error;
     QJsonObject j = RondoCli::runJson(args, &error);
     if (j.isEmpty()) {

@@ -426,17 +426,17 @@ void RunState::onEval() {
   putMetrics(m_evalMargin, m_evalAccuracy, x);
 }
 
-void RunState::put(Series& series, double x, double y) {
+void RunState::put(Series& series, double x, double y, bool pointIfNaN) {
   // A repeated step (a resumed run) replaces the earlier one and everything after it.
   if (!series.isEmpty() && series.maxX() >= x) series.truncateFrom(x);
-  series.append(x, y);
+  if (pointIfNaN || !std::isnan(y)) series.append(x, y);
 }
 
 void RunState::putMetrics(Series& margin, Series& accuracy, double x) {
   // A supervised run's events have no metrics: its preference series stay empty.
   for (auto [series, key] :
        {std::pair{&margin, "rewards/margins"}, std::pair{&accuracy, "rewards/accuracies"}})
-    if (const double y = m_line.number("metrics", key); !std::isnan(y)) put(*series, x, y);
+    put(*series, x, m_line.number("metrics", key), false);
 }
 
 void RunState::onSample() {

@@ -123,7 +123,9 @@ class RunState : public QObject {
   void onPlan();
   void onStep();
   void onEval();
-  static void put(Series& series, double x, double y);
+  // Appends (x, y), replacing any points from x on; a NaN y (null or missing) as a gap, or not at
+  // all unless `pointIfNaN`.
+  static void put(Series& series, double x, double y, bool pointIfNaN = true);
   void putMetrics(Series& margin, Series& accuracy, double x);  // from the line's `metrics`
   void onSample();
   bool onDevice(Line line);

@@ -123,6 +123,14 @@ TEST(BatchingPack, RowsHoldWholeExamplesGreedilyAndEachEpochVisitsEveryRowOnce) 
   // all_rows(): dataset order, greedy — a row closes only when the next example does not fit.
   const std::vector<std::vector<std::int64_t>> rows = rows_as_examples(batcher.all_rows(), data, T);
   ASSERT_EQ(static_cast<std::int64_t>(rows.size()), batcher.rows());
+  // In parts (a long pass's): the same rows, part after part, the last part shorter.
+  std::vector<std::vector<std::int64_t>> parts;
+  for (std::int64_t first = 0; first < batcher.row_microbatches(); first += 3)
+    for (auto& row : rows_as_examples(batcher.all_rows(first, 3), data, T))
+      parts.push_back(std::move(row));
+  EXPECT_EQ(batcher.row_microbatches(), (batcher.rows() + 1) / 2);
+  EXPECT_EQ(parts, rows);
+  EXPECT_TRUE(batcher.all_rows(batcher.row_microbatches(), 3).empty());
   std::int64_t next = 0;
   for (std::size_t r = 0; r < rows.size(); ++r) {
     std::int64_t used = 0;

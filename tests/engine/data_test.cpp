@@ -351,6 +351,41 @@ TEST(Data, PreferencePairsSplitTheirPromptAndScoreTheAnswers) {
                 .find("b.jsonl:1: 'chosen' must be a string or a list of messages"),
             std::string::npos)
       << error_of(bad, {.objective = Objective::kOrpo});
+
+  // TRL's edge: answers that differ from their first character, the chosen one ending in a space
+  // (Python's chosen[-1]), split each before its own last character.
+  const std::string edge = write("edge.jsonl", R"({"chosen": "Ax ", "rejected": "Bcd"})"
+                                               "\n");
+  {
+    const Example e =
+        load_data(edge, tok, chatml, {.objective = Objective::kDpo, .max_length = 64}).examples[0];
+    std::vector<std::int32_t> rejected;
+    for (std::size_t i = static_cast<std::size_t>(e.second); i < e.ids.size(); ++i)
+      if (e.loss_mask[i] & kAnswerToken) rejected.push_back(e.ids[i]);
+    EXPECT_EQ(tok.decode(rejected, true), "d");  // prompt "Ax", rejected "Bcd"[-1:]
+  }
+  // A record with a chat and a pair (UltraFeedback's layout) is a chat to supervised training and
+  // a pair to a preference objective.
+  const std::string both = write(
+      "both.jsonl",
+      R"({"messages": [{"role": "user", "content": "Q"}, {"role": "assistant", "content": "A"}],)"
+      R"( "chosen": "Sky is blue", "rejected": "Sky is red"})"
+      "\n");
+  EXPECT_EQ(load_data(both, tok, chatml, {}).format, DataFormat::kChat);
+  EXPECT_EQ(load_data(both, tok, chatml, {.objective = Objective::kDpo, .max_length = 64}).format,
+            DataFormat::kPreference);
+  // A supervised format set for a preference objective is named as the cause.
+  const std::string chat_set =
+      error_of(both, {.format = DataFormat::kChat, .objective = Objective::kDpo});
+  EXPECT_NE(chat_set.find("data.format is chat: training.objective dpo trains on preference pairs"),
+            std::string::npos)
+      << chat_set;
+  // Every prompt filling max_length: the pairs are dropped, and the error says why.
+  const std::string dropped = error_of(path, {.objective = Objective::kDpo, .max_length = 2});
+  EXPECT_NE(dropped.find("p.jsonl: every pair was dropped (1): each prompt fills "
+                         "preference.max_length (2 tokens"),
+            std::string::npos)
+      << dropped;
 }
 
 }  // namespace

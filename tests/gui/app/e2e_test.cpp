@@ -3,6 +3,7 @@
 // run, and a DPO run set up on the Data page whose monitor charts its margin and accuracy.
 #include <QAbstractButton>
 #include <QChartView>
+#include <QCheckBox>
 #include <QComboBox>
 #include <QDoubleSpinBox>
 #include <QLabel>
@@ -96,10 +97,15 @@ class EndToEnd : public QObject {
     w->next();
     // The Data page: the objective, with what it needs, then the pairs and a preview of one.
     auto* objective = w->findChild<QComboBox*>("objective");
+    auto* note = w->findChild<QLabel*>("objectiveNote");
+    QVERIFY2(note->text().contains("one answer per example"), qPrintable(note->text()));
+    QVERIFY(!w->findChild<QDoubleSpinBox*>("preferenceBeta")->isEnabled());
     objective->setCurrentIndex(objective->findData("dpo"));
-    const QString note = w->findChild<QLabel*>("objectiveNote")->text();
-    QVERIFY2(note.contains("pairs") && note.contains("chosen"), qPrintable(note));
+    QVERIFY2(note->text().contains("pairs") && note->text().contains("chosen"),
+             qPrintable(note->text()));
     QVERIFY(w->findChild<QDoubleSpinBox*>("preferenceBeta")->isEnabled());
+    // A pair's loss is on its answers: "train on prompts too" means nothing for it.
+    QVERIFY(!w->findChild<QCheckBox*>("trainOnEverything")->isEnabled());
     w->findChild<QLineEdit*>("dataPath")->setText(dir + "/pairs.jsonl");
     w->refreshData();
     const QString stats = w->findChild<QLabel*>("dataStats")->text();

@@ -570,7 +570,8 @@ class RunStateTest : public QObject {
     QCOMPARE(s.evalMargin().size(), 2);
     QCOMPARE(s.evalMargin().at(1), QPointF(4, 1.5));
     QCOMPARE(s.evalAccuracy().at(1), QPointF(4, 0.75));
-    // A metric that is missing or not a number leaves no point; the other still counts.
+    // A metric that is missing or not a number leaves no point (the step's earlier one, from
+    // before a resume, is dropped all the same); the other still counts.
     QByteArray odd;
     Line(odd, "step", 7)
         .integer("step", 5)
