@@ -104,6 +104,16 @@ QSpinBox* spin(const char* name, int lo, int hi, int value) {
   return s;
 }
 
+// A combo box whose items show a text and hold the config's word for it as their data.
+QComboBox* valueCombo(const char* name,
+                      std::initializer_list<std::pair<const char*, const char*>> items) {
+  auto* c = new QComboBox;
+  c->setObjectName(name);
+  for (const auto& [value, text] : items)
+    c->addItem(text, value);
+  return c;
+}
+
 // The examples of a data file of which `rondo data` read the first kPreviewLines lines, finding
 // `read` examples there: as many again for each as many bytes as those lines took.
 double estimatedExamples(const QString& path, double read) {
@@ -264,14 +274,11 @@ SetupWizard::SetupWizard(QWidget* parent) : QWizard(parent) {
   m_dataFormat = new QComboBox;
   m_dataFormat->setObjectName("dataFormat");
   m_dataFormat->addItems({"auto", "text", "alpaca", "chat", "sharegpt", "preference"});
-  m_objective = new QComboBox;
-  m_objective->setObjectName("objective");
-  for (const auto& [value, text] : std::initializer_list<std::pair<const char*, const char*>>{
-           {"sft", "Supervised (SFT): answer like the examples"},
-           {"dpo", "DPO: prefer the chosen answer to the rejected one"},
-           {"orpo", "ORPO: learn the chosen answers and prefer them, in one run"},
-           {"simpo", "SimPO: prefer the chosen answer, no reference model"}})
-    m_objective->addItem(text, value);
+  m_objective = valueCombo("objective",
+                           {{"sft", "Supervised (SFT): answer like the examples"},
+                            {"dpo", "DPO: prefer the chosen answer to the rejected one"},
+                            {"orpo", "ORPO: learn the chosen answers and prefer them, in one run"},
+                            {"simpo", "SimPO: prefer the chosen answer, no reference model"}});
   m_objectiveNote = new QLabel;
   m_objectiveNote->setObjectName("objectiveNote");
   m_objectiveNote->setWordWrap(true);
@@ -375,15 +382,12 @@ SetupWizard::SetupWizard(QWidget* parent) : QWizard(parent) {
   m_alpha->setValue(32);
   m_alpha->setToolTip(
       "The adapters' output is scaled by alpha / rank: twice the rank is a common choice");
-  m_quantize = new QComboBox;
-  m_quantize->setObjectName("quantize");
-  for (const auto& [value, text] : std::initializer_list<std::pair<const char*, const char*>>{
-           {"auto", "auto: a GGUF or MXFP4 base stays as stored when host memory is short"},
-           {"none", "not quantised (the training dtype)"},
-           {"nf4", "NF4, 4 bits (QLoRA)"},
-           {"int8", "int8"},
-           {"gguf", "a GGUF file's own block types"}})
-    m_quantize->addItem(text, value);
+  m_quantize = valueCombo(
+      "quantize", {{"auto", "auto: a GGUF or MXFP4 base stays as stored when host memory is short"},
+                   {"none", "not quantised (the training dtype)"},
+                   {"nf4", "NF4, 4 bits (QLoRA)"},
+                   {"int8", "int8"},
+                   {"gguf", "a GGUF file's own block types"}});
   m_quantize->setToolTip(
       "How the frozen base is kept and streamed to the GPUs: 4 bits take about a quarter of the "
       "memory and link traffic of bf16, at a small cost in accuracy");
