@@ -93,14 +93,16 @@ struct StepData {
   // (all_microbatches) for a preference objective.
   double loss_denominator = 1;
   // The tail's values (value_count() floats), downloaded into staging memory (a pageable
-  // destination would block the worker until the tail's compute has finished): [0] the loss sum,
-  // then the preference metrics' sums, then, when an evaluation of pairs asks for them
-  // (sequence_slots > 0), each microbatch's sequences' summed log-probabilities.
+  // destination would block the worker until the tail's compute has finished): [0] the loss sum;
+  // a step of preference pairs (`pairs`) then the preference metrics' sums, then, when an
+  // evaluation asks for them (sequence_slots > 0), each microbatch's sequences' summed
+  // log-probabilities. A supervised step's is the loss sum alone.
   std::shared_ptr<offload::HostBuffer> loss;
+  bool pairs = false;
   int sequence_slots = 0;
   static constexpr std::size_t kStepValues = 1 + kPreferenceMetrics;
   std::size_t value_count() const {
-    return kStepValues + in.mb.size() * static_cast<std::size_t>(sequence_slots);
+    return pairs ? kStepValues + in.mb.size() * static_cast<std::size_t>(sequence_slots) : 1;
   }
   double loss_scale = 1;  // fp16 scale this step's backward uses (set by the tail)
   // MoE: each microbatch's routing, recorded by its forward and read by its backward.

@@ -139,6 +139,7 @@ struct Engine::Impl {
                            : std::string("preference pairs, for a supervised objective")));
     step->loss_denominator = static_cast<double>(
         std::max<std::int64_t>(pairs ? step->all_microbatches : step->all_targets, 1));
+    step->pairs = pairs;
     if (pairs && evaluating) step->sequence_slots = step->in.most_sequences;
     step->packed = staging(step->in.layout.bytes);
     pack_into(step->packed->data(), step->in.layout, step->in.tensors);
@@ -370,7 +371,7 @@ struct Engine::Impl {
       const float* values = losses[b]->as<float>();
       result.loss_sum += values[0];
       result.targets += targets[b];
-      for (int k = 0; k < kPreferenceMetrics; ++k)
+      for (int k = 0; k < kPreferenceMetrics && parts.options.preference.pairs(); ++k)
         result.preference[static_cast<std::size_t>(k)] += values[1 + k];
       for (std::size_t m = 0; m < sequences[b].size(); ++m) {
         const float* at = values + StepData::kStepValues + m * static_cast<std::size_t>(slots[b]);

@@ -188,7 +188,7 @@ StepResult OptimizerDriver::step(std::int64_t s) {
   const float* values = data->loss->as<float>();
   double sums[3 + kPreferenceMetrics] = {static_cast<double>(values[0]), 0.0,
                                          static_cast<double>(data->in.tokens)};
-  for (int k = 0; k < kPreferenceMetrics; ++k)
+  for (int k = 0; k < kPreferenceMetrics && data->pairs; ++k)
     sums[3 + k] = values[1 + k];
   if (config.output_router_logits)
     for (const auto& routing : data->routing)

@@ -91,15 +91,26 @@ QValueAxis* axis(QChart* chart, Qt::Orientation o) {
 }
 
 // Writes a finished run of `steps` steps into <dir>/<name>; returns its folder.
-QString writeRun(const QString& dir, const QString& name, long long steps) {
+QString writeRun(const QString& dir, const QString& name, long long steps,
+                 bool preference = false) {
   const QString run = dir + "/" + name;
   QDir().mkpath(run);
   QFile f(run + "/events.jsonl");
   if (!f.open(QIODevice::WriteOnly)) return {};
   test::RunSpec spec;
   spec.steps = steps;
+  spec.preference = preference;
+  spec.evalEvery = preference ? std::max(1ll, steps / 4) : 0;
   f.write(test::generateRun(spec));
   return run;
+}
+
+// The chart views a run shows: a supervised run's four, a preference run's six.
+QList<QChartView*> shownViews(MonitorWidget& m) {
+  QList<QChartView*> views;
+  for (QChartView* v : m.findChildren<QChartView*>())
+    if (!v->isHidden()) views << v;
+  return views;
 }
 
 }  // namespace
@@ -121,8 +132,8 @@ class Charts : public QObject {
   // Every chart's step axis: whole steps, each once, under its tick; `steps` among them when
   // there are at most 5 steps.
   void checkStepLabels(MonitorWidget& m, int steps) {
-    const QList<QChartView*> views = m.findChildren<QChartView*>();
-    QCOMPARE(views.size(), 4);
+    const QList<QChartView*> views = shownViews(m);
+    QCOMPARE(views.size(), m.state()->isPreference() ? 6 : 4);
     for (QChartView* v : views) {
       QChart* chart = v->chart();
       const Drawn d = drawn(chart);
@@ -181,7 +192,7 @@ class Charts : public QObject {
   // title of the step axis drawn whole.
   void checkTitlesFit(MonitorWidget& m) {
     const QList<QWidget*> all = m.findChildren<QWidget*>();
-    for (QChartView* v : m.findChildren<QChartView*>()) {
+    for (QChartView* v : shownViews(m)) {
       const QRect r(v->mapTo(&m, QPoint()), v->size());
       for (QWidget* w = v; w != &m; w = w->parentWidget()) {
         // What a scroll area holds may be larger than its viewport: it scrolls (the monitor's
@@ -209,7 +220,7 @@ class Charts : public QObject {
                                                    .arg(ro.height())));
       }
     }
-    for (QChartView* v : m.findChildren<QChartView*>()) {
+    for (QChartView* v : shownViews(m)) {
       QChart* chart = v->chart();
       const Drawn d = drawn(chart);
       const QString what = QString("%1: chart %2x%3 in a %4x%5 view; %6")
@@ -230,19 +241,27 @@ class Charts : public QObject {
 
   void fewAndManySteps_data() {
     QTest::addColumn<int>("steps");
+    QTest::addColumn<bool>("preference");  // with the margin and accuracy charts
     for (int steps : {1, 2, 3, 5, 12, 200, 12345})
-      QTest::addRow("%d", steps) << steps;
+      QTest::addRow("%d", steps) << steps << false;
+    for (int steps : {3, 12, 200})
+      QTest::addRow("%d preference", steps) << steps << true;
   }
 
   void fewAndManySteps() {
     QFETCH(int, steps);
+    QFETCH(bool, preference);
     MonitorWidget m;
     m.resize(1100, 860);
     m.show();
     QVERIFY(QTest::qWaitForWindowExposed(&m));
-    QVERIFY(show(m, writeRun(m_tmp.path(), QString("run-%1").arg(steps), steps)));
-    test::screenshot(&m, QString("charts_%1_steps").arg(steps));
+    const QString name = QString(preference ? "preference-%1" : "run-%1").arg(steps);
+    QVERIFY(show(m, writeRun(m_tmp.path(), name, steps, preference)));
+    test::screenshot(
+        &m, QString(preference ? "charts_%1_steps_preference" : "charts_%1_steps").arg(steps));
+    QCOMPARE(m.state()->isPreference(), preference);
     checkStepLabels(m, steps);
+    if (preference) checkTitlesFit(m);
   }
 
   // One monitor, one run after another (File, Open run folder): 200 steps, then 3, then 1, then
@@ -252,8 +271,9 @@ class Charts : public QObject {
     m.resize(1100, 860);
     m.show();
     QVERIFY(QTest::qWaitForWindowExposed(&m));
+    // The second is a preference run: its charts come, and go again with the next run.
     for (int steps : {200, 3, 1, 200}) {
-      QVERIFY(show(m, writeRun(m_tmp.path(), QString("again-%1").arg(steps), steps)));
+      QVERIFY(show(m, writeRun(m_tmp.path(), QString("again-%1").arg(steps), steps, steps == 3)));
       checkStepLabels(m, steps);
       if (QTest::currentTestFailed()) return;
     }
@@ -293,7 +313,7 @@ class Charts : public QObject {
                                            {"Learning rate", s.lr().maxY()},
                                            {"Gradient norm (before clipping)", s.gradNorm().maxY()},
                                            {"Tokens/s", s.throughput().maxY()}};
-    for (QChartView* v : m.findChildren<QChartView*>()) {
+    for (QChartView* v : shownViews(m)) {
       QChart* chart = v->chart();
       QValueAxis* y = axis(chart, Qt::Vertical);
       const Drawn d = drawn(chart);

@@ -5,8 +5,10 @@
 
 #include <QByteArray>
 #include <QString>
+#include <algorithm>
 #include <charconv>
 #include <cmath>
+#include <string>
 #include <string_view>
 
 namespace rondo::gui::test {
@@ -119,7 +121,14 @@ struct RunSpec {
   long long checkpointEvery = 0;
   bool runEnd = true;
   const char* status = "completed";
+  bool preference = false;  // steps and evaluations carry a preference run's metrics
 };
+
+// A preference run's metrics at a step (docs/events.md): the margin rising, the accuracy too.
+inline std::string preferenceMetricsAt(long long step) {
+  return "{\"rewards/margins\":" + std::to_string(0.05 * static_cast<double>(step)) +
+         ",\"rewards/accuracies\":" + std::to_string(std::min(1.0, 0.5 + 0.01 * step)) + "}";
+}
 
 inline void writeRunStart(QByteArray& out, const RunSpec& spec) {
   Line(out, "run_start", 1.5e-05)
@@ -132,17 +141,17 @@ inline void writeRunStart(QByteArray& out, const RunSpec& spec) {
       .end();
 }
 
-inline void writeEvalAndSamples(QByteArray& out, long long step, double t) {
+inline void writeEvalAndSamples(QByteArray& out, long long step, double t,
+                                bool preference = false) {
   Line(out, "sample", t)
       .str("prompt", "What is the capital of France?")
       .integer("step", step)
       .str("text", "Paris \xe2\x80\x94 \\o/")
       .end();
-  Line(out, "eval", t)
-      .num("loss", evalLossAt(step))
-      .integer("step", step)
-      .integer("tokens", 46)
-      .end();
+  Line eval(out, "eval", t);
+  eval.num("loss", evalLossAt(step)).integer("step", step).integer("tokens", 46);
+  if (preference) eval.raw("metrics", preferenceMetricsAt(step).c_str());
+  eval.end();
 }
 
 // A whole run (or a resumed segment): run_start, plan, then per step its spans, the step, one
@@ -152,7 +161,7 @@ inline QByteArray generateRun(const RunSpec& spec) {
   const long long total = spec.stepsTotal ? spec.stepsTotal : spec.steps;
   writeRunStart(out, spec);
   double t = 2.0;
-  if (spec.evalEvery > 0 && spec.firstStep == 1) writeEvalAndSamples(out, 0, t);
+  if (spec.evalEvery > 0 && spec.firstStep == 1) writeEvalAndSamples(out, 0, t, spec.preference);
   Line(out, "plan", t)
       .integer("devices", spec.devices)
       .integer("microbatches", 4)
@@ -178,16 +187,17 @@ inline QByteArray generateRun(const RunSpec& spec) {
           .end();
     }
     t += 0.1;
-    Line(out, "step", t)
-        .num("eta_s", (total - step) * 0.1)
+    Line line(out, "step", t);
+    line.num("eta_s", (total - step) * 0.1)
         .num("grad_norm", gradNormAt(step))
         .num("loss", lossAt(step))
         .num("lr", lrAt(step))
         .integer("step", step)
         .integer("steps_total", total)
         .integer("tokens", 512)
-        .num("tokens_per_s", tokensPerSecondAt(step))
-        .end();
+        .num("tokens_per_s", tokensPerSecondAt(step));
+    if (spec.preference) line.raw("metrics", preferenceMetricsAt(step).c_str());
+    line.end();
     h2d += 1553767680ull;
     for (int d = 0; d < spec.devices; ++d) {
       Line(out, "device", t)
@@ -201,7 +211,8 @@ inline QByteArray generateRun(const RunSpec& spec) {
           .str("name", d == 0 ? "NVIDIA GeForce RTX 4090" : "NVIDIA GeForce RTX 3090")
           .end();
     }
-    if (spec.evalEvery > 0 && step % spec.evalEvery == 0) writeEvalAndSamples(out, step, t);
+    if (spec.evalEvery > 0 && step % spec.evalEvery == 0)
+      writeEvalAndSamples(out, step, t, spec.preference);
     if (spec.checkpointEvery > 0 && step % spec.checkpointEvery == 0) {
       QByteArray path = "/tmp/run/checkpoints/step-" + QByteArray::number(step);
       Line(out, "checkpoint", t)
